@@ -1,0 +1,20 @@
+"""The CPU benchmark model (scripts/bench.py): GPT-2 style, 512 wide, 8 layers, float32."""
+
+from jaxtrain.config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.name = "bench_cpu"
+    c.steps = 20
+    c.model.family = "gpt2"
+    c.model.d_model = 512
+    c.model.num_layers = 8
+    c.model.num_heads = 8
+    c.model.mlp_dim = 2048
+    c.model.vocab_size = 32000
+    c.model.seq_len = 512
+    c.train.global_batch = 8
+    c.train.precision = "float32"
+    c.data.source = "synthetic"
+    return c

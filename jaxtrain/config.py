@@ -1,0 +1,209 @@
+"""Config defaults, choices and validation.
+
+Every config file in configs/ starts from `base_config()` and overrides what it needs, so the
+set of keys is defined here once. `validate()` catches impossible combinations before anything
+compiles and names the key with the values that would be valid.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_collections
+
+FAMILIES = ("gpt2", "llama")
+ATTENTIONS = ("xla",)
+REMATS = ("none", "full", "save_dots")
+PRECISIONS = ("float32", "bfloat16")
+SCHEDULES = ("cosine", "linear", "constant")
+SOURCES = ("stdlib", "bin", "synthetic")
+MESH_AXES = ("data", "pipeline", "fsdp", "tensor")
+
+# Logical axis -> mesh axes. For each logical dimension of an array the first rule whose mesh
+# axes are not already used by an earlier dimension of the same array applies; a dimension
+# with no usable rule is replicated. That is how 'embed' is fsdp-sharded in a weight but
+# replicated in an activation whose 'batch' already took fsdp.
+DEFAULT_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    # The residual stream's length between blocks; used only when mesh.sequence_parallel.
+    ("sequence", "tensor"),
+)
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message is one line naming the key."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.name = "base"
+    c.steps = 100
+    c.seed = 0
+    c.log_every_steps = 10
+    c.eval_every_steps = 50
+    c.eval_batches = 4
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1
+    c.mesh.pipeline = 1
+    c.mesh.fsdp = 1
+    c.mesh.tensor = 1
+    c.mesh.sequence_parallel = False
+    c.mesh.rules = DEFAULT_RULES
+
+    c.model = ml_collections.ConfigDict()
+    c.model.family = "gpt2"
+    c.model.d_model = 128
+    c.model.num_layers = 2
+    c.model.num_heads = 4
+    c.model.num_kv_heads = 0  # 0: same as num_heads
+    c.model.head_dim = 0  # 0: d_model // num_heads
+    c.model.mlp_dim = 512
+    c.model.vocab_size = 256
+    c.model.seq_len = 128
+    c.model.attention = "xla"
+    c.model.remat = "none"
+    c.model.rope_theta = 10000.0
+    c.model.norm_eps = 1e-5
+    c.model.init_std = 0.02
+
+    c.train = ml_collections.ConfigDict()
+    c.train.global_batch = 8
+    c.train.microbatches = 1
+    c.train.precision = "float32"
+
+    c.optimizer = ml_collections.ConfigDict()
+    c.optimizer.lr = 3e-4
+    c.optimizer.warmup_steps = 10
+    c.optimizer.schedule = "cosine"
+    c.optimizer.min_lr_ratio = 0.1
+    c.optimizer.weight_decay = 0.1
+    c.optimizer.decay_embeddings = False
+    c.optimizer.b1 = 0.9
+    c.optimizer.b2 = 0.95
+    c.optimizer.eps = 1e-8
+    c.optimizer.clip_norm = 1.0
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "stdlib"
+    c.data.path = ""
+    c.data.dtype = "uint16"  # token width of .bin files
+    c.data.val_fraction = 0.05
+    c.data.prefetch = 2
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_steps = 0  # 0: only at the end of the run
+    c.checkpoint.keep = 3
+    return c
+
+
+def _fail(key: str, value, valid: str) -> None:
+    raise ConfigError(f"{key}={value!r} is invalid: {valid}")
+
+
+def _choice(c, key: str, choices) -> None:
+    value = c
+    for part in key.split("."):
+        value = value[part]
+    if value not in choices:
+        _fail(key, value, f"valid values are {', '.join(choices)}")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
+    """Mesh axis sizes with the one -1 filled so that they multiply to num_devices."""
+    sizes = {axis: int(mesh_cfg[axis]) for axis in MESH_AXES}
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            _fail(f"mesh.{axis}", size, "a positive size, or -1 for 'the rest'")
+    free = [a for a, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        _fail(f"mesh.{free[1]}", -1, f"only one axis may be -1 (mesh.{free[0]} already is)")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if free:
+        if num_devices % fixed:
+            _fail(f"mesh.{free[0]}", -1, f"the other axes multiply to {fixed}, "
+                  f"which does not divide the {num_devices} devices")
+        sizes[free[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        shown = "×".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "1"
+        _fail("mesh", shown, f"the mesh axes must multiply to the {num_devices} devices "
+              f"(got {fixed}); set one axis to -1 to fill the rest")
+    return sizes
+
+
+def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
+    """Raises ConfigError for the first impossible setting; returns the mesh axis sizes."""
+    for key in ("steps", "log_every_steps", "eval_every_steps", "eval_batches"):
+        if c[key] < 1:
+            _fail(key, c[key], "must be >= 1")
+    m, t = c.model, c.train
+    _choice(c, "model.family", FAMILIES)
+    _choice(c, "model.attention", ATTENTIONS)
+    _choice(c, "model.remat", REMATS)
+    _choice(c, "train.precision", PRECISIONS)
+    _choice(c, "optimizer.schedule", SCHEDULES)
+    _choice(c, "data.source", SOURCES)
+    if c.data.dtype not in ("uint16", "uint32"):
+        _fail("data.dtype", c.data.dtype, "valid values are uint16, uint32")
+    for key in ("d_model", "num_layers", "num_heads", "mlp_dim", "vocab_size", "seq_len"):
+        if m[key] < 1:
+            _fail(f"model.{key}", m[key], "must be >= 1")
+    heads, kv_heads = m.num_heads, m.num_kv_heads or m.num_heads
+    if heads % kv_heads:
+        _fail("model.num_kv_heads", m.num_kv_heads,
+              f"must divide model.num_heads={heads}: one of {_divisors(heads)}")
+    if not m.head_dim and m.d_model % heads:
+        _fail("model.num_heads", heads, f"must divide model.d_model={m.d_model} "
+              "(or set model.head_dim)")
+    if m.family == "llama" and (m.head_dim or m.d_model // heads) % 2:
+        _fail("model.head_dim", m.head_dim or m.d_model // heads, "RoPE needs an even head_dim")
+    if c.data.source == "stdlib" and m.vocab_size < 256:
+        _fail("model.vocab_size", m.vocab_size, "the byte-level stdlib corpus needs >= 256")
+    if c.data.source == "bin" and not c.data.path:
+        _fail("data.path", "", "data.source='bin' needs a .bin file or a directory "
+              "holding train.bin and val.bin")
+    if not 0.0 < c.data.val_fraction < 1.0:
+        _fail("data.val_fraction", c.data.val_fraction, "must be between 0 and 1")
+    if c.optimizer.lr <= 0:
+        _fail("optimizer.lr", c.optimizer.lr, "must be > 0")
+    if c.optimizer.warmup_steps < 0:
+        _fail("optimizer.warmup_steps", c.optimizer.warmup_steps, "must be >= 0")
+    if c.checkpoint.every_steps < 0 or c.checkpoint.keep < 1:
+        _fail("checkpoint", f"every_steps={c.checkpoint.every_steps}, keep={c.checkpoint.keep}",
+              "every_steps must be >= 0 and keep >= 1")
+
+    sizes = resolve_mesh_shape(c.mesh, num_devices)
+    if sizes["pipeline"] != 1:
+        _fail("mesh.pipeline", sizes["pipeline"], "pipeline parallelism is not implemented "
+              "yet; use 1")
+    tensor, fsdp = sizes["tensor"], sizes["fsdp"]
+    for key, value in (("num_heads", heads), ("num_kv_heads", kv_heads),
+                       ("mlp_dim", m.mlp_dim), ("vocab_size", m.vocab_size)):
+        if value % tensor:
+            _fail(f"model.{key}", value, f"must be divisible by mesh.tensor={tensor}")
+    if m.d_model % fsdp:
+        _fail("model.d_model", m.d_model, f"must be divisible by mesh.fsdp={fsdp}")
+    if c.mesh.sequence_parallel and m.seq_len % tensor:
+        _fail("model.seq_len", m.seq_len, f"must be divisible by mesh.tensor={tensor} "
+              "under mesh.sequence_parallel")
+    if t.microbatches < 1 or t.global_batch % t.microbatches:
+        _fail("train.microbatches", t.microbatches,
+              f"must divide train.global_batch={t.global_batch}: one of "
+              f"{_divisors(t.global_batch)}")
+    batch_shards = sizes["data"] * fsdp
+    micro = t.global_batch // t.microbatches
+    if micro % batch_shards:
+        _fail("train.global_batch", t.global_batch,
+              f"each of the {t.microbatches} micro-batches ({micro} sequences) must divide "
+              f"by mesh.data×mesh.fsdp={batch_shards}; try "
+              f"{batch_shards * t.microbatches * max(1, round(micro / batch_shards))}")
+    return sizes

@@ -1,0 +1,34 @@
+"""python -m jaxtrain.main --config configs/NAME.py [--config.KEY=VALUE ...] [--workdir DIR]"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "A config file from configs/.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default runs/<config name>).")
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    from jaxtrain.config import ConfigError
+    from jaxtrain.data import DataError
+    from jaxtrain.train.loop import run
+
+    config_name = pathlib.Path(config_flags.get_config_filename(flags.FLAGS["config"])).stem
+    workdir = pathlib.Path(_WORKDIR.value or f"runs/{config_name}")
+    try:
+        run(_CONFIG.value, workdir)
+    except (ConfigError, DataError) as e:
+        print(f"jaxtrain: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    app.run(main)

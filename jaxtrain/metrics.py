@@ -1,0 +1,122 @@
+"""Model FLOPs, peak FLOP/s, and the writers: progress bar, metrics.jsonl, TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+
+from jaxtrain.models import ModelSpec
+
+# Dense peak FLOP/s per device by jax device_kind prefix, for bf16 (and fp32 without tensor
+# cores on GPUs); vendors' datasheets. Unknown devices are measured instead.
+PEAK_FLOPS = {
+    "NVIDIA H200": {"bfloat16": 989e12, "float32": 67e12},
+    "NVIDIA H100": {"bfloat16": 989e12, "float32": 67e12},
+    "NVIDIA A100": {"bfloat16": 312e12, "float32": 19.5e12},
+    "NVIDIA B200": {"bfloat16": 2250e12, "float32": 80e12},
+    "TPU v4": {"bfloat16": 275e12, "float32": 275e12 / 4},
+    "TPU v5 lite": {"bfloat16": 197e12, "float32": 197e12 / 4},
+    "TPU v5p": {"bfloat16": 459e12, "float32": 459e12 / 4},
+    "TPU v6 lite": {"bfloat16": 918e12, "float32": 918e12 / 4},
+}
+
+
+def matmul_params(spec: ModelSpec) -> int:
+    """Weights that take part in matmuls: attention, MLP and the output head."""
+    d, h, g, k, f = spec.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.mlp_dim
+    attention = d * h * k * 2 + d * g * k * 2
+    mlp = d * f * (3 if spec.is_llama else 2)
+    return spec.num_layers * (attention + mlp) + d * spec.vocab_size
+
+
+def flops_per_token(spec: ModelSpec) -> float:
+    """Training FLOPs per token: 6 per matmul weight, plus causal attention 6·L·s·(h·k).
+
+    QKᵀ and PV are 2·s·h·k multiply-adds each per token forward, ×3 for backward, halved
+    because the causal mask leaves half the scores. No credit for recomputation.
+    """
+    attention = 6 * spec.num_layers * spec.seq_len * spec.num_heads * spec.head_dim
+    return 6.0 * matmul_params(spec) + attention
+
+
+def measure_matmul_peak(dtype=jnp.float32, n: int = 2048, repeats: int = 5,
+                        device: jax.Device | None = None) -> float:
+    """FLOP/s of a jitted n×n matmul on one device, best of `repeats` (after warm-up)."""
+    device = device or jax.local_devices()[0]
+    a = jax.device_put(jnp.ones((n, n), dtype), device)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best
+
+
+def peak_flops_per_device(precision: str) -> tuple[float, str]:
+    """(FLOP/s, where it came from): a datasheet figure for known accelerators, else measured."""
+    device = jax.local_devices()[0]
+    if device.platform != "cpu":
+        for prefix, peaks in PEAK_FLOPS.items():
+            if device.device_kind.startswith(prefix):
+                return peaks[precision], f"datasheet {prefix} {precision}"
+    dtype = jnp.bfloat16 if precision == "bfloat16" and device.platform != "cpu" else jnp.float32
+    n = 2048 if device.platform == "cpu" else 8192
+    return measure_matmul_peak(dtype, n), f"measured {n}x{n} {jnp.dtype(dtype).name} matmul"
+
+
+class MetricsWriter:
+    """Writes logged metrics to metrics.jsonl, TensorBoard and the progress bar (process 0)."""
+
+    def __init__(self, workdir: pathlib.Path, total_steps: int, start_step: int,
+                 enabled: bool = True):
+        self.enabled = enabled
+        self.bar = None
+        if not enabled:
+            return
+        from tensorboardX import SummaryWriter  # heavy import, only where it writes
+        self.jsonl = open(workdir / "metrics.jsonl", "a", buffering=1)
+        self.tb = SummaryWriter(str(workdir / "tensorboard"))
+        self.bar = tqdm.tqdm(total=total_steps, initial=start_step, unit="step",
+                             dynamic_ncols=True, mininterval=1.0)
+
+    def write(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        row = {"step": int(step)}
+        row.update({k: _to_python(v) for k, v in metrics.items()})
+        self.jsonl.write(json.dumps(row) + "\n")
+        for key, value in row.items():
+            if key != "step" and isinstance(value, float) and math.isfinite(value):
+                self.tb.add_scalar(key, value, step)
+        shown = {k: f"{row[k]:.4g}" for k in ("loss", "val_loss", "tokens_per_s", "mfu")
+                 if k in row}
+        self.bar.set_postfix(shown, refresh=False)
+
+    def advance(self, steps: int) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+
+    def print(self, message: str) -> None:
+        if self.enabled:
+            tqdm.tqdm.write(message)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.bar.close()
+        self.tb.close()
+        self.jsonl.close()
+
+
+def _to_python(value):
+    value = np.asarray(value)
+    return value.item() if value.dtype.kind in "iu" else float(value)

@@ -1,0 +1,3 @@
+from jaxtrain.models.transformer import ModelSpec, Transformer
+
+__all__ = ["ModelSpec", "Transformer"]

@@ -1,0 +1,74 @@
+"""Causal self-attention with grouped-query heads.
+
+The attention kernel is a plain function (q, k, v) -> out chosen by name, so faster
+implementations plug in without touching the module.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain.mesh import constrain
+from jaxtrain.models.layers import param, rope
+
+
+def xla_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array) -> jax.Array:
+    """Reference causal attention: full score matrix, mask, float32 softmax."""
+    b, length, heads, head_dim = q_BLHK.shape
+    groups = k_BMGK.shape[2]
+    q_BLGRK = q_BLHK.reshape(b, length, groups, heads // groups, head_dim)
+    scores_BGRLM = jnp.einsum("blgrk,bmgk->bgrlm", q_BLGRK, k_BMGK,
+                              preferred_element_type=jnp.float32)
+    causal_LM = jnp.tril(jnp.ones((length, k_BMGK.shape[1]), dtype=bool))
+    scores_BGRLM = jnp.where(causal_LM, scores_BGRLM, jnp.finfo(jnp.float32).min)
+    probs_BGRLM = jax.nn.softmax(scores_BGRLM, axis=-1).astype(v_BMGK.dtype)
+    out_BLGRK = jnp.einsum("bgrlm,bmgk->blgrk", probs_BGRLM, v_BMGK)
+    return out_BLGRK.reshape(b, length, heads, head_dim)
+
+
+ATTENTION: dict[str, Callable] = {"xla": xla_attention}
+
+
+class Attention(nnx.Module):
+    def __init__(self, spec, *, rngs: nnx.Rngs):
+        self.spec = spec
+        d, h, g, k = spec.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        std, out_std, dt = spec.init_std, spec.init_std / (2 * spec.num_layers) ** 0.5, spec.param_dtype
+        self.w_q = param(rngs, (d, h, k), ("embed", "heads", "kv"), std, dt)
+        self.w_k = param(rngs, (d, g, k), ("embed", "kv_heads", "kv"), std, dt)
+        self.w_v = param(rngs, (d, g, k), ("embed", "kv_heads", "kv"), std, dt)
+        self.w_o = param(rngs, (h, k, d), ("heads", "kv", "embed"), out_std, dt)
+        if spec.use_bias:
+            self.b_q = param(rngs, (h, k), ("heads", "kv"), 0.0, dt)
+            self.b_k = param(rngs, (g, k), ("kv_heads", "kv"), 0.0, dt)
+            self.b_v = param(rngs, (g, k), ("kv_heads", "kv"), 0.0, dt)
+            self.b_o = param(rngs, (d,), ("embed",), 0.0, dt)
+
+    def _project(self, x_BLD, name: str, axes) -> jax.Array:
+        dt = self.spec.compute_dtype
+        y = jnp.einsum("bld,dhk->blhk", x_BLD, getattr(self, f"w_{name}")[...].astype(dt))
+        # The key bias adds q·b_k to every score of a query, which softmax ignores: skipping
+        # it keeps its gradient exactly zero rather than float noise that Adam would amplify.
+        # The parameter stays, for checkpoints converted from Hugging Face GPT-2.
+        if self.spec.use_bias and name != "k":
+            y = y + getattr(self, f"b_{name}")[...].astype(dt)
+        return constrain(y, ("batch", "length") + axes, self.spec.rules)
+
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        spec = self.spec
+        q_BLHK = self._project(x_BLD, "q", ("heads", "kv"))
+        k_BLGK = self._project(x_BLD, "k", ("kv_heads", "kv"))
+        v_BLGK = self._project(x_BLD, "v", ("kv_heads", "kv"))
+        if spec.rope:
+            q_BLHK, k_BLGK = rope(q_BLHK, spec.rope_theta), rope(k_BLGK, spec.rope_theta)
+        q_BLHK = q_BLHK * jnp.asarray(spec.head_dim ** -0.5, q_BLHK.dtype)
+        out_BLHK = ATTENTION[spec.attention](q_BLHK, k_BLGK, v_BLGK)
+        out_BLHK = constrain(out_BLHK, ("batch", "length", "heads", "kv"), spec.rules)
+        y_BLD = jnp.einsum("blhk,hkd->bld", out_BLHK, self.w_o[...].astype(spec.compute_dtype))
+        if spec.use_bias:
+            y_BLD = y_BLD + self.b_o[...].astype(spec.compute_dtype)
+        return y_BLD

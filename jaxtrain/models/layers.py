@@ -1,0 +1,49 @@
+"""Small building blocks: parameters with logical axes, norms, rotary embeddings."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def param(rngs: nnx.Rngs, shape, axes, std: float | None, dtype) -> nnx.Param:
+    """A parameter tagged with its logical axes; std None means ones, 0.0 means zeros."""
+    assert len(shape) == len(axes), (shape, axes)
+    if std is None:
+        value = jnp.ones(shape, dtype)
+    elif std == 0.0:
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = std * jax.random.normal(rngs.params(), shape, dtype)
+    return nnx.Param(value, axes=tuple(axes))
+
+
+class Norm(nnx.Module):
+    """LayerNorm (GPT-2: centred, with bias) or RMSNorm (Llama), statistics in float32."""
+
+    def __init__(self, dim: int, *, rms: bool, eps: float, dtype, rngs: nnx.Rngs):
+        self.rms, self.eps = rms, eps
+        self.scale = param(rngs, (dim,), ("embed",), None, dtype)
+        self.bias = None if rms else param(rngs, (dim,), ("embed",), 0.0, dtype)
+
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        x = x_BLD.astype(jnp.float32)
+        if not self.rms:
+            x = x - x.mean(-1, keepdims=True)
+        x = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + self.eps)
+        x = x * self.scale[...]
+        if self.bias is not None:
+            x = x + self.bias[...]
+        return x.astype(x_BLD.dtype)
+
+
+def rope(x_BLHK: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding, rotating the two halves of each head (Llama/HF layout)."""
+    length, head_dim = x_BLHK.shape[1], x_BLHK.shape[-1]
+    freq_K = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angle_LK = jnp.arange(length, dtype=jnp.float32)[:, None] * freq_K[None, :]
+    sin, cos = jnp.sin(angle_LK)[None, :, None, :], jnp.cos(angle_LK)[None, :, None, :]
+    x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BLHK.dtype)

@@ -1,0 +1,165 @@
+"""Decoder-only Transformer: GPT-2 and Llama families, layers stacked and scanned."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain.mesh import active_rules, constrain
+from jaxtrain.models.attention import Attention
+from jaxtrain.models.layers import Norm, param
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Weight matmul outputs are kept; attention scores (batched dots) are recomputed.
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Everything the model needs, resolved once from the config."""
+
+    family: str
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    vocab_size: int
+    seq_len: int
+    attention: str = "xla"
+    remat: str = "none"
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    param_dtype: Any = jnp.float32
+    compute_dtype: Any = jnp.float32
+    rules: tuple = ()
+
+    @classmethod
+    def from_config(cls, cfg) -> "ModelSpec":
+        m = cfg.model
+        compute = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[cfg.train.precision]
+        return cls(
+            family=m.family, d_model=m.d_model, num_layers=m.num_layers,
+            num_heads=m.num_heads, num_kv_heads=m.num_kv_heads or m.num_heads,
+            head_dim=m.head_dim or m.d_model // m.num_heads, mlp_dim=m.mlp_dim,
+            vocab_size=m.vocab_size, seq_len=m.seq_len, attention=m.attention,
+            remat=m.remat, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+            init_std=m.init_std, compute_dtype=compute,
+            rules=active_rules(tuple(tuple(r) for r in cfg.mesh.rules),
+                               cfg.mesh.sequence_parallel))
+
+    @property
+    def is_llama(self) -> bool:
+        return self.family == "llama"
+
+    # GPT-2: learned positions, LayerNorm, GELU, biases, tied embeddings.
+    # Llama: RoPE, RMSNorm, SwiGLU, no biases, separate output head.
+    use_bias = property(lambda self: not self.is_llama)
+    rope = property(lambda self: self.is_llama)
+    tied_embeddings = property(lambda self: not self.is_llama)
+
+
+class Mlp(nnx.Module):
+    def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
+        self.spec = spec
+        d, f, dt = spec.d_model, spec.mlp_dim, spec.param_dtype
+        out_std = spec.init_std / (2 * spec.num_layers) ** 0.5
+        self.w_up = param(rngs, (d, f), ("embed", "mlp"), spec.init_std, dt)
+        self.w_down = param(rngs, (f, d), ("mlp", "embed"), out_std, dt)
+        if spec.is_llama:
+            self.w_gate = param(rngs, (d, f), ("embed", "mlp"), spec.init_std, dt)
+        else:
+            self.b_up = param(rngs, (f,), ("mlp",), 0.0, dt)
+            self.b_down = param(rngs, (d,), ("embed",), 0.0, dt)
+
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        spec, dt = self.spec, self.spec.compute_dtype
+        h_BLF = x_BLD @ self.w_up[...].astype(dt)
+        if spec.is_llama:
+            h_BLF = jax.nn.silu(x_BLD @ self.w_gate[...].astype(dt)) * h_BLF
+        else:
+            h_BLF = jax.nn.gelu(h_BLF + self.b_up[...].astype(dt))
+        h_BLF = constrain(h_BLF, ("batch", "length", "mlp"), spec.rules)
+        y_BLD = h_BLF @ self.w_down[...].astype(dt)
+        if not spec.is_llama:
+            y_BLD = y_BLD + self.b_down[...].astype(dt)
+        return y_BLD
+
+
+class Block(nnx.Module):
+    def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
+        norm = dict(rms=spec.is_llama, eps=spec.norm_eps, dtype=spec.param_dtype, rngs=rngs)
+        self.spec = spec
+        self.attn_norm = Norm(spec.d_model, **norm)
+        self.attn = Attention(spec, rngs=rngs)
+        self.mlp_norm = Norm(spec.d_model, **norm)
+        self.mlp = Mlp(spec, rngs=rngs)
+
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD))
+        x_BLD = constrain(x_BLD, ("batch", "sequence", "embed"), self.spec.rules)
+        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
+        return constrain(x_BLD, ("batch", "sequence", "embed"), self.spec.rules)
+
+
+class Transformer(nnx.Module):
+    def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
+        self.spec = spec
+        d, v, dt = spec.d_model, spec.vocab_size, spec.param_dtype
+        self.tok_embed = param(rngs, (v, d), ("vocab", "embed"), spec.init_std, dt)
+        if not spec.rope:
+            self.pos_embed = param(rngs, (spec.seq_len, d), (None, "embed"), spec.init_std, dt)
+        keys = jax.random.split(rngs.params(), spec.num_layers)
+        self.blocks = nnx.vmap(lambda key: Block(spec, rngs=nnx.Rngs(key)))(keys)
+        for _, var in nnx.iter_graph(self.blocks):
+            if isinstance(var, nnx.Variable):
+                var.set_metadata("axes", ("layers",) + var.get_metadata()["axes"])
+        self.final_norm = Norm(d, rms=spec.is_llama, eps=spec.norm_eps, dtype=dt, rngs=rngs)
+        if not spec.tied_embeddings:
+            self.lm_head = param(rngs, (d, v), ("embed", "vocab"), spec.init_std, dt)
+
+    def __call__(self, tokens_BL: jax.Array) -> jax.Array:
+        spec, dt = self.spec, self.spec.compute_dtype
+        # Gather from a table sharded only by vocab (an FSDP all-gather of its embed dim, as
+        # for any weight): each device looks up its vocab range, then one sum combines them.
+        table_VD = constrain(self.tok_embed[...].astype(dt), ("vocab", None), spec.rules)
+        x_BLD = jnp.take(table_VD, tokens_BL, axis=0)
+        if not spec.rope:
+            x_BLD = x_BLD + self.pos_embed[...][: tokens_BL.shape[1]].astype(dt)
+        x_BLD = constrain(x_BLD, ("batch", "sequence", "embed"), spec.rules)
+
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def layer(x_BLD, layer_state):
+            return nnx.merge(graphdef, layer_state)(x_BLD), None
+
+        if spec.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[spec.remat], prevent_cse=False)
+        x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
+
+        x_BLD = self.final_norm(x_BLD)
+        head_DV = self.tok_embed[...].T if spec.tied_embeddings else self.lm_head[...]
+        logits_BLV = x_BLD @ head_DV.astype(dt)
+        return constrain(logits_BLV, ("batch", "length", "vocab"), spec.rules)
+
+
+def param_count(spec: ModelSpec) -> dict[str, int]:
+    """Parameter counts from shapes alone (no arrays): total and matmul weights."""
+    model = nnx.eval_shape(lambda: Transformer(spec, rngs=nnx.Rngs(0)))
+    total = matmul = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
+        n = int(jnp.size(leaf)) if not hasattr(leaf, "size") else int(leaf.size)
+        total += n
+        names = [getattr(k, "key", None) for k in path]
+        if any(isinstance(x, str) and (x.startswith("w_") or x in ("tok_embed", "lm_head"))
+               for x in names):
+            matmul += n
+    return {"total": total, "matmul": matmul}

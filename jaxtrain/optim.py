@@ -1,0 +1,45 @@
+"""Optimizer: AdamW with warmup and decay, global-norm clipping, a weight-decay mask."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+EMBEDDINGS = ("tok_embed", "pos_embed")
+
+
+def make_schedule(cfg) -> optax.Schedule:
+    o = cfg.optimizer
+    peak, end = o.lr, o.lr * o.min_lr_ratio
+    warmup = min(o.warmup_steps, cfg.steps)
+    decay_steps = max(cfg.steps - warmup, 1)
+    if o.schedule == "constant":
+        after = optax.constant_schedule(peak)
+    elif o.schedule == "linear":
+        after = optax.linear_schedule(peak, end, decay_steps)
+    else:
+        after = optax.cosine_decay_schedule(peak, decay_steps, alpha=o.min_lr_ratio)
+    if warmup == 0:
+        return after
+    # Warm up from lr/warmup rather than 0 so that the first step already moves the weights.
+    return optax.join_schedules([optax.linear_schedule(peak / warmup, peak, warmup), after],
+                                [warmup])
+
+
+def decay_mask(params, decay_embeddings: bool):
+    """Decay matmul weights (w_*, lm_head); never norms or biases; embeddings if asked."""
+    def decays(path, _):
+        name = path[-1].key
+        return (name.startswith("w_") or name == "lm_head"
+                or (decay_embeddings and name in EMBEDDINGS))
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    o = cfg.optimizer
+    schedule = make_schedule(cfg)
+    adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                        mask=lambda p: decay_mask(p, o.decay_embeddings))
+    if o.clip_norm > 0:
+        return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw), schedule
+    return adamw, schedule

@@ -1,0 +1,63 @@
+"""Everything a run builds from its config before the first step, built once.
+
+The loop, the benchmark, the planner and the tests all start from here, so a model, its
+mesh and its jitted step are put together the same way everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jaxtrain.config import validate
+from jaxtrain.mesh import make_mesh
+from jaxtrain.models import ModelSpec
+from jaxtrain.optim import make_optimizer
+from jaxtrain.train import state as state_lib
+from jaxtrain.train.step import batch_sharding, jit_eval_step, jit_train_step, make_train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    cfg: object
+    mesh: Mesh
+    spec: ModelSpec
+    optimizer: optax.GradientTransformation
+    schedule: optax.Schedule
+    graphdef: nnx.GraphDef
+    shardings: state_lib.TrainState
+    tokens_sharding: NamedSharding
+
+    def init_state(self) -> state_lib.TrainState:
+        """A fresh train state, born in its shards."""
+        return state_lib.init_state(self.spec, self.optimizer, self.shardings, self.cfg.seed)
+
+    def abstract_state(self) -> state_lib.TrainState:
+        """Shapes, dtypes and shardings of the state, for restoring a checkpoint into."""
+        return state_lib.abstract_state(self.spec, self.optimizer, self.shardings)
+
+    def train_step(self) -> Callable:
+        """jit(train_step) with explicit shardings and donated state; call under the mesh."""
+        step = make_train_step(self.graphdef, self.optimizer, self.schedule,
+                               self.cfg.train.microbatches, self.spec.rules)
+        return jit_train_step(step, self.shardings, self.tokens_sharding)
+
+    def eval_step(self) -> Callable:
+        return jit_eval_step(self.graphdef, self.shardings.params, self.tokens_sharding)
+
+
+def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
+    """Validates cfg against the devices (default: all) and builds the run's pieces."""
+    devices = list(devices if devices is not None else jax.devices())
+    mesh = make_mesh(validate(cfg, len(devices)), devices)
+    spec = ModelSpec.from_config(cfg)
+    optimizer, schedule = make_optimizer(cfg)
+    return Setup(cfg=cfg, mesh=mesh, spec=spec, optimizer=optimizer, schedule=schedule,
+                 graphdef=nnx.graphdef(state_lib.abstract_model(spec)),
+                 shardings=state_lib.state_shardings(spec, optimizer, mesh),
+                 tokens_sharding=batch_sharding(mesh, spec.rules))

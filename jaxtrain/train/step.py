@@ -1,0 +1,72 @@
+"""The pure train and eval steps, and their jitted, sharded forms."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jaxtrain.mesh import logical_to_spec
+from jaxtrain.train.state import TrainState
+
+
+def loss_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT: jax.Array) -> jax.Array:
+    """Mean next-token cross entropy; tokens_BT holds seq_len + 1 tokens per row."""
+    inputs_BL, targets_BL = tokens_BT[:, :-1], tokens_BT[:, 1:]
+    logits_BLV = nnx.merge(graphdef, params)(inputs_BL)
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits_BLV.astype(jnp.float32), targets_BL).mean()
+
+
+def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+                    schedule: optax.Schedule, microbatches: int, rules) -> Callable:
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def loss_and_grads(params, tokens_BT):
+        if microbatches == 1:
+            return grad_fn(params, graphdef, tokens_BT)
+        b, t = tokens_BT.shape
+        # Micro-batch i takes rows i, i+m, i+2m, ...: each device's contiguous block of rows
+        # holds its share of every micro-batch, so splitting moves no data between devices.
+        micro_MBT = tokens_BT.reshape(b // microbatches, microbatches, t).swapaxes(0, 1)
+        micro_MBT = jax.lax.with_sharding_constraint(
+            micro_MBT, logical_to_spec((None, "batch", None), rules))
+
+        def accumulate(carry, tokens):
+            loss, grads = grad_fn(params, graphdef, tokens)
+            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro_MBT)
+        return jax.tree.map(lambda x: x / microbatches, (loss, grads))
+
+    def train_step(state: TrainState, tokens_BT: jax.Array) -> tuple[TrainState, dict]:
+        loss, grads = loss_and_grads(state.params, tokens_BT)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+                   "learning_rate": schedule(state.step)}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+def jit_train_step(train_step: Callable, shardings: TrainState,
+                   batch_sharding: NamedSharding) -> Callable:
+    """Explicit in/out shardings; the old state is donated so its buffers are reused."""
+    return jax.jit(train_step, in_shardings=(shardings, batch_sharding),
+                   out_shardings=(shardings, None), donate_argnums=0)
+
+
+def jit_eval_step(graphdef: nnx.GraphDef, param_shardings: dict,
+                  batch_sharding: NamedSharding) -> Callable:
+    return jax.jit(lambda params, tokens: loss_fn(params, graphdef, tokens),
+                   in_shardings=(param_shardings, batch_sharding))
+
+
+def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(("batch", None), rules))

@@ -1,0 +1,46 @@
+"""Test setup: 8 fake CPU devices, configured before anything imports jax."""
+
+import os
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [f for f in os.environ.get("XLA_FLAGS", "").split()
+     if not f.startswith("--xla_force_host_platform_device_count")]
+    + ["--xla_force_host_platform_device_count=8"])
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from jaxtrain.config import base_config  # noqa: E402
+
+
+def small_config(family: str = "gpt2", **overrides):
+    """A model small enough for a 2-core CPU that every mesh in the tests can split."""
+    c = base_config()
+    c.steps = 3
+    c.log_every_steps = 1
+    c.model.family = family
+    c.model.d_model = 64
+    c.model.num_layers = 2
+    c.model.num_heads = 8
+    c.model.num_kv_heads = 4 if family == "llama" else 0
+    c.model.mlp_dim = 128
+    c.model.vocab_size = 256
+    c.model.seq_len = 32
+    c.train.global_batch = 16
+    c.optimizer.lr = 1e-3
+    c.optimizer.warmup_steps = 1
+    c.mesh.data = 1
+    for key, value in overrides.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return c
+
+
+@pytest.fixture(scope="session")
+def devices():
+    assert jax.device_count() == 8, "conftest must set 8 fake devices before jax loads"
+    return jax.devices()

@@ -1,0 +1,36 @@
+"""Shared by the tests: run a few train steps on a chosen set of devices."""
+
+import jax
+import numpy as np
+
+from jaxtrain.data.pipeline import make_batches, to_global
+from jaxtrain.train.setup import build
+
+
+def train_steps(cfg, devices, steps: int = 3):
+    """(per-step losses, final params as numpy, final state) of `steps` steps from init."""
+    setup = build(cfg, devices)
+    state = setup.init_state()
+    data = make_batches(cfg).train_iter(0)
+    losses = []
+    with jax.set_mesh(setup.mesh):
+        step_fn = setup.train_step()
+        for _ in range(steps):
+            state, metrics = step_fn(state, to_global(next(data), setup.tokens_sharding))
+            losses.append(float(metrics["loss"]))
+    return losses, jax.tree.map(np.asarray, state.params), state
+
+
+def assert_params_close(a, b, rtol=1e-5):
+    """Each parameter tensor within rtol of the reference, as ‖a−b‖/‖b‖.
+
+    A per-tensor norm rather than per element: Adam divides each gradient entry by its own
+    magnitude, so an entry whose gradient is nearly zero turns float reassociation (a
+    different reduction order on another mesh) into an O(lr·1e-3) change of that one entry.
+    """
+    flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
+    flat_b = jax.tree.leaves(b)
+    assert len(flat_a) == len(flat_b)
+    for (path, x), y in zip(flat_a, flat_b):
+        err = np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-12)
+        assert err <= rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e} > {rtol}"
