@@ -31,4 +31,6 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from jaxtrain.cli import parse_flags
+
+    app.run(main, flags_parser=parse_flags)

@@ -85,4 +85,6 @@ def main(argv) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(
         __import__("os").path.abspath(__file__))))
-    app.run(main)
+    from jaxtrain.cli import parse_flags
+
+    app.run(main, flags_parser=parse_flags)

@@ -30,6 +30,10 @@ def small_config(family: str = "gpt2", **overrides):
     c.train.global_batch = 16
     c.optimizer.lr = 1e-3
     c.optimizer.warmup_steps = 1
+    # Adam divides each gradient entry by its own size, so an entry whose gradient is near
+    # zero turns the float noise of another reduction order into a visible change; eps 1e-6
+    # (not 1e-8) bounds that amplification without changing what the test compares.
+    c.optimizer.eps = 1e-6
     c.mesh.data = 1
     for key, value in overrides.items():
         node = c
