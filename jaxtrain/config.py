@@ -76,6 +76,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.global_batch = 8
     c.train.microbatches = 1
     c.train.precision = "float32"
+    c.train.max_consecutive_bad_steps = 5  # non-finite steps in a row before the run stops
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.lr = 3e-4
@@ -99,6 +100,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 0  # 0: only at the end of the run
     c.checkpoint.keep = 3
+    c.checkpoint.keep_period = 0  # also keep every N-th step forever; 0: none
+
+    # Test-only fault injection: a NaN loss at steps [nan_from_step, nan_from_step+nan_steps).
+    c.debug = ml_collections.ConfigDict()
+    c.debug.nan_from_step = -1
+    c.debug.nan_steps = 1
     return c
 
 
@@ -177,9 +184,12 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
         _fail("optimizer.lr", c.optimizer.lr, "must be > 0")
     if c.optimizer.warmup_steps < 0:
         _fail("optimizer.warmup_steps", c.optimizer.warmup_steps, "must be >= 0")
-    if c.checkpoint.every_steps < 0 or c.checkpoint.keep < 1:
-        _fail("checkpoint", f"every_steps={c.checkpoint.every_steps}, keep={c.checkpoint.keep}",
-              "every_steps must be >= 0 and keep >= 1")
+    for key, low in (("every_steps", 0), ("keep", 1), ("keep_period", 0)):
+        if c.checkpoint[key] < low:
+            _fail(f"checkpoint.{key}", c.checkpoint[key], f"must be >= {low}")
+    if c.train.max_consecutive_bad_steps < 1:
+        _fail("train.max_consecutive_bad_steps", c.train.max_consecutive_bad_steps,
+              "must be >= 1")
 
     sizes = resolve_mesh_shape(c.mesh, num_devices)
     if sizes["pipeline"] != 1:

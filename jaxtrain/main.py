@@ -17,17 +17,21 @@ flags.mark_flags_as_required(["config"])
 def main(argv) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    from jaxtrain.checkpoint import CheckpointError
     from jaxtrain.config import ConfigError
     from jaxtrain.data import DataError
-    from jaxtrain.train.loop import run
+    from jaxtrain.train.loop import TrainingStopped, run
 
     config_name = pathlib.Path(config_flags.get_config_filename(flags.FLAGS["config"])).stem
     workdir = pathlib.Path(_WORKDIR.value or f"runs/{config_name}")
     try:
         run(_CONFIG.value, workdir)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, CheckpointError) as e:
         print(f"jaxtrain: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except TrainingStopped as e:
+        print(f"jaxtrain: stopped: {e}", file=sys.stderr)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

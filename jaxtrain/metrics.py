@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import tqdm
 
 from jaxtrain.models import ModelSpec
@@ -91,11 +91,10 @@ class MetricsWriter:
     def write(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        row = {"step": int(step)}
-        row.update({k: _to_python(v) for k, v in metrics.items()})
+        row = {"step": int(step), **metrics}
         self.jsonl.write(json.dumps(row) + "\n")
         for key, value in row.items():
-            if key != "step" and isinstance(value, float) and math.isfinite(value):
+            if key != "step" and math.isfinite(value):
                 self.tb.add_scalar(key, value, step)
         shown = {k: f"{row[k]:.4g}" for k in ("loss", "val_loss", "tokens_per_s", "mfu")
                  if k in row}
@@ -107,7 +106,7 @@ class MetricsWriter:
 
     def print(self, message: str) -> None:
         if self.enabled:
-            tqdm.tqdm.write(message)
+            tqdm.tqdm.write(message, file=sys.stderr)
 
     def close(self) -> None:
         if not self.enabled:
@@ -115,8 +114,3 @@ class MetricsWriter:
         self.bar.close()
         self.tb.close()
         self.jsonl.close()
-
-
-def _to_python(value):
-    value = np.asarray(value)
-    return value.item() if value.dtype.kind in "iu" else float(value)

@@ -1,4 +1,5 @@
-"""Optimizer: AdamW with warmup and decay, global-norm clipping, a weight-decay mask."""
+"""Optimizer: AdamW with warmup and decay, global-norm clipping, a weight-decay mask, and
+skipping of non-finite steps."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import jax
 import optax
 
 EMBEDDINGS = ("tok_embed", "pos_embed")
+NEVER = 2**31 - 1
 
 
 def make_schedule(cfg) -> optax.Schedule:
@@ -40,6 +42,7 @@ def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
     schedule = make_schedule(cfg)
     adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                         mask=lambda p: decay_mask(p, o.decay_embeddings))
-    if o.clip_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw), schedule
-    return adamw, schedule
+    inner = optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw) if o.clip_norm > 0 else adamw
+    # A step with non-finite gradients leaves params and moments untouched, however many come
+    # in a row: the loop, not optax, stops the run after train.max_consecutive_bad_steps.
+    return optax.apply_if_finite(inner, max_consecutive_errors=NEVER), schedule

@@ -50,7 +50,7 @@ def test_shards_have_the_shapes_the_mesh_implies(mesh, expect, devices):
     w_up = state.params["blocks"]["mlp"]["w_up"]
     assert w_up.shape == (2, 64, 128)
     assert _shard_shapes(w_up) == {expect}
-    adam = state.opt_state[1][0]  # chain(clip, adamw): adamw's ScaleByAdamState
+    adam = state.opt_state.inner_state[1][0]  # apply_if_finite(chain(clip, adamw))
     assert _shard_shapes(adam.mu["blocks"]["mlp"]["w_up"]) == {expect}
     assert _shard_shapes(adam.nu["blocks"]["mlp"]["w_up"]) == {expect}
     # The tied embedding (vocab=256, embed=64) is vocab-parallel over tensor, embed over fsdp.

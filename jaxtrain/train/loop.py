@@ -1,9 +1,11 @@
-"""The training loop: resume, step, log one step late, evaluate, checkpoint."""
+"""The training loop: resume, step, log one step late, evaluate, checkpoint, stop cleanly."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import sys
 import time
 from typing import Sequence
 
@@ -14,7 +16,17 @@ from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.config import ConfigError
 from jaxtrain.data.pipeline import make_batches, to_global
 from jaxtrain.metrics import MetricsWriter, flops_per_token, peak_flops_per_device
+from jaxtrain.train.preemption import StopRequest
 from jaxtrain.train.setup import build
+
+# Config keys that fix the shapes and structure of the checkpointed state.
+STATE_KEYS = ("model.family", "model.d_model", "model.num_layers", "model.num_heads",
+              "model.num_kv_heads", "model.head_dim", "model.mlp_dim", "model.vocab_size",
+              "model.seq_len")
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped itself (too many non-finite steps); the last good state is saved."""
 
 
 class StepLogger:
@@ -42,7 +54,7 @@ class StepLogger:
             return
         step, metrics = self.pending
         self.pending = None
-        row = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()}}
+        row = {"step": step, **{k: _number(v) for k, v in jax.device_get(metrics).items()}}
         now = time.perf_counter()
         step_time = (now - self.clock_time) / max(step - self.clock_step, 1)
         self.clock_time, self.clock_step = now, step
@@ -54,35 +66,72 @@ class StepLogger:
         self.rows.append(row)
 
 
+def _number(value):
+    value = np.asarray(value)
+    return int(value) if value.dtype.kind in "iu" else float(value)
+
+
 def prepare_workdir(workdir: pathlib.Path) -> None:
     try:
         workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / f".write_test_{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
     except OSError as e:
-        raise ConfigError(f"--workdir={workdir} cannot be created: {e.strerror}") from None
-    if not os.access(workdir, os.W_OK):
-        raise ConfigError(f"--workdir={workdir} is not writable")
+        raise ConfigError(f"--workdir={workdir} is not writable: {e.strerror}") from None
+
+
+def check_same_run(cfg, workdir: pathlib.Path):
+    def check(step: int, saved: dict) -> None:
+        for key in STATE_KEYS:
+            section, name = key.split(".")
+            before, now = saved.get(section, {}).get(name), cfg[section][name]
+            if before != now:
+                raise ConfigError(
+                    f"{key}={now!r} does not match the checkpoint at step {step} in "
+                    f"{workdir} ({key}={before!r}); use another --workdir, or the same model")
+    return check
+
+
+def keep_metrics_up_to(path: pathlib.Path, step: int) -> None:
+    """On resume, drop logged rows past the checkpoint: the resumed run logs them again."""
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(row + "\n" for row in rows))
 
 
 def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None) -> list[dict]:
-    """Trains to cfg.steps, resuming from the newest checkpoint; returns the logged rows."""
+    """Trains to cfg.steps, resuming from the newest good checkpoint; returns the logged rows.
+
+    Returns early, with a checkpoint, after SIGTERM/SIGINT; raises TrainingStopped after
+    train.max_consecutive_bad_steps non-finite steps in a row (also with a checkpoint)."""
     setup = build(cfg, devices)  # validates the config before anything else happens
+    batches = make_batches(cfg)  # and the data
     prepare_workdir(workdir)
-    batches = make_batches(cfg)
     main_process = jax.process_index() == 0
 
-    checkpoints = Checkpoints(workdir / "checkpoints", cfg.checkpoint.keep)
-    start = checkpoints.latest_step() or 0
-    state = checkpoints.restore(start, setup.abstract_state()) if start else setup.init_state()
+    def say(message: str) -> None:
+        if main_process:
+            print(message, file=sys.stderr, flush=True)
+
+    checkpoints = Checkpoints(workdir / "checkpoints", cfg.checkpoint.keep,
+                              cfg.checkpoint.keep_period, log=say)
+    start, state = checkpoints.restore_latest(setup.abstract_state(), check_same_run(cfg, workdir))
+    if state is None:
+        state = setup.init_state()
     if main_process:
+        keep_metrics_up_to(workdir / "metrics.jsonl", start)
         (workdir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
 
     eval_step = setup.eval_step()
     val_batches = [to_global(b, setup.tokens_sharding) for b in batches.val_batches()]
     peak, peak_source = peak_flops_per_device(cfg.train.precision)
     devices_used = setup.mesh.devices.size
-
     writer = MetricsWriter(workdir, cfg.steps, start, enabled=main_process)
-    with jax.set_mesh(setup.mesh):
+
+    with jax.set_mesh(setup.mesh), StopRequest() as stop:
         compile_start = time.perf_counter()
         train_step = setup.train_step().lower(state, val_batches[0]).compile()
         writer.print(
@@ -96,16 +145,34 @@ def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None)
             return float(np.mean(jax.device_get([eval_step(state.params, b)
                                                  for b in val_batches])))
 
+        def save(step: int) -> None:
+            logger.flush()
+            checkpoints.save(step, state, cfg.to_dict())
+            logger.restart_clock(step)
+
         if start == 0:
             writer.write(0, {"val_loss": evaluate()})
         logger = StepLogger(writer, cfg.train.global_batch * cfg.model.seq_len,
                             flops_per_token(setup.spec), peak * devices_used)
         logger.restart_clock(start)
         data = batches.train_iter(start)
+        previous = None  # (step, metrics) of the step before, checked once this one runs
         for step in range(start, cfg.steps):
             state, metrics = train_step(state, to_global(next(data), setup.tokens_sharding))
-            logger.flush()
             done = step + 1
+            logger.flush()
+            if previous is not None:
+                bad = int(previous[1]["bad_steps_in_a_row"])
+                if bad >= cfg.train.max_consecutive_bad_steps:
+                    save(done)
+                    checkpoints.close()
+                    writer.close()
+                    raise TrainingStopped(
+                        f"{bad} non-finite steps in a row up to step {previous[0]} "
+                        f"(train.max_consecutive_bad_steps="
+                        f"{cfg.train.max_consecutive_bad_steps}); no update was applied for "
+                        f"them, and the state is checkpointed at step {done}")
+            previous = (done, metrics)
             last = done == cfg.steps
             if done % cfg.log_every_steps == 0 or last:
                 logger.push(done, metrics)
@@ -118,10 +185,13 @@ def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None)
                 logger.restart_clock(done)
             every = cfg.checkpoint.every_steps
             if (every and done % every == 0) or last:
-                logger.flush()
-                checkpoints.save(done, state, cfg.to_dict())
-                logger.restart_clock(done)
+                save(done)
             writer.advance(1)
+            if not last and stop.should_stop(done):
+                save(done)
+                writer.print(f"jaxtrain: stopped at step {done} on {stop.signal_name or 'preemption'};"
+                             " the checkpoint is durable; run the same command to resume")
+                break
         logger.flush()
     checkpoints.close()
     writer.close()

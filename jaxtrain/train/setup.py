@@ -43,8 +43,10 @@ class Setup:
 
     def train_step(self) -> Callable:
         """jit(train_step) with explicit shardings and donated state; call under the mesh."""
+        debug = self.cfg.debug
+        nan_steps = (debug.nan_from_step, debug.nan_steps) if debug.nan_from_step >= 0 else None
         step = make_train_step(self.graphdef, self.optimizer, self.schedule,
-                               self.cfg.train.microbatches, self.spec.rules)
+                               self.cfg.train.microbatches, self.spec.rules, nan_steps)
         return jit_train_step(step, self.shardings, self.tokens_sharding)
 
     def eval_step(self) -> Callable:

@@ -23,12 +23,22 @@ def loss_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT: jax.Array) -> jax.A
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                    schedule: optax.Schedule, microbatches: int, rules) -> Callable:
-    grad_fn = jax.value_and_grad(loss_fn)
+                    schedule: optax.Schedule, microbatches: int, rules,
+                    nan_steps: tuple[int, int] | None = None) -> Callable:
+    """The pure step. nan_steps=(first, count) poisons those steps' loss (tests only)."""
 
-    def loss_and_grads(params, tokens_BT):
+    def objective(params, tokens_BT, step):
+        loss = loss_fn(params, graphdef, tokens_BT)
+        if nan_steps is not None:
+            first, count = nan_steps
+            loss = loss * jnp.where((step >= first) & (step < first + count), jnp.nan, 1.0)
+        return loss
+
+    grad_fn = jax.value_and_grad(objective)
+
+    def loss_and_grads(params, tokens_BT, step):
         if microbatches == 1:
-            return grad_fn(params, graphdef, tokens_BT)
+            return grad_fn(params, tokens_BT, step)
         b, t = tokens_BT.shape
         # Micro-batch i takes rows i, i+m, i+2m, ...: each device's contiguous block of rows
         # holds its share of every micro-batch, so splitting moves no data between devices.
@@ -37,7 +47,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
             micro_MBT, logical_to_spec((None, "batch", None), rules))
 
         def accumulate(carry, tokens):
-            loss, grads = grad_fn(params, graphdef, tokens)
+            loss, grads = grad_fn(params, tokens, step)
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
@@ -45,11 +55,14 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         return jax.tree.map(lambda x: x / microbatches, (loss, grads))
 
     def train_step(state: TrainState, tokens_BT: jax.Array) -> tuple[TrainState, dict]:
-        loss, grads = loss_and_grads(state.params, tokens_BT)
+        loss, grads = loss_and_grads(state.params, tokens_BT, state.step)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
-                   "learning_rate": schedule(state.step)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                   "learning_rate": schedule(state.step),
+                   # optax.apply_if_finite's counters: all skipped steps, and the current run.
+                   "skipped_steps": opt_state.total_notfinite,
+                   "bad_steps_in_a_row": opt_state.notfinite_count}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
