@@ -7,7 +7,7 @@ def get_config():
     c = base_config()
     c.name = "tiny"
     c.steps = 500
-    c.log_every_steps = 20
+    c.log_every_steps = 5
     c.eval_every_steps = 100
     c.model.family = "gpt2"
     c.model.d_model = 128

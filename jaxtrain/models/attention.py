@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.mesh import constrain
+from jaxtrain.models.chunked_attention import chunked_attention
 from jaxtrain.models.layers import param, rope
 
 
@@ -30,7 +31,9 @@ def xla_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array) -> ja
     return out_BLGRK.reshape(b, length, heads, head_dim)
 
 
-ATTENTION: dict[str, Callable] = {"xla": xla_attention}
+# "chunked" computes the same function (to float32 reassociation) with half the score
+# FLOPs and no L×L buffers kept for the backward pass; see chunked_attention.py.
+ATTENTION: dict[str, Callable] = {"xla": xla_attention, "chunked": chunked_attention}
 
 
 class Attention(nnx.Module):
