@@ -74,7 +74,9 @@ class Checkpoints:
                 check_config(step, saved)
                 try:
                     return step, self.restore(step, target)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
+                    if self._manifest_path(step).exists():
+                        raise  # its files are all there: not damage (memory, mesh, ...)
                     problem = f"it cannot be restored ({_first_line(e)})"
             moved = self._set_aside(step)
             self.log(f"jaxtrain: checkpoint step {step} is damaged: {problem}; moved to "
