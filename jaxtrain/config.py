@@ -54,6 +54,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1
     c.mesh.tensor = 1
     c.mesh.sequence_parallel = False
+    # Sizes across the slow links between hosts/slices (DCN); the plain sizes are within one.
+    c.mesh.dcn_data = 1
+    c.mesh.dcn_pipeline = 1
+    c.mesh.dcn_fsdp = 1
+    c.mesh.dcn_tensor = 1
     c.mesh.rules = DEFAULT_RULES
 
     c.model = ml_collections.ConfigDict()
@@ -125,8 +130,26 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def dcn_shape(mesh_cfg) -> dict[str, int]:
+    """Per-axis sizes across the slow links (between hosts or slices); 1 where unused."""
+    return {axis: int(mesh_cfg[f"dcn_{axis}"]) for axis in MESH_AXES}
+
+
 def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
-    """Mesh axis sizes with the one -1 filled so that they multiply to num_devices."""
+    """Total mesh axis sizes (within-node size × dcn size), the one -1 filled so that they
+    multiply to num_devices."""
+    dcn = dcn_shape(mesh_cfg)
+    for axis, size in dcn.items():
+        if size < 1:
+            _fail(f"mesh.dcn_{axis}", size, "must be >= 1")
+    if dcn["tensor"] != 1:
+        _fail("mesh.dcn_tensor", dcn["tensor"], "tensor parallelism needs fast links: keep it "
+              "within a node (mesh.tensor) and put data, fsdp or pipeline across nodes")
+    granules = math.prod(dcn.values())
+    if num_devices % granules:
+        _fail("mesh", f"dcn sizes multiplying to {granules}", f"must divide the {num_devices} "
+              "devices")
+    per_granule = num_devices // granules
     sizes = {axis: int(mesh_cfg[axis]) for axis in MESH_AXES}
     for axis, size in sizes.items():
         if size == 0 or size < -1:
@@ -135,16 +158,18 @@ def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
     if len(free) > 1:
         _fail(f"mesh.{free[1]}", -1, f"only one axis may be -1 (mesh.{free[0]} already is)")
     fixed = math.prod(s for s in sizes.values() if s != -1)
+    where = f"the {per_granule} devices of each of the {granules} dcn groups" if granules > 1 \
+        else f"the {num_devices} devices"
     if free:
-        if num_devices % fixed:
+        if per_granule % fixed:
             _fail(f"mesh.{free[0]}", -1, f"the other axes multiply to {fixed}, "
-                  f"which does not divide the {num_devices} devices")
-        sizes[free[0]] = num_devices // fixed
-    elif fixed != num_devices:
+                  f"which does not divide {where}")
+        sizes[free[0]] = per_granule // fixed
+    elif fixed != per_granule:
         shown = "×".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "1"
-        _fail("mesh", shown, f"the mesh axes must multiply to the {num_devices} devices "
+        _fail("mesh", shown, f"the mesh axes must multiply to {where} "
               f"(got {fixed}); set one axis to -1 to fill the rest")
-    return sizes
+    return {axis: sizes[axis] * dcn[axis] for axis in MESH_AXES}
 
 
 def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:

@@ -13,20 +13,43 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxtrain.config import MESH_AXES
+from jaxtrain.config import MESH_AXES, ConfigError
 
 Rules = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
 LogicalAxes = Sequence["str | None"]
 
 
-def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None,
+              dcn: dict[str, int] | None = None) -> Mesh:
+    """A mesh of the given total axis sizes. With dcn sizes > 1, a hybrid mesh: each axis is
+    dcn × within-granule, granules being TPU slices or else processes (hosts), so that only
+    the dcn part of an axis crosses the slow links."""
     shape = tuple(sizes[a] for a in MESH_AXES)
     devices = list(devices if devices is not None else jax.devices())
+    if dcn and any(size > 1 for size in dcn.values()):
+        return _hybrid_mesh(sizes, dcn, devices)
     if len(devices) == 1 or devices != jax.devices():
         return Mesh(np.asarray(devices).reshape(shape), MESH_AXES,
                     axis_types=(AxisType.Auto,) * len(MESH_AXES))
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
                          devices=devices)
+
+
+def _hybrid_mesh(sizes, dcn, devices) -> Mesh:
+    from jax.experimental import mesh_utils
+
+    by_slice = len({getattr(d, "slice_index", 0) for d in devices}) > 1  # TPU multislice
+    granules = len({d.slice_index if by_slice else d.process_index for d in devices})
+    wanted = int(np.prod(list(dcn.values())))
+    if granules != wanted:
+        unit = "slices" if by_slice else "processes"
+        raise ConfigError(f"mesh.dcn_*={wanted} is invalid: the dcn sizes must multiply to "
+                          f"the job's {granules} {unit}")
+    ici_shape = [sizes[a] // dcn[a] for a in MESH_AXES]
+    dcn_shape = [dcn[a] for a in MESH_AXES]
+    grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices,
+                                                process_is_granule=not by_slice)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def active_rules(rules: Rules, sequence_parallel: bool) -> tuple:

@@ -126,7 +126,8 @@ class Transformer(nnx.Module):
         if not spec.tied_embeddings:
             self.lm_head = param(rngs, (d, v), ("embed", "vocab"), spec.init_std, dt)
 
-    def __call__(self, tokens_BL: jax.Array) -> jax.Array:
+    def features(self, tokens_BL: jax.Array) -> jax.Array:
+        """The final-normed hidden states that the output head reads."""
         spec, dt = self.spec, self.spec.compute_dtype
         # Gather from a table sharded only by vocab (an FSDP all-gather of its embed dim, as
         # for any weight): each device looks up its vocab range, then one sum combines them.
@@ -144,11 +145,16 @@ class Transformer(nnx.Module):
         if spec.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[spec.remat], prevent_cse=False)
         x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
+        return constrain(self.final_norm(x_BLD), ("batch", "length", "embed"), spec.rules)
 
-        x_BLD = self.final_norm(x_BLD)
-        head_DV = self.tok_embed[...].T if spec.tied_embeddings else self.lm_head[...]
-        logits_BLV = x_BLD @ head_DV.astype(dt)
-        return constrain(logits_BLV, ("batch", "length", "vocab"), spec.rules)
+    def head(self) -> jax.Array:
+        """The output projection [D, V]: the embedding table transposed when tied."""
+        head_DV = self.tok_embed[...].T if self.spec.tied_embeddings else self.lm_head[...]
+        return head_DV.astype(self.spec.compute_dtype)
+
+    def __call__(self, tokens_BL: jax.Array) -> jax.Array:
+        logits_BLV = self.features(tokens_BL) @ self.head()
+        return constrain(logits_BLV, ("batch", "length", "vocab"), self.spec.rules)
 
 
 def param_count(spec: ModelSpec) -> dict[str, int]:

@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxtrain.config import validate
+from jaxtrain.config import dcn_shape, validate
 from jaxtrain.mesh import make_mesh
 from jaxtrain.models import ModelSpec
 from jaxtrain.optim import make_optimizer
@@ -56,7 +56,7 @@ class Setup:
 def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
     """Validates cfg against the devices (default: all) and builds the run's pieces."""
     devices = list(devices if devices is not None else jax.devices())
-    mesh = make_mesh(validate(cfg, len(devices)), devices)
+    mesh = make_mesh(validate(cfg, len(devices)), devices, dcn_shape(cfg.mesh))
     spec = ModelSpec.from_config(cfg)
     optimizer, schedule = make_optimizer(cfg)
     return Setup(cfg=cfg, mesh=mesh, spec=spec, optimizer=optimizer, schedule=schedule,

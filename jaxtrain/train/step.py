@@ -11,15 +11,20 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxtrain.mesh import logical_to_spec
+from jaxtrain.models.head_loss import head_cross_entropy
 from jaxtrain.train.state import TrainState
 
 
 def loss_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT: jax.Array) -> jax.Array:
-    """Mean next-token cross entropy; tokens_BT holds seq_len + 1 tokens per row."""
+    """Mean next-token cross entropy; tokens_BT holds seq_len + 1 tokens per row.
+
+    Equals softmax cross entropy of model(inputs) logits, but the head and the loss run fused
+    over sequence chunks (models/head_loss.py) so the B·L·V logits never exist at once.
+    """
     inputs_BL, targets_BL = tokens_BT[:, :-1], tokens_BT[:, 1:]
-    logits_BLV = nnx.merge(graphdef, params)(inputs_BL)
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits_BLV.astype(jnp.float32), targets_BL).mean()
+    model = nnx.merge(graphdef, params)
+    return head_cross_entropy(model.features(inputs_BL), model.head(), targets_BL,
+                              model.spec.rules)
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,

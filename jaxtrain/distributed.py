@@ -1,0 +1,53 @@
+"""Multi-process start-up: one program per host (or per GPU), joined by jax.distributed.
+
+Must run before anything touches devices. Explicit flags win; otherwise a multi-process
+job started by SLURM, Open MPI, a Cloud TPU pod or a GKE JobSet is detected from its
+environment and handed to jax's own cluster detection; a single process needs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+# Environment variables that mark a multi-process job, per launcher jax can detect.
+_CLUSTER_MARKERS = {
+    "SLURM": lambda env: int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in env,
+    "Open MPI": lambda env: int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1,
+    "Cloud TPU pod": lambda env: "," in env.get("TPU_WORKER_HOSTNAMES", ""),
+    "GKE JobSet": lambda env: "JOBSET_NAME" in env,
+}
+
+
+def detected_cluster(env=os.environ) -> str | None:
+    for name, present in _CLUSTER_MARKERS.items():
+        if present(env):
+            return name
+    return None
+
+
+def _on_cpu() -> bool:
+    platforms = os.environ.get("JAX_PLATFORMS", jax.config.jax_platforms or "")
+    return platforms.split(",")[0].strip() == "cpu"
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> str:
+    """Joins the job's processes; returns how ('single process', 'flags', or the cluster)."""
+    explicit = coordinator is not None or num_processes is not None or process_id is not None
+    cluster = None if explicit else detected_cluster()
+    if not explicit and cluster is None:
+        return "single process"
+    if explicit and None in (coordinator, num_processes, process_id):
+        raise ValueError("--coordinator, --num_processes and --process_id go together")
+    if _on_cpu():
+        # XLA's CPU collectives across processes.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if explicit:
+        jax.distributed.initialize(coordinator_address=coordinator,
+                                   num_processes=num_processes, process_id=process_id,
+                                   initialization_timeout=120, heartbeat_timeout_seconds=30)
+        return "flags"
+    jax.distributed.initialize()
+    return cluster

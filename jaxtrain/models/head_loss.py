@@ -1,0 +1,95 @@
+"""Output head fused with softmax cross entropy, over sequence chunks.
+
+The plain form materialises B·L·V float32 logits (0.5 GB for 8×512×32000), keeps them for
+the backward pass and builds another tensor of that size for their gradient, all in fresh
+memory each step. Here the head runs over chunks of the sequence inside a scan, and since
+the mean loss is the last op of the step, each chunk's logit gradient (softmax − one-hot)/N is
+formed right away and pushed through the head's two backward matmuls: no logits outlive
+their chunk and the head costs exactly its three counted matmuls. The incoming cotangent (1
+under value_and_grad) only rescales the saved gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.mesh import constrain
+
+
+def _chunk_size(length: int, batch: int, target_tokens: int = 1024) -> int:
+    """Largest divisor of length with chunk·batch <= target_tokens (logits chunk ~128 MB)."""
+    best = 1
+    for c in range(1, length + 1):
+        if length % c == 0 and c * batch <= target_tokens:
+            best = c
+    return best
+
+
+def _split(x_BL, chunk: int):
+    """[B, L, ...] -> [L/chunk, B, chunk, ...], the scan axis first; batch stays sharded."""
+    b, length = x_BL.shape[:2]
+    return jnp.swapaxes(x_BL.reshape(b, length // chunk, chunk, *x_BL.shape[2:]), 0, 1)
+
+
+def _chunk_loss(x_BCD, head_DV, targets_BC, rules, with_grads: bool):
+    logits_BCV = (x_BCD @ head_DV).astype(jnp.float32)
+    logits_BCV = constrain(logits_BCV, ("batch", "length", "vocab"), rules)
+    lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+    target_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
+    loss = (lse_BC - target_BC).sum()
+    if not with_grads:
+        return loss, None
+    onehot_BCV = jnp.arange(logits_BCV.shape[-1]) == targets_BC[..., None]
+    dlogits_BCV = (jnp.exp(logits_BCV - lse_BC[..., None]) - onehot_BCV).astype(x_BCD.dtype)
+    return loss, dlogits_BCV
+
+
+def _run(x_BLD, head_DV, targets_BL, rules, with_grads: bool):
+    """(summed loss, dx unscaled, dhead unscaled); the grads are None without with_grads."""
+    chunk = _chunk_size(x_BLD.shape[1], x_BLD.shape[0])
+    xs = (_split(x_BLD, chunk), _split(targets_BL, chunk))
+
+    def body(carry, xs_chunk):
+        loss, dhead_DV = carry
+        x_BCD, targets_BC = xs_chunk
+        chunk_loss, dlogits_BCV = _chunk_loss(x_BCD, head_DV, targets_BC, rules, with_grads)
+        if not with_grads:
+            return (loss + chunk_loss, dhead_DV), None
+        dx_BCD = dlogits_BCV @ head_DV.T
+        dhead_DV = dhead_DV + jnp.einsum("bcd,bcv->dv", x_BCD, dlogits_BCV)
+        return (loss + chunk_loss, dhead_DV), dx_BCD
+
+    dhead0 = jnp.zeros_like(head_DV) if with_grads else None
+    (loss, dhead_DV), dx_CBcD = jax.lax.scan(body, (jnp.zeros((), jnp.float32), dhead0), xs)
+    if not with_grads:
+        return loss, None, None
+    dx_BLD = jnp.swapaxes(dx_CBcD, 0, 1).reshape(x_BLD.shape)
+    return loss, dx_BLD, dhead_DV
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _mean_loss(x_BLD, head_DV, targets_BL, rules):
+    return _run(x_BLD, head_DV, targets_BL, rules, with_grads=False)[0] / targets_BL.size
+
+
+def _mean_loss_fwd(x_BLD, head_DV, targets_BL, rules):
+    loss, dx_BLD, dhead_DV = _run(x_BLD, head_DV, targets_BL, rules, with_grads=True)
+    return loss / targets_BL.size, (dx_BLD, dhead_DV)
+
+
+def _mean_loss_bwd(rules, residuals, g):
+    dx_BLD, dhead_DV = residuals
+    scale = g / (dx_BLD.shape[0] * dx_BLD.shape[1])
+    return (dx_BLD * scale.astype(dx_BLD.dtype), dhead_DV * scale.astype(dhead_DV.dtype), None)
+
+
+_mean_loss.defvjp(_mean_loss_fwd, _mean_loss_bwd)
+
+
+def head_cross_entropy(x_BLD: jax.Array, head_DV: jax.Array, targets_BL: jax.Array,
+                       rules=()) -> jax.Array:
+    """mean(softmax_cross_entropy(x @ head, targets)) without materialising all logits."""
+    return _mean_loss(x_BLD, head_DV, targets_BL, rules)
