@@ -1,7 +1,7 @@
 """Multi-process start-up: one program per host (or per GPU), joined by jax.distributed.
 
 Must run before anything touches devices. Explicit flags win; otherwise a multi-process
-job started by SLURM, Open MPI, a Cloud TPU pod or a GKE JobSet is detected from its
+job started by SLURM, Open MPI, a Cloud TPU pod or a Kubernetes JobSet is detected from its
 environment and handed to jax's own cluster detection; a single process needs nothing.
 """
 
@@ -16,7 +16,8 @@ _CLUSTER_MARKERS = {
     "SLURM": lambda env: int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in env,
     "Open MPI": lambda env: int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1,
     "Cloud TPU pod": lambda env: "," in env.get("TPU_WORKER_HOSTNAMES", ""),
-    "GKE JobSet": lambda env: "JOBSET_NAME" in env,
+    # An indexed Job or JobSet pod; jax's detection needs the kubernetes package (jax[k8s]).
+    "Kubernetes": lambda env: "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env,
 }
 
 
