@@ -17,6 +17,7 @@ REMATS = ("none", "full", "save_dots")
 PRECISIONS = ("float32", "bfloat16")
 SCHEDULES = ("cosine", "linear", "constant")
 SOURCES = ("stdlib", "bin", "synthetic")
+PIPELINE_SCHEDULES = ("gpipe", "circular")
 MESH_AXES = ("data", "pipeline", "fsdp", "tensor")
 
 # Logical axis -> mesh axes. For each logical dimension of an array the first rule whose mesh
@@ -32,6 +33,9 @@ DEFAULT_RULES = (
     ("vocab", "tensor"),
     # The residual stream's length between blocks; used only when mesh.sequence_parallel.
     ("sequence", "tensor"),
+    # The stacked layers of the model, and the stage axis of the pipeline's buffers.
+    ("layers", "pipeline"),
+    ("stage", "pipeline"),
 )
 
 
@@ -60,6 +64,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.dcn_fsdp = 1
     c.mesh.dcn_tensor = 1
     c.mesh.rules = DEFAULT_RULES
+
+    # Used when mesh.pipeline > 1 (see docs/parallelism.md).
+    c.pipeline = ml_collections.ConfigDict()
+    c.pipeline.schedule = "gpipe"
+    c.pipeline.microbatches = 4  # per train step (per accumulation micro-batch)
+    c.pipeline.repeats = 1  # layer chunks per stage; circular only
 
     c.model = ml_collections.ConfigDict()
     c.model.family = "gpt2"
@@ -217,9 +227,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
               "must be >= 1")
 
     sizes = resolve_mesh_shape(c.mesh, num_devices)
-    if sizes["pipeline"] != 1:
-        _fail("mesh.pipeline", sizes["pipeline"], "pipeline parallelism is not implemented "
-              "yet; use 1")
+    _validate_pipeline(c, sizes["pipeline"])
     tensor, fsdp = sizes["tensor"], sizes["fsdp"]
     for key, value in (("num_heads", heads), ("num_kv_heads", kv_heads),
                        ("mlp_dim", m.mlp_dim), ("vocab_size", m.vocab_size)):
@@ -235,10 +243,41 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
               f"must divide train.global_batch={t.global_batch}: one of "
               f"{_divisors(t.global_batch)}")
     batch_shards = sizes["data"] * fsdp
+    if sizes["pipeline"] > 1:
+        batch_shards *= c.pipeline.microbatches
+    shards_text = "mesh.data×mesh.fsdp" + ("×pipeline.microbatches" if sizes["pipeline"] > 1
+                                           else "")
     micro = t.global_batch // t.microbatches
     if micro % batch_shards:
         _fail("train.global_batch", t.global_batch,
               f"each of the {t.microbatches} micro-batches ({micro} sequences) must divide "
-              f"by mesh.data×mesh.fsdp={batch_shards}; try "
+              f"by {shards_text}={batch_shards}; try "
               f"{batch_shards * t.microbatches * max(1, round(micro / batch_shards))}")
     return sizes
+
+
+def _validate_pipeline(c, stages: int) -> None:
+    pc = c.pipeline
+    _choice(c, "pipeline.schedule", PIPELINE_SCHEDULES)
+    if pc.microbatches < 1:
+        _fail("pipeline.microbatches", pc.microbatches, "must be >= 1")
+    if pc.schedule == "gpipe" and pc.repeats != 1:
+        _fail("pipeline.repeats", pc.repeats, "the gpipe schedule has one chunk per stage: "
+              "use 1, or pipeline.schedule='circular'")
+    if pc.schedule == "circular" and pc.repeats < 2:
+        _fail("pipeline.repeats", pc.repeats, "the circular schedule needs >= 2 chunks per stage")
+    if stages == 1:
+        return
+    if pc.schedule == "circular" and pc.microbatches < stages:
+        _fail("pipeline.microbatches", pc.microbatches,
+              f"the circular schedule needs at least mesh.pipeline={stages} micro-batches")
+    chunks = stages * pc.repeats
+    layers = c.model.num_layers
+    if layers % chunks:
+        below, above = layers - layers % chunks, layers + chunks - layers % chunks
+        options = [str(n) for n in (below, above) if n > 0]
+        repeats = [r for r in range(2, layers + 1) if layers % (stages * r) == 0]
+        hint = f"; or pipeline.repeats in {repeats}" if repeats and pc.schedule == "circular" \
+            else ""
+        _fail("model.num_layers", layers, f"must divide into mesh.pipeline×pipeline.repeats="
+              f"{stages}×{pc.repeats} equal stages: use {' or '.join(options)}{hint}")

@@ -32,7 +32,22 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     ({"model.num_kv_heads": 3}, 1, "model.num_kv_heads=3 is invalid: must divide model.num_heads=8"),
     ({"data.source": "bin"}, 1, "data.path='' is invalid: data.source='bin' needs"),
     ({"model.vocab_size": 100}, 1, "model.vocab_size=100 is invalid: the byte-level stdlib corpus needs >= 256"),
-    ({"mesh.pipeline": 2, "mesh.data": 4}, 8, "mesh.pipeline=2 is invalid: pipeline parallelism is not implemented yet"),
+    ({"mesh.pipeline": 4, "mesh.data": 2, "model.num_layers": 6}, 8,
+     "model.num_layers=6 is invalid: must divide into mesh.pipeline×pipeline.repeats=4×1 "
+     "equal stages: use 4 or 8"),
+    ({"mesh.pipeline": 2, "mesh.data": 4, "pipeline.schedule": "circular",
+      "pipeline.repeats": 2, "model.num_layers": 6}, 8,
+     "model.num_layers=6 is invalid: must divide into mesh.pipeline×pipeline.repeats=2×2 "
+     "equal stages: use 4 or 8; or pipeline.repeats in [3]"),
+    ({"mesh.pipeline": 4, "mesh.data": 2, "pipeline.schedule": "circular",
+      "pipeline.repeats": 2, "pipeline.microbatches": 2, "model.num_layers": 8}, 8,
+     "pipeline.microbatches=2 is invalid: the circular schedule needs at least "
+     "mesh.pipeline=4 micro-batches"),
+    ({"pipeline.repeats": 2}, 1, "pipeline.repeats=2 is invalid: the gpipe schedule has one "
+     "chunk per stage"),
+    ({"mesh.pipeline": 2, "mesh.data": 4, "pipeline.microbatches": 4, "train.global_batch": 8}, 8,
+     "train.global_batch=8 is invalid: each of the 1 micro-batches (8 sequences) must divide "
+     "by mesh.data×mesh.fsdp×pipeline.microbatches=16"),
 ])
 def test_config_errors_name_the_key(overrides, devices, message):
     with pytest.raises(ConfigError) as error:

@@ -67,6 +67,19 @@ class ModelSpec:
     tied_embeddings = property(lambda self: not self.is_llama)
 
 
+# The activations are rematerialised: autodiff of tanh-GELU would keep ~5 B·L·F temporaries
+# per layer for the backward pass (1.5 GB stacked over the scan here), while recomputing these
+# few elementwise ops from the matmul outputs, which are kept anyway, is nearly free.
+@jax.checkpoint
+def _gelu_bias(h_BLF: jax.Array, b_F: jax.Array) -> jax.Array:
+    return jax.nn.gelu(h_BLF + b_F)
+
+
+@jax.checkpoint
+def _swiglu(gate_BLF: jax.Array, h_BLF: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate_BLF) * h_BLF
+
+
 class Mlp(nnx.Module):
     def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
         self.spec = spec
@@ -84,9 +97,9 @@ class Mlp(nnx.Module):
         spec, dt = self.spec, self.spec.compute_dtype
         h_BLF = x_BLD @ self.w_up[...].astype(dt)
         if spec.is_llama:
-            h_BLF = jax.nn.silu(x_BLD @ self.w_gate[...].astype(dt)) * h_BLF
+            h_BLF = _swiglu(x_BLD @ self.w_gate[...].astype(dt), h_BLF)
         else:
-            h_BLF = jax.nn.gelu(h_BLF + self.b_up[...].astype(dt))
+            h_BLF = _gelu_bias(h_BLF, self.b_up[...].astype(dt))
         h_BLF = constrain(h_BLF, ("batch", "length", "mlp"), spec.rules)
         y_BLD = h_BLF @ self.w_down[...].astype(dt)
         if not spec.is_llama:

@@ -1,0 +1,106 @@
+"""Pipeline parallelism inside the one compiled step: GPipe and circular schedules.
+
+The layer stack (L layers, stored in order with its `layers` axis sharded over the `pipeline`
+mesh axis) is viewed as [repeats v, stages p, Lc] with layer (r·p + s)·Lc + l on stage s.
+A rotating buffer holds one micro-batch per stage; each iteration every stage runs its
+current chunk (a vmap over the stage axis, sharded over `pipeline`), then the buffer shifts by
+one stage (jnp.roll on a pipeline-sharded axis: XLA emits a collective-permute). Stage 0
+takes a new micro-batch, or, in the circular schedule, one coming back from the last stage
+for its next repeat. Autodiff through the loop gives the backward pass (activations travel
+back with the transposed permute).
+
+Micro-batch i's repeat r reaches stage s at iteration r·m + i + s, so the loop takes
+v·m + p − 1 iterations of which p − 1 are fill and drain: the bubble (p−1)/(v·m+p−1).
+GPipe is v = 1 (each stage one contiguous block); circular needs m ≥ p so that a micro-batch
+leaving the last stage is stored until stage 0 is free for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.mesh import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSpec:
+    stages: int
+    repeats: int
+    microbatches: int
+
+    @property
+    def iterations(self) -> int:
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        return (self.stages - 1) / self.iterations
+
+
+def bubble_fraction(stages: int, repeats: int, microbatches: int) -> float:
+    return PipelineSpec(stages, repeats, microbatches).bubble
+
+
+def microbatches_for_bubble(stages: int, repeats: int, target: float = 0.1) -> int:
+    """The fewest micro-batches whose bubble is under `target`."""
+    m = 1
+    while bubble_fraction(stages, repeats, m) >= target:
+        m += 1
+    return m
+
+
+def pipeline(stage_fn: Callable, stacked, x_BLD: jax.Array, spec: PipelineSpec,
+             rules) -> jax.Array:
+    """Runs x through all layers of `stacked` (leaves [L, ...]) on the pipeline schedule.
+
+    stage_fn(chunk, x_BLD) applies one chunk of Lc stacked layers (leaves [Lc, ...]).
+    """
+    p, v, m = spec.stages, spec.repeats, spec.microbatches
+    b, length, d = x_BLD.shape
+    mb = b // m
+    layers = jax.tree.leaves(stacked)[0].shape[0]
+    chunk = layers // (p * v)
+    # [L, ...] -> [v, p, Lc, ...]; for GPipe (v = 1) this is a free reshape of the stored
+    # pipeline-sharded layout, for circular a relayout of the weights (see docs).
+    chunks = jax.tree.map(lambda a: a.reshape(v, p, chunk, *a.shape[1:]), stacked)
+    # Micro-batch i takes rows i, i+m, ...: no data moves between devices to split the batch.
+    inputs_MBLD = x_BLD.reshape(mb, m, length, d).swapaxes(0, 1)
+    buffer_axes = ("stage", "batch", "sequence", "embed")
+
+    run_stages = jax.vmap(stage_fn, in_axes=(0, 0), spmd_axis_name="pipeline")
+    stage_ids = jnp.arange(p)
+
+    def iteration(carry, t):
+        buffer_PBLD, stored_MBLD, outputs_MBLD = carry
+        # Stage 0's input: micro-batch t % m, fresh on its first repeat, else stored.
+        i, r = t % m, t // m
+        first = jnp.where(r == 0, inputs_MBLD[i], stored_MBLD[i])
+        buffer_PBLD = buffer_PBLD.at[0].set(first)
+        buffer_PBLD = constrain(buffer_PBLD, buffer_axes, rules)
+        # Every stage runs the chunk of the repeat its micro-batch is on.
+        repeat_P = jnp.clip((t - stage_ids) // m, 0, v - 1)
+        params = jax.tree.map(lambda a: jax.vmap(lambda a_v, r_: a_v[r_], in_axes=(1, 0))(
+            a, repeat_P), chunks) if v > 1 else jax.tree.map(lambda a: a[0], chunks)
+        out_PBLD = run_stages(params, buffer_PBLD)
+        # The last stage finished micro-batch k = t - (p-1) of repeat k // m.
+        k = t - (p - 1)
+        done_i, done_r, valid = k % m, k // m, (k >= 0) & (k < v * m)
+        last = out_PBLD[p - 1]
+        final = valid & (done_r == v - 1)
+        outputs_MBLD = outputs_MBLD.at[done_i].set(
+            jnp.where(final, last, outputs_MBLD[done_i]))
+        if v > 1:
+            stored_MBLD = stored_MBLD.at[done_i].set(
+                jnp.where(valid & ~final, last, stored_MBLD[done_i]))
+        # Shift to the next stage: a collective-permute over the pipeline axis.
+        buffer_PBLD = jnp.roll(out_PBLD, 1, axis=0)
+        return (buffer_PBLD, stored_MBLD, outputs_MBLD), None
+
+    zeros = jnp.zeros((p, mb, length, d), x_BLD.dtype)
+    carry = (zeros, jnp.zeros_like(inputs_MBLD), jnp.zeros_like(inputs_MBLD))
+    (_, _, outputs_MBLD), _ = jax.lax.scan(iteration, carry, jnp.arange(spec.iterations))
+    return outputs_MBLD.swapaxes(0, 1).reshape(b, length, d)
