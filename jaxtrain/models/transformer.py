@@ -12,6 +12,7 @@ from flax import nnx
 from jaxtrain.mesh import active_rules, constrain
 from jaxtrain.models.attention import Attention
 from jaxtrain.models.layers import Norm, param
+from jaxtrain.parallel.pipeline import PipelineSpec, pipeline
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -41,10 +42,16 @@ class ModelSpec:
     param_dtype: Any = jnp.float32
     compute_dtype: Any = jnp.float32
     rules: tuple = ()
+    pipeline: PipelineSpec | None = None  # None: no pipeline axis
 
     @classmethod
-    def from_config(cls, cfg) -> "ModelSpec":
+    def from_config(cls, cfg, pipeline_stages: int = 1) -> "ModelSpec":
+        """pipeline_stages: the resolved size of the mesh's pipeline axis."""
         m = cfg.model
+        pipeline = None
+        if pipeline_stages > 1:
+            pipeline = PipelineSpec(pipeline_stages, cfg.pipeline.repeats,
+                                    cfg.pipeline.microbatches)
         compute = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[cfg.train.precision]
         return cls(
             family=m.family, d_model=m.d_model, num_layers=m.num_layers,
@@ -54,7 +61,8 @@ class ModelSpec:
             remat=m.remat, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
             init_std=m.init_std, compute_dtype=compute,
             rules=active_rules(tuple(tuple(r) for r in cfg.mesh.rules),
-                               cfg.mesh.sequence_parallel))
+                               cfg.mesh.sequence_parallel),
+            pipeline=pipeline)
 
     @property
     def is_llama(self) -> bool:
@@ -157,7 +165,13 @@ class Transformer(nnx.Module):
 
         if spec.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[spec.remat], prevent_cse=False)
-        x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
+        if spec.pipeline is None:
+            x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
+        else:
+            def stage(chunk, x_BLD):
+                return jax.lax.scan(layer, x_BLD, chunk)[0]
+
+            x_BLD = pipeline(stage, stacked, x_BLD, spec.pipeline, spec.rules)
         return constrain(self.final_norm(x_BLD), ("batch", "length", "embed"), spec.rules)
 
     def head(self) -> jax.Array:

@@ -16,6 +16,7 @@ from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.config import ConfigError
 from jaxtrain.data.pipeline import make_batches, to_global
 from jaxtrain.metrics import MetricsWriter, flops_per_token, peak_flops_per_device
+from jaxtrain.parallel.pipeline import microbatches_for_bubble
 from jaxtrain.train.preemption import StopRequest
 from jaxtrain.train.setup import build
 
@@ -140,6 +141,15 @@ def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None)
             f"compiled in {time.perf_counter() - compile_start:.1f}s, peak "
             f"{peak / 1e12:.3g} TFLOP/s per device ({peak_source}), "
             f"{f'resuming at step {start}' if start else 'starting at step 0'}")
+
+        pipe = setup.spec.pipeline
+        if pipe is not None and pipe.bubble > 0.1:
+            writer.print(
+                f"jaxtrain: warning: the pipeline bubble is {pipe.bubble:.1%} of each step "
+                f"({pipe.stages} stages, {pipe.microbatches} micro-batches, {pipe.repeats} "
+                f"repeats); pipeline.microbatches="
+                f"{microbatches_for_bubble(pipe.stages, pipe.repeats)} or more brings it "
+                "under 10%")
 
         def evaluate() -> float:
             return float(np.mean(jax.device_get([eval_step(state.params, b)

@@ -45,8 +45,11 @@ class Setup:
         """jit(train_step) with explicit shardings and donated state; call under the mesh."""
         debug = self.cfg.debug
         nan_steps = (debug.nan_from_step, debug.nan_steps) if debug.nan_from_step >= 0 else None
+        constants = {} if self.spec.pipeline is None else {
+            "pipeline_bubble": self.spec.pipeline.bubble}
         step = make_train_step(self.graphdef, self.optimizer, self.schedule,
-                               self.cfg.train.microbatches, self.spec.rules, nan_steps)
+                               self.cfg.train.microbatches, self.spec.rules, nan_steps,
+                               constants)
         return jit_train_step(step, self.shardings, self.tokens_sharding)
 
     def eval_step(self) -> Callable:
@@ -56,8 +59,9 @@ class Setup:
 def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
     """Validates cfg against the devices (default: all) and builds the run's pieces."""
     devices = list(devices if devices is not None else jax.devices())
-    mesh = make_mesh(validate(cfg, len(devices)), devices, dcn_shape(cfg.mesh))
-    spec = ModelSpec.from_config(cfg)
+    sizes = validate(cfg, len(devices))
+    mesh = make_mesh(sizes, devices, dcn_shape(cfg.mesh))
+    spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"])
     optimizer, schedule = make_optimizer(cfg)
     return Setup(cfg=cfg, mesh=mesh, spec=spec, optimizer=optimizer, schedule=schedule,
                  graphdef=nnx.graphdef(state_lib.abstract_model(spec)),

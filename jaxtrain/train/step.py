@@ -29,8 +29,10 @@ def loss_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT: jax.Array) -> jax.A
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, microbatches: int, rules,
-                    nan_steps: tuple[int, int] | None = None) -> Callable:
-    """The pure step. nan_steps=(first, count) poisons those steps' loss (tests only)."""
+                    nan_steps: tuple[int, int] | None = None,
+                    constants: dict | None = None) -> Callable:
+    """The pure step. nan_steps=(first, count) poisons those steps' loss (tests only);
+    constants are logged with every step's metrics."""
 
     def objective(params, tokens_BT, step):
         loss = loss_fn(params, graphdef, tokens_BT)
@@ -67,7 +69,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
                    "learning_rate": schedule(state.step),
                    # optax.apply_if_finite's counters: all skipped steps, and the current run.
                    "skipped_steps": opt_state.total_notfinite,
-                   "bad_steps_in_a_row": opt_state.notfinite_count}
+                   "bad_steps_in_a_row": opt_state.notfinite_count, **(constants or {})}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step

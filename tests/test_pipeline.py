@@ -1,0 +1,85 @@
+"""Pipeline parallelism (GPipe and circular) trains the same numbers as one device."""
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import small_config
+from helpers import assert_params_close, train_steps
+from jaxtrain.parallel.pipeline import bubble_fraction, microbatches_for_bubble
+from jaxtrain.plan.hlo import collective_bytes
+from jaxtrain.train.setup import build
+
+CASES = {
+    # name: (mesh, schedule, repeats, microbatches, layers)
+    "pp2_gpipe": (dict(pipeline=2, data=4), "gpipe", 1, 2, 8),
+    "pp4_gpipe": (dict(pipeline=4, data=2), "gpipe", 1, 4, 8),
+    "pp8_gpipe": (dict(pipeline=8, data=1), "gpipe", 1, 8, 8),
+    "pp2_fsdp2_tp2_gpipe": (dict(pipeline=2, fsdp=2, tensor=2, data=1), "gpipe", 1, 4, 8),
+    "pp2_circular": (dict(pipeline=2, data=4), "circular", 2, 2, 8),
+    "pp4_circular": (dict(pipeline=4, data=2), "circular", 2, 4, 8),
+    "pp8_circular": (dict(pipeline=8, data=1), "circular", 2, 8, 16),
+    "pp2_fsdp2_tp2_circular": (dict(pipeline=2, fsdp=2, tensor=2, data=1), "circular", 2, 4, 8),
+}
+_references = {}
+
+
+def _config(family, layers, mesh=None, schedule="gpipe", repeats=1, microbatches=4):
+    overrides = {"model.num_layers": layers, "pipeline.schedule": schedule,
+                 "pipeline.repeats": repeats, "pipeline.microbatches": microbatches}
+    overrides.update({f"mesh.{k}": v for k, v in (mesh or {}).items()})
+    return small_config(family, **overrides)
+
+
+def _reference(family, layers, devices):
+    if (family, layers) not in _references:
+        _references[family, layers] = train_steps(_config(family, layers), devices[:1])
+    return _references[family, layers]
+
+
+# Every layout on GPT-2; two representative ones on Llama, to keep the suite short.
+@pytest.mark.parametrize("case,family", [(case, "gpt2") for case in CASES]
+                         + [("pp4_gpipe", "llama"), ("pp2_fsdp2_tp2_circular", "llama")])
+def test_pipeline_matches_single_device(case, family, devices):
+    mesh, schedule, repeats, microbatches, layers = CASES[case]
+    ref_losses, ref_params, _ = _reference(family, layers, devices)
+    cfg = _config(family, layers, mesh, schedule, repeats, microbatches)
+    losses, params, _ = train_steps(cfg, devices)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert_params_close(params, ref_params, rtol=1e-5)
+
+
+def test_pipelined_step_permutes_and_keeps_stages_local(devices):
+    layers, stages = 8, 4
+    cfg = _config("gpt2", layers, dict(pipeline=stages, data=2), microbatches=4)
+    setup = build(cfg, devices)
+    state = setup.abstract_state()
+    w_up = state.params["blocks"]["mlp"]["w_up"]
+    shard = w_up.sharding.shard_shape(w_up.shape)
+    assert shard[0] == layers // stages, "each device holds 1/p of the layer stack"
+    tokens = jax.ShapeDtypeStruct((16, 33), np.int32, sharding=setup.tokens_sharding)
+    with jax.set_mesh(setup.mesh):
+        hlo = setup.train_step().lower(state, tokens).compile().as_text()
+    assert "collective-permute" in hlo
+    traffic = collective_bytes(hlo)
+    assert traffic["collective-permute"] > 0
+    # Gathering the whole stack onto each device would move at least its size per step.
+    stack_bytes = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(state.params["blocks"]))
+    assert traffic["all-gather"] < stack_bytes, traffic
+
+
+def test_bubble_fraction_and_advice():
+    assert bubble_fraction(4, 1, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(4, 2, 8) == pytest.approx(3 / 19)
+    assert microbatches_for_bubble(4, 1) == 28  # 3 / (28 + 3) < 0.1 <= 3 / 30
+    assert bubble_fraction(4, 1, 28) < 0.1 <= bubble_fraction(4, 1, 27)
+
+
+def test_the_step_logs_the_bubble(tmp_path, devices, capfd):
+    from jaxtrain.train.loop import run
+    cfg = _config("gpt2", 4, dict(pipeline=4, data=2), microbatches=4)
+    rows = run(cfg, tmp_path, devices)
+    assert rows[0]["pipeline_bubble"] == pytest.approx(3 / 7)
+    assert ("warning: the pipeline bubble is 42.9% of each step (4 stages, 4 micro-batches, "
+            "1 repeats); pipeline.microbatches=28 or more brings it under 10%"
+            ) in capfd.readouterr().err
