@@ -75,17 +75,23 @@ def test_a_dead_rank_stops_the_job_quickly(tmp_path):
         [sys.executable, "-m", "jaxtrain.launch", "--processes", "2",
          "--devices-per-process", "4", "--", *TINY, *MESH, "--config.steps=100000",
          f"--workdir={tmp_path}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
-    deadline = time.time() + 300
-    while not ((tmp_path / "metrics.jsonl").exists() and _losses(tmp_path)):
-        assert time.time() < deadline and launcher.poll() is None
-        time.sleep(0.2)
-    pattern = f"jaxtrain.main .*--workdir={tmp_path} .*--process_id=1"
-    rank1 = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
-    assert len(rank1) == 1
-    os.kill(int(rank1[0]), signal.SIGKILL)
-    killed_at = time.time()
-    _, err = launcher.communicate(timeout=120)
-    assert time.time() - killed_at < 60
-    assert launcher.returncode != 0
-    assert "jaxtrain.launch: rank 1 failed with exit status -9; stopping the other ranks" in err
+        text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not ((tmp_path / "metrics.jsonl").exists() and _losses(tmp_path)):
+            assert time.time() < deadline and launcher.poll() is None
+            time.sleep(0.2)
+        pattern = f"jaxtrain.main .*--workdir={tmp_path} .*--process_id=1"
+        rank1 = subprocess.run(["pgrep", "-f", pattern], capture_output=True,
+                               text=True).stdout.split()
+        assert len(rank1) == 1
+        os.kill(int(rank1[0]), signal.SIGKILL)
+        killed_at = time.time()
+        _, err = launcher.communicate(timeout=120)
+        assert time.time() - killed_at < 60
+        assert launcher.returncode != 0
+        assert ("jaxtrain.launch: rank 1 failed with exit status -9; stopping the other ranks"
+                in err)
+    finally:  # never leave a 100000-step job behind
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
