@@ -92,6 +92,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.microbatches = 1
     c.train.precision = "float32"
     c.train.max_consecutive_bad_steps = 5  # non-finite steps in a row before the run stops
+    c.train.mfu_floor = 0.0  # warn when a logged step's MFU is below this; 0: never
+
+    # A jax.profiler trace (TensorBoard/Perfetto) of steps [start_step, start_step+num_steps)
+    # and a device memory profile, in WORKDIR/profile; start_step -1: none.
+    c.profile = ml_collections.ConfigDict()
+    c.profile.start_step = -1
+    c.profile.num_steps = 3
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.lr = 3e-4
@@ -222,6 +229,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
     for key, low in (("every_steps", 0), ("keep", 1), ("keep_period", 0)):
         if c.checkpoint[key] < low:
             _fail(f"checkpoint.{key}", c.checkpoint[key], f"must be >= {low}")
+    if c.profile.num_steps < 1:
+        _fail("profile.num_steps", c.profile.num_steps, "must be >= 1")
     if c.train.max_consecutive_bad_steps < 1:
         _fail("train.max_consecutive_bad_steps", c.train.max_consecutive_bad_steps,
               "must be >= 1")

@@ -18,6 +18,7 @@ from jaxtrain.data.pipeline import make_batches, to_global
 from jaxtrain.metrics import MetricsWriter, flops_per_token, peak_flops_per_device
 from jaxtrain.parallel.pipeline import microbatches_for_bubble
 from jaxtrain.train.preemption import StopRequest
+from jaxtrain.train.profiling import DATA_WAIT_WARNING, DataClock, ProfileWindow
 from jaxtrain.train.setup import build
 
 # Config keys that fix the shapes and structure of the checkpointed state.
@@ -35,16 +36,20 @@ class StepLogger:
     and turns the wall time between fetches into step time, tokens/s and MFU."""
 
     def __init__(self, writer: MetricsWriter, tokens_per_step: int, flops_per_token: float,
-                 peak_flops: float):
+                 peak_flops: float, mfu_floor: float = 0.0):
         self.writer, self.tokens_per_step = writer, tokens_per_step
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.mfu_floor = mfu_floor
+        self.data = DataClock()
         self.pending = None
         self.rows: list[dict] = []
+        self.warned: set[str] = set()
         self.restart_clock(0)
 
     def restart_clock(self, step: int) -> None:
         """Time from here: called after work (eval, checkpoint) that is not a train step."""
         self.clock_time, self.clock_step = time.perf_counter(), step
+        self.data.take()
 
     def push(self, step: int, metrics: dict) -> None:
         self.flush()
@@ -57,14 +62,32 @@ class StepLogger:
         self.pending = None
         row = {"step": step, **{k: _number(v) for k, v in jax.device_get(metrics).items()}}
         now = time.perf_counter()
-        step_time = (now - self.clock_time) / max(step - self.clock_step, 1)
+        steps = max(step - self.clock_step, 1)
+        step_time = (now - self.clock_time) / steps
         self.clock_time, self.clock_step = now, step
         row["step_time_s"] = step_time
+        row["data_wait_s"] = min(self.data.take() / steps, step_time)
+        row["device_time_s"] = step_time - row["data_wait_s"]
         row["tokens_per_s"] = self.tokens_per_step / step_time
         row["mfu"] = self.flops_per_token * row["tokens_per_s"] / self.peak_flops
         row.update(extra)
         self.writer.write(step, row)
+        if self.rows:  # the first interval includes warm-up: judge from the second on
+            self._warn_once(row)
         self.rows.append(row)
+
+    def _warn_once(self, row: dict) -> None:
+        waiting = row["data_wait_s"] / row["step_time_s"]
+        if waiting > DATA_WAIT_WARNING and "data" not in self.warned:
+            self.warned.add("data")
+            self.writer.print(f"jaxtrain: warning: waiting for data took {waiting:.1%} of "
+                              f"step {row['step']}'s time (over {DATA_WAIT_WARNING:.0%}): the "
+                              "input pipeline is a bottleneck; raise data.prefetch")
+        if row["mfu"] < self.mfu_floor and "mfu" not in self.warned:
+            self.warned.add("mfu")
+            self.writer.print(f"jaxtrain: warning: MFU {row['mfu']:.3f} at step {row['step']} "
+                              f"is under train.mfu_floor={self.mfu_floor}; profile it with "
+                              "--config.profile.start_step")
 
 
 def _number(value):
@@ -163,12 +186,19 @@ def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None)
         if start == 0:
             writer.write(0, {"val_loss": evaluate()})
         logger = StepLogger(writer, cfg.train.global_batch * cfg.model.seq_len,
-                            flops_per_token(setup.spec), peak * devices_used)
+                            flops_per_token(setup.spec), peak * devices_used,
+                            cfg.train.mfu_floor)
         logger.restart_clock(start)
         data = batches.train_iter(start)
+        profile = ProfileWindow(workdir, cfg.profile.start_step, cfg.profile.num_steps,
+                                enabled=main_process)
         previous = None  # (step, metrics) of the step before, checked once this one runs
         for step in range(start, cfg.steps):
-            state, metrics = train_step(state, to_global(next(data), setup.tokens_sharding))
+            tokens = logger.data.timed(lambda: to_global(next(data), setup.tokens_sharding))
+            profile.before_step(step)
+            state, metrics = train_step(state, tokens)
+            if message := profile.after_step(step, metrics):
+                writer.print(message)
             done = step + 1
             logger.flush()
             if previous is not None:
