@@ -1,13 +1,20 @@
 """Throughput, MFU and compiled memory of one config's train step (compile excluded).
 
     python scripts/bench.py --config configs/bench_cpu.py [--config.KEY=VALUE ...] [--json]
+    python scripts/bench.py --config configs/bench_cpu.py --sweep [--attentions=xla,chunked]
+        [--remats=none,full] [--precisions=float32,bfloat16]
 
 MFU is model FLOPs/s (jaxtrain.metrics.flops_per_token) over the devices' peak: on CPU a
-jitted 2048×2048 matmul measured in this same process, on known accelerators the datasheet.
+jitted 2048×2048 matmul measured in this same process, on known accelerators the datasheet
+(and, as `mfu_vs_measured`, an 8192² matmul in the compute dtype measured in this process).
+--sweep benchmarks every combination of attention × remat × precision and prints a table
+(tokens/s, MFU, XLA memory per device) and, with --json, one JSON object per line.
 """
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
 import sys
 import time
@@ -18,6 +25,11 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
 _STEPS = flags.DEFINE_integer("steps", 5, "Timed steps (after 2 warm-up steps).")
+_SWEEP = flags.DEFINE_bool("sweep", False, "Benchmark attention × remat × precision.")
+_ATTENTIONS = flags.DEFINE_list("attentions", None, "Sweep: attention implementations "
+                                "(default: all that run on this backend).")
+_REMATS = flags.DEFINE_list("remats", None, "Sweep: remat policies (default: all).")
+_PRECISIONS = flags.DEFINE_list("precisions", None, "Sweep: precision policies (default: all).")
 flags.mark_flags_as_required(["config"])
 
 
@@ -26,7 +38,9 @@ def bench(cfg, steps: int) -> dict:
     import numpy as np
 
     from jaxtrain.data.pipeline import make_batches, to_global
-    from jaxtrain.metrics import flops_per_token, peak_flops_per_device
+    import jax.numpy as jnp
+
+    from jaxtrain.metrics import flops_per_token, measure_matmul_peak, peak_flops_per_device
     from jaxtrain.train.setup import build
 
     setup = build(cfg)
@@ -49,6 +63,10 @@ def bench(cfg, steps: int) -> dict:
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - t0)
     peak, peak_source = peak_flops_per_device(cfg.train.precision)
+    measured = None
+    if jax.devices()[0].platform != "cpu":
+        dtype = jnp.bfloat16 if cfg.train.precision != "float32" else jnp.float32
+        measured = measure_matmul_peak(dtype, n=8192)
     step_time = float(np.median(times))
     tokens_per_s = cfg.train.global_batch * cfg.model.seq_len / step_time
     model_flops = flops_per_token(spec) * tokens_per_s
@@ -64,6 +82,11 @@ def bench(cfg, steps: int) -> dict:
         "peak_tflops_per_device": peak / 1e12,
         "peak_source": peak_source,
         "mfu": model_flops / (peak * jax.device_count()),
+        "mfu_vs_measured": (model_flops / (measured * jax.device_count())
+                            if measured else None),
+        "attention": cfg.model.attention,
+        "remat": cfg.model.remat,
+        "precision": cfg.train.precision,
         "compile_s": compile_s,
         "memory_argument_bytes": int(memory.argument_size_in_bytes),
         "memory_output_bytes": int(memory.output_size_in_bytes),
@@ -72,8 +95,51 @@ def bench(cfg, steps: int) -> dict:
     }
 
 
+def sweep(cfg, steps: int) -> list[dict]:
+    import jax
+
+    from jaxtrain import config as config_lib
+
+    attentions = _ATTENTIONS.value or [
+        a for a in config_lib.ATTENTIONS
+        if a not in ("cudnn", "pallas") or jax.devices()[0].platform == "gpu"]
+    rows = []
+    for attention, remat, precision in itertools.product(
+            attentions, _REMATS.value or config_lib.REMATS,
+            _PRECISIONS.value or config_lib.PRECISIONS):
+        variant = copy.deepcopy(cfg)
+        variant.model.attention, variant.model.remat = attention, remat
+        variant.train.precision = precision
+        try:
+            rows.append(bench(variant, steps))
+        except Exception as e:  # noqa: BLE001 - one failing combination is a result too
+            rows.append({"attention": attention, "remat": remat, "precision": precision,
+                         "error": str(e).splitlines()[0][:200]})
+        if _JSON.value:
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| attention | remat | precision | tokens/s | step s | MFU | args MiB | temp MiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['attention']} | {r['remat']} | {r['precision']} | error: "
+                  f"{r['error']} | | | | |")
+            continue
+        print(f"| {r['attention']} | {r['remat']} | {r['precision']} | "
+              f"{r['tokens_per_s']:.4g} | {r['step_time_s']:.3g} | {r['mfu']:.3f} | "
+              f"{r['memory_argument_bytes'] / 2**20:.0f} | {r['memory_temp_bytes'] / 2**20:.0f} |")
+
+
 def main(argv) -> None:
     del argv
+    if _SWEEP.value:
+        rows = sweep(_CONFIG.value, _STEPS.value)
+        if not _JSON.value:
+            print_table(rows)
+        return
     result = bench(_CONFIG.value, _STEPS.value)
     if _JSON.value:
         print(json.dumps(result))
