@@ -1,0 +1,73 @@
+"""grain pipelines: per-process batches addressed by step, assembled into global arrays.
+
+The batch of step s is a pure function of (seed, s): item s of a shuffled, repeated, batched
+MapDataset. A run that resumes at step s therefore reads exactly the batches an uninterrupted
+run would have, with nothing to checkpoint but the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import grain
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxtrain.data.sources import DataError, SyntheticWindows, TokenWindows, token_splits
+
+__all__ = ["Batches", "DataError", "make_batches"]
+
+
+@dataclasses.dataclass
+class Batches:
+    """The run's data: a train stream from any step and a fixed list of validation batches."""
+
+    train_source: object
+    val_source: object
+    global_batch: int
+    seed: int
+    prefetch: int
+    eval_batches: int
+
+    @property
+    def local_batch(self) -> int:
+        return self.global_batch // jax.process_count()
+
+    def train_iter(self, start_step: int) -> Iterator[np.ndarray]:
+        """This process's slices of the global batches of steps start_step, start_step+1, ..."""
+        count, index = jax.process_count(), jax.process_index()
+        ds = (grain.MapDataset.source(self.train_source)
+              .repeat(None)
+              .shuffle(seed=self.seed)
+              .batch(self.local_batch, drop_remainder=True))
+        ds = ds[start_step * count + index::count]
+        options = grain.ReadOptions(num_threads=2, prefetch_buffer_size=self.prefetch)
+        return iter(ds.to_iter_dataset(options))
+
+    def val_batches(self) -> list[np.ndarray]:
+        count, index = jax.process_count(), jax.process_index()
+        ds = grain.MapDataset.source(self.val_source).repeat(None)
+        ds = ds.batch(self.local_batch, drop_remainder=True)[index::count]
+        return [ds[i] for i in range(self.eval_batches)]
+
+
+def make_batches(cfg) -> Batches:
+    seq, vocab = cfg.model.seq_len, cfg.model.vocab_size
+    if cfg.train.global_batch % jax.process_count():
+        raise DataError(f"train.global_batch={cfg.train.global_batch} must divide by the "
+                        f"{jax.process_count()} processes")
+    if cfg.data.source == "synthetic":
+        train = SyntheticWindows(vocab, seq, cfg.seed)
+        val = SyntheticWindows(vocab, seq, cfg.seed + 1, size=cfg.eval_batches * cfg.train.global_batch)
+    else:
+        train_tokens, val_tokens = token_splits(cfg.data, vocab)
+        train = TokenWindows(train_tokens, seq, f"the training split of data.source={cfg.data.source!r}")
+        val = TokenWindows(val_tokens, seq, f"the validation split of data.source={cfg.data.source!r}")
+    return Batches(train, val, cfg.train.global_batch, cfg.seed, cfg.data.prefetch,
+                   cfg.eval_batches)
+
+
+def to_global(local_batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    return jax.make_array_from_process_local_data(sharding, local_batch)
