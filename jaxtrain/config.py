@@ -12,7 +12,7 @@ import math
 import ml_collections
 
 FAMILIES = ("gpt2", "llama")
-ATTENTIONS = ("xla",)
+ATTENTIONS = ("xla", "chunked", "cudnn")
 REMATS = ("none", "full", "save_dots")
 PRECISIONS = ("float32", "bfloat16")
 SCHEDULES = ("cosine", "linear", "constant")
@@ -201,6 +201,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
     _choice(c, "train.precision", PRECISIONS)
     _choice(c, "optimizer.schedule", SCHEDULES)
     _choice(c, "data.source", SOURCES)
+    if m.attention == "cudnn" and c.train.precision == "float32":
+        _fail("model.attention", m.attention, "cuDNN flash attention needs "
+              "train.precision=bfloat16; use xla or chunked for float32")
     if c.data.dtype not in ("uint16", "uint32"):
         _fail("data.dtype", c.data.dtype, "valid values are uint16, uint32")
     for key in ("d_model", "num_layers", "num_heads", "mlp_dim", "vocab_size", "seq_len"):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU-side checks in one go, for whenever a machine with an NVIDIA GPU is at hand:
 #   bash scripts/gpu_check.sh [OUT_DIR]
-# - bf16 MFU of configs/llama_1b.py at seq 2048 on one GPU, with xla and cudnn attention
+# - bf16 MFU of configs/llama_1b.py at seq 2048 on one GPU, with cudnn, xla and chunked attention
 # - fp8 (e4m3) vs bf16 matmul throughput (the ceiling for fp8 training)
 # - gpt2_124m throughput on one GPU
 # Each result is one JSON line in OUT_DIR/gpu_results.jsonl (default ./gpu_results).
@@ -15,13 +15,13 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT_DIR/nvidia_smi.txt"
 python -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
 
-python scripts/matmul_peak.py >> "$RESULTS" || echo '{"check": "matmul_peak", "error": true}' >> "$RESULTS"
-for attention in xla cudnn; do
-  python scripts/bench.py --config configs/llama_1b.py --json --steps 5 \
+timeout 120 python scripts/matmul_peak.py >> "$RESULTS" || echo '{"check": "matmul_peak", "error": true}' >> "$RESULTS"
+for attention in cudnn xla chunked; do
+  timeout 240 python scripts/bench.py --config configs/llama_1b.py --json --steps 5 \
     --config.model.attention=$attention >> "$RESULTS" \
     || echo "{\"check\": \"llama_1b\", \"attention\": \"$attention\", \"error\": true}" >> "$RESULTS"
 done
-python scripts/bench.py --config configs/gpt2_124m.py --json --steps 5 \
+timeout 240 python scripts/bench.py --config configs/gpt2_124m.py --json --steps 5 \
   --config.data.source=synthetic --config.train.global_batch=32 --config.train.microbatches=1 \
   --config.model.attention=cudnn >> "$RESULTS" \
   || echo '{"check": "gpt2_124m", "error": true}' >> "$RESULTS"

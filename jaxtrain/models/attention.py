@@ -31,9 +31,16 @@ def xla_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array) -> ja
     return out_BLGRK.reshape(b, length, heads, head_dim)
 
 
+def cudnn_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array) -> jax.Array:
+    """cuDNN's fused flash attention (NVIDIA GPUs, bf16/fp16); q arrives pre-scaled."""
+    return jax.nn.dot_product_attention(q_BLHK, k_BMGK, v_BMGK, scale=1.0, is_causal=True,
+                                        implementation="cudnn")
+
+
 # "chunked" computes the same function (to float32 reassociation) with half the score
 # FLOPs and no L×L buffers kept for the backward pass; see chunked_attention.py.
-ATTENTION: dict[str, Callable] = {"xla": xla_attention, "chunked": chunked_attention}
+ATTENTION: dict[str, Callable] = {"xla": xla_attention, "chunked": chunked_attention,
+                                  "cudnn": cudnn_attention}
 
 
 class Attention(nnx.Module):

@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxtrain.config import dcn_shape, validate
+from jaxtrain.config import ConfigError, dcn_shape, validate
 from jaxtrain.mesh import make_mesh
 from jaxtrain.models import ModelSpec
 from jaxtrain.optim import make_optimizer
@@ -60,6 +60,9 @@ def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
     """Validates cfg against the devices (default: all) and builds the run's pieces."""
     devices = list(devices if devices is not None else jax.devices())
     sizes = validate(cfg, len(devices))
+    if cfg.model.attention == "cudnn" and devices[0].platform != "gpu":
+        raise ConfigError(f"model.attention='cudnn' is invalid: cuDNN needs NVIDIA GPUs and "
+                          f"this run has {devices[0].platform} devices; use xla or chunked")
     mesh = make_mesh(sizes, devices, dcn_shape(cfg.mesh))
     spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"])
     optimizer, schedule = make_optimizer(cfg)
