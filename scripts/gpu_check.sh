@@ -12,17 +12,21 @@ mkdir -p "$OUT_DIR"
 RESULTS="$OUT_DIR/gpu_results.jsonl"
 : > "$RESULTS"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
+PY=${PYTHON:-python}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT_DIR/nvidia_smi.txt"
-python -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
+$PY -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
 
-timeout 120 python scripts/matmul_peak.py >> "$RESULTS" || echo '{"check": "matmul_peak", "error": true}' >> "$RESULTS"
-for attention in cudnn xla chunked; do
-  timeout 240 python scripts/bench.py --config configs/llama_1b.py --json --steps 5 \
-    --config.model.attention=$attention >> "$RESULTS" \
-    || echo "{\"check\": \"llama_1b\", \"attention\": \"$attention\", \"error\": true}" >> "$RESULTS"
-done
-timeout 240 python scripts/bench.py --config configs/gpt2_124m.py --json --steps 5 \
+timeout 60 $PY scripts/matmul_peak.py >> "$RESULTS" || echo '{"check": "matmul_peak", "error": true}' >> "$RESULTS"
+bench_llama() {
+  timeout 140 $PY scripts/bench.py --config configs/llama_1b.py --json --steps 5 \
+    --config.model.attention=$1 >> "$RESULTS" \
+    || echo "{\"check\": \"llama_1b\", \"attention\": \"$1\", \"error\": true}" >> "$RESULTS"
+}
+bench_llama cudnn
+bench_llama xla
+timeout 100 $PY scripts/bench.py --config configs/gpt2_124m.py --json --steps 5 \
   --config.data.source=synthetic --config.train.global_batch=32 --config.train.microbatches=1 \
   --config.model.attention=cudnn >> "$RESULTS" \
   || echo '{"check": "gpt2_124m", "error": true}' >> "$RESULTS"
+bench_llama chunked
 cat "$RESULTS"
