@@ -43,7 +43,8 @@ class Checkpoints:
     def save(self, step: int, state: TrainState, config: dict) -> None:
         """Starts an async save (the device-to-host copy happens before this returns)."""
         self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config)), force=True)
+            state=ocp.args.StandardSave(_as_tree(state)), config=ocp.args.JsonSave(config)),
+            force=True)
         self._write_manifests()
 
     def wait(self) -> None:
@@ -102,8 +103,9 @@ class Checkpoints:
 
     def restore(self, step: int, target: TrainState) -> TrainState:
         """Restores into `target`'s shapes and shardings (any mesh: orbax reshards)."""
-        return self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target))).state
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(_as_tree(target)))).state
+        return TrainState(**restored)
 
     def _restore_config(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(
@@ -146,6 +148,15 @@ class Checkpoints:
             if actual != size:
                 return f"{path} is truncated ({actual} of {size} bytes)"
         return None
+
+
+def _as_tree(state: TrainState) -> dict:
+    """The checkpointed tree: absent fields (loss_scale outside float16) are left out,
+    since orbax cannot restore into a None."""
+    tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+    if state.loss_scale is not None:
+        tree["loss_scale"] = state.loss_scale
+    return tree
 
 
 def _first_line(error: Exception) -> str:

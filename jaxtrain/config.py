@@ -12,9 +12,9 @@ import math
 import ml_collections
 
 FAMILIES = ("gpt2", "llama")
-ATTENTIONS = ("xla", "chunked", "cudnn")
+ATTENTIONS = ("auto", "xla", "chunked", "cudnn")
 REMATS = ("none", "full", "save_dots")
-PRECISIONS = ("float32", "bfloat16")
+PRECISIONS = ("float32", "bfloat16", "float16")
 SCHEDULES = ("cosine", "linear", "constant")
 SOURCES = ("stdlib", "bin", "synthetic")
 PIPELINE_SCHEDULES = ("gpipe", "circular")
@@ -81,7 +81,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.mlp_dim = 512
     c.model.vocab_size = 256
     c.model.seq_len = 128
-    c.model.attention = "xla"
+    c.model.attention = "auto"  # cudnn on NVIDIA GPUs in bf16/fp16, else chunked
     c.model.remat = "none"
     c.model.rope_theta = 10000.0
     c.model.norm_eps = 1e-5
@@ -93,6 +93,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.precision = "float32"
     c.train.max_consecutive_bad_steps = 5  # non-finite steps in a row before the run stops
     c.train.mfu_floor = 0.0  # warn when a logged step's MFU is below this; 0: never
+    # float16 only: dynamic loss scaling, doubled after this many finite steps in a row.
+    c.train.loss_scale_init = 2.0**15
+    c.train.loss_scale_period = 2000
 
     # A jax.profiler trace (TensorBoard/Perfetto) of steps [start_step, start_step+num_steps)
     # and a device memory profile, in WORKDIR/profile; start_step -1: none.
@@ -232,6 +235,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
     for key, low in (("every_steps", 0), ("keep", 1), ("keep_period", 0)):
         if c.checkpoint[key] < low:
             _fail(f"checkpoint.{key}", c.checkpoint[key], f"must be >= {low}")
+    if c.train.loss_scale_init <= 0 or c.train.loss_scale_period < 1:
+        _fail("train.loss_scale_init", c.train.loss_scale_init, "loss_scale_init must be > 0 "
+              "and loss_scale_period >= 1")
     if c.profile.num_steps < 1:
         _fail("profile.num_steps", c.profile.num_steps, "must be >= 1")
     if c.train.max_consecutive_bad_steps < 1:

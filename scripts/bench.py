@@ -84,7 +84,7 @@ def bench(cfg, steps: int) -> dict:
         "mfu": model_flops / (peak * jax.device_count()),
         "mfu_vs_measured": (model_flops / (measured * jax.device_count())
                             if measured else None),
-        "attention": cfg.model.attention,
+        "attention": spec.attention,
         "remat": cfg.model.remat,
         "precision": cfg.train.precision,
         "compile_s": compile_s,
@@ -101,8 +101,8 @@ def sweep(cfg, steps: int) -> list[dict]:
     from jaxtrain import config as config_lib
 
     attentions = _ATTENTIONS.value or [
-        a for a in config_lib.ATTENTIONS
-        if a not in ("cudnn", "pallas") or jax.devices()[0].platform == "gpu"]
+        a for a in config_lib.ATTENTIONS if a != "auto"
+        and (a not in ("cudnn", "pallas") or jax.devices()[0].platform == "gpu")]
     rows = []
     for attention, remat, precision in itertools.product(
             attentions, _REMATS.value or config_lib.REMATS,

@@ -75,10 +75,10 @@ def pipeline(stage_fn: Callable, stacked, x_BLD: jax.Array, spec: PipelineSpec,
     stage_ids = jnp.arange(p)
 
     def iteration(carry, t):
-        buffer_PBLD, stored_MBLD, outputs_MBLD = carry
+        buffer_PBLD, stored_MBLD = carry
         # Stage 0's input: micro-batch t % m, fresh on its first repeat, else stored.
         i, r = t % m, t // m
-        first = jnp.where(r == 0, inputs_MBLD[i], stored_MBLD[i])
+        first = inputs_MBLD[i] if v == 1 else jnp.where(r == 0, inputs_MBLD[i], stored_MBLD[i])
         buffer_PBLD = buffer_PBLD.at[0].set(first)
         buffer_PBLD = constrain(buffer_PBLD, buffer_axes, rules)
         # Every stage runs the chunk of the repeat its micro-batch is on.
@@ -86,21 +86,23 @@ def pipeline(stage_fn: Callable, stacked, x_BLD: jax.Array, spec: PipelineSpec,
         params = jax.tree.map(lambda a: jax.vmap(lambda a_v, r_: a_v[r_], in_axes=(1, 0))(
             a, repeat_P), chunks) if v > 1 else jax.tree.map(lambda a: a[0], chunks)
         out_PBLD = run_stages(params, buffer_PBLD)
-        # The last stage finished micro-batch k = t - (p-1) of repeat k // m.
-        k = t - (p - 1)
-        done_i, done_r, valid = k % m, k // m, (k >= 0) & (k < v * m)
+        # The last stage finished micro-batch k = t - (p-1) of repeat k // m: emitted as this
+        # iteration's output (not carried, which would keep a copy per iteration for the
+        # backward pass), and stored for its next repeat in the circular schedule.
         last = out_PBLD[p - 1]
-        final = valid & (done_r == v - 1)
-        outputs_MBLD = outputs_MBLD.at[done_i].set(
-            jnp.where(final, last, outputs_MBLD[done_i]))
         if v > 1:
+            k = t - (p - 1)
+            done_i, valid = k % m, (k >= 0) & (k < (v - 1) * m)
             stored_MBLD = stored_MBLD.at[done_i].set(
-                jnp.where(valid & ~final, last, stored_MBLD[done_i]))
+                jnp.where(valid, last, stored_MBLD[done_i]))
         # Shift to the next stage: a collective-permute over the pipeline axis.
         buffer_PBLD = jnp.roll(out_PBLD, 1, axis=0)
-        return (buffer_PBLD, stored_MBLD, outputs_MBLD), None
+        return (buffer_PBLD, stored_MBLD), last
 
     zeros = jnp.zeros((p, mb, length, d), x_BLD.dtype)
-    carry = (zeros, jnp.zeros_like(inputs_MBLD), jnp.zeros_like(inputs_MBLD))
-    (_, _, outputs_MBLD), _ = jax.lax.scan(iteration, carry, jnp.arange(spec.iterations))
+    # Only the circular schedule needs to store micro-batches between repeats.
+    stored = jnp.zeros_like(inputs_MBLD) if v > 1 else jnp.zeros((m, 0, length, d), x_BLD.dtype)
+    _, emitted_TBLD = jax.lax.scan(iteration, (zeros, stored), jnp.arange(spec.iterations))
+    # Micro-batch i's last repeat leaves the last stage at iteration (v-1)·m + i + p - 1.
+    outputs_MBLD = emitted_TBLD[(v - 1) * m + p - 1:]
     return outputs_MBLD.swapaxes(0, 1).reshape(b, length, d)

@@ -159,7 +159,8 @@ def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None)
         compile_start = time.perf_counter()
         train_step = setup.train_step().lower(state, val_batches[0]).compile()
         writer.print(
-            f"jaxtrain: {cfg.model.family} {cfg.model.num_layers}x{cfg.model.d_model}, mesh "
+            f"jaxtrain: {cfg.model.family} {cfg.model.num_layers}x{cfg.model.d_model}, "
+            f"{setup.spec.attention} attention, mesh "
             f"{dict(setup.mesh.shape)} on {devices_used} {jax.devices()[0].platform} devices, "
             f"compiled in {time.perf_counter() - compile_start:.1f}s, peak "
             f"{peak / 1e12:.3g} TFLOP/s per device ({peak_source}), "

@@ -35,11 +35,13 @@ class Setup:
 
     def init_state(self) -> state_lib.TrainState:
         """A fresh train state, born in its shards."""
-        return state_lib.init_state(self.spec, self.optimizer, self.shardings, self.cfg.seed)
+        return state_lib.init_state(self.spec, self.optimizer, self.shardings, self.cfg.seed,
+                                    loss_scale_init(self.cfg))
 
     def abstract_state(self) -> state_lib.TrainState:
         """Shapes, dtypes and shardings of the state, for restoring a checkpoint into."""
-        return state_lib.abstract_state(self.spec, self.optimizer, self.shardings)
+        return state_lib.abstract_state(self.spec, self.optimizer, self.shardings,
+                                        loss_scale_init(self.cfg))
 
     def train_step(self) -> Callable:
         """jit(train_step) with explicit shardings and donated state; call under the mesh."""
@@ -49,11 +51,16 @@ class Setup:
             "pipeline_bubble": self.spec.pipeline.bubble}
         step = make_train_step(self.graphdef, self.optimizer, self.schedule,
                                self.cfg.train.microbatches, self.spec.rules, nan_steps,
-                               constants)
+                               constants, self.cfg.train.loss_scale_period)
         return jit_train_step(step, self.shardings, self.tokens_sharding)
 
     def eval_step(self) -> Callable:
         return jit_eval_step(self.graphdef, self.shardings.params, self.tokens_sharding)
+
+
+def loss_scale_init(cfg) -> float | None:
+    """The initial dynamic loss scale: float16 compute only."""
+    return cfg.train.loss_scale_init if cfg.train.precision == "float16" else None
 
 
 def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
@@ -64,9 +71,11 @@ def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
         raise ConfigError(f"model.attention='cudnn' is invalid: cuDNN needs NVIDIA GPUs and "
                           f"this run has {devices[0].platform} devices; use xla or chunked")
     mesh = make_mesh(sizes, devices, dcn_shape(cfg.mesh))
-    spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"])
+    spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"],
+                                 platform=devices[0].platform)
     optimizer, schedule = make_optimizer(cfg)
     return Setup(cfg=cfg, mesh=mesh, spec=spec, optimizer=optimizer, schedule=schedule,
                  graphdef=nnx.graphdef(state_lib.abstract_model(spec)),
-                 shardings=state_lib.state_shardings(spec, optimizer, mesh),
+                 shardings=state_lib.state_shardings(spec, optimizer, mesh,
+                                                     loss_scale_init(cfg)),
                  tokens_sharding=batch_sharding(mesh, spec.rules))

@@ -16,10 +16,27 @@ from jaxtrain.models import ModelSpec, Transformer
 
 
 @struct.dataclass
+class LossScale:
+    """Dynamic loss scaling for float16 compute (as torch's GradScaler): the loss is
+    multiplied by `scale` before differentiation; an overflow halves it (and the step is
+    skipped), `period` good steps in a row double it."""
+
+    scale: jax.Array  # float32
+    good_steps: jax.Array  # int32, finite steps since the last change
+
+    def update(self, finite: jax.Array, period: int) -> "LossScale":
+        good = jnp.where(finite, self.good_steps + 1, 0)
+        grow = good >= period
+        scale = jnp.where(finite, jnp.where(grow, self.scale * 2, self.scale), self.scale / 2)
+        return LossScale(scale=scale, good_steps=jnp.where(grow, 0, good))
+
+
+@struct.dataclass
 class TrainState:
     step: jax.Array
     params: dict  # pure nested dict of arrays, the model's nnx.Param values
     opt_state: Any
+    loss_scale: LossScale | None = None  # float16 precision only
 
 
 def abstract_model(spec: ModelSpec) -> Transformer:
@@ -36,38 +53,41 @@ def param_shardings(model: Transformer, mesh: Mesh, rules) -> dict:
 
 
 def _create_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
-                  key: jax.Array) -> TrainState:
+                  loss_scale: float | None, key: jax.Array) -> TrainState:
     params = nnx.to_pure_dict(nnx.state(Transformer(spec, rngs=nnx.Rngs(key)), nnx.Param))
+    scale = None if loss_scale is None else LossScale(
+        scale=jnp.asarray(loss_scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32))
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=optimizer.init(params))
+                      opt_state=optimizer.init(params), loss_scale=scale)
 
 
 def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,
-                    mesh: Mesh) -> TrainState:
+                    mesh: Mesh, loss_scale: float | None = None) -> TrainState:
     """Shardings of the whole train state: optimizer moments mirror their parameters."""
     replicated = NamedSharding(mesh, P())
     params = param_shardings(abstract_model(spec), mesh, spec.rules)
-    shapes = jax.eval_shape(functools.partial(_create_state, spec, optimizer),
+    shapes = jax.eval_shape(functools.partial(_create_state, spec, optimizer, loss_scale),
                             jax.random.key(0))
     opt = optax.tree_map_params(optimizer, lambda _, sharding: sharding, shapes.opt_state,
                                 params, transform_non_params=lambda _: replicated,
                                 is_leaf=lambda x: isinstance(x, NamedSharding))
-    return TrainState(step=replicated, params=params, opt_state=opt)
+    scale = None if loss_scale is None else LossScale(replicated, replicated)
+    return TrainState(step=replicated, params=params, opt_state=opt, loss_scale=scale)
 
 
 def init_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
-               shardings: TrainState, seed: int) -> TrainState:
+               shardings: TrainState, seed: int, loss_scale: float | None = None) -> TrainState:
     """The state created directly in its shards by one jit: no device holds it whole."""
     mesh = shardings.step.mesh
     with jax.set_mesh(mesh):
-        return jax.jit(functools.partial(_create_state, spec, optimizer),
+        return jax.jit(functools.partial(_create_state, spec, optimizer, loss_scale),
                        out_shardings=shardings)(jax.random.key(seed))
 
 
 def abstract_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
-                   shardings: TrainState) -> TrainState:
+                   shardings: TrainState, loss_scale: float | None = None) -> TrainState:
     """ShapeDtypeStructs with shardings, for restoring a checkpoint straight into shards."""
-    shapes = jax.eval_shape(functools.partial(_create_state, spec, optimizer),
+    shapes = jax.eval_shape(functools.partial(_create_state, spec, optimizer, loss_scale),
                             jax.random.key(0))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, shardings)

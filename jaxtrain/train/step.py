@@ -30,22 +30,24 @@ def loss_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT: jax.Array) -> jax.A
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, microbatches: int, rules,
                     nan_steps: tuple[int, int] | None = None,
-                    constants: dict | None = None) -> Callable:
+                    constants: dict | None = None,
+                    loss_scale_period: int = 2000) -> Callable:
     """The pure step. nan_steps=(first, count) poisons those steps' loss (tests only);
-    constants are logged with every step's metrics."""
+    constants are logged with every step's metrics; with a LossScale in the state (float16)
+    the loss is scaled before differentiation and the gradients unscaled after."""
 
-    def objective(params, tokens_BT, step):
+    def objective(params, tokens_BT, step, scale):
         loss = loss_fn(params, graphdef, tokens_BT)
         if nan_steps is not None:
             first, count = nan_steps
             loss = loss * jnp.where((step >= first) & (step < first + count), jnp.nan, 1.0)
-        return loss
+        return loss if scale is None else loss * scale
 
     grad_fn = jax.value_and_grad(objective)
 
-    def loss_and_grads(params, tokens_BT, step):
+    def scaled_loss_and_grads(params, tokens_BT, step, scale):
         if microbatches == 1:
-            return grad_fn(params, tokens_BT, step)
+            return grad_fn(params, tokens_BT, step, scale)
         b, t = tokens_BT.shape
         # Micro-batch i takes rows i, i+m, i+2m, ...: each device's contiguous block of rows
         # holds its share of every micro-batch, so splitting moves no data between devices.
@@ -54,7 +56,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
             micro_MBT, logical_to_spec((None, "batch", None), rules))
 
         def accumulate(carry, tokens):
-            loss, grads = grad_fn(params, tokens, step)
+            loss, grads = grad_fn(params, tokens, step, scale)
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
@@ -62,15 +64,24 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         return jax.tree.map(lambda x: x / microbatches, (loss, grads))
 
     def train_step(state: TrainState, tokens_BT: jax.Array) -> tuple[TrainState, dict]:
-        loss, grads = loss_and_grads(state.params, tokens_BT, state.step)
+        scale = None if state.loss_scale is None else state.loss_scale.scale
+        loss, grads = scaled_loss_and_grads(state.params, tokens_BT, state.step, scale)
+        loss_scale, extra = state.loss_scale, {}
+        if scale is not None:
+            loss, grads = jax.tree.map(lambda x: x / scale, (loss, grads))
+            finite = jnp.isfinite(optax.tree.norm(grads))
+            loss_scale = state.loss_scale.update(finite, loss_scale_period)
+            extra = {"loss_scale": scale}
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "learning_rate": schedule(state.step),
                    # optax.apply_if_finite's counters: all skipped steps, and the current run.
                    "skipped_steps": opt_state.total_notfinite,
-                   "bad_steps_in_a_row": opt_state.notfinite_count, **(constants or {})}
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+                   "bad_steps_in_a_row": opt_state.notfinite_count, **extra,
+                   **(constants or {})}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                          loss_scale=loss_scale), metrics
 
     return train_step
 

@@ -1,0 +1,101 @@
+"""The hardware catalog: jaxtrain/plan/hardware.json plus any user file of the same form.
+
+Each entry gives dense peak FLOP/s per precision, memory size and bandwidth, the one-way
+bandwidth per device inside a node and between nodes, power, prices and the source of those
+figures. A user file (--hardware-file) adds entries or replaces shipped ones by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+CATALOG_FILE = pathlib.Path(__file__).with_name("hardware.json")
+REQUIRED = ("kind", "flops_tflops", "memory_gb", "memory_bw_gbps", "intra_node_gbps",
+            "inter_node_gbps", "devices_per_node", "power_w", "source")
+# The precision a train.precision setting runs its matmuls in.
+MATMUL_PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+class HardwareError(ValueError):
+    """An unknown or malformed hardware entry; the message is one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    kind: str
+    flops_tflops: dict
+    memory_gb: float
+    memory_bw_gbps: float
+    intra_node_gbps: float
+    inter_node_gbps: float
+    devices_per_node: int
+    power_w: float
+    source: str
+    purchase_usd: float | None = None
+    cloud_usd_per_hour: float | None = None
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * 1e9
+
+    def peak_flops(self, precision: str) -> float:
+        """Dense peak FLOP/s of matmuls for a train.precision value."""
+        key = MATMUL_PRECISION[precision]
+        value = self.flops_tflops.get(key)
+        if value is None:
+            raise HardwareError(f"--hardware={self.name} is invalid for "
+                                f"train.precision={precision}: it has no {key} peak")
+        return value * 1e12
+
+
+def _parse(name: str, entry: dict, origin: str) -> Hardware:
+    missing = [k for k in REQUIRED if k not in entry]
+    if missing:
+        raise HardwareError(f"hardware entry {name!r} in {origin} is invalid: missing "
+                            f"{', '.join(missing)}")
+    fields = {f.name for f in dataclasses.fields(Hardware)}
+    return Hardware(name=name, **{k: v for k, v in entry.items() if k in fields})
+
+
+def load(extra_file: str | None = None) -> dict[str, Hardware]:
+    """The shipped catalog, updated by the entries of extra_file (a JSON object by name)."""
+    entries: dict[str, Hardware] = {}
+    files = [CATALOG_FILE] + ([pathlib.Path(extra_file)] if extra_file else [])
+    for path in files:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise HardwareError(f"--hardware-file={path} is invalid: {e}") from None
+        for name, entry in data.items():
+            if not name.startswith("_"):
+                entries[name] = _parse(name, entry, str(path))
+    return entries
+
+
+def _canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(" ", "-")
+
+
+def get(name: str, extra_file: str | None = None) -> Hardware:
+    """The entry called name (case, '-' and '_' ignored; a TPU slice name like
+    'v5p-128' resolves to its chip)."""
+    catalog = load(extra_file)
+    wanted = _canonical(name)
+    for candidate in (wanted, "tpu-" + wanted.split("-")[0] if wanted.startswith("v") else ""):
+        for key, hw in catalog.items():
+            if _canonical(key) == candidate:
+                return hw
+    raise HardwareError(f"--hardware={name} is invalid: valid values are "
+                        f"{', '.join(catalog)}")
+
+
+def slice_devices(name: str) -> int | None:
+    """Chips (jax devices) in a TPU slice name, else None. v4 and v5p names count
+    TensorCores, two per chip (v5p-128 is 64 chips); v5e and v6e names count chips."""
+    head, _, tail = _canonical(name).removeprefix("tpu-").partition("-")
+    if not (head.startswith("v") and tail.isdigit()):
+        return None
+    return int(tail) // 2 if head in ("v4", "v5p") else int(tail)

@@ -1,0 +1,115 @@
+"""The planner's flags and output; the entry point is jaxtrain/plan/__main__.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "A config file from configs/.",
+                                          lock_config=True)
+_HARDWARE = flags.DEFINE_string("hardware", None, "A catalog entry (jaxtrain/plan/"
+                                "hardware.json), e.g. A100-80GB, H100-SXM, v5p-128.")
+_HARDWARE_FILE = flags.DEFINE_string("hardware-file", None, "A JSON file of extra or "
+                                     "replacement catalog entries, same form.")
+_DEVICES = flags.DEFINE_integer("devices", None, "Devices (default: a TPU slice's chips).")
+_TOKENS = flags.DEFINE_float("tokens", None, "Predict time and cost to train this many tokens.")
+_HOURS = flags.DEFINE_float("hours", None, "Predict the tokens and cost of this many hours.")
+_PRICE = flags.DEFINE_float("price-per-hour", None, "$/h for all the devices together "
+                            "(default: the catalog's per-device price × devices).")
+_POWER_PRICE = flags.DEFINE_float("power-price", 0.15, "$/kWh for the on-premise cost.")
+_YEARS = flags.DEFINE_float("amortize-years", 5.0, "Years over which a purchase is spread.")
+_JSON = flags.DEFINE_bool("json", False, "Print one JSON object.")
+_SEARCH = flags.DEFINE_bool("search", False, "Rank the layouts that fit.")
+_BY = flags.DEFINE_enum("by", "time", ["time", "cost"], "--search ranking.")
+_TOP = flags.DEFINE_integer("top", 5, "--search: how many plans to print.")
+_COMPILE = flags.DEFINE_bool("compile", False, "AOT-compile the real step on fake CPU "
+                             "devices and show XLA's per-device memory.")
+flags.mark_flags_as_required(["config", "hardware"])
+
+
+def _fail(message: str) -> None:
+    print(f"jaxtrain: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv) -> None:
+    del argv
+    from jaxtrain.config import ConfigError
+    from jaxtrain.plan import catalog
+    from jaxtrain.plan.catalog import HardwareError
+    from jaxtrain.plan.planner import format_plan, make_plan
+    from jaxtrain.plan.search import override_flags, search
+
+    cfg = _CONFIG.value
+    if _TOKENS.value is not None and _HOURS.value is not None:
+        _fail("--tokens and --hours are exclusive: give one")
+    try:
+        hw = catalog.get(_HARDWARE.value, _HARDWARE_FILE.value)
+        devices = _DEVICES.value or catalog.slice_devices(_HARDWARE.value)
+        if not devices or devices < 1:
+            _fail(f"--devices={_DEVICES.value} is invalid: give a positive device count")
+        args = dict(tokens=_TOKENS.value, hours=_HOURS.value, price_per_hour=_PRICE.value,
+                    power_price=_POWER_PRICE.value, amortize_years=_YEARS.value)
+        if _SEARCH.value:
+            confirm = _confirm(cfg, devices) if _COMPILE.value else None
+            plans = search(cfg, hw, devices, by=_BY.value, top=_TOP.value, confirm=confirm,
+                           **args)
+        else:
+            plans = [make_plan(cfg, hw, devices, **args)]
+    except (ConfigError, HardwareError) as e:
+        _fail(str(e))
+    if _COMPILE.value:
+        _add_compiled(plans, cfg, devices)
+    if _JSON.value:
+        print(json.dumps(plans if _SEARCH.value else plans[0], indent=1, default=str))
+        return
+    if _SEARCH.value and not plans:
+        print(f"no layout of {cfg.name} fits {devices} × {hw.name}")
+    for rank, plan in enumerate(plans, 1):
+        if _SEARCH.value:
+            print(f"#{rank}: {override_flags(plan['overrides'])}")
+        print(format_plan(plan))
+        print()
+
+
+def _confirm(cfg, devices: int):
+    """compile_check for a search candidate's overrides, in this process."""
+    import jax
+
+    from jaxtrain.plan import memory
+    from jaxtrain.plan.compile_check import compiled_memory
+    from jaxtrain.plan.search import _apply
+
+    def confirm(overrides: dict) -> dict:
+        target = _apply(cfg, overrides)
+        compiled = compiled_memory(target, jax.devices()[:devices])
+        from jaxtrain.config import validate
+        compiled["estimate_cpu_bytes"] = memory.estimate(
+            target, validate(target, devices), "cpu")["total"]
+        return compiled
+
+    return confirm
+
+
+def _add_compiled(plans: list[dict], cfg, devices: int) -> None:
+    import jax
+
+    from jaxtrain.plan import memory
+    from jaxtrain.plan.compile_check import compiled_memory
+    from jaxtrain.plan.search import _apply
+
+    if jax.device_count() < devices:
+        _fail(f"--compile needs {devices} fake devices but jax has {jax.device_count()}: "
+              "run as python -m jaxtrain.plan so they are set before jax loads")
+    for plan in plans:
+        if "compiled" in plan:
+            continue  # --search already compiled it
+        target = _apply(cfg, plan["overrides"]) if "overrides" in plan else cfg
+        compiled = compiled_memory(target, jax.devices()[:devices])
+        compiled["fits"] = compiled["total_bytes_per_device"] <= plan["memory"]["usable_bytes"]
+        # The like-for-like estimate: XLA's CPU backend keeps bf16 activations in float32.
+        compiled["estimate_cpu_bytes"] = memory.estimate(target, plan["mesh"], "cpu")["total"]
+        plan["compiled"] = compiled

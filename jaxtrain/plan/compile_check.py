@@ -1,0 +1,106 @@
+"""XLA's own figure: AOT-compile the real train step for a mesh and read its memory.
+
+Nothing is allocated or run: the state and the batch are ShapeDtypeStructs with shardings,
+so a 13B model on 64 fake CPU devices compiles in seconds on a laptop. Fake devices must be
+requested before jax is imported (XLA_FLAGS=--xla_force_host_platform_device_count=N), so
+for a device count other than the current process's this runs itself in a subprocess:
+
+    python -m jaxtrain.plan.compile_check --devices N --config FILE [KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def compiled_memory(cfg, devices=None) -> dict:
+    """Per-device bytes of the compiled step: arguments, outputs, aliased, temporaries and
+    'total_bytes_per_device' (what must fit: arguments + outputs − aliased + temporaries)."""
+    import jax
+    import numpy as np
+
+    from jaxtrain.plan.hlo import collective_bytes
+    from jaxtrain.train.setup import build
+
+    cfg = _single_granule(cfg)
+    setup = build(cfg, devices)
+    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), np.int32,
+                                  sharding=setup.tokens_sharding)
+    with jax.set_mesh(setup.mesh):
+        compiled = setup.train_step().lower(setup.abstract_state(), tokens).compile()
+    m = compiled.memory_analysis()
+    total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+             + m.temp_size_in_bytes)
+    return {"argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
+            "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes,
+            "total_bytes_per_device": total, "devices": len(setup.mesh.devices.flat),
+            "platform": setup.mesh.devices.flat[0].platform,
+            "collective_bytes": collective_bytes(compiled.as_text())}
+
+
+def _single_granule(cfg):
+    """Multi-host dcn sizes folded into the plain axis sizes: one process of fake devices
+    has no hosts to split by, and per-device memory depends only on the axis sizes."""
+    import ml_collections
+
+    from jaxtrain.config import MESH_AXES, resolve_mesh_shape
+
+    if all(cfg.mesh[f"dcn_{a}"] == 1 for a in MESH_AXES):
+        return cfg
+    import jax
+
+    sizes = resolve_mesh_shape(cfg.mesh, jax.device_count())
+    cfg = ml_collections.ConfigDict(cfg.to_dict())
+    for axis in MESH_AXES:
+        cfg.mesh[axis], cfg.mesh[f"dcn_{axis}"] = sizes[axis], 1
+    return cfg
+
+
+def compile_in_subprocess(config_file: str, overrides: dict, devices: int,
+                          timeout: float = 600) -> dict:
+    """compiled_memory on `devices` fake CPU devices, in a fresh Python process."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    argv = [sys.executable, "-m", "jaxtrain.plan.compile_check", "--devices", str(devices),
+            "--config", config_file] + [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"compile check failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def load_config(config_file: str, overrides: dict):
+    """A config file's get_config() with dotted KEY=VALUE overrides applied."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_plan_config", config_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config()
+    for key, value in overrides.items():
+        node = cfg
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return cfg
+
+
+def _main(argv) -> None:
+    devices = int(argv[argv.index("--devices") + 1])
+    config_file = argv[argv.index("--config") + 1]
+    overrides = dict(a.split("=", 1) for a in argv[argv.index("--config") + 2:])
+    overrides = {k: json.loads(v) for k, v in overrides.items()}
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    result = compiled_memory(load_config(config_file, overrides), jax.devices()[:devices])
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

@@ -1,0 +1,60 @@
+"""The grid of small models × meshes × remat policies on which the memory model is checked
+against XLA's compiled step (tests/test_plan.py, scripts/plan_vs_compiler.py): 8 devices,
+models small enough that each compile takes seconds on a CPU."""
+
+from __future__ import annotations
+
+from jaxtrain.config import base_config
+
+SIZES = {
+    # d_model, layers, heads, kv heads, mlp, vocab, seq
+    "S": (64, 2, 8, 0, 256, 512, 64),
+    "M": (128, 4, 8, 0, 512, 1024, 128),
+    "L": (256, 4, 8, 0, 1024, 2048, 128),
+}
+
+# name -> (family, size, batch, {dotted overrides})
+GRID = {
+    "S gpt2 data=8": ("gpt2", "S", 32, {"mesh.data": 8}),
+    "S gpt2 fsdp=8": ("gpt2", "S", 32, {"mesh.fsdp": 8}),
+    "M gpt2 tensor=8": ("gpt2", "M", 16, {"mesh.tensor": 8}),
+    "M gpt2 fsdp=2 tensor=4 sp": ("gpt2", "M", 16, {"mesh.fsdp": 2, "mesh.tensor": 4,
+                                                    "mesh.sequence_parallel": True}),
+    "M gpt2 data=2 fsdp=2 tensor=2 full": ("gpt2", "M", 32, {
+        "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "model.remat": "full"}),
+    "M gpt2 fsdp=8 full": ("gpt2", "M", 32, {"mesh.fsdp": 8, "model.remat": "full"}),
+    "M gpt2 fsdp=8 save_dots": ("gpt2", "M", 32, {"mesh.fsdp": 8,
+                                                  "model.remat": "save_dots"}),
+    "M gpt2 fsdp=4 tensor=2 save_dots bf16": ("gpt2", "M", 32, {
+        "mesh.fsdp": 4, "mesh.tensor": 2, "model.remat": "save_dots",
+        "train.precision": "bfloat16"}),
+    "M gpt2 pipeline=2 fsdp=4 gpipe m=4": ("gpt2", "M", 32, {
+        "mesh.pipeline": 2, "mesh.fsdp": 4, "pipeline.microbatches": 4}),
+    "M gpt2 pipeline=2 data=4 circular full": ("gpt2", "M", 32, {
+        "mesh.pipeline": 2, "mesh.data": 4, "pipeline.schedule": "circular",
+        "pipeline.repeats": 2, "pipeline.microbatches": 4, "model.remat": "full"}),
+    "M llama fsdp=4 tensor=2": ("llama", "M", 32, {"mesh.fsdp": 4, "mesh.tensor": 2}),
+    "M llama data=8 micro=2 bf16 full": ("llama", "M", 32, {
+        "mesh.data": 8, "train.microbatches": 2, "train.precision": "bfloat16",
+        "model.remat": "full"}),
+    "L gpt2 fsdp=8 bf16": ("gpt2", "L", 32, {"mesh.fsdp": 8, "train.precision": "bfloat16"}),
+    "L gpt2 data=2 tensor=4 sp save_dots": ("gpt2", "L", 16, {
+        "mesh.data": 2, "mesh.tensor": 4, "mesh.sequence_parallel": True,
+        "model.remat": "save_dots"}),
+}
+
+
+def grid_config(name: str):
+    family, size, batch, overrides = GRID[name]
+    d, layers, heads, kv, mlp, vocab, seq = SIZES[size]
+    c = base_config()
+    c.data.source = "synthetic"
+    c.model.update(family=family, d_model=d, num_layers=layers, num_heads=heads,
+                   num_kv_heads=kv or (heads // 2 if family == "llama" else 0), mlp_dim=mlp,
+                   vocab_size=vocab, seq_len=seq)
+    c.train.global_batch = batch
+    c.mesh.data = 1
+    for key, value in overrides.items():
+        section, leaf = key.split(".")
+        c[section][leaf] = value
+    return c

@@ -1,0 +1,180 @@
+"""Per-device memory of one train step, from the config alone (no devices, no compile).
+
+Model state is counted exactly: every parameter's shape and logical axes come from the
+abstract model, and the config's rules say how each dimension is split over the mesh.
+Activations follow the code's own structure (models/transformer.py, head_loss.py,
+parallel/pipeline.py) with per-tensor counts written out below; docs/planner.md gives the
+formulas and the comparison with XLA's compiled memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from flax import nnx
+
+from jaxtrain.mesh import logical_to_spec
+from jaxtrain.models import ModelSpec
+
+F32 = 4
+# Buffers XLA holds besides the ones counted (fusion outputs, copies around collectives,
+# the optimizer's update tree): a fraction of the counted temporaries, measured against the
+# compiled step on the test grid (scripts/plan_vs_compiler.py).
+TEMP_MARGIN = 0.10
+
+
+def param_shards(spec: ModelSpec, sizes: dict[str, int]) -> dict[str, int]:
+    """Elements per device: 'total' parameters, 'layer' (one layer of the stack, as a
+    device holds it), and 'layer_gathered' (one layer after the FSDP all-gather)."""
+    model = nnx.eval_shape(lambda: _transformer(spec))
+    leaves = jax.tree_util.tree_flatten_with_path(
+        nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    out = {"total": 0, "layer": 0, "layer_gathered": 0, "count": 0, "embed_gathered": 0}
+    for path, var in leaves:
+        axes = var.get_metadata()["axes"]
+        pspec = logical_to_spec(axes, spec.rules)
+        local = gathered = 1
+        for dim, mesh_axes in zip(var.get_value().shape, tuple(pspec) + (None,) * len(axes)):
+            names = () if mesh_axes is None else (
+                (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes))
+            local *= math.ceil(dim / math.prod(sizes[a] for a in names))
+            kept = [a for a in names if a != "fsdp"]
+            gathered *= math.ceil(dim / math.prod(sizes[a] for a in kept))
+        out["total"] += local
+        out["count"] += math.prod(var.get_value().shape)
+        if axes and axes[0] == "layers":
+            layers = var.get_value().shape[0]
+            out["layer"] += local * math.ceil(layers / sizes["pipeline"]) // max(1, layers)
+            out["layer_gathered"] += gathered // max(1, math.ceil(layers / sizes["pipeline"]))
+        elif path[0].key in ("tok_embed", "lm_head"):
+            out["embed_gathered"] += gathered
+    return out
+
+
+def _transformer(spec):
+    from jaxtrain.models import Transformer
+    return Transformer(spec, rngs=nnx.Rngs(0))
+
+
+def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
+                       c: int) -> float:
+    """Bytes one layer keeps for backward for `rows` sequences on one device, activations
+    of c bytes each.
+
+    saved: 'all' (no remat), 'dots' (save_dots: matmul outputs) or 'input' (full remat:
+    the layer's input only).
+    """
+    t = sizes["tensor"]
+    s, d, f = spec.seq_len, spec.d_model, spec.mlp_dim
+    sp = any(name == "sequence" for name, _ in spec.rules)
+    tokens_res = rows * s / (t if sp else 1)  # residual stream tokens, split by SP
+    tokens = rows * s
+    heads = spec.num_heads * spec.head_dim / t
+    kv = spec.num_kv_heads * spec.head_dim / t
+    mlp = f / t * (2 if spec.is_llama else 1)
+    if saved == "input":
+        return tokens_res * d * c
+    # The matmul outputs: q, k, v, attention output, w_o, the MLP up (and gate), w_down.
+    dots = tokens * (2 * heads + 2 * kv + mlp) * c + 2 * tokens_res * d * c
+    if saved == "dots":
+        return dots + tokens_res * d * c
+    # Plus the residual stream inputs, the two norms (float32 statistics and outputs),
+    # the MLP activation's output, and the attention scores: float32 scores and
+    # probabilities and their compute-dtype copy (the xla kernel keeps the full L×L).
+    stream = tokens_res * d * (2 * c + 2 * F32)
+    act = tokens * f / t * c
+    scores = rows * spec.num_heads / t * s * s * (2 * F32 + c)
+    return dots + stream + act + scores
+
+
+def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator") -> dict[str, float]:
+    """Per-device bytes by part, and 'total'. sizes: mesh axis sizes from config.validate.
+
+    backend='cpu' predicts XLA's CPU backend instead of a GPU/TPU: it has no bf16 matmuls
+    and runs bfloat16 activations through float32 copies, so they are counted at 4 bytes.
+    """
+    spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"])
+    shards = param_shards(spec, sizes)
+    c = F32 if backend == "cpu" else jax.numpy.dtype(spec.compute_dtype).itemsize
+    micro = cfg.train.microbatches
+    rows = cfg.train.global_batch // micro // (sizes["data"] * sizes["fsdp"])
+    p = sizes["pipeline"]
+    layers_here = spec.num_layers // p
+
+    params = shards["total"] * F32  # float32 master weights, whatever train.precision
+    opt = 2 * shards["total"] * F32  # Adam mu and nu mirror the params
+    # Gradients in float32 like the params; accumulating over micro-batches holds the sum
+    # and the current micro-batch's gradients at once.
+    grads = shards["total"] * F32 * (2 if micro > 1 else 1)
+
+    remat = spec.remat
+    saved = {"none": "all", "save_dots": "dots", "full": "input"}[remat]
+    if p > 1:
+        m, v = spec.pipeline.microbatches, spec.pipeline.repeats
+        # Every loop iteration keeps its stage's chunk activations for one pipeline
+        # micro-batch: (v·m + p − 1) iterations of L/(p·v) layers, bubble iterations included.
+        per_micro = rows // m
+        iterations = v * m + p - 1
+        kept = iterations * (layers_here / v) * _layer_activations(spec, per_micro, sizes, saved, c)
+        working_rows = per_micro
+        # The loop's buffers: the stage buffer (p micro-batches), the last stage's output of
+        # every iteration, and (circular only) the micro-batches stored between repeats.
+        buffered = p * per_micro + iterations * per_micro + (rows if v > 1 else 0)
+        kept += buffered * spec.seq_len * spec.d_model * c
+        if v > 1:
+            # The circular schedule re-lays the stored stack into stage-interleaved order
+            # each step (docs/parallelism.md): a copy of this device's layer weights and one
+            # of their gradients, in float32.
+            kept += 2 * shards["layer"] * layers_here * F32
+    else:
+        kept = layers_here * _layer_activations(spec, rows, sizes, saved, c)
+        working_rows = rows
+    # While one layer runs backward its full set of activations exists (recomputed under
+    # remat) together with its gathered weights and their gradients.
+    # Backward walks the layer's ops in reverse, freeing as it goes: about half of that set
+    # is alive at its peak. save_dots recomputes only what it did not save.
+    one_layer = _layer_activations(spec, working_rows, sizes, "all", c)
+    if remat == "full":
+        working = 0.75 * one_layer
+    elif remat == "save_dots":
+        working = 0.5 * (one_layer - _layer_activations(spec, working_rows, sizes, "dots", c))
+    else:
+        working = 0.0
+    layer_weights = shards["layer_gathered"] * (c + F32)
+    activations = kept + working
+
+    # The fused head and loss (models/head_loss.py): chunks of ≤1024 global tokens; float32
+    # logits, their exponent and the compute-dtype logit gradient for a chunk, the stacked
+    # input gradient, and the gathered head with its float32 gradient.
+    global_rows = cfg.train.global_batch // micro
+    chunk_tokens = _chunk_tokens(spec.seq_len, global_rows) / (sizes["data"] * sizes["fsdp"])
+    vocab_local = spec.vocab_size / sizes["tensor"]
+    logits = chunk_tokens * vocab_local * (2 * F32 + c) + rows * spec.seq_len * spec.d_model * c
+    head = shards["embed_gathered"] * (c + F32)
+    temporaries = TEMP_MARGIN * (grads + activations + logits)
+    parts = {"params": params, "optimizer": opt, "gradients": grads,
+             "activations": activations, "layer_weights": layer_weights + head,
+             "logits": logits, "temporaries": temporaries}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _chunk_tokens(length: int, batch: int, target_tokens: int = 1024) -> int:
+    """Global tokens per head chunk, as models/head_loss.py picks it."""
+    best = 1
+    for chunk in range(1, length + 1):
+        if length % chunk == 0 and chunk * batch <= target_tokens:
+            best = chunk
+    return best * batch
+
+
+def model_state_bytes_per_param(precision: str = "float32") -> int:
+    """Adam model state per parameter: float32 master weights, gradients and two moments.
+    jaxtrain keeps float32 master weights under train.precision=bfloat16 too (16 bytes)."""
+    del precision
+    return 4 * F32
+
+
+def weight_bytes(params: float, dtype: str) -> float:
+    return params * {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}[dtype]

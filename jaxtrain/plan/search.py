@@ -1,0 +1,90 @@
+"""--search: meshes × remat policies × micro-batch counts for a hardware and device count,
+the ones whose estimate fits, ranked by predicted step time or cost."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import ml_collections
+
+from jaxtrain.config import ConfigError, REMATS
+from jaxtrain.plan.catalog import HardwareError
+from jaxtrain.plan.planner import make_plan
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg, devices: int, devices_per_node: int):
+    """(overrides, config) for every layout worth trying. Tensor parallelism stays inside a
+    node; pipelines use GPipe with enough micro-batches for a bubble near 10%."""
+    for tensor, pipeline in itertools.product(_divisors(devices), (1, 2, 4, 8)):
+        if tensor > min(devices_per_node, 8) or devices % (tensor * pipeline):
+            continue
+        rest = devices // (tensor * pipeline)
+        for fsdp in _divisors(rest):
+            for remat, micro in itertools.product(REMATS, _divisors(cfg.train.global_batch)):
+                if micro > 64:
+                    continue
+                overrides = {"mesh.data": rest // fsdp, "mesh.fsdp": fsdp,
+                             "mesh.tensor": tensor, "mesh.pipeline": pipeline,
+                             "mesh.sequence_parallel": tensor > 1,
+                             "model.remat": remat, "train.microbatches": micro}
+                for axis in ("data", "fsdp", "tensor", "pipeline"):
+                    overrides[f"mesh.dcn_{axis}"] = 1
+                if pipeline > 1:
+                    overrides.update({"pipeline.schedule": "gpipe", "pipeline.repeats": 1,
+                                      "pipeline.microbatches": 9 * (pipeline - 1) + 1})
+                yield overrides, _apply(cfg, overrides)
+
+
+def _apply(cfg, overrides: dict):
+    c = ml_collections.ConfigDict(cfg.to_dict())
+    for key, value in overrides.items():
+        section, leaf = key.split(".")
+        c[section][leaf] = value
+    return c
+
+
+# The memory model's error bound against the compiler (tests/test_plan.py): a candidate is
+# kept only if its estimate fits with this much to spare.
+ESTIMATE_ERROR = 1.15
+
+
+def search(cfg, hw, devices: int, by: str = "time", top: int = 5,
+           confirm: Callable[[dict], dict] | None = None, **plan_args) -> list[dict]:
+    """The best `top` plans that fit, each with its 'overrides'. confirm(overrides) -> the
+    compiler's memory (compile_check): then candidates are compiled in ranked order and only
+    those XLA confirms are returned, each with its 'compiled' figures."""
+    fits = []
+    for overrides, candidate in candidates(cfg, devices, hw.devices_per_node):
+        try:
+            plan = make_plan(candidate, hw, devices, **plan_args)
+        except (ConfigError, HardwareError):
+            continue  # not a valid layout for this model (divisibility, batch split)
+        mem = plan["memory"]
+        if mem["total_bytes_per_device"] * ESTIMATE_ERROR <= mem["usable_bytes"]:
+            plan["overrides"] = {k: v for k, v in overrides.items()
+                                 if not (k.startswith("mesh.dcn_") and cfg.mesh[k[5:]] == v)}
+            fits.append(plan)
+    key = (lambda p: p["cost"]["cloud_usd"] or 0.0) if by == "cost" and fits and \
+        "cost" in fits[0] else (lambda p: p["time"]["step_s"])
+    fits.sort(key=lambda p: (key(p), p["memory"]["total_bytes_per_device"]))
+    if confirm is None:
+        return fits[:top]
+    confirmed = []
+    for plan in fits:
+        compiled = confirm(plan["overrides"])
+        compiled["fits"] = compiled["total_bytes_per_device"] <= plan["memory"]["usable_bytes"]
+        plan["compiled"] = compiled
+        if compiled["fits"]:
+            confirmed.append(plan)
+            if len(confirmed) == top:
+                break
+    return confirmed
+
+
+def override_flags(overrides: dict) -> str:
+    return " ".join(f"--config.{k}={v}" for k, v in overrides.items())

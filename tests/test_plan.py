@@ -1,0 +1,143 @@
+"""The planner: catalog, memory model against XLA's compiled step, known figures, time and
+cost, search confirmed by the compiler, and every shipped config fitting its target."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from jaxtrain.config import validate
+from jaxtrain.plan import catalog, memory, timing
+from jaxtrain.plan.compile_check import compile_in_subprocess, compiled_memory, load_config
+from jaxtrain.plan.grid import GRID, grid_config
+from jaxtrain.plan.planner import make_plan
+from jaxtrain.plan.search import search
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_catalog_has_every_listed_device_with_sources():
+    entries = catalog.load()
+    for name in ("A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "B200", "MI250X",
+                 "MI300X", "RTX-4090", "RTX-A6000", "V100", "TPU-v4", "TPU-v5e", "TPU-v5p",
+                 "TPU-v6e"):
+        hw = entries[name]
+        assert hw.source and hw.flops_tflops["bf16"] > hw.flops_tflops["fp32"] > 0
+        assert hw.memory_gb > 0 and hw.memory_bw_gbps > 0 and hw.power_w > 0
+    assert catalog.get("v5p-128").name == "TPU-v5p" and catalog.slice_devices("v5p-128") == 64
+    with pytest.raises(catalog.HardwareError, match="valid values are"):
+        catalog.get("A200")
+
+
+def test_user_hardware_file_adds_an_entry(tmp_path):
+    entry = dict(catalog.load()["A100-80GB"].__dict__, memory_gb=123)
+    entry.pop("name")
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"MyCard": entry}))
+    assert catalog.get("mycard", str(path)).memory_gb == 123
+
+
+@pytest.mark.parametrize("case", list(GRID))
+def test_memory_estimate_within_15_percent_of_xla(case, devices):
+    cfg = grid_config(case)
+    estimate = memory.estimate(cfg, validate(cfg, 8), backend="cpu")["total"]
+    compiled = compiled_memory(cfg, devices)["total_bytes_per_device"]
+    assert abs(estimate / compiled - 1) < 0.15, (estimate, compiled)
+
+
+def test_known_figures():
+    assert memory.model_state_bytes_per_param("float32") == 16
+    seven_b = 7e9
+    assert memory.weight_bytes(seven_b, "float32") == pytest.approx(28e9)
+    state = seven_b * memory.model_state_bytes_per_param()
+    assert state - memory.weight_bytes(seven_b, "float32") == pytest.approx(84e9)
+    assert state == pytest.approx(112e9)
+    assert memory.weight_bytes(175e9, "float32") == pytest.approx(700e9)
+    assert memory.weight_bytes(175e9, "bfloat16") == pytest.approx(350e9)
+    cost = timing.cost(720, 8, catalog.get("A100-40GB"), price_per_hour=32.77)
+    assert round(cost["cloud_usd"]) == 23594
+    # The catalog's own p4d price per GPU gives the same cluster price.
+    assert timing.cost(720, 8, catalog.get("A100-40GB"))["cloud_usd"] == pytest.approx(
+        23594, rel=0.002)
+    # 700 W for 720 h at $0.15/kWh, and an 8-GPU ~$240k purchase over 5 years.
+    h100 = timing.cost(720, 8, catalog.get("H100-SXM"))
+    assert h100["energy_kwh"] == pytest.approx(8 * 0.7 * 720)
+
+
+def test_state_bytes_are_exact_for_a_known_model():
+    cfg = load_config(str(ROOT / "configs/gpt13b.py"), {})
+    sizes = validate(cfg, 64)
+    parts = memory.estimate(cfg, sizes)
+    params = memory.param_shards(
+        __import__("jaxtrain.models", fromlist=["ModelSpec"]).ModelSpec.from_config(cfg),
+        {**sizes, "fsdp": 1, "tensor": 1})["count"]
+    assert params == pytest.approx(12.85e9, rel=0.01)
+    assert parts["params"] + parts["optimizer"] == pytest.approx(12 * params / 64, rel=0.01)
+
+
+def test_plan_time_and_cost_for_gpt13b():
+    cfg = load_config(str(ROOT / "configs/gpt13b.py"), {})
+    plan = make_plan(cfg, catalog.get("A100-80GB"), 64, tokens=260e9)
+    t, c = plan["time"], plan["cost"]
+    assert plan["memory"]["fits"]
+    assert 0.2 < t["mfu"] < 0.7
+    assert t["train_hours"] == pytest.approx(260e9 / t["tokens_per_s"] / 3600)
+    assert c["cloud_usd"] == pytest.approx(t["train_hours"] * 64 * 5.12)
+    hours = make_plan(cfg, catalog.get("A100-80GB"), 64, hours=24)["time"]
+    assert hours["train_tokens"] == pytest.approx(24 * 3600 * t["tokens_per_s"])
+
+
+def test_search_gpt13b_on_64_a100_only_returns_plans_the_compiler_confirms():
+    cfg = load_config(str(ROOT / "configs/gpt13b.py"), {})
+    hw = catalog.get("A100-80GB")
+    compile_64 = lambda overrides: compile_in_subprocess(  # noqa: E731
+        str(ROOT / "configs/gpt13b.py"), overrides, 64)
+    plans = search(cfg, hw, 64, top=2, tokens=260e9, confirm=compile_64)
+    assert plans and all(p["memory"]["fits"] for p in plans)
+    assert [p["time"]["step_s"] for p in plans] == sorted(p["time"]["step_s"] for p in plans)
+    for plan in plans:  # XLA's figure, on 64 fake devices, for exactly these overrides
+        assert plan["compiled"]["devices"] == 64
+        assert plan["compiled"]["total_bytes_per_device"] <= plan["memory"]["usable_bytes"]
+
+
+# Each shipped config on the target its docstring names (the smallest device it claims).
+TARGETS = {"tiny.py": ("CPU-host", 1), "bench_cpu.py": ("CPU-host", 1),
+           "gpt2_124m.py": ("A100-40GB", 8), "llama_1b.py": ("H100-SXM", 8),
+           "gpt13b.py": ("A100-80GB", 64), "gpt13b_pp.py": ("A100-80GB", 16)}
+
+
+def test_every_shipped_config_has_a_target():
+    assert sorted(TARGETS) == sorted(p.name for p in (ROOT / "configs").glob("*.py"))
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_no_shipped_config_ooms_on_its_target(name):
+    hardware, devices = TARGETS[name]
+    hw = catalog.get(hardware)
+    compiled = compile_in_subprocess(str(ROOT / "configs" / name), {}, devices)
+    assert compiled["total_bytes_per_device"] <= hw.memory_bytes * 0.9, (
+        compiled["total_bytes_per_device"] / 1e9)
+
+
+def test_cli_json_with_compile():
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxtrain.plan", "--config", str(ROOT / "configs/tiny.py"),
+         "--hardware", "A100-80GB", "--devices", "2", "--tokens", "1e9", "--json",
+         "--compile", "--config.mesh.data=2"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["memory"]["total_bytes_per_device"] > 0
+    assert plan["compiled"]["total_bytes_per_device"] > 0 and plan["compiled"]["devices"] == 2
+    assert plan["time"]["step_s"] > 0 and plan["cost"]["cloud_usd"] > 0
+
+
+def test_cli_errors_are_one_line():
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxtrain.plan", "--config", str(ROOT / "configs/tiny.py"),
+         "--hardware", "A200", "--devices", "8"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "--hardware=A200" in out.stderr
