@@ -80,11 +80,13 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     if saved == "dots":
         return dots + tokens_res * d * c
     # Plus the residual stream inputs, the two norms (float32 statistics and outputs),
-    # the MLP activation's output, and the attention scores: float32 scores and
-    # probabilities and their compute-dtype copy (the xla kernel keeps the full L×L).
+    # the MLP activation's output, and the attention scores: the xla kernel keeps float32
+    # scores and probabilities and their compute-dtype copy (the full L×L); the chunked and
+    # cuDNN kernels keep only a float32 logsumexp per query and recompute the rest.
     stream = tokens_res * d * (2 * c + 2 * F32)
     act = tokens * f / t * c
-    scores = rows * spec.num_heads / t * s * s * (2 * F32 + c)
+    per_query = s * (2 * F32 + c) if spec.attention == "xla" else F32
+    scores = rows * spec.num_heads / t * s * per_query
     return dots + stream + act + scores
 
 
@@ -136,11 +138,17 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator") -> dict[s
     # is alive at its peak. save_dots recomputes only what it did not save.
     one_layer = _layer_activations(spec, working_rows, sizes, "all", c)
     if remat == "full":
-        working = 0.75 * one_layer
+        working = 0.9 * one_layer
     elif remat == "save_dots":
         working = 0.5 * (one_layer - _layer_activations(spec, working_rows, sizes, "dots", c))
     else:
         working = 0.0
+    if spec.attention != "xla" and remat == "none":
+        # The chunked kernel's backward recomputes one query chunk (≤128 rows) against its
+        # whole key prefix at a time (scores, probabilities, their gradient; fitted on the grid).
+        # (Under remat the recomputed layer's own working set above already dominates.)
+        working += (working_rows * spec.num_heads / sizes["tensor"] * min(128, spec.seq_len)
+                    * spec.seq_len * 1.5 * F32)
     layer_weights = shards["layer_gathered"] * (c + F32)
     activations = kept + working
 
