@@ -2,17 +2,13 @@
 2 stages over the slow inter-node links (only activations cross them), tensor parallel
 within each node, GPipe with 16 micro-batches (bubble 1/17 ≈ 6%)."""
 
-import importlib.util
 import pathlib
 
-_spec = importlib.util.spec_from_file_location(
-    "gpt13b", pathlib.Path(__file__).with_name("gpt13b.py"))
-_gpt13b = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_gpt13b)
+from jaxtrain.config import load_config_file
 
 
 def get_config():
-    c = _gpt13b.get_config()
+    c = load_config_file(pathlib.Path(__file__).with_name("gpt13b.py"))
     c.name = "gpt13b_pp"
     c.mesh.dcn_pipeline = 2
     c.mesh.pipeline = 1

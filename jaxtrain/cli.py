@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 from absl import flags
@@ -22,10 +21,9 @@ def _unknown_key(argv) -> str | None:
     path = _config_path(argv)
     if path is None:
         return None
-    spec = importlib.util.spec_from_file_location("_config", path.split(":")[0])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config()
+    from jaxtrain.config import load_config_file
+
+    cfg = load_config_file(path.split(":")[0])
     for arg in argv:
         if not arg.startswith("--config."):
             continue

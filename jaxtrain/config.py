@@ -134,6 +134,27 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
+def load_config_file(path) -> ml_collections.ConfigDict:
+    """get_config() of a config file, as --config loads it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_config_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def apply_overrides(c: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
+    """Sets dotted keys ({"model.d_model": 64}), as --config.KEY=VALUE does."""
+    for key, value in overrides.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return c
+
+
 def _fail(key: str, value, valid: str) -> None:
     raise ConfigError(f"{key}={value!r} is invalid: {valid}")
 

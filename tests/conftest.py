@@ -11,7 +11,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxtrain.config import base_config  # noqa: E402
+from jaxtrain.config import apply_overrides, base_config  # noqa: E402
 
 
 def small_config(family: str = "gpt2", **overrides):
@@ -35,13 +35,7 @@ def small_config(family: str = "gpt2", **overrides):
     # (not 1e-8) bounds that amplification without changing what the test compares.
     c.optimizer.eps = 1e-6
     c.mesh.data = 1
-    for key, value in overrides.items():
-        node = c
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    return c
+    return apply_overrides(c, overrides)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,5 @@
 """Config errors are caught before compiling, with one line naming the key."""
 
-import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -8,7 +7,7 @@ import sys
 import pytest
 
 from conftest import small_config
-from jaxtrain.config import ConfigError, validate
+from jaxtrain.config import ConfigError, load_config_file, validate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -62,10 +61,7 @@ def test_minus_one_fills_the_rest():
 
 
 def _load(path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return load_config_file(path)
 
 
 # Each shipped config on the device count it is written for.

@@ -74,19 +74,9 @@ def compile_in_subprocess(config_file: str, overrides: dict, devices: int,
 
 def load_config(config_file: str, overrides: dict):
     """A config file's get_config() with dotted KEY=VALUE overrides applied."""
-    import importlib.util
+    from jaxtrain.config import apply_overrides, load_config_file
 
-    spec = importlib.util.spec_from_file_location("_plan_config", config_file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config()
-    for key, value in overrides.items():
-        node = cfg
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    return cfg
+    return apply_overrides(load_config_file(config_file), overrides)
 
 
 def _main(argv) -> None:
