@@ -13,7 +13,8 @@ import ml_collections
 
 FAMILIES = ("gpt2", "llama")
 ATTENTIONS = ("auto", "xla", "chunked", "cudnn")
-REMATS = ("none", "full", "save_dots")
+REMATS = ("none", "full", "save_dots", "save_dots_except_mlp", "save_attention_out",
+          "offload_dots")
 PRECISIONS = ("float32", "bfloat16", "float16")
 SCHEDULES = ("cosine", "linear", "constant")
 SOURCES = ("stdlib", "bin", "synthetic")

@@ -53,3 +53,35 @@ def test_auto_picks_per_backend():
     assert resolve_attention("auto", "float32", "gpu") == "chunked"
     assert resolve_attention("auto", "float32", "cpu") == "chunked"
     assert resolve_attention("xla", "bfloat16", "gpu") == "xla"
+
+
+@pytest.mark.parametrize("remat", ["full", "save_dots", "save_dots_except_mlp",
+                                   "save_attention_out"])
+def test_remat_policies_give_the_loss_and_grads_of_none(remat, devices):
+    from conftest import small_config
+    from jaxtrain.data.pipeline import make_batches
+    from jaxtrain.train.setup import build
+    from jaxtrain.train.step import loss_fn
+
+    results = {}
+    for policy in ("none", remat):
+        cfg = small_config("llama", **{"model.remat": policy})
+        setup = build(cfg, devices[:1])
+        params = setup.init_state().params
+        tokens = next(make_batches(cfg).train_iter(0))
+        with jax.set_mesh(setup.mesh):
+            results[policy] = jax.jit(jax.value_and_grad(
+                lambda p, t: loss_fn(p, setup.graphdef, t)))(params, tokens)
+    (loss, grads), (loss_r, grads_r) = results["none"], results[remat]
+    assert abs(float(loss_r) - float(loss)) < 1e-6
+    for a, b in zip(jax.tree.leaves(grads_r), jax.tree.leaves(grads)):
+        assert _rel(a, b) < 1e-5
+
+
+def test_offload_dots_is_refused_on_cpu(devices):
+    from conftest import small_config
+    from jaxtrain.config import ConfigError
+    from jaxtrain.train.setup import build
+
+    with pytest.raises(ConfigError, match="offload_dots' is invalid: offloading to pinned host"):
+        build(small_config(**{"model.remat": "offload_dots"}), devices[:1])

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.ad_checkpoint import checkpoint_name
+
 from jaxtrain.mesh import constrain
 from jaxtrain.models.chunked_attention import chunked_attention
 from jaxtrain.models.layers import param, rope
@@ -43,6 +45,11 @@ ATTENTION: dict[str, Callable] = {"xla": xla_attention, "chunked": chunked_atten
                                   "cudnn": cudnn_attention}
 
 
+# Names of the tensors remat policies can keep (models/transformer.py REMAT_POLICIES).
+PROJECTION_NAMES = {"q": "query_proj", "k": "key_proj", "v": "value_proj"}
+ATTENTION_DOT_NAMES = ("query_proj", "key_proj", "value_proj", "attention_out", "out_proj")
+
+
 class Attention(nnx.Module):
     def __init__(self, spec, *, rngs: nnx.Rngs):
         self.spec = spec
@@ -66,6 +73,7 @@ class Attention(nnx.Module):
         # The parameter stays, for checkpoints converted from Hugging Face GPT-2.
         if self.spec.use_bias and name != "k":
             y = y + getattr(self, f"b_{name}")[...].astype(dt)
+        y = checkpoint_name(y, PROJECTION_NAMES[name])
         return constrain(y, ("batch", "length") + axes, self.spec.rules)
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
@@ -77,8 +85,9 @@ class Attention(nnx.Module):
             q_BLHK, k_BLGK = rope(q_BLHK, spec.rope_theta), rope(k_BLGK, spec.rope_theta)
         q_BLHK = q_BLHK * jnp.asarray(spec.head_dim ** -0.5, q_BLHK.dtype)
         out_BLHK = ATTENTION[spec.attention](q_BLHK, k_BLGK, v_BLGK)
+        out_BLHK = checkpoint_name(out_BLHK, "attention_out")
         out_BLHK = constrain(out_BLHK, ("batch", "length", "heads", "kv"), spec.rules)
         y_BLD = jnp.einsum("blhk,hkd->bld", out_BLHK, self.w_o[...].astype(spec.compute_dtype))
         if spec.use_bias:
             y_BLD = y_BLD + self.b_o[...].astype(spec.compute_dtype)
-        return y_BLD
+        return checkpoint_name(y_BLD, "out_proj")

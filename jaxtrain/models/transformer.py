@@ -10,14 +10,28 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.mesh import active_rules, constrain
-from jaxtrain.models.attention import Attention
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxtrain.models.attention import ATTENTION_DOT_NAMES, Attention
 from jaxtrain.models.layers import Norm, param
 from jaxtrain.parallel.pipeline import PipelineSpec, pipeline
 
+MLP_DOT_NAMES = ("mlp_up", "mlp_gate", "mlp_down")
+_policies = jax.checkpoint_policies
+# What each remat policy keeps from the forward pass; everything else is recomputed.
 REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
+    "full": _policies.nothing_saveable,
     # Weight matmul outputs are kept; attention scores (batched dots) are recomputed.
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_dots": _policies.dots_with_no_batch_dims_saveable,
+    # The attention projections and output; the (larger) MLP matmuls are recomputed.
+    "save_dots_except_mlp": _policies.save_only_these_names(*ATTENTION_DOT_NAMES),
+    # Only the attention kernel's output: the cheapest place to cut an expensive recompute.
+    "save_attention_out": _policies.save_only_these_names("attention_out"),
+    # Every named matmul output, moved to host memory between forward and backward.
+    "offload_dots": _policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[
+            *ATTENTION_DOT_NAMES, *MLP_DOT_NAMES],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -114,13 +128,14 @@ class Mlp(nnx.Module):
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         spec, dt = self.spec, self.spec.compute_dtype
-        h_BLF = x_BLD @ self.w_up[...].astype(dt)
+        h_BLF = checkpoint_name(x_BLD @ self.w_up[...].astype(dt), "mlp_up")
         if spec.is_llama:
-            h_BLF = _swiglu(x_BLD @ self.w_gate[...].astype(dt), h_BLF)
+            gate_BLF = checkpoint_name(x_BLD @ self.w_gate[...].astype(dt), "mlp_gate")
+            h_BLF = _swiglu(gate_BLF, h_BLF)
         else:
             h_BLF = _gelu_bias(h_BLF, self.b_up[...].astype(dt))
         h_BLF = constrain(h_BLF, ("batch", "length", "mlp"), spec.rules)
-        y_BLD = h_BLF @ self.w_down[...].astype(dt)
+        y_BLD = checkpoint_name(h_BLF @ self.w_down[...].astype(dt), "mlp_down")
         if not spec.is_llama:
             y_BLD = y_BLD + self.b_down[...].astype(dt)
         return y_BLD

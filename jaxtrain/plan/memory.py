@@ -111,7 +111,11 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator") -> dict[s
     grads = shards["total"] * F32 * (2 if micro > 1 else 1)
 
     remat = spec.remat
-    saved = {"none": "all", "save_dots": "dots", "full": "input"}[remat]
+    # The finer named policies are modelled by their nearest coarse one (an approximation;
+    # --compile gives the compiler's figure): save_dots_except_mlp keeps fewer dots than
+    # save_dots, save_attention_out and offload_dots keep about what full remat keeps on device.
+    saved = {"none": "all", "save_dots": "dots", "save_dots_except_mlp": "dots",
+             "full": "input", "save_attention_out": "input", "offload_dots": "input"}[remat]
     if p > 1:
         m, v = spec.pipeline.microbatches, spec.pipeline.repeats
         # Every loop iteration keeps its stage's chunk activations for one pipeline
@@ -137,9 +141,9 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator") -> dict[s
     # Backward walks the layer's ops in reverse, freeing as it goes: about half of that set
     # is alive at its peak. save_dots recomputes only what it did not save.
     one_layer = _layer_activations(spec, working_rows, sizes, "all", c)
-    if remat == "full":
+    if saved == "input":
         working = 0.9 * one_layer
-    elif remat == "save_dots":
+    elif saved == "dots":
         working = 0.5 * (one_layer - _layer_activations(spec, working_rows, sizes, "dots", c))
     else:
         working = 0.0

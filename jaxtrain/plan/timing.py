@@ -29,7 +29,10 @@ def step_flops(spec: ModelSpec, tokens: int) -> dict[str, float]:
     model = flops_per_token(spec) * tokens
     attention = 6 * spec.num_layers * spec.seq_len * spec.num_heads * spec.head_dim * tokens
     forward = model / 3
-    recompute = {"none": 0.0, "full": forward, "save_dots": attention / 3 * 2}[spec.remat]
+    recompute = {"none": 0.0, "full": forward, "save_dots": attention / 3 * 2,
+                 # finer policies: modelled as their nearest coarse one
+                 "save_dots_except_mlp": attention / 3 * 2, "save_attention_out": forward,
+                 "offload_dots": 0.0}[spec.remat]
     return {"model": model, "hardware": model + attention + recompute}
 
 
@@ -55,7 +58,7 @@ def comm_bytes(cfg, spec: ModelSpec, sizes: dict[str, int], param_elems: int) ->
     rows = cfg.train.global_batch // micro // (d * f)
     weights = param_elems * f  # this device's tensor/pipeline shard, gathered over fsdp
     ring = lambda n: (n - 1) / n  # noqa: E731
-    passes = 3 if spec.remat == "full" else 2  # weight gathers: forward, backward, recompute
+    passes = 3 if spec.remat in ("full", "save_attention_out") else 2  # weight gathers: forward, backward, recompute
     out = {"data": 2 * ring(d) * param_elems * F32,  # gradient all-reduce, once per step
            "fsdp": micro * ring(f) * weights * (passes * c + F32),  # gathers + reduce-scatter
            "tensor": 0.0, "pipeline": 0.0}
@@ -82,7 +85,7 @@ def predict(cfg, sizes: dict[str, int], hw, param_elems: int, dcn: dict[str, int
     # Roofline: each matmul streams its weights (compute dtype) once per pass and its
     # activations; memory-bound when tokens per device are few.
     c = 2 if cfg.train.precision == "bfloat16" else 4
-    passes = 4 if spec.remat == "full" else 3
+    passes = 4 if spec.remat in ("full", "save_attention_out") else 3
     tokens_dev = tokens / (sizes["data"] * sizes["fsdp"])
     weight_traffic = passes * cfg.train.microbatches * param_elems * sizes["fsdp"] * c
     act_traffic = passes * tokens_dev / sizes["pipeline"] * spec.num_layers * \

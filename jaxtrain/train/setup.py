@@ -67,6 +67,9 @@ def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
     """Validates cfg against the devices (default: all) and builds the run's pieces."""
     devices = list(devices if devices is not None else jax.devices())
     sizes = validate(cfg, len(devices))
+    if cfg.model.remat == "offload_dots" and devices[0].platform == "cpu":
+        raise ConfigError("model.remat='offload_dots' is invalid: offloading to pinned host "
+                          "memory needs GPU or TPU devices; use save_dots or full on CPU")
     if cfg.model.attention == "cudnn" and devices[0].platform != "gpu":
         raise ConfigError(f"model.attention='cudnn' is invalid: cuDNN needs NVIDIA GPUs and "
                           f"this run has {devices[0].platform} devices; use xla or chunked")
