@@ -43,8 +43,8 @@ def single_process(tmp_path_factory):
 def test_two_processes_match_one(tmp_path, single_process):
     out = _launch(tmp_path, *MESH, "--config.steps=6", "--config.checkpoint.every_steps=3")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "[rank 0] jaxtrain: gpt2 2x128, mesh {'data': 2, 'pipeline': 1, 'fsdp': 2, " \
-        "'tensor': 2} on 8 cpu devices" in out.stderr
+    assert "[rank 0] jaxtrain: gpt2 2x128, chunked attention, mesh {'data': 2, 'pipeline': 1, " \
+        "'fsdp': 2, 'tensor': 2} on 8 cpu devices" in out.stderr
     assert "[rank 1] jaxtrain:" not in out.stderr, "only process 0 reports"
     losses = _losses(tmp_path)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]

@@ -217,3 +217,11 @@ def test_an_unwritable_workdir_is_a_clear_error(tmp_path, devices):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"--workdir=.*file/run is not writable"):
         run(small_config(), tmp_path / "file" / "run", devices[:1])
+
+
+def test_a_stop_right_after_a_periodic_checkpoint_saves_once(tmp_path, devices, monkeypatch):
+    from jaxtrain.train import preemption
+    monkeypatch.setattr(preemption.StopRequest, "should_stop", lambda self, step: step == 3)
+    rows = run(small_config(**{"steps": 6, "checkpoint.every_steps": 3}), tmp_path, devices[:1])
+    assert rows[-1]["step"] == 3
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["3"]

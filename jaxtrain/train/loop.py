@@ -179,7 +179,12 @@ def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None)
             return float(np.mean(jax.device_get([eval_step(state.params, b)
                                                  for b in val_batches])))
 
+        saved = {start}
+
         def save(step: int) -> None:
+            if step in saved:  # e.g. a stop request right after a periodic checkpoint
+                return
+            saved.add(step)
             logger.flush()
             checkpoints.save(step, state, cfg.to_dict())
             logger.restart_clock(step)
