@@ -26,6 +26,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_c
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
 _STEPS = flags.DEFINE_integer("steps", 5, "Timed steps (after 2 warm-up steps).")
 _SWEEP = flags.DEFINE_bool("sweep", False, "Benchmark attention × remat × precision.")
+_COMPILE_ONLY = flags.DEFINE_bool("compile_only", False, "Compile and report XLA's memory "
+                                  "analysis without running a step (for shapes too big to run).")
 _ATTENTIONS = flags.DEFINE_list("attentions", None, "Sweep: attention implementations "
                                 "(default: all that run on this backend).")
 _REMATS = flags.DEFINE_list("remats", None, "Sweep: remat policies (default: all).")
@@ -53,6 +55,13 @@ def bench(cfg, steps: int) -> dict:
         step = setup.train_step().lower(state, tokens[0]).compile()
         compile_s = time.perf_counter() - t0
         memory = step.memory_analysis()
+        if _COMPILE_ONLY.value:
+            return {"config": cfg.name, "attention": spec.attention, "remat": cfg.model.remat,
+                    "precision": cfg.train.precision, "seq_len": cfg.model.seq_len,
+                    "compile_s": compile_s,
+                    "memory_argument_bytes": int(memory.argument_size_in_bytes),
+                    "memory_output_bytes": int(memory.output_size_in_bytes),
+                    "memory_temp_bytes": int(memory.temp_size_in_bytes)}
         for i in range(2):
             state, metrics = step(state, tokens[i % 2])
         jax.block_until_ready(metrics)
