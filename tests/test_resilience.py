@@ -17,7 +17,7 @@ import pytest
 from conftest import small_config
 from helpers import assert_params_close, train_steps
 from jaxtrain.checkpoint import Checkpoints
-from jaxtrain.config import ConfigError
+from jaxtrain.config import ConfigError, apply_overrides, load_config_file
 from jaxtrain.train.loop import TrainingStopped, run
 from jaxtrain.train.setup import build
 
@@ -30,15 +30,10 @@ CLI_OVERRIDES = ["--config.steps=24", "--config.checkpoint.every_steps=6",
 
 
 def _cli_config():
-    cfg = small_config()
-    for arg in CLI_OVERRIDES:
-        key, value = arg[len("--config."):].split("=")
-        section, *rest = key.split(".")
-        node = cfg if not rest else cfg[section]
-        node[rest[0] if rest else section] = int(value)
-    cfg.model.num_heads, cfg.model.mlp_dim, cfg.optimizer.lr = 4, 512, 3e-3  # as tiny.py
-    cfg.optimizer.warmup_steps, cfg.optimizer.eps = 50, 1e-8
-    return cfg
+    """The config the CLI runs: configs/tiny.py with CLI_OVERRIDES."""
+    overrides = dict(arg[len("--config."):].split("=") for arg in CLI_OVERRIDES)
+    return apply_overrides(load_config_file(ROOT / "configs" / "tiny.py"),
+                           {key: int(value) for key, value in overrides.items()})
 
 
 def _start(workdir):

@@ -49,9 +49,11 @@ class Setup:
         nan_steps = (debug.nan_from_step, debug.nan_steps) if debug.nan_from_step >= 0 else None
         constants = {} if self.spec.pipeline is None else {
             "pipeline_bubble": self.spec.pipeline.bubble}
+        opt_on_device = (state_lib.on_device(self.shardings.opt_state)
+                         if self.cfg.optimizer.offload_to_host else None)
         step = make_train_step(self.graphdef, self.optimizer, self.schedule,
                                self.cfg.train.microbatches, self.spec.rules, nan_steps,
-                               constants, self.cfg.train.loss_scale_period)
+                               constants, self.cfg.train.loss_scale_period, opt_on_device)
         return jit_train_step(step, self.shardings, self.tokens_sharding)
 
     def eval_step(self) -> Callable:
@@ -80,5 +82,6 @@ def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
     return Setup(cfg=cfg, mesh=mesh, spec=spec, optimizer=optimizer, schedule=schedule,
                  graphdef=nnx.graphdef(state_lib.abstract_model(spec)),
                  shardings=state_lib.state_shardings(spec, optimizer, mesh,
-                                                     loss_scale_init(cfg)),
+                                                     loss_scale_init(cfg),
+                                                     cfg.optimizer.offload_to_host),
                  tokens_sharding=batch_sharding(mesh, spec.rules))

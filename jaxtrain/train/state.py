@@ -62,14 +62,19 @@ def _create_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
 
 
 def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,
-                    mesh: Mesh, loss_scale: float | None = None) -> TrainState:
-    """Shardings of the whole train state: optimizer moments mirror their parameters."""
+                    mesh: Mesh, loss_scale: float | None = None,
+                    offload_optimizer: bool = False) -> TrainState:
+    """Shardings of the whole train state: optimizer moments mirror their parameters, in
+    pinned host memory with offload_optimizer (they come to the device only for the update)."""
     replicated = NamedSharding(mesh, P())
     params = param_shardings(abstract_model(spec), mesh, spec.rules)
     shapes = jax.eval_shape(functools.partial(_create_state, spec, optimizer, loss_scale),
                             jax.random.key(0))
-    opt = optax.tree_map_params(optimizer, lambda _, sharding: sharding, shapes.opt_state,
-                                params, transform_non_params=lambda _: replicated,
+    memory = "pinned_host" if offload_optimizer else "device"
+    opt = optax.tree_map_params(optimizer,
+                                lambda _, sharding: sharding.with_memory_kind(memory),
+                                shapes.opt_state, params,
+                                transform_non_params=lambda _: replicated,
                                 is_leaf=lambda x: isinstance(x, NamedSharding))
     scale = None if loss_scale is None else LossScale(replicated, replicated)
     return TrainState(step=replicated, params=params, opt_state=opt, loss_scale=scale)
@@ -82,6 +87,11 @@ def init_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
     with jax.set_mesh(mesh):
         return jax.jit(functools.partial(_create_state, spec, optimizer, loss_scale),
                        out_shardings=shardings)(jax.random.key(seed))
+
+
+def on_device(shardings):
+    """The same shardings in device memory (for moments offloaded to the host)."""
+    return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
 
 
 def abstract_state(spec: ModelSpec, optimizer: optax.GradientTransformation,

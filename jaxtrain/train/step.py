@@ -31,10 +31,13 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
                     schedule: optax.Schedule, microbatches: int, rules,
                     nan_steps: tuple[int, int] | None = None,
                     constants: dict | None = None,
-                    loss_scale_period: int = 2000) -> Callable:
+                    loss_scale_period: int = 2000,
+                    opt_device_shardings=None) -> Callable:
     """The pure step. nan_steps=(first, count) poisons those steps' loss (tests only);
     constants are logged with every step's metrics; with a LossScale in the state (float16)
-    the loss is scaled before differentiation and the gradients unscaled after."""
+    the loss is scaled before differentiation and the gradients unscaled after;
+    opt_device_shardings (optimizer state offloaded to host memory) brings it to the device
+    for the update, and the jit's out_shardings send it back."""
 
     def objective(params, tokens_BT, step, scale):
         loss = loss_fn(params, graphdef, tokens_BT)
@@ -72,7 +75,10 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
             finite = jnp.isfinite(optax.tree.norm(grads))
             loss_scale = state.loss_scale.update(finite, loss_scale_period)
             extra = {"loss_scale": scale}
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        opt_state = state.opt_state
+        if opt_device_shardings is not None:
+            opt_state = jax.device_put(opt_state, opt_device_shardings)
+        updates, opt_state = optimizer.update(grads, opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "learning_rate": schedule(state.step),

@@ -1,0 +1,22 @@
+"""Optimizer state offloaded to pinned host memory trains exactly as on the device."""
+
+import jax
+import numpy as np
+
+from conftest import small_config
+from helpers import train_steps
+
+
+def test_offloaded_adam_moments_live_on_the_host_and_change_nothing(devices):
+    base = {"mesh.data": 1, "mesh.fsdp": 2}
+    ref_losses, ref_params, _ = train_steps(small_config(**base), devices[:2])
+    losses, params, state = train_steps(
+        small_config(**base, **{"optimizer.offload_to_host": True}), devices[:2])
+    assert losses == ref_losses
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+        np.testing.assert_array_equal(a, b)
+    adam = state.opt_state.inner_state[1][0]
+    for moment in jax.tree.leaves(adam.mu) + jax.tree.leaves(adam.nu):
+        assert moment.sharding.memory_kind == "pinned_host"
+    for param in jax.tree.leaves(state.params):
+        assert param.sharding.memory_kind == "device"
