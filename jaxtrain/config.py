@@ -15,7 +15,7 @@ FAMILIES = ("gpt2", "llama")
 ATTENTIONS = ("auto", "xla", "chunked", "cudnn")
 REMATS = ("none", "full", "save_dots", "save_dots_except_mlp", "save_attention_out",
           "offload_dots")
-PRECISIONS = ("float32", "bfloat16", "float16")
+PRECISIONS = ("float32", "bfloat16", "float16", "fp8")
 SCHEDULES = ("cosine", "linear", "constant")
 SOURCES = ("stdlib", "bin", "synthetic")
 PIPELINE_SCHEDULES = ("gpipe", "circular")

@@ -41,9 +41,13 @@ def float32_losses(devices):
     return np.array([float(r["loss"]) for r in rows])
 
 
-# Stated tolerance: over 50 steps of a small GPT-2 on the stdlib corpus, the mean absolute
-# difference of the per-step losses stays under 0.02 nats and no step differs by over 0.06.
-@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+# Stated tolerance (mean, max of |loss − float32 loss| over the 50 steps of a small GPT-2 on
+# the stdlib corpus), about 5× what was measured (2026-11-29: bf16 0.0003/0.001, fp16
+# 0.00003/0.0001, fp8 0.006/0.027; fp8 operands keep 3 mantissa bits forward, 2 backward).
+TOLERANCE = {"bfloat16": (0.002, 0.005), "float16": (0.0002, 0.001), "fp8": (0.03, 0.12)}
+
+
+@pytest.mark.parametrize("precision", list(TOLERANCE))
 def test_low_precision_tracks_float32(precision, float32_losses, devices):
     cfg = small_config(**{"steps": 50, "optimizer.lr": 3e-3, "optimizer.warmup_steps": 5,
                           "train.precision": precision})
@@ -51,4 +55,5 @@ def test_low_precision_tracks_float32(precision, float32_losses, devices):
     losses = np.array([float(r["loss"]) for r in rows])
     diff = np.abs(losses - float32_losses)
     assert float32_losses[-1] < float32_losses[0] - 1.0, "the run must actually learn"
-    assert diff.mean() < 0.02 and diff.max() < 0.06, (diff.mean(), diff.max())
+    mean_tol, max_tol = TOLERANCE[precision]
+    assert diff.mean() < mean_tol and diff.max() < max_tol, (diff.mean(), diff.max())

@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.mesh import constrain
 from jaxtrain.models.chunked_attention import chunked_attention
-from jaxtrain.models.layers import param, rope
+from jaxtrain.models.layers import dense, param, rope
 
 
 def xla_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array) -> jax.Array:
@@ -67,7 +67,7 @@ class Attention(nnx.Module):
 
     def _project(self, x_BLD, name: str, axes) -> jax.Array:
         dt = self.spec.compute_dtype
-        y = jnp.einsum("bld,dhk->blhk", x_BLD, getattr(self, f"w_{name}")[...].astype(dt))
+        y = dense(self.spec, "bld,dhk->blhk", x_BLD, getattr(self, f"w_{name}")[...])
         # The key bias adds q·b_k to every score of a query, which softmax ignores: skipping
         # it keeps its gradient exactly zero rather than float noise that Adam would amplify.
         # The parameter stays, for checkpoints converted from Hugging Face GPT-2.
@@ -87,7 +87,7 @@ class Attention(nnx.Module):
         out_BLHK = ATTENTION[spec.attention](q_BLHK, k_BLGK, v_BLGK)
         out_BLHK = checkpoint_name(out_BLHK, "attention_out")
         out_BLHK = constrain(out_BLHK, ("batch", "length", "heads", "kv"), spec.rules)
-        y_BLD = jnp.einsum("blhk,hkd->bld", out_BLHK, self.w_o[...].astype(spec.compute_dtype))
+        y_BLD = dense(spec, "blhk,hkd->bld", out_BLHK, self.w_o[...])
         if spec.use_bias:
             y_BLD = y_BLD + self.b_o[...].astype(spec.compute_dtype)
         return checkpoint_name(y_BLD, "out_proj")

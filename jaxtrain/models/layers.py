@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtrain.models.fp8 import fp8_einsum
+
 
 def param(rngs: nnx.Rngs, shape, axes, std: float | None, dtype) -> nnx.Param:
     """A parameter tagged with its logical axes; std None means ones, 0.0 means zeros."""
@@ -36,6 +38,13 @@ class Norm(nnx.Module):
         if self.bias is not None:
             x = x + self.bias[...]
         return x.astype(x_BLD.dtype)
+
+
+def dense(spec, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """A weight matmul in the spec's precision: compute dtype, or fp8 operands."""
+    if spec.fp8:
+        return fp8_einsum(equation, x, w, spec.compute_dtype)
+    return jnp.einsum(equation, x, w.astype(spec.compute_dtype))
 
 
 def rope(x_BLHK: jax.Array, theta: float) -> jax.Array:

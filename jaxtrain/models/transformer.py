@@ -13,7 +13,7 @@ from jaxtrain.mesh import active_rules, constrain
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.models.attention import ATTENTION_DOT_NAMES, Attention
-from jaxtrain.models.layers import Norm, param
+from jaxtrain.models.layers import Norm, dense, param
 from jaxtrain.parallel.pipeline import PipelineSpec, pipeline
 
 MLP_DOT_NAMES = ("mlp_up", "mlp_gate", "mlp_down")
@@ -65,6 +65,7 @@ class ModelSpec:
     compute_dtype: Any = jnp.float32
     rules: tuple = ()
     pipeline: PipelineSpec | None = None  # None: no pipeline axis
+    fp8: bool = False  # the blocks' weight matmuls take fp8 operands (models/fp8.py)
 
     @classmethod
     def from_config(cls, cfg, pipeline_stages: int = 1, platform: str = "cpu") -> "ModelSpec":
@@ -75,8 +76,8 @@ class ModelSpec:
         if pipeline_stages > 1:
             pipeline = PipelineSpec(pipeline_stages, cfg.pipeline.repeats,
                                     cfg.pipeline.microbatches)
-        compute = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
-                   "float16": jnp.float16}[cfg.train.precision]
+        compute = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+                   "fp8": jnp.bfloat16}[cfg.train.precision]
         return cls(
             family=m.family, d_model=m.d_model, num_layers=m.num_layers,
             num_heads=m.num_heads, num_kv_heads=m.num_kv_heads or m.num_heads,
@@ -87,7 +88,7 @@ class ModelSpec:
             init_std=m.init_std, compute_dtype=compute,
             rules=active_rules(tuple(tuple(r) for r in cfg.mesh.rules),
                                cfg.mesh.sequence_parallel),
-            pipeline=pipeline)
+            pipeline=pipeline, fp8=cfg.train.precision == "fp8")
 
     @property
     def is_llama(self) -> bool:
@@ -128,14 +129,15 @@ class Mlp(nnx.Module):
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         spec, dt = self.spec, self.spec.compute_dtype
-        h_BLF = checkpoint_name(x_BLD @ self.w_up[...].astype(dt), "mlp_up")
+        h_BLF = checkpoint_name(dense(spec, "bld,df->blf", x_BLD, self.w_up[...]), "mlp_up")
         if spec.is_llama:
-            gate_BLF = checkpoint_name(x_BLD @ self.w_gate[...].astype(dt), "mlp_gate")
+            gate_BLF = checkpoint_name(dense(spec, "bld,df->blf", x_BLD, self.w_gate[...]),
+                                       "mlp_gate")
             h_BLF = _swiglu(gate_BLF, h_BLF)
         else:
             h_BLF = _gelu_bias(h_BLF, self.b_up[...].astype(dt))
         h_BLF = constrain(h_BLF, ("batch", "length", "mlp"), spec.rules)
-        y_BLD = checkpoint_name(h_BLF @ self.w_down[...].astype(dt), "mlp_down")
+        y_BLD = checkpoint_name(dense(spec, "blf,fd->bld", h_BLF, self.w_down[...]), "mlp_down")
         if not spec.is_llama:
             y_BLD = y_BLD + self.b_down[...].astype(dt)
         return y_BLD
