@@ -64,6 +64,8 @@ def measure_matmul_peak(dtype=jnp.float32, n: int = 2048, repeats: int = 5,
 def peak_flops_per_device(precision: str) -> tuple[float, str]:
     """(FLOP/s, where it came from): a datasheet figure for known accelerators, else measured."""
     device = jax.local_devices()[0]
+    # 16-bit and fp8 runs are judged against the bf16 peak (fp8 MFU is often quoted that way).
+    precision = "float32" if precision == "float32" else "bfloat16"
     if device.platform != "cpu":
         for prefix, peaks in PEAK_FLOPS.items():
             if device.device_kind.startswith(prefix):

@@ -15,7 +15,8 @@ CATALOG_FILE = pathlib.Path(__file__).with_name("hardware.json")
 REQUIRED = ("kind", "flops_tflops", "memory_gb", "memory_bw_gbps", "intra_node_gbps",
             "inter_node_gbps", "devices_per_node", "power_w", "source")
 # The precision a train.precision setting runs its matmuls in.
-MATMUL_PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
+# The catalog lists bf16 and fp16 together (the same tensor-core rate).
+MATMUL_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16", "fp8": "fp8"}
 
 
 class HardwareError(ValueError):
