@@ -22,27 +22,33 @@ def _rel(a, b):
     return float(jnp.abs(a - b).max() / jnp.abs(b).max())
 
 
-@pytest.mark.parametrize("shape", [
+SHAPES = [
     (2, 256, 4, 4, 16),   # multi-head, two query chunks
     (2, 300, 8, 2, 16),   # grouped-query, a length that does not divide the chunk size
     (1, 64, 4, 1, 8),     # multi-query (one kv head), a single chunk
-])
-def test_chunked_matches_xla_in_outputs_and_gradients(shape):
+    (1, 96, 4, 2, 16),    # grouped-query at a length of 3 blocks of 32
+]
+
+
+# Pallas runs interpreted on CPU: it gets the short shapes only.
+@pytest.mark.parametrize("impl,shape", [("chunked", s) for s in SHAPES]
+                         + [("pallas", s) for s in SHAPES if s[1] <= 128])
+def test_implementations_match_xla_in_outputs_and_gradients(impl, shape):
     q, k, v, cotangent = _inputs(*shape)
     outputs, grads = {}, {}
-    for name in ("xla", "chunked"):
+    for name in ("xla", impl):
         fn = jax.jit(ATTENTION[name])
         outputs[name] = fn(q, k, v)
         grads[name] = jax.grad(lambda q, k, v: jnp.vdot(fn(q, k, v), cotangent),
                                argnums=(0, 1, 2))(q, k, v)
-    assert _rel(outputs["chunked"], outputs["xla"]) < 1e-5
-    for got, want in zip(grads["chunked"], grads["xla"]):
+    assert _rel(outputs[impl], outputs["xla"]) < 1e-5
+    for got, want in zip(grads[impl], grads["xla"]):
         assert _rel(got, want) < 1e-5
 
 
 def test_attention_is_causal():
     q, k, v, _ = _inputs(1, 256, 4, 2, 16)
-    for name in ("xla", "chunked"):
+    for name in ("xla", "chunked", "pallas"):
         before = ATTENTION[name](q, k, v)[:, :100]
         v_later = v.at[:, 100:].set(0.0)  # changing later positions changes nothing earlier
         np.testing.assert_allclose(ATTENTION[name](q, k, v_later)[:, :100], before, atol=1e-6)

@@ -39,10 +39,28 @@ def cudnn_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array) -> 
                                         implementation="cudnn")
 
 
+def pallas_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array) -> jax.Array:
+    """jax's Pallas flash-attention kernel for GPUs (Triton); interpreted on CPU, for tests.
+
+    The kernel wants as many kv heads as query heads, so grouped kv heads are repeated.
+    """
+    from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
+
+    heads, groups, length = q_BLHK.shape[2], k_BMGK.shape[2], q_BLHK.shape[1]
+    if groups != heads:
+        k_BMGK = jnp.repeat(k_BMGK, heads // groups, axis=2)
+        v_BMGK = jnp.repeat(v_BMGK, heads // groups, axis=2)
+    block = next(b for b in (128, 64, 32, 16, 8, 4, 2, 1) if length % b == 0)
+    blocks = pallas_gpu.BlockSizes(block_q=block, block_k=block, block_q_dkv=block,
+                                   block_kv_dkv=block, block_q_dq=block, block_kv_dq=block)
+    return pallas_gpu.mha(q_BLHK, k_BMGK, v_BMGK, None, sm_scale=1.0, causal=True,
+                          block_sizes=blocks, interpret=jax.default_backend() == "cpu")
+
+
 # "chunked" computes the same function (to float32 reassociation) with half the score
 # FLOPs and no L×L buffers kept for the backward pass; see chunked_attention.py.
 ATTENTION: dict[str, Callable] = {"xla": xla_attention, "chunked": chunked_attention,
-                                  "cudnn": cudnn_attention}
+                                  "cudnn": cudnn_attention, "pallas": pallas_attention}
 
 
 # Names of the tensors remat policies can keep (models/transformer.py REMAT_POLICIES).

@@ -72,6 +72,9 @@ def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
     if cfg.model.remat == "offload_dots" and devices[0].platform == "cpu":
         raise ConfigError("model.remat='offload_dots' is invalid: offloading to pinned host "
                           "memory needs GPU or TPU devices; use save_dots or full on CPU")
+    if cfg.model.attention == "pallas" and devices[0].platform == "tpu":
+        raise ConfigError("model.attention='pallas' is invalid: the Pallas kernel here is the "
+                          "GPU (Triton) one; use chunked on TPU")
     if cfg.model.attention == "cudnn" and devices[0].platform != "gpu":
         raise ConfigError(f"model.attention='cudnn' is invalid: cuDNN needs NVIDIA GPUs and "
                           f"this run has {devices[0].platform} devices; use xla or chunked")
