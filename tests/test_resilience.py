@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import small_config
-from helpers import assert_params_close, train_steps
+from helpers import train_steps
 from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.config import ConfigError, apply_overrides, load_config_file
 from jaxtrain.train.loop import TrainingStopped, run
@@ -162,7 +163,6 @@ def test_restore_onto_other_meshes(tmp_path, devices):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert restored.params["tok_embed"].sharding.mesh.devices.size == len(devs)
         # Continue on the new mesh from step 3: the same numbers as never moving.
-        import shutil
         shutil.copytree(tmp_path / "fsdp8" / "checkpoints", workdir / "checkpoints")
         shutil.rmtree(workdir / "checkpoints" / "6")
         rows = run(other, workdir, devs)

@@ -211,16 +211,3 @@ class Transformer(nnx.Module):
         logits_BLV = self.features(tokens_BL) @ self.head()
         return constrain(logits_BLV, ("batch", "length", "vocab"), self.spec.rules)
 
-
-def param_count(spec: ModelSpec) -> dict[str, int]:
-    """Parameter counts from shapes alone (no arrays): total and matmul weights."""
-    model = nnx.eval_shape(lambda: Transformer(spec, rngs=nnx.Rngs(0)))
-    total = matmul = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
-        n = int(jnp.size(leaf)) if not hasattr(leaf, "size") else int(leaf.size)
-        total += n
-        names = [getattr(k, "key", None) for k in path]
-        if any(isinstance(x, str) and (x.startswith("w_") or x in ("tok_embed", "lm_head"))
-               for x in names):
-            matmul += n
-    return {"total": total, "matmul": matmul}
