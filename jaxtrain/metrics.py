@@ -14,18 +14,14 @@ import tqdm
 
 from jaxtrain.models import ModelSpec
 
-# Dense peak FLOP/s per device by jax device_kind prefix, for bf16 (and fp32 without tensor
-# cores on GPUs); vendors' datasheets. Unknown devices are measured instead.
-PEAK_FLOPS = {
-    "NVIDIA H200": {"bfloat16": 989e12, "float32": 67e12},
-    "NVIDIA H100": {"bfloat16": 989e12, "float32": 67e12},
-    "NVIDIA A100": {"bfloat16": 312e12, "float32": 19.5e12},
-    "NVIDIA B200": {"bfloat16": 2250e12, "float32": 80e12},
-    "TPU v4": {"bfloat16": 275e12, "float32": 275e12 / 4},
-    "TPU v5 lite": {"bfloat16": 197e12, "float32": 197e12 / 4},
-    "TPU v5p": {"bfloat16": 459e12, "float32": 459e12 / 4},
-    "TPU v6 lite": {"bfloat16": 918e12, "float32": 918e12 / 4},
-}
+# jax device_kind prefixes -> entries of the hardware catalog (jaxtrain/plan/hardware.json),
+# which holds the datasheet peaks with their sources. Longer prefixes first.
+CATALOG_NAMES = (
+    ("NVIDIA H100 PCIe", "H100-PCIe"), ("NVIDIA H100", "H100-SXM"), ("NVIDIA H200", "H200"),
+    ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("NVIDIA A100-PCIE-40GB", "A100-40GB"),
+    ("NVIDIA A100", "A100-80GB"), ("NVIDIA B200", "B200"), ("TPU v4", "TPU-v4"),
+    ("TPU v5 lite", "TPU-v5e"), ("TPU v5", "TPU-v5p"), ("TPU v6 lite", "TPU-v6e"),
+)
 
 
 def matmul_params(spec: ModelSpec) -> int:
@@ -63,13 +59,20 @@ def measure_matmul_peak(dtype=jnp.float32, n: int = 2048, repeats: int = 5,
 
 def peak_flops_per_device(precision: str) -> tuple[float, str]:
     """(FLOP/s, where it came from): a datasheet figure for known accelerators, else measured."""
+    from jaxtrain.plan import catalog
+
     device = jax.local_devices()[0]
     # 16-bit and fp8 runs are judged against the bf16 peak (fp8 MFU is often quoted that way).
     precision = "float32" if precision == "float32" else "bfloat16"
     if device.platform != "cpu":
-        for prefix, peaks in PEAK_FLOPS.items():
-            if device.device_kind.startswith(prefix):
-                return peaks[precision], f"datasheet {prefix} {precision}"
+        name = next((n for prefix, n in CATALOG_NAMES
+                     if device.device_kind.startswith(prefix)), None)
+        if name is not None:
+            try:
+                return (catalog.get(name).peak_flops(precision),
+                        f"datasheet {name} {precision}")
+            except catalog.HardwareError:  # no datasheet figure for this precision
+                pass
     dtype = jnp.bfloat16 if precision == "bfloat16" and device.platform != "cpu" else jnp.float32
     n = 2048 if device.platform == "cpu" else 8192
     return measure_matmul_peak(dtype, n), f"measured {n}x{n} {jnp.dtype(dtype).name} matmul"

@@ -53,3 +53,20 @@ def test_report_draws_a_png_and_summarises(profiled_run, capsys):
 def test_report_on_a_missing_run_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="metrics.jsonl does not exist; is --workdir a jaxtrain run"):
         report.main(["--workdir", str(tmp_path)])
+
+
+@pytest.mark.parametrize("device_kind,entry", [
+    ("NVIDIA H100 80GB HBM3", "H100-SXM"), ("NVIDIA H100 PCIe", "H100-PCIe"),
+    ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+    ("NVIDIA H200", "H200"), ("TPU v5 lite", "TPU-v5e"), ("TPU v5p", "TPU-v5p")])
+def test_mfu_peak_comes_from_the_hardware_catalog(device_kind, entry, monkeypatch):
+    import jax
+
+    from jaxtrain import metrics
+    from jaxtrain.plan import catalog
+
+    fake = type("Device", (), {"platform": "gpu", "device_kind": device_kind})()
+    monkeypatch.setattr(jax, "local_devices", lambda: [fake])
+    peak, source = metrics.peak_flops_per_device("bfloat16")
+    assert peak == catalog.get(entry).peak_flops("bfloat16")
+    assert source == f"datasheet {entry} bfloat16"
