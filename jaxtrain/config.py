@@ -83,6 +83,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.vocab_size = 256
     c.model.seq_len = 128
     c.model.attention = "auto"  # cudnn on NVIDIA GPUs in bf16/fp16, else chunked
+    c.model.sliding_window = 0  # 0: full causal attention; W: each token sees its last W
     c.model.remat = "none"
     c.model.rope_theta = 10000.0
     c.model.norm_eps = 1e-5
@@ -236,6 +237,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
     for key in ("d_model", "num_layers", "num_heads", "mlp_dim", "vocab_size", "seq_len"):
         if m[key] < 1:
             _fail(f"model.{key}", m[key], "must be >= 1")
+    if m.sliding_window < 0:
+        _fail("model.sliding_window", m.sliding_window, "must be 0 (off) or a window >= 1")
     heads, kv_heads = m.num_heads, m.num_kv_heads or m.num_heads
     if heads % kv_heads:
         _fail("model.num_kv_heads", m.num_kv_heads,

@@ -33,13 +33,19 @@ def matmul_params(spec: ModelSpec) -> int:
 
 
 def flops_per_token(spec: ModelSpec) -> float:
-    """Training FLOPs per token: 6 per matmul weight, plus causal attention 6·L·s·(h·k).
+    """Training FLOPs per token: 6 per matmul weight, plus causal attention 6·L·s·(h·k)."""
+    return 6.0 * matmul_params(spec) + attention_flops_per_token(spec)
 
-    QKᵀ and PV are 2·s·h·k multiply-adds each per token forward, ×3 for backward, halved
-    because the causal mask leaves half the scores. No credit for recomputation.
+
+def attention_flops_per_token(spec: ModelSpec) -> float:
+    """QKᵀ and PV are 2·s·h·k multiply-adds each per token forward, ×3 for backward, halved
+    because the causal mask leaves half the scores. A sliding window W leaves each query
+    W keys (fewer in the first W positions): W - W²/2s on average. No credit for
+    recomputation.
     """
-    attention = 6 * spec.num_layers * spec.seq_len * spec.num_heads * spec.head_dim
-    return 6.0 * matmul_params(spec) + attention
+    s, w = spec.seq_len, spec.sliding_window
+    keys = s / 2 if not w or w >= s else w - w * w / (2 * s)
+    return 12 * spec.num_layers * keys * spec.num_heads * spec.head_dim
 
 
 def measure_matmul_peak(dtype=jnp.float32, n: int = 2048, repeats: int = 5,

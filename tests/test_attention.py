@@ -46,6 +46,42 @@ def test_implementations_match_xla_in_outputs_and_gradients(impl, shape):
         assert _rel(got, want) < 1e-5
 
 
+# Windows shorter than, equal to and longer than the chunked kernel's 128-row blocks.
+@pytest.mark.parametrize("shape,window", [((2, 300, 8, 2, 16), 50),
+                                          ((1, 256, 4, 4, 16), 128),
+                                          ((1, 300, 4, 1, 8), 200)])
+def test_chunked_matches_xla_with_a_sliding_window(shape, window):
+    q, k, v, cotangent = _inputs(*shape)
+    outputs, grads = {}, {}
+    for name in ("xla", "chunked"):
+        fn = jax.jit(lambda q, k, v, name=name: ATTENTION[name](q, k, v, window))
+        outputs[name] = fn(q, k, v)
+        grads[name] = jax.grad(lambda q, k, v: jnp.vdot(fn(q, k, v), cotangent),
+                               argnums=(0, 1, 2))(q, k, v)
+    assert _rel(outputs["chunked"], outputs["xla"]) < 1e-5
+    for got, want in zip(grads["chunked"], grads["xla"]):
+        assert _rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["xla", "chunked"])
+def test_sliding_window_sees_exactly_the_last_w_keys(name):
+    q, k, v, _ = _inputs(1, 200, 4, 2, 16)
+    window, pos = 40, 150
+    out = ATTENTION[name](q, k, v, window)
+    # Changing keys/values outside (pos - window, pos] leaves position pos alone ...
+    outside = jnp.zeros(200, bool).at[:pos - window + 1].set(True).at[pos + 1:].set(True)
+    k2 = jnp.where(outside[None, :, None, None], k * 3.0, k)
+    v2 = jnp.where(outside[None, :, None, None], -v, v)
+    np.testing.assert_allclose(ATTENTION[name](q, k2, v2, window)[:, pos], out[:, pos],
+                               atol=1e-6)
+    # ... while its oldest key inside the window matters, and a window as long as the
+    # sequence is plain causal attention.
+    v3 = v.at[:, pos - window + 1].add(1.0)
+    assert not np.allclose(ATTENTION[name](q, k, v3, window)[:, pos], out[:, pos])
+    np.testing.assert_allclose(ATTENTION[name](q, k, v, 200), ATTENTION[name](q, k, v),
+                               atol=1e-6)
+
+
 def test_attention_is_causal():
     q, k, v, _ = _inputs(1, 256, 4, 2, 16)
     for name in ("xla", "chunked", "pallas"):

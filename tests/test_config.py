@@ -28,6 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     ({"model.family": "gpt3"}, 1, "model.family='gpt3' is invalid: valid values are gpt2, llama"),
     ({"model.remat": "some"}, 1, "model.remat='some' is invalid: valid values are none, full, save_dots"),
     ({"train.precision": "fp64"}, 1, "train.precision='fp64' is invalid: valid values are"),
+    ({"model.sliding_window": -1}, 1, "model.sliding_window=-1 is invalid: must be 0 (off)"),
     ({"model.num_kv_heads": 3}, 1, "model.num_kv_heads=3 is invalid: must divide model.num_heads=8"),
     ({"data.source": "bin"}, 1, "data.path='' is invalid: data.source='bin' needs"),
     ({"model.vocab_size": 100}, 1, "model.vocab_size=100 is invalid: the byte-level stdlib corpus needs >= 256"),

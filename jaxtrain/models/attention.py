@@ -1,7 +1,9 @@
-"""Causal self-attention with grouped-query heads.
+"""Causal self-attention with grouped-query heads and an optional sliding window.
 
-The attention kernel is a plain function (q, k, v) -> out chosen by name, so faster
-implementations plug in without touching the module.
+The attention kernel is a plain function (q, k, v, window) -> out chosen by name, so faster
+implementations plug in without touching the module. window=None: full causal attention;
+window=W: query position i sees keys (i - W, i] (W keys including itself, as Mistral's
+sliding_window).
 """
 
 from __future__ import annotations
@@ -19,31 +21,46 @@ from jaxtrain.models.chunked_attention import chunked_attention
 from jaxtrain.models.layers import dense, param, rope
 
 
-def xla_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array) -> jax.Array:
+def causal_mask(query_pos, key_pos, window: int | None):
+    """Bool [..., Q, M]: which keys each query sees (causal, within the window)."""
+    visible = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        visible &= key_pos[None, :] > query_pos[:, None] - window
+    return visible
+
+
+def xla_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
+                  window: int | None = None) -> jax.Array:
     """Reference causal attention: full score matrix, mask, float32 softmax."""
     b, length, heads, head_dim = q_BLHK.shape
     groups = k_BMGK.shape[2]
     q_BLGRK = q_BLHK.reshape(b, length, groups, heads // groups, head_dim)
     scores_BGRLM = jnp.einsum("blgrk,bmgk->bgrlm", q_BLGRK, k_BMGK,
                               preferred_element_type=jnp.float32)
-    causal_LM = jnp.tril(jnp.ones((length, k_BMGK.shape[1]), dtype=bool))
+    causal_LM = causal_mask(jnp.arange(length), jnp.arange(k_BMGK.shape[1]), window)
     scores_BGRLM = jnp.where(causal_LM, scores_BGRLM, jnp.finfo(jnp.float32).min)
     probs_BGRLM = jax.nn.softmax(scores_BGRLM, axis=-1).astype(v_BMGK.dtype)
     out_BLGRK = jnp.einsum("bgrlm,bmgk->blgrk", probs_BGRLM, v_BMGK)
     return out_BLGRK.reshape(b, length, heads, head_dim)
 
 
-def cudnn_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array) -> jax.Array:
+def cudnn_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
+                    window: int | None = None) -> jax.Array:
     """cuDNN's fused flash attention (NVIDIA GPUs, bf16/fp16); q arrives pre-scaled."""
-    return jax.nn.dot_product_attention(q_BLHK, k_BMGK, v_BMGK, scale=1.0, is_causal=True,
-                                        implementation="cudnn")
+    return jax.nn.dot_product_attention(
+        q_BLHK, k_BMGK, v_BMGK, scale=1.0, is_causal=True, implementation="cudnn",
+        local_window_size=None if window is None else (window - 1, 0))
 
 
-def pallas_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array) -> jax.Array:
+def pallas_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
+                     window: int | None = None) -> jax.Array:
     """jax's Pallas flash-attention kernel for GPUs (Triton); interpreted on CPU, for tests.
 
-    The kernel wants as many kv heads as query heads, so grouped kv heads are repeated.
+    The kernel wants as many kv heads as query heads, so grouped kv heads are repeated. It
+    has no sliding window (train/setup.py refuses that combination before compiling).
     """
+    if window is not None:
+        raise ValueError("the Pallas GPU attention kernel has no sliding window")
     from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
 
     heads, groups, length = q_BLHK.shape[2], k_BMGK.shape[2], q_BLHK.shape[1]
@@ -102,7 +119,8 @@ class Attention(nnx.Module):
         if spec.rope:
             q_BLHK, k_BLGK = rope(q_BLHK, spec.rope_theta), rope(k_BLGK, spec.rope_theta)
         q_BLHK = q_BLHK * jnp.asarray(spec.head_dim ** -0.5, q_BLHK.dtype)
-        out_BLHK = ATTENTION[spec.attention](q_BLHK, k_BLGK, v_BLGK)
+        out_BLHK = ATTENTION[spec.attention](q_BLHK, k_BLGK, v_BLGK,
+                                             spec.sliding_window or None)
         out_BLHK = checkpoint_name(out_BLHK, "attention_out")
         out_BLHK = constrain(out_BLHK, ("batch", "length", "heads", "kv"), spec.rules)
         y_BLD = dense(spec, "blhk,hkd->bld", out_BLHK, self.w_o[...])

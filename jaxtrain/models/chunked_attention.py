@@ -8,6 +8,9 @@ never computed, and only the diagonal block needs a mask. Each chunk's softmax i
 (its whole prefix is one row), so no running rescaling is needed; a custom VJP keeps just
 (out, logsumexp) and recomputes each chunk's probabilities in the backward pass.
 
+With a sliding window of W, query position i sees keys (i - W, i]: chunk i then meets only
+the keys from its first row's window start, so the work grows as L·W rather than L².
+
 GQA: the R = H/G query heads sharing a kv head are folded into the query rows, so each chunk
 is one batched matmul over (batch, kv group) and K/V are read once per group.
 """
@@ -27,10 +30,20 @@ def _chunks(length: int, block: int) -> list[tuple[int, int]]:
     return [(s, min(s + block, length)) for s in range(0, length, block)]
 
 
-def _causal_mask(start: int, end: int, repeats: int) -> np.ndarray:
-    """[repeats·(end-start), end] bool: query row j (position start + j % rows) sees keys <= it."""
-    pos_Q = np.tile(np.arange(start, end), repeats)
-    return np.arange(end)[None, :] <= pos_Q[:, None]
+def _key_start(start: int, window: int | None) -> int:
+    """The first key any query of a chunk starting at `start` can see."""
+    return 0 if window is None else max(0, start - window + 1)
+
+
+def _causal_mask(start: int, end: int, repeats: int, window: int | None) -> np.ndarray:
+    """[repeats·(end-start), end-lo] bool, keys from lo = _key_start: query row j (position
+    p = start + j % rows) sees keys in (p - window, p]."""
+    pos_Q = np.tile(np.arange(start, end), repeats)[:, None]
+    key_M = np.arange(_key_start(start, window), end)[None, :]
+    visible = key_M <= pos_Q
+    if window is not None:
+        visible &= key_M > pos_Q - window
+    return visible
 
 
 def _to_groups(q_BLHK, groups: int):
@@ -55,24 +68,25 @@ def _unrows(x_BGQK, r: int):
     return x_BGQK.reshape(b, g, r, rows // r, *x_BGQK.shape[3:])
 
 
-def _scores(q_BGQK, k_BGMK, start: int, end: int, r: int):
-    s_BGQM = jnp.einsum("bgqk,bgmk->bgqm", q_BGQK, k_BGMK[:, :, :end],
+def _scores(q_BGQK, k_BGMK, start: int, end: int, r: int, window: int | None):
+    s_BGQM = jnp.einsum("bgqk,bgmk->bgqm", q_BGQK, k_BGMK[:, :, _key_start(start, window):end],
                         preferred_element_type=jnp.float32)
-    return jnp.where(_causal_mask(start, end, r), s_BGQM, _NEG)
+    return jnp.where(_causal_mask(start, end, r, window), s_BGQM, _NEG)
 
 
-def _forward(q_BLHK, k_BMGK, v_BMGK, block: int):
+def _forward(q_BLHK, k_BMGK, v_BMGK, block: int, window: int | None):
     groups = k_BMGK.shape[2]
     r = q_BLHK.shape[2] // groups
     q_BGRLK = _to_groups(q_BLHK, groups)
     k_BGMK, v_BGMK = k_BMGK.transpose(0, 2, 1, 3), v_BMGK.transpose(0, 2, 1, 3)
     outs, lses = [], []
     for start, end in _chunks(q_BLHK.shape[1], block):
-        s_BGQM = _scores(_rows(q_BGRLK, start, end), k_BGMK, start, end, r)
+        lo = _key_start(start, window)
+        s_BGQM = _scores(_rows(q_BGRLK, start, end), k_BGMK, start, end, r, window)
         max_BGQ = s_BGQM.max(-1, keepdims=True)
         p_BGQM = jnp.exp(s_BGQM - max_BGQ)
         sum_BGQ = p_BGQM.sum(-1, keepdims=True)
-        o_BGQK = jnp.einsum("bgqm,bgmk->bgqk", p_BGQM.astype(v_BGMK.dtype), v_BGMK[:, :, :end],
+        o_BGQK = jnp.einsum("bgqm,bgmk->bgqk", p_BGQM.astype(v_BGMK.dtype), v_BGMK[:, :, lo:end],
                             preferred_element_type=jnp.float32) / sum_BGQ
         outs.append(_unrows(o_BGQK.astype(q_BLHK.dtype), r))
         lses.append(_unrows((max_BGQ + jnp.log(sum_BGQ))[..., 0], r))
@@ -80,17 +94,17 @@ def _forward(q_BLHK, k_BMGK, v_BMGK, block: int):
     return _from_groups(out_BGRLK), (out_BGRLK, jnp.concatenate(lses, axis=3))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q_BLHK, k_BMGK, v_BMGK, block):
-    return _forward(q_BLHK, k_BMGK, v_BMGK, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _attention(q_BLHK, k_BMGK, v_BMGK, block, window):
+    return _forward(q_BLHK, k_BMGK, v_BMGK, block, window)[0]
 
 
-def _attention_fwd(q_BLHK, k_BMGK, v_BMGK, block):
-    out_BLHK, (out_BGRLK, lse_BGRL) = _forward(q_BLHK, k_BMGK, v_BMGK, block)
+def _attention_fwd(q_BLHK, k_BMGK, v_BMGK, block, window):
+    out_BLHK, (out_BGRLK, lse_BGRL) = _forward(q_BLHK, k_BMGK, v_BMGK, block, window)
     return out_BLHK, (q_BLHK, k_BMGK, v_BMGK, out_BGRLK, lse_BGRL)
 
 
-def _attention_bwd(block, residuals, dout_BLHK):
+def _attention_bwd(block, window, residuals, dout_BLHK):
     q_BLHK, k_BMGK, v_BMGK, out_BGRLK, lse_BGRL = residuals
     groups = k_BMGK.shape[2]
     r = q_BLHK.shape[2] // groups
@@ -106,15 +120,16 @@ def _attention_bwd(block, residuals, dout_BLHK):
         q_BGQK, do_BGQK = _rows(q_BGRLK, start, end), _rows(do_BGRLK, start, end)
         lse_BGQ = lse_BGRL[:, :, :, start:end].reshape(*q_BGQK.shape[:3], 1)
         delta_BGQ = delta_BGRL[:, :, :, start:end].reshape(*q_BGQK.shape[:3], 1)
-        p_BGQM = jnp.exp(_scores(q_BGQK, k_BGMK, start, end, r) - lse_BGQ)
-        dp_BGQM = jnp.einsum("bgqk,bgmk->bgqm", do_BGQK, v_BGMK[:, :, :end],
+        lo = _key_start(start, window)
+        p_BGQM = jnp.exp(_scores(q_BGQK, k_BGMK, start, end, r, window) - lse_BGQ)
+        dp_BGQM = jnp.einsum("bgqk,bgmk->bgqm", do_BGQK, v_BGMK[:, :, lo:end],
                              preferred_element_type=jnp.float32)
         ds_BGQM = p_BGQM * (dp_BGQM - delta_BGQ)
-        dqs.append(_unrows(jnp.einsum("bgqm,bgmk->bgqk", ds_BGQM, k_BGMK[:, :, :end],
+        dqs.append(_unrows(jnp.einsum("bgqm,bgmk->bgqk", ds_BGQM, k_BGMK[:, :, lo:end],
                                       preferred_element_type=jnp.float32), r))
-        dk_BGMK = dk_BGMK.at[:, :, :end].add(
+        dk_BGMK = dk_BGMK.at[:, :, lo:end].add(
             jnp.einsum("bgqm,bgqk->bgmk", ds_BGQM, q_BGQK, preferred_element_type=jnp.float32))
-        dv_BGMK = dv_BGMK.at[:, :, :end].add(
+        dv_BGMK = dv_BGMK.at[:, :, lo:end].add(
             jnp.einsum("bgqm,bgqk->bgmk", p_BGQM, do_BGQK, preferred_element_type=jnp.float32))
     dq_BLHK = _from_groups(jnp.concatenate(dqs, axis=3)).astype(q_BLHK.dtype)
     return (dq_BLHK, dk_BGMK.transpose(0, 2, 1, 3).astype(k_BMGK.dtype),
@@ -125,6 +140,6 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def chunked_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
-                      block: int = 128) -> jax.Array:
+                      window: int | None = None, block: int = 128) -> jax.Array:
     """Causal GQA attention, same contract as attention.xla_attention (q already scaled)."""
-    return _attention(q_BLHK, k_BMGK, v_BMGK, block)
+    return _attention(q_BLHK, k_BMGK, v_BMGK, block, window)

@@ -57,6 +57,7 @@ class ModelSpec:
     vocab_size: int
     seq_len: int
     attention: str = "xla"
+    sliding_window: int = 0  # 0: full causal attention; W: each query sees its last W keys
     remat: str = "none"
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
@@ -84,6 +85,7 @@ class ModelSpec:
             head_dim=m.head_dim or m.d_model // m.num_heads, mlp_dim=m.mlp_dim,
             vocab_size=m.vocab_size, seq_len=m.seq_len,
             attention=resolve_attention(m.attention, cfg.train.precision, platform),
+            sliding_window=m.sliding_window,
             remat=m.remat, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
             init_std=m.init_std, compute_dtype=compute,
             rules=active_rules(tuple(tuple(r) for r in cfg.mesh.rules),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from jaxtrain.metrics import flops_per_token, matmul_params
+from jaxtrain.metrics import attention_flops_per_token, flops_per_token, matmul_params
 from jaxtrain.models import ModelSpec
 from jaxtrain.parallel.pipeline import bubble_fraction
 
@@ -27,7 +27,7 @@ def step_flops(spec: ModelSpec, tokens: int) -> dict[str, float]:
     hardware runs: plus one more forward under full remat, the attention scores' forward
     under save_dots, and the masked half of the scores that the xla kernel computes."""
     model = flops_per_token(spec) * tokens
-    attention = 6 * spec.num_layers * spec.seq_len * spec.num_heads * spec.head_dim * tokens
+    attention = attention_flops_per_token(spec) * tokens
     forward = model / 3
     recompute = {"none": 0.0, "full": forward, "save_dots": attention / 3 * 2,
                  # finer policies: modelled as their nearest coarse one

@@ -75,6 +75,10 @@ def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
     if cfg.model.attention == "pallas" and devices[0].platform == "tpu":
         raise ConfigError("model.attention='pallas' is invalid: the Pallas kernel here is the "
                           "GPU (Triton) one; use chunked on TPU")
+    if cfg.model.attention == "pallas" and cfg.model.sliding_window:
+        raise ConfigError(f"model.sliding_window={cfg.model.sliding_window} is invalid with "
+                          "model.attention='pallas': jax's Pallas GPU kernel has no window; "
+                          "use cudnn or chunked")
     if cfg.model.attention == "cudnn" and devices[0].platform != "gpu":
         raise ConfigError(f"model.attention='cudnn' is invalid: cuDNN needs NVIDIA GPUs and "
                           f"this run has {devices[0].platform} devices; use xla or chunked")
