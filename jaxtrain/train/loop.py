@@ -143,7 +143,8 @@ def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None)
     checkpoints = Checkpoints(workdir / "checkpoints", cfg.checkpoint.keep,
                               cfg.checkpoint.keep_period, log=say)
     start, state = checkpoints.restore_latest(setup.abstract_state(), check_same_run(cfg, workdir))
-    if state is None:
+    restored = state is not None  # step 0 too: a checkpoint made by jaxtrain.convert
+    if not restored:
         state = setup.init_state()
     if main_process:
         keep_metrics_up_to(workdir / "metrics.jsonl", start)
@@ -164,7 +165,7 @@ def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None)
             f"{dict(setup.mesh.shape)} on {devices_used} {jax.devices()[0].platform} devices, "
             f"compiled in {time.perf_counter() - compile_start:.1f}s, peak "
             f"{peak / 1e12:.3g} TFLOP/s per device ({peak_source}), "
-            f"{f'resuming at step {start}' if start else 'starting at step 0'}")
+            f"{f'resuming at step {start}' if restored else 'starting at step 0'}")
 
         pipe = setup.spec.pipeline
         if pipe is not None and pipe.bubble > 0.1:

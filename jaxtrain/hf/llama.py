@@ -1,0 +1,96 @@
+"""LlamaForCausalLM <-> jaxtrain's llama family.
+
+HF Llama keeps torch Linear weights [out, in] (jaxtrain: [in, out], with heads split out:
+q_proj [H*K, D] -> w_q [D, H, K], k/v_proj [G*K, D] -> [D, G, K], o_proj [D, H*K] ->
+w_o [H, K, D]); RoPE rotates the two halves of each head, as jaxtrain's `rope` does, so no
+permutation of q/k rows is needed. The output head is separate unless tie_word_embeddings,
+in which case jaxtrain gets a copy of the embedding table (and exports an untied head).
+"""
+
+from __future__ import annotations
+
+from jaxtrain.hf.mapping import Checks, HFTensor, linear, one, split_heads
+
+ARCHITECTURE = "LlamaForCausalLM"
+
+
+def rope_theta(hf: dict) -> float:
+    """transformers >= 5 nests it in rope_parameters; earlier versions keep it at the top."""
+    return float((hf.get("rope_parameters") or {}).get("rope_theta",
+                                                        hf.get("rope_theta", 10000.0)))
+
+
+def check_config(hf: dict, m) -> list[str]:
+    """Disagreements of a Llama config.json with cfg.model `m`, one message each."""
+    c = Checks()
+    d, heads = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
+    c.equal("model.d_model", m.d_model, "hidden_size", d)
+    c.equal("model.num_layers", m.num_layers, "num_hidden_layers",
+            hf.get("num_hidden_layers", 32))
+    c.equal("model.num_heads", m.num_heads, "num_attention_heads", heads)
+    kv = hf.get("num_key_value_heads") or heads
+    c.equal("model.num_kv_heads", m.num_kv_heads or m.num_heads, "num_key_value_heads", kv)
+    head_dim = hf.get("head_dim") or d // heads
+    c.equal("model.head_dim", m.head_dim or m.d_model // m.num_heads,
+            "head_dim" if hf.get("head_dim") else "hidden_size/num_attention_heads", head_dim)
+    c.equal("model.mlp_dim", m.mlp_dim, "intermediate_size", hf.get("intermediate_size", 11008))
+    c.equal("model.vocab_size", m.vocab_size, "vocab_size", hf.get("vocab_size", 32000))
+    c.equal("model.norm_eps", m.norm_eps, "rms_norm_eps", hf.get("rms_norm_eps", 1e-6))
+    c.equal("model.rope_theta", m.rope_theta,
+            "rope_parameters.rope_theta" if hf.get("rope_parameters") else "rope_theta",
+            rope_theta(hf))
+    if hf.get("hidden_act", "silu") != "silu":
+        c.refuse("hidden_act", hf["hidden_act"], "jaxtrain's Llama MLP is SwiGLU (silu)")
+    for key in ("rope_scaling", "rope_parameters"):
+        kind = (hf.get(key) or {}).get("rope_type", (hf.get(key) or {}).get("type", "default"))
+        if kind != "default":
+            c.refuse(f"{key}.rope_type", kind, "jaxtrain implements plain RoPE only")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            c.refuse(key, hf[key], "jaxtrain's Llama has no biases")
+    return c.problems
+
+
+def tensors(spec, hf: dict | None = None) -> list[HFTensor]:
+    """The checkpoint's tensors, in file order. On import (`hf` given) a tied head is read
+    from the embedding table; on export the head is always written separately."""
+    d, h, g, k, f, v = (spec.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                        spec.mlp_dim, spec.vocab_size)
+    tied = bool(hf and hf.get("tie_word_embeddings", False))
+    layer = "model.layers.{i}."
+
+    def attn(name, path, heads, out=False):
+        return split_heads(f"{layer}self_attn.{name}.weight", ("blocks", "attn", path), d,
+                           heads, k, transposed=True, out=out)
+
+    return [
+        one("model.embed_tokens.weight", (v, d), ("tok_embed",)),
+        one(f"{layer}input_layernorm.weight", (d,), ("blocks", "attn_norm", "scale")),
+        attn("q_proj", "w_q", h),
+        attn("k_proj", "w_k", g),
+        attn("v_proj", "w_v", g),
+        attn("o_proj", "w_o", h, out=True),
+        one(f"{layer}post_attention_layernorm.weight", (d,), ("blocks", "mlp_norm", "scale")),
+        linear(f"{layer}mlp.gate_proj.weight", (f, d), ("blocks", "mlp", "w_gate")),
+        linear(f"{layer}mlp.up_proj.weight", (f, d), ("blocks", "mlp", "w_up")),
+        linear(f"{layer}mlp.down_proj.weight", (d, f), ("blocks", "mlp", "w_down")),
+        one("model.norm.weight", (d,), ("final_norm", "scale")),
+        linear("model.embed_tokens.weight" if tied else "lm_head.weight", (v, d),
+               ("lm_head",)),
+    ]
+
+
+def export_config(spec) -> dict:
+    return {
+        "architectures": [ARCHITECTURE], "model_type": "llama",
+        "vocab_size": spec.vocab_size, "hidden_size": spec.d_model,
+        "intermediate_size": spec.mlp_dim, "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": spec.seq_len, "rms_norm_eps": spec.norm_eps,
+        # Both spellings: transformers >= 5 reads rope_parameters, 4.x rope_theta.
+        "rope_theta": spec.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "initializer_range": spec.init_std, "bos_token_id": None, "eos_token_id": None,
+    }

@@ -1,0 +1,156 @@
+"""Import: a Hugging Face directory -> a step-0 jaxtrain checkpoint (jaxtrain/convert.py)."""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import sys
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tqdm import tqdm
+
+from jaxtrain.checkpoint import Checkpoints
+from jaxtrain.config import ConfigError
+from jaxtrain.hf import family_of
+from jaxtrain.hf.files import SafetensorsDir, read_config
+from jaxtrain.train.loop import prepare_workdir
+from jaxtrain.train.setup import Setup, build, loss_scale_init
+from jaxtrain.train.state import LossScale, TrainState
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def import_hf(cfg, hf_dir, workdir, devices: Sequence[jax.Device] | None = None
+              ) -> tuple[Setup, TrainState]:
+    """Imports HF `hf_dir` into a step-0 checkpoint of `cfg` in `workdir`.
+
+    Everything is checked before any tensor is read: the directory, the architecture, every
+    config.json value against cfg.model (one error naming each mismatch), and every tensor's
+    shape in the safetensors headers. Then each parameter is read with safetensors (only the
+    slice it needs: q, k and v each read their third of GPT-2's fused c_attn) and placed
+    straight into its shards with device_put; a per-layer HF tensor goes to the devices
+    layer by layer and the stacked [layers, ...] parameter is assembled there by one jitted
+    stack. Peak host memory is about two copies of the largest single HF tensor read (the
+    slice and its transposed/reshaped copy), usually the embedding table; peak device memory
+    is the params plus, transiently, a second copy of one stacked parameter (its per-layer
+    pieces), and then the optimizer state the checkpoint needs.
+    """
+    hf_dir, workdir = pathlib.Path(hf_dir), pathlib.Path(workdir)
+    hf = read_config(hf_dir)
+    family = family_of(hf, f"{hf_dir / 'config.json'}")
+    problems = []
+    if cfg.model.family != hf["model_type"]:
+        problems.append(f"model.family={cfg.model.family!r} but config.json "
+                        f"model_type={hf['model_type']!r}")
+    else:
+        problems += family.check_config(hf, cfg.model)
+    if 0 < cfg.model.sliding_window < cfg.model.seq_len:
+        problems.append(f"model.sliding_window={cfg.model.sliding_window} but "
+                        f"{hf['model_type']} attends to every earlier token (use 0)")
+    if problems:
+        raise ConfigError(f"{hf_dir} does not match the config: {'; '.join(problems)}")
+    setup = build(cfg, devices)
+    checkpoints_dir = workdir / "checkpoints"
+    if checkpoints_dir.is_dir() and any(checkpoints_dir.iterdir()):
+        raise ConfigError(f"--workdir={workdir} already holds checkpoints; import into a new "
+                          "or empty directory")
+    prepare_workdir(workdir)
+
+    abstract = traverse_util.flatten_dict(setup.abstract_state().params)
+    tensors, layers = family.tensors(setup.spec, hf), setup.spec.num_layers
+    sources = _sources(tensors, abstract)
+    with SafetensorsDir(hf_dir) as files:
+        _check_tensors(files, tensors, layers, hf_dir)
+        params = {}
+        work = sum(layers if path[0] == "blocks" else 1 for path in abstract)
+        with tqdm(total=work, desc="import", unit="tensor", file=sys.stderr) as bar:
+            for path, target in abstract.items():
+                params[path] = _load(files, sources[path], target, layers, bar)
+    params = traverse_util.unflatten_dict(params)
+    state = _fresh_state(setup, params)
+    checkpoints = Checkpoints(checkpoints_dir, cfg.checkpoint.keep, cfg.checkpoint.keep_period,
+                              log=_say)
+    checkpoints.save(0, state, cfg.to_dict())
+    checkpoints.close()
+    if jax.process_index() == 0:
+        (workdir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
+    return setup, state
+
+
+def _sources(hf_tensors, abstract: dict) -> dict:
+    """jaxtrain path -> (HF tensor, offset along its axis, part), covering every param."""
+    sources = {}
+    for tensor in hf_tensors:
+        offset = 0
+        for part in tensor.parts:
+            sources[part.path] = (tensor, offset, part)
+            offset += part.size
+    assert set(sources) == set(abstract), set(sources) ^ set(abstract)
+    return sources
+
+
+def _check_tensors(files: SafetensorsDir, hf_tensors, layers: int, hf_dir) -> None:
+    missing, wrong = [], []
+    for tensor in hf_tensors:
+        for layer in range(layers) if tensor.per_layer else [None]:
+            name = tensor.named(layer)
+            if files.resolve(name) is None:
+                missing.append(name)
+            elif not tensor.shape_ok(files.shape(name)):
+                wrong.append(f"{name} {list(files.shape(name))} (expected "
+                             f"{list(tensor.shape)})")
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ConfigError(f"{hf_dir} lacks tensors {', '.join(missing[:3])}{more}")
+    if wrong:
+        more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+        raise ConfigError(f"{hf_dir} has tensors of unexpected shapes: "
+                          f"{'; '.join(wrong[:3])}{more}")
+
+
+@functools.cache
+def _stacker(sharding: NamedSharding):
+    return jax.jit(lambda *layers: jnp.stack(layers), out_shardings=sharding)
+
+
+def _load(files, source, target: jax.ShapeDtypeStruct, layers: int, bar) -> jax.Array:
+    tensor, offset, part = source
+
+    def read(layer=None) -> np.ndarray:
+        value = files.read(tensor.named(layer), tensor.axis, offset, offset + part.size)
+        return np.asarray(part.to_jax(value), dtype=target.dtype)
+
+    if not tensor.per_layer:
+        value = jax.device_put(read(), target.sharding)
+        bar.update(1)
+        return value
+    layer_sharding = NamedSharding(target.sharding.mesh, P(*target.sharding.spec[1:]))
+    pieces = []
+    for layer in range(layers):
+        pieces.append(jax.device_put(read(layer), layer_sharding))
+        bar.update(1)
+    stacked = _stacker(target.sharding)(*pieces)
+    del pieces
+    return stacked
+
+
+def _fresh_state(setup: Setup, params: dict) -> TrainState:
+    """The train state at step 0 around imported params: the optimizer state is created
+    in its shards from them, as Setup.init_state would."""
+    shardings = setup.shardings
+    with jax.set_mesh(setup.mesh):
+        opt_state = jax.jit(setup.optimizer.init, in_shardings=(shardings.params,),
+                            out_shardings=shardings.opt_state)(params)
+    scale = loss_scale_init(setup.cfg)
+    if scale is not None:
+        scale = LossScale(jax.device_put(np.float32(scale), shardings.loss_scale.scale),
+                          jax.device_put(np.int32(0), shardings.loss_scale.good_steps))
+    return TrainState(step=jax.device_put(np.int32(0), shardings.step), params=params,
+                      opt_state=opt_state, loss_scale=scale)

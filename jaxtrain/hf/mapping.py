@@ -1,0 +1,99 @@
+"""How a Hugging Face tensor relates to jaxtrain parameters: the vocabulary the family
+modules (gpt2.py, llama.py) describe their checkpoints in."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import numpy as np
+
+Path = tuple[str, ...]
+Transform = Callable[[np.ndarray], np.ndarray]
+
+
+def _same(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def _transpose(x: np.ndarray) -> np.ndarray:
+    return x.T
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """A slice of an HF tensor that is one jaxtrain parameter (of one layer, for the
+    stacked [layers, ...] parameters under 'blocks')."""
+
+    path: Path  # the jaxtrain parameter
+    size: int  # its extent along the HF tensor's `axis`
+    to_jax: Transform = _same  # HF slice -> jaxtrain layout
+    to_hf: Transform = _same  # jaxtrain layout -> HF slice
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """One tensor of the HF checkpoint: its parts laid side by side along `axis`."""
+
+    name: str  # '{i}' stands for the layer index in per-layer tensors
+    shape: tuple[int, ...]  # as exported
+    parts: tuple[Part, ...]
+    axis: int = 0
+    longer_ok: bool = False  # on import the tensor may extend past the parts along `axis`
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.name
+
+    def named(self, layer: int | None) -> str:
+        return self.name.format(i=layer) if self.per_layer else self.name
+
+    def shape_ok(self, shape: tuple[int, ...]) -> bool:
+        if len(shape) != len(self.shape):
+            return False
+        return all(s == e or (a == self.axis and self.longer_ok and s >= e)
+                   for a, (s, e) in enumerate(zip(shape, self.shape)))
+
+
+def one(name: str, shape: tuple[int, ...], path: Path, to_jax: Transform = _same,
+        to_hf: Transform = _same) -> HFTensor:
+    """An HF tensor that is exactly one jaxtrain parameter."""
+    return HFTensor(name, tuple(shape), (Part(path, shape[0], to_jax, to_hf),))
+
+
+def linear(name: str, out_in: tuple[int, int], path: Path) -> HFTensor:
+    """A torch Linear weight [out, in] that jaxtrain keeps as [in, out]."""
+    return one(name, out_in, path, _transpose, _transpose)
+
+
+def split_heads(name: str, path: Path, d: int, heads: int, head_dim: int,
+                transposed: bool, out: bool = False) -> HFTensor:
+    """A projection between D and heads×head_dim. HF: torch Linear [out, in] (transposed)
+    or Conv1D [in, out]; jaxtrain: [D, heads, head_dim] in, [heads, head_dim, D] out."""
+    hk = heads * head_dim
+    jax_shape = (heads, head_dim, d) if out else (d, heads, head_dim)
+    flat = (hk, d) if out else (d, hk)  # [in, out]
+    shape = flat[::-1] if transposed else flat
+    if transposed:
+        return one(name, shape, path, lambda x: x.T.reshape(jax_shape),
+                   lambda x: x.reshape(flat).T)
+    return one(name, shape, path, lambda x: x.reshape(jax_shape), lambda x: x.reshape(flat))
+
+
+class Checks:
+    """Collects every disagreement between config.json and the jaxtrain config, so that one
+    error names them all."""
+
+    def __init__(self):
+        self.problems: list[str] = []
+
+    def equal(self, key: str, ours, hf_key: str, theirs) -> None:
+        same = (math.isclose(float(ours), float(theirs), rel_tol=1e-9)
+                if isinstance(ours, float) and isinstance(theirs, (int, float)) else
+                ours == theirs)
+        if not same:
+            self.problems.append(f"{key}={ours!r} but config.json {hf_key}={theirs!r}")
+
+    def refuse(self, hf_key: str, value, why: str) -> None:
+        self.problems.append(f"config.json {hf_key}={value!r} is not supported: {why}")

@@ -1,0 +1,124 @@
+"""Export: the newest checkpoint of a run -> a Hugging Face directory (jaxtrain/convert.py)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import traverse_util
+from tqdm import tqdm
+
+from jaxtrain.checkpoint import CheckpointError
+from jaxtrain.config import ConfigError, base_config
+from jaxtrain.hf import FAMILIES
+from jaxtrain.hf.files import ShardWriter, parse_size
+from jaxtrain.train.setup import Setup, build
+
+DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16}
+
+
+def restore_params(workdir, devices: Sequence[jax.Device] | None = None
+                   ) -> tuple[Setup, dict, int]:
+    """(setup, params, step) of the newest checkpoint in `workdir`, params only (no
+    optimizer state), on a mesh of this process's devices: FSDP over all of them where
+    model.d_model divides, else one device. The config is the one saved with that step."""
+    workdir = pathlib.Path(workdir)
+    directory = (workdir / "checkpoints").absolute()
+    if not directory.is_dir():
+        raise ConfigError(f"--workdir={workdir} holds no checkpoints/: not a jaxtrain run")
+    manager = ocp.CheckpointManager(directory, item_names=("state", "config"),
+                                    options=ocp.CheckpointManagerOptions(create=False))
+    steps = manager.all_steps()
+    if not steps:
+        raise CheckpointError(f"{directory} holds no finished checkpoint")
+    step = max(steps)
+    saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+    manager.close()
+    devices = list(devices if devices is not None else jax.local_devices())
+    if saved["model"]["d_model"] % len(devices):
+        devices = devices[:1]
+    setup = build(_reading_config(saved, len(devices)), devices)
+    target = {"params": setup.abstract_state().params}
+    restored = ocp.PyTreeCheckpointer().restore(
+        directory / str(step) / "state", args=ocp.args.PyTreeRestore(
+            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True))
+    return setup, restored["params"], step
+
+
+def _tuples(value):
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _reading_config(saved: dict, devices: int) -> ml_collections.ConfigDict:
+    """The run's saved config on a plain FSDP mesh of `devices`, for reading params only."""
+    cfg = base_config()
+    cfg.update(saved)
+    for axis in ("data", "pipeline", "tensor"):
+        cfg.mesh[axis] = 1
+        cfg.mesh[f"dcn_{axis}"] = 1
+    cfg.mesh.fsdp, cfg.mesh.dcn_fsdp, cfg.mesh.sequence_parallel = devices, 1, False
+    cfg.mesh.rules = _tuples(cfg.mesh.rules)
+    cfg.model.attention, cfg.model.remat = "xla", "none"
+    cfg.train.precision, cfg.train.global_batch, cfg.train.microbatches = "float32", devices, 1
+    cfg.optimizer.offload_to_host = False
+    return cfg
+
+
+def export_hf(workdir, out_dir, max_shard_size: str | int = "2GB", dtype: str = "float32",
+              devices: Sequence[jax.Device] | None = None) -> list[str]:
+    """Exports the newest checkpoint of run `workdir` to HF `out_dir`; returns the files.
+
+    Streams: one parameter (one layer of a stacked one) at a time comes to the host, is
+    laid out as HF keeps it and goes into the shard being filled; a shard is written once
+    full. Peak host memory is one shard (max_shard_size, or one tensor if larger) plus the
+    tensor being converted.
+    """
+    out_dir = pathlib.Path(out_dir)
+    max_bytes = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype={dtype!r} is invalid: valid values are "
+                          f"{', '.join(DTYPES)}")
+    if out_dir.exists() and (list(out_dir.glob("*.safetensors"))
+                             or (out_dir / "config.json").exists()):
+        raise ConfigError(f"--to-hf={out_dir} already holds a model; export into a new or "
+                          "empty directory")
+    setup, params, step = restore_params(workdir, devices)
+    spec = setup.spec
+    if 0 < spec.sliding_window < spec.seq_len:
+        raise ConfigError(f"model.sliding_window={spec.sliding_window} cannot be exported: "
+                          f"HF {spec.family} attends to every earlier token")
+    family = FAMILIES[spec.family]
+    hf_config = {**family.export_config(spec), "torch_dtype": dtype}
+    flat = traverse_util.flatten_dict(params)
+    tensors = family.tensors(spec)
+    first = next(i for i, t in enumerate(tensors) if t.per_layer)
+    layered = [t for t in tensors if t.per_layer]
+    order = ([(t, None) for t in tensors[:first]]
+             + [(t, i) for i in range(spec.num_layers) for t in layered]
+             + [(t, None) for t in tensors[first:] if not t.per_layer])
+
+    def fetch(path, layer) -> np.ndarray:
+        value = flat[path] if layer is None else flat[path][layer]
+        return np.asarray(jax.device_get(value))
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    writer = ShardWriter(out_dir, max_bytes)
+    for tensor, layer in tqdm(order, desc="export", unit="tensor", file=sys.stderr):
+        pieces = [part.to_hf(fetch(part.path, layer)) for part in tensor.parts]
+        value = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=tensor.axis)
+        assert value.shape == tensor.shape, (tensor.named(layer), value.shape, tensor.shape)
+        writer.add(tensor.named(layer), value.astype(DTYPES[dtype]))
+    files = writer.close()
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    print(f"jaxtrain: exported step {step} of {workdir} ({spec.family} {spec.num_layers}x"
+          f"{spec.d_model}, {dtype}) to {out_dir}: config.json, {', '.join(files)}",
+          file=sys.stderr)
+    return ["config.json", *files]

@@ -1,0 +1,273 @@
+"""Hugging Face import/export (jaxtrain/convert.py) against transformers' own models, on CPU.
+
+torch and transformers come with the `test` extra and are imported inside the tests only.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx, traverse_util
+
+from conftest import small_config
+from jaxtrain.config import ConfigError
+from jaxtrain.convert import export_hf, import_hf, restore_params
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TOLERANCE = 1e-4  # max |Δ logit|, float32
+
+
+def _config(family: str, **overrides):
+    extra = {"model.num_heads": 4, "model.num_kv_heads": 2, "model.norm_eps": 1e-6} \
+        if family == "llama" else {}
+    return small_config(family, **{**extra, **overrides})
+
+
+def _hf_model(cfg, seed: int = 0, **extra):
+    """A transformers model of cfg's shape with random weights (norms around 1, biases and
+    positions non-zero, so that a misplaced tensor shows)."""
+    import torch
+    import transformers
+
+    m = cfg.model
+    if m.family == "gpt2":
+        config = transformers.GPT2Config(**{
+            "n_embd": m.d_model, "n_layer": m.num_layers, "n_head": m.num_heads,
+            "n_inner": m.mlp_dim, "vocab_size": m.vocab_size, "n_positions": m.seq_len,
+            "layer_norm_epsilon": m.norm_eps, "bos_token_id": 0, "eos_token_id": 0, **extra})
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(
+            hidden_size=m.d_model, num_hidden_layers=m.num_layers,
+            num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads or m.num_heads,
+            intermediate_size=m.mlp_dim, vocab_size=m.vocab_size,
+            max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps,
+            rope_theta=m.rope_theta, bos_token_id=0, eos_token_id=0, **extra)
+        model = transformers.LlamaForCausalLM(config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.1)
+            if name.endswith("weight") and ("ln_" in name or "norm" in name):
+                p.add_(1.0)
+    return model.eval()
+
+
+def _hf_logits(model, tokens):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens)).logits.numpy()
+
+
+def _jax_logits(setup, params, tokens):
+    with jax.set_mesh(setup.mesh):
+        forward = jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))
+        return np.asarray(forward(params, tokens))
+
+
+def _tokens(cfg, batch: int = 8):
+    return np.random.default_rng(1).integers(0, cfg.model.vocab_size, (batch, cfg.model.seq_len))
+
+
+def _numpy(params):
+    return traverse_util.flatten_dict(jax.tree.map(np.asarray, params))
+
+
+@pytest.mark.parametrize("family,shard,extra", [
+    ("gpt2", "20KB", {"n_positions": 64}),  # wpe longer than model.seq_len=32
+    ("llama", None, {}),
+    ("llama", "30KB", {"tie_word_embeddings": True}),
+], ids=["gpt2-sharded", "llama-gqa", "llama-tied-sharded"])
+def test_import_gives_the_logits_of_transformers(family, shard, extra, tmp_path, devices):
+    cfg = _config(family)
+    model = _hf_model(cfg, **extra)
+    model.save_pretrained(tmp_path / "hf", **({"max_shard_size": shard} if shard else {}))
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists() == bool(shard)
+    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    tokens = _tokens(cfg)
+    err = np.abs(_jax_logits(setup, state.params, tokens) - _hf_logits(model, tokens)).max()
+    assert err < TOLERANCE, err
+    assert (tmp_path / "run" / "checkpoints" / "0").is_dir()
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["family"] == family
+
+
+def test_import_onto_a_mesh_places_the_same_values(tmp_path, devices):
+    cfg = _config("llama")
+    model = _hf_model(cfg)
+    model.save_pretrained(tmp_path / "hf")
+    _, single = import_hf(cfg, tmp_path / "hf", tmp_path / "single", devices[:1])
+    sharded_cfg = _config("llama", **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
+    setup, state = import_hf(sharded_cfg, tmp_path / "hf", tmp_path / "mesh", devices)
+    w_q = state.params["blocks"]["attn"]["w_q"]
+    assert w_q.sharding.spec == setup.shardings.params["blocks"]["attn"]["w_q"].spec
+    assert len(w_q.addressable_shards[0].data.reshape(-1)) == w_q.size // 4  # fsdp×tensor
+    a, b = _numpy(single.params), _numpy(state.params)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    tokens = _tokens(cfg)
+    err = np.abs(_jax_logits(setup, state.params, tokens) - _hf_logits(model, tokens)).max()
+    assert err < TOLERANCE, err
+    # Layers sharded over a pipeline axis are stacked into their stages.
+    piped = _config("llama", **{"mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
+    _, state = import_hf(piped, tmp_path / "hf", tmp_path / "pipe", devices)
+    assert "pipeline" in str(state.params["blocks"]["mlp"]["w_up"].sharding.spec)
+    b = _numpy(state.params)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_import_export_import_is_exact(family, tmp_path, devices):
+    from safetensors.numpy import load_file
+
+    cfg = _config(family)
+    _hf_model(cfg).save_pretrained(tmp_path / "hf")
+    _, first = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    files = export_hf(tmp_path / "run", tmp_path / "out", devices=devices[:1])
+    assert files == ["config.json", "model.safetensors"]
+    _, second = import_hf(cfg, tmp_path / "out", tmp_path / "again", devices[:1])
+    a, b = _numpy(first.params), _numpy(second.params)
+    assert a.keys() == b.keys()
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    # And the exported tensors are transformers' own, bit for bit (lm_head: tied in GPT-2).
+    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert exported.keys() == original.keys()
+    assert all(np.array_equal(exported[k], original[k]) for k in original)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_trained_model_exports_to_transformers(family, tmp_path, devices):
+    import transformers
+
+    from jaxtrain.train.loop import run
+
+    cfg = _config(family, **{"model.norm_eps": 1e-6, "model.rope_theta": 50000.0})
+    run(cfg, tmp_path / "run", devices[:1])  # 3 steps from a fresh init
+    files = export_hf(tmp_path / "run", tmp_path / "out", max_shard_size="40KB",
+                      devices=devices[:1])
+    assert "model.safetensors.index.json" in files and len(files) > 3
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    setup, params, step = restore_params(tmp_path / "run", devices[:1])
+    assert step == 3
+    tokens = _tokens(cfg)
+    err = np.abs(_jax_logits(setup, params, tokens) - _hf_logits(model, tokens)).max()
+    assert err < TOLERANCE, err
+    hf = model.config
+    if family == "gpt2":
+        assert (hf.activation_function, hf.layer_norm_epsilon) == ("gelu_new", 1e-6)
+        assert hf.n_positions == cfg.model.seq_len and hf.tie_word_embeddings
+    else:
+        theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta") \
+            or hf.rope_theta
+        assert (hf.hidden_act, hf.rms_norm_eps, theta) == ("silu", 1e-6, 50000.0)
+        assert hf.num_key_value_heads == 2 and not hf.tie_word_embeddings
+
+
+def test_gpt2_saved_without_the_transformer_prefix_imports(tmp_path, devices):
+    """As openai-community/gpt2 is stored: `h.0.attn...`, `wte.weight`, plus attention-mask
+    buffers (`h.0.attn.bias`) that are not parameters."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    cfg = _config("gpt2")
+    _hf_model(cfg).save_pretrained(tmp_path / "hf")
+    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    bare = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    bare.update({f"h.{i}.attn.bias": np.ones((1, 1, 32, 32), np.float32) for i in range(2)})
+    (tmp_path / "bare").mkdir()
+    save_file(bare, str(tmp_path / "bare" / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(tmp_path / "hf" / "config.json", tmp_path / "bare")
+    _, first = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    _, second = import_hf(cfg, tmp_path / "bare", tmp_path / "again", devices[:1])
+    a, b = _numpy(first.params), _numpy(second.params)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_bfloat16_export_imports_back_rounded(tmp_path, devices):
+    import ml_dtypes
+
+    cfg = _config("llama")
+    _hf_model(cfg).save_pretrained(tmp_path / "hf")
+    _, first = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    export_hf(tmp_path / "run", tmp_path / "out", dtype="bfloat16", devices=devices[:1])
+    _, second = import_hf(cfg, tmp_path / "out", tmp_path / "again", devices[:1])
+    a, b = _numpy(first.params), _numpy(second.params)
+    assert all(np.array_equal(a[k].astype(ml_dtypes.bfloat16).astype(np.float32), b[k])
+               for k in a)
+
+
+def test_the_training_loop_resumes_from_an_import(tmp_path, devices):
+    from jaxtrain.data.pipeline import make_batches, to_global
+    from jaxtrain.train.loop import run
+
+    cfg = _config("gpt2", steps=2)
+    _hf_model(cfg).save_pretrained(tmp_path / "hf")
+    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    with jax.set_mesh(setup.mesh):
+        eval_step = setup.eval_step()
+        imported = np.mean([float(eval_step(state.params, to_global(b, setup.tokens_sharding)))
+                            for b in make_batches(cfg).val_batches()])
+    rows = run(cfg, tmp_path / "run", devices[:1])
+    assert [r["step"] for r in rows] == [1, 2]
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert logged[0]["step"] == 0
+    np.testing.assert_allclose(logged[0]["val_loss"], imported, rtol=1e-6)
+    assert (tmp_path / "run" / "checkpoints" / "2").is_dir()
+
+
+def test_mismatches_are_one_line_errors_before_any_tensor_is_read(tmp_path, devices):
+    cfg = _config("gpt2")
+    _hf_model(cfg).save_pretrained(tmp_path / "hf")
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+
+    def attempt(name, **changes):
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps({**hf, **changes}))
+        os.symlink(tmp_path / "hf" / "model.safetensors", directory / "model.safetensors")
+        with pytest.raises(ConfigError) as e:
+            import_hf(cfg, directory, tmp_path / f"run_{name}", devices[:1])
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    message = attempt("wider", n_embd=128, n_layer=3)
+    assert "model.d_model=64 but config.json n_embd=128" in message
+    assert "model.num_layers=2 but config.json n_layer=3" in message
+    assert "model.mlp_dim=128 but config.json n_inner" not in message
+    assert "activation_function='gelu' is not supported" in attempt(
+        "erf", activation_function="gelu")
+    assert "model_type='mistral'" in attempt("mistral", model_type="mistral",
+                                             architectures=["MistralForCausalLM"])
+    # Consistent configs whose tensors disagree: caught from the safetensors headers.
+    message = attempt("inner", n_inner=256)
+    assert "model.mlp_dim=128 but config.json n_inner=256" in message
+    cfg.model.mlp_dim = 256
+    assert "unexpected shapes: transformer.h.0.mlp.c_fc.weight [64, 128] (expected " \
+           "[64, 256])" in attempt("shapes", n_inner=256)
+    assert not list(tmp_path.glob("run_*/checkpoints"))
+
+    windowed = _config("gpt2", **{"model.sliding_window": 8})
+    with pytest.raises(ConfigError, match="model.sliding_window=8 but gpt2 attends to every"):
+        import_hf(windowed, tmp_path / "hf", tmp_path / "run_windowed", devices[:1])
+
+    llama = _config("llama")
+    _hf_model(llama, rope_scaling={"rope_type": "linear", "factor": 2.0}).save_pretrained(
+        tmp_path / "scaled")
+    with pytest.raises(ConfigError, match="rope_type='linear' is not supported"):
+        import_hf(llama, tmp_path / "scaled", tmp_path / "run_scaled", devices[:1])
+
+
+def test_cli_errors_are_one_line_with_a_nonzero_exit(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxtrain.convert", f"--from-hf={tmp_path / 'missing'}",
+         "--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == \
+        f"jaxtrain: error: --from-hf={tmp_path / 'missing'}: no such directory"
