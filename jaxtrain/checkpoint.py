@@ -107,6 +107,24 @@ class Checkpoints:
             state=ocp.args.StandardRestore(_as_tree(target)))).state
         return TrainState(**restored)
 
+    def restore_params(self, step: int, target_params: dict) -> dict:
+        """Only the parameters of a step (no optimizer state), into `target_params`' shapes
+        and shardings: what generation, evaluation and export read."""
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(
+                item={"params": target_params},
+                restore_args=ocp.checkpoint_utils.construct_restore_args(
+                    {"params": target_params}),
+                partial_restore=True))).state
+        return restored["params"]
+
+    def latest_intact(self) -> tuple[int, dict]:
+        """(step, saved config) of the newest checkpoint whose files are all there."""
+        for step in reversed(self.steps()):
+            if self._verify(step) is None:
+                return step, self._restore_config(step)
+        raise CheckpointError(f"no intact checkpoint in {self.directory}")
+
     def _restore_config(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(
             config=ocp.args.JsonRestore())).config

@@ -29,19 +29,26 @@ def causal_mask(query_pos, key_pos, window: int | None):
     return visible
 
 
+def cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T, window: int | None):
+    """T queries at positions_T against M keys at positions 0..M-1: full score matrix, mask,
+    float32 softmax. When decoding, the keys are a cache whose slots past each query's
+    position are unwritten; the causal mask hides them."""
+    b, t, heads, head_dim = q_BTHK.shape
+    groups = k_BMGK.shape[2]
+    q_BTGRK = q_BTHK.reshape(b, t, groups, heads // groups, head_dim)
+    scores_BGRTM = jnp.einsum("btgrk,bmgk->bgrtm", q_BTGRK, k_BMGK,
+                              preferred_element_type=jnp.float32)
+    visible_TM = causal_mask(positions_T, jnp.arange(k_BMGK.shape[1]), window)
+    scores_BGRTM = jnp.where(visible_TM, scores_BGRTM, jnp.finfo(jnp.float32).min)
+    probs_BGRTM = jax.nn.softmax(scores_BGRTM, axis=-1).astype(v_BMGK.dtype)
+    out_BTGRK = jnp.einsum("bgrtm,bmgk->btgrk", probs_BGRTM, v_BMGK)
+    return out_BTGRK.reshape(b, t, heads, head_dim)
+
+
 def xla_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
                   window: int | None = None) -> jax.Array:
-    """Reference causal attention: full score matrix, mask, float32 softmax."""
-    b, length, heads, head_dim = q_BLHK.shape
-    groups = k_BMGK.shape[2]
-    q_BLGRK = q_BLHK.reshape(b, length, groups, heads // groups, head_dim)
-    scores_BGRLM = jnp.einsum("blgrk,bmgk->bgrlm", q_BLGRK, k_BMGK,
-                              preferred_element_type=jnp.float32)
-    causal_LM = causal_mask(jnp.arange(length), jnp.arange(k_BMGK.shape[1]), window)
-    scores_BGRLM = jnp.where(causal_LM, scores_BGRLM, jnp.finfo(jnp.float32).min)
-    probs_BGRLM = jax.nn.softmax(scores_BGRLM, axis=-1).astype(v_BMGK.dtype)
-    out_BLGRK = jnp.einsum("bgrlm,bmgk->blgrk", probs_BGRLM, v_BMGK)
-    return out_BLGRK.reshape(b, length, heads, head_dim)
+    """Reference causal attention."""
+    return cached_attention(q_BLHK, k_BMGK, v_BMGK, jnp.arange(q_BLHK.shape[1]), window)
 
 
 def cudnn_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
@@ -111,19 +118,38 @@ class Attention(nnx.Module):
         y = checkpoint_name(y, PROJECTION_NAMES[name])
         return constrain(y, ("batch", "length") + axes, self.spec.rules)
 
-    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+    def _qkv(self, x_BLD, positions_L):
         spec = self.spec
         q_BLHK = self._project(x_BLD, "q", ("heads", "kv"))
         k_BLGK = self._project(x_BLD, "k", ("kv_heads", "kv"))
         v_BLGK = self._project(x_BLD, "v", ("kv_heads", "kv"))
         if spec.rope:
-            q_BLHK, k_BLGK = rope(q_BLHK, spec.rope_theta), rope(k_BLGK, spec.rope_theta)
+            q_BLHK = rope(q_BLHK, spec.rope_theta, positions_L)
+            k_BLGK = rope(k_BLGK, spec.rope_theta, positions_L)
         q_BLHK = q_BLHK * jnp.asarray(spec.head_dim ** -0.5, q_BLHK.dtype)
-        out_BLHK = ATTENTION[spec.attention](q_BLHK, k_BLGK, v_BLGK,
-                                             spec.sliding_window or None)
+        return q_BLHK, k_BLGK, v_BLGK
+
+    def _output(self, out_BLHK):
+        spec = self.spec
         out_BLHK = checkpoint_name(out_BLHK, "attention_out")
         out_BLHK = constrain(out_BLHK, ("batch", "length", "heads", "kv"), spec.rules)
         y_BLD = dense(spec, "blhk,hkd->bld", out_BLHK, self.w_o[...])
         if spec.use_bias:
             y_BLD = y_BLD + self.b_o[...].astype(spec.compute_dtype)
         return checkpoint_name(y_BLD, "out_proj")
+
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD, None)
+        window = self.spec.sliding_window or None
+        return self._output(ATTENTION[self.spec.attention](q_BLHK, k_BLGK, v_BLGK, window))
+
+    def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):
+        """T new positions [start, start+T) against the kv cache ([B, M, G, K] each), which
+        gets their keys and values; returns (y_BTD, cache)."""
+        positions_T = start + jnp.arange(x_BTD.shape[1])
+        q_BTHK, k_BTGK, v_BTGK = self._qkv(x_BTD, positions_T)
+        k_BMGK, v_BMGK = (jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, 1)
+                          for c, new in zip(cache, (k_BTGK, v_BTGK)))
+        out_BTHK = cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T,
+                                    self.spec.sliding_window or None)
+        return self._output(out_BTHK), (k_BMGK, v_BMGK)

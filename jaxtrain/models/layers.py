@@ -41,17 +41,23 @@ class Norm(nnx.Module):
 
 
 def dense(spec, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """A weight matmul in the spec's precision: compute dtype, or fp8 operands."""
+    """A weight matmul in the spec's precision: compute dtype, or fp8 operands; weights that
+    bring their own matmul (int8 serving weights, models/int8.py) run it."""
+    if hasattr(w, "einsum"):
+        return w.einsum(equation, x, spec.compute_dtype)
     if spec.fp8:
         return fp8_einsum(equation, x, w, spec.compute_dtype)
     return jnp.einsum(equation, x, w.astype(spec.compute_dtype))
 
 
-def rope(x_BLHK: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding, rotating the two halves of each head (Llama/HF layout)."""
+def rope(x_BLHK: jax.Array, theta: float, positions_L: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding, rotating the two halves of each head (Llama/HF layout).
+    positions_L: each row's position (default 0..L-1; decoding passes its offset)."""
     length, head_dim = x_BLHK.shape[1], x_BLHK.shape[-1]
+    if positions_L is None:
+        positions_L = jnp.arange(length)
     freq_K = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angle_LK = jnp.arange(length, dtype=jnp.float32)[:, None] * freq_K[None, :]
+    angle_LK = positions_L.astype(jnp.float32)[:, None] * freq_K[None, :]
     sin, cos = jnp.sin(angle_LK)[None, :, None, :], jnp.cos(angle_LK)[None, :, None, :]
     x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

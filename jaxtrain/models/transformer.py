@@ -156,9 +156,16 @@ class Block(nnx.Module):
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD))
+        return self._mlp_residual(x_BLD)
+
+    def _mlp_residual(self, x_BLD):
         x_BLD = constrain(x_BLD, ("batch", "sequence", "embed"), self.spec.rules)
         x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
         return constrain(x_BLD, ("batch", "sequence", "embed"), self.spec.rules)
+
+    def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):
+        y_BTD, cache = self.attn.decode(self.attn_norm(x_BTD), cache, start)
+        return self._mlp_residual(x_BTD + y_BTD), cache
 
 
 class Transformer(nnx.Module):
@@ -177,16 +184,22 @@ class Transformer(nnx.Module):
         if not spec.tied_embeddings:
             self.lm_head = param(rngs, (d, v), ("embed", "vocab"), spec.init_std, dt)
 
-    def features(self, tokens_BL: jax.Array) -> jax.Array:
-        """The final-normed hidden states that the output head reads."""
+    def _embed(self, tokens_BL: jax.Array, start=0) -> jax.Array:
         spec, dt = self.spec, self.spec.compute_dtype
         # Gather from a table sharded only by vocab (an FSDP all-gather of its embed dim, as
         # for any weight): each device looks up its vocab range, then one sum combines them.
         table_VD = constrain(self.tok_embed[...].astype(dt), ("vocab", None), spec.rules)
         x_BLD = jnp.take(table_VD, tokens_BL, axis=0)
         if not spec.rope:
-            x_BLD = x_BLD + self.pos_embed[...][: tokens_BL.shape[1]].astype(dt)
-        x_BLD = constrain(x_BLD, ("batch", "sequence", "embed"), spec.rules)
+            positions_LD = jax.lax.dynamic_slice_in_dim(self.pos_embed[...], start,
+                                                        tokens_BL.shape[1])
+            x_BLD = x_BLD + positions_LD.astype(dt)
+        return constrain(x_BLD, ("batch", "sequence", "embed"), spec.rules)
+
+    def features(self, tokens_BL: jax.Array) -> jax.Array:
+        """The final-normed hidden states that the output head reads."""
+        spec = self.spec
+        x_BLD = self._embed(tokens_BL)
 
         graphdef, stacked = nnx.split(self.blocks)
 
@@ -212,4 +225,26 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BL: jax.Array) -> jax.Array:
         logits_BLV = self.features(tokens_BL) @ self.head()
         return constrain(logits_BLV, ("batch", "length", "vocab"), self.spec.rules)
+
+    def init_cache(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
+        """Keys and values of every layer for `length` positions: [layers, B, M, G, K] each."""
+        spec = self.spec
+        shape = (spec.num_layers, batch, length, spec.num_kv_heads, spec.head_dim)
+        zeros = jnp.zeros(shape, spec.compute_dtype)
+        axes = ("layers", "batch", "length", "kv_heads", "kv")
+        return constrain(zeros, axes, spec.rules), constrain(zeros, axes, spec.rules)
+
+    def decode(self, tokens_BT: jax.Array, cache: tuple, start: jax.Array):
+        """Logits of T new tokens at positions [start, start+T), reading and extending the
+        kv cache of the earlier ones (prefill: start 0, T = prompt; then T = 1 per token)."""
+        x_BTD = self._embed(tokens_BT, start)
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def layer(x_BTD, layer_state_and_cache):
+            layer_state, layer_cache = layer_state_and_cache
+            return nnx.merge(graphdef, layer_state).decode(x_BTD, layer_cache, start)
+
+        x_BTD, cache = jax.lax.scan(layer, x_BTD, (stacked, cache))
+        logits_BTV = self.final_norm(x_BTD) @ self.head()
+        return constrain(logits_BTV, ("batch", "length", "vocab"), self.spec.rules), cache
 

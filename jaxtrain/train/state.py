@@ -43,13 +43,17 @@ def abstract_model(spec: ModelSpec) -> Transformer:
     return nnx.eval_shape(lambda: Transformer(spec, rngs=nnx.Rngs(0)))
 
 
-def param_shardings(model: Transformer, mesh: Mesh, rules) -> dict:
-    """NamedSharding per parameter, from the logical axes each nnx.Param carries."""
+def param_axes(model: Transformer) -> dict:
+    """{path tuple: logical axes} of every parameter, from its nnx.Param metadata."""
     leaves = jax.tree_util.tree_flatten_with_path(
         nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
-    flat = {tuple(k.key for k in path): named_sharding(mesh, var.get_metadata()["axes"], rules)
-            for path, var in leaves}
-    return traverse_util.unflatten_dict(flat)
+    return {tuple(k.key for k in path): var.get_metadata()["axes"] for path, var in leaves}
+
+
+def param_shardings(model: Transformer, mesh: Mesh, rules) -> dict:
+    """NamedSharding per parameter, from the logical axes each nnx.Param carries."""
+    return traverse_util.unflatten_dict({
+        path: named_sharding(mesh, axes, rules) for path, axes in param_axes(model).items()})
 
 
 def _create_state(spec: ModelSpec, optimizer: optax.GradientTransformation,

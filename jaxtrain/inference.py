@@ -1,0 +1,142 @@
+"""A trained model, loaded for use: the run's config and its parameters on a mesh, and
+its loss on held-out text.
+
+Generation, evaluation, quantization and export all start here. The mesh is chosen for the
+job, not copied from training: the parameters are stored layout-free (orbax reshards), so a
+model trained on a data × fsdp × pipeline mesh loads onto one device, or onto a tensor-parallel
+mesh that keeps each device's share of the weights, never gathering the whole model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Sequence
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from jaxtrain import quantization as quantization_lib
+from jaxtrain.checkpoint import CheckpointError, Checkpoints
+from jaxtrain.data.pipeline import to_global
+from jaxtrain.data.sources import DataError, TokenWindows, token_splits
+from jaxtrain.models import Transformer
+from jaxtrain.train.setup import Setup, build
+from jaxtrain.train.state import abstract_model, param_axes
+from jaxtrain.train.step import loss_fn
+
+QUANTIZATION_FILE = "quantization.json"
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    cfg: ml_collections.ConfigDict
+    setup: Setup
+    params: dict
+    step: int
+    quantization: dict | None = None  # quantize.py's record, for an int8 model
+
+    def model(self, params: dict | None = None) -> Transformer:
+        """The nnx model with these parameters (call inside jit, under the mesh)."""
+        return nnx.merge(self.setup.graphdef, self.params if params is None else params)
+
+    def loss_step(self):
+        """jit((params, tokens) -> mean loss). The parameters keep the shardings they were
+        loaded with (an int8 weight is several arrays, so no one sharding per weight)."""
+        graphdef = self.setup.graphdef
+        return jax.jit(lambda params, tokens_BT: loss_fn(params, graphdef, tokens_BT))
+
+
+def run_config(workdir: pathlib.Path) -> tuple[int, ml_collections.ConfigDict]:
+    """(step, config) of a run's newest intact checkpoint."""
+    directory = pathlib.Path(workdir) / "checkpoints"
+    if not directory.is_dir():
+        raise CheckpointError(f"--workdir={workdir} holds no checkpoints/ directory: "
+                              "train with python -m jaxtrain.main first")
+    checkpoints = Checkpoints(directory, keep=1_000_000, log=lambda _: None)
+    try:
+        step, saved = checkpoints.latest_intact()
+    finally:
+        checkpoints.manager.close()
+    return step, ml_collections.ConfigDict(saved)
+
+
+def load(workdir, *, tensor: int = 1, data: int = 1, batch: int | None = None,
+         devices: Sequence[jax.Device] | None = None) -> LoadedModel:
+    """The newest intact checkpoint of a run (or a quantized model directory) on a
+    data × tensor mesh of the first data·tensor devices; `batch` replaces the run's
+    train.global_batch (the rows an evaluation batch holds; data must divide it)."""
+    workdir = pathlib.Path(workdir)
+    step, cfg = run_config(workdir)
+    cfg.mesh.update(data=data, pipeline=1, fsdp=1, tensor=tensor, dcn_data=1,
+                    dcn_pipeline=1, dcn_fsdp=1, dcn_tensor=1)
+    cfg.train.microbatches = 1
+    if batch is not None:
+        cfg.train.global_batch = batch
+    cfg.optimizer.offload_to_host = False
+    devices = list(devices if devices is not None else jax.devices())[:data * tensor]
+    setup = build(cfg, devices)
+    target = setup.abstract_state().params
+    quantization = _quantization(workdir)
+    if quantization is not None:
+        axes_by_path = param_axes(abstract_model(setup.spec))
+        target = quantization_lib.abstract_quantized(target, axes_by_path, quantization)
+    checkpoints = Checkpoints(workdir / "checkpoints", keep=1_000_000, log=lambda _: None)
+    try:
+        params = checkpoints.restore_params(step, target)
+    finally:
+        checkpoints.manager.close()
+    if quantization is not None:
+        params = quantization_lib.from_dicts(params, quantization["int8_activations"],
+                                             quantization_lib.quantized_paths(axes_by_path))
+    return LoadedModel(cfg=cfg, setup=setup, params=params, step=step,
+                       quantization=quantization)
+
+
+def _quantization(workdir: pathlib.Path) -> dict | None:
+    path = workdir / QUANTIZATION_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def evaluation_windows(cfg, data: str | None):
+    """(name, windows source, tokens are bytes) for the run's validation split or a file."""
+    byte_level = cfg.data.source == "stdlib"
+    if data is None:
+        if cfg.data.source == "synthetic":
+            raise DataError("this run trained on synthetic tokens: it has no validation "
+                            "text; pass --data")
+        return "validation split", TokenWindows(token_splits(cfg.data, cfg.model.vocab_size)[1],
+                                                cfg.model.seq_len, "the validation split"), byte_level
+    path = pathlib.Path(data)
+    if not path.is_file():
+        raise DataError(f"--data={data}: no such file")
+    if path.suffix == ".bin":
+        tokens = np.fromfile(path, dtype=cfg.data.dtype)
+        top = int(tokens.max()) if len(tokens) else 0
+        if top >= cfg.model.vocab_size:
+            raise DataError(f"--data={data} holds token id {top}, outside the model's "
+                            f"vocabulary of {cfg.model.vocab_size}")
+    else:
+        if not byte_level:
+            raise DataError(f"--data={data}: this model reads token ids, not text; pass a "
+                            ".bin token file")
+        tokens = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+    return str(path), TokenWindows(tokens, cfg.model.seq_len, f"--data={data}"), byte_level
+
+
+def evaluate(loaded, windows, batches: int) -> dict:
+    """Mean next-token loss over `batches` batches of consecutive windows."""
+    setup, rows = loaded.setup, loaded.cfg.train.global_batch
+    eval_step = loaded.loss_step()
+    losses = []
+    with jax.set_mesh(setup.mesh):
+        for b in range(batches):
+            batch = np.stack([windows[b * rows + i] for i in range(rows)])
+            losses.append(eval_step(loaded.params, to_global(batch, setup.tokens_sharding)))
+    loss = float(np.mean(jax.device_get(losses)))
+    return {"loss": loss, "perplexity": math.exp(loss), "bits_per_token": loss / math.log(2),
+            "tokens": batches * rows * loaded.cfg.model.seq_len}

@@ -1,0 +1,87 @@
+"""python -m jaxtrain.quantize --workdir RUN --out DIR [--calibration_batches N]
+    [--int8_activations] [--devices N]
+
+Post-training INT8 quantization of a run's newest checkpoint: every matmul weight and the
+embedding table become int8 with one float32 scale per output channel (models/int8.py);
+norms, biases and learned positions stay float32. With --int8_activations the block matmuls
+also take int8 inputs, each with a per-tensor scale calibrated as the input's absolute
+maximum over N training batches. DIR is a model directory that `jaxtrain.generate` and
+`jaxtrain.eval` read like a run; the float32 and int8 validation losses are measured and
+printed (one JSON line) with the sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags, logging
+
+from jaxtrain.quantization import as_dicts, calibrate, directory_bytes, quantize_params
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "The run to quantize.")
+_OUT = flags.DEFINE_string("out", None, "Directory for the quantized model.")
+_CALIBRATION = flags.DEFINE_integer("calibration_batches", 8, "Training batches that "
+                                    "calibrate the activation scales.")
+_INT8_ACTIVATIONS = flags.DEFINE_bool("int8_activations", False, "int8 inputs to the block "
+                                      "matmuls too (calibrated), not only int8 weights.")
+_DEVICES = flags.DEFINE_integer("devices", 1, "Devices to spread the batches over.")
+flags.mark_flags_as_required(["workdir", "out"])
+
+def main(argv) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    from jaxtrain import inference
+    from jaxtrain.checkpoint import CheckpointError, Checkpoints
+    from jaxtrain.config import ConfigError
+    from jaxtrain.data import DataError, make_batches
+    from jaxtrain.train.state import TrainState, abstract_model, param_axes
+
+    out = pathlib.Path(_OUT.value)
+    try:
+        if (out / "checkpoints").exists():
+            raise ConfigError(f"--out={out} already holds a model; choose a new directory")
+        if _CALIBRATION.value < 1:
+            raise ConfigError(f"--calibration_batches={_CALIBRATION.value} is invalid: >= 1")
+        step, cfg = inference.run_config(_WORKDIR.value)
+        loaded = inference.load(_WORKDIR.value, data=_DEVICES.value,
+                                batch=cfg.train.global_batch)
+        name, windows, _ = inference.evaluation_windows(loaded.cfg, None)
+    except (ConfigError, CheckpointError, DataError) as e:
+        sys.exit(f"jaxtrain: error: {e}")
+    axes_by_path = param_axes(abstract_model(loaded.setup.spec))
+    act_absmax = None
+    if _INT8_ACTIVATIONS.value:
+        train = make_batches(loaded.cfg).train_iter(0)
+        act_absmax = calibrate(loaded, axes_by_path,
+                               [next(train) for _ in range(_CALIBRATION.value)])
+    float_result = inference.evaluate(loaded, windows, loaded.cfg.eval_batches)
+    float_bytes = sum(x.nbytes for x in jax.tree.leaves(loaded.params))
+    loaded.params = quantize_params(loaded.params, axes_by_path, act_absmax)
+    loaded.quantization = {"bits": 8, "int8_activations": bool(act_absmax)}
+    int8_result = inference.evaluate(loaded, windows, loaded.cfg.eval_batches)
+
+    checkpoints = Checkpoints(out / "checkpoints", keep=1, log=lambda _: None)
+    state = TrainState(step=jnp.asarray(step, jnp.int32), params=as_dicts(loaded.params),
+                       opt_state={})
+    checkpoints.save(step, state, loaded.cfg.to_dict())
+    checkpoints.close()
+    record = {**loaded.quantization, "source": str(_WORKDIR.value), "step": step,
+              "calibration_batches": _CALIBRATION.value if act_absmax else 0,
+              "float32_val_loss": float_result["loss"], "int8_val_loss": int8_result["loss"]}
+    (out / inference.QUANTIZATION_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    (out / "config.json").write_text(loaded.cfg.to_json_best_effort(indent=2) + "\n")
+    int8_bytes = directory_bytes(out / "checkpoints")
+    print(json.dumps({**record, "out": str(out), "float32_param_bytes": float_bytes,
+                      "int8_checkpoint_bytes": int8_bytes,
+                      "size_ratio": round(int8_bytes / float_bytes, 4),
+                      "val_loss_change": int8_result["loss"] / float_result["loss"] - 1}))
+
+
+if __name__ == "__main__":
+    from jaxtrain.cli import parse_flags
+
+    app.run(main, flags_parser=parse_flags)
