@@ -10,8 +10,6 @@ Bits per byte are reported where a token is a byte; for other models pass
 from __future__ import annotations
 
 import json
-import math
-import pathlib
 import sys
 
 from absl import app, flags, logging

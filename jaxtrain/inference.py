@@ -22,6 +22,7 @@ from flax import nnx
 
 from jaxtrain import quantization as quantization_lib
 from jaxtrain.checkpoint import CheckpointError, Checkpoints
+from jaxtrain.config import base_config
 from jaxtrain.data.pipeline import to_global
 from jaxtrain.data.sources import DataError, TokenWindows, token_splits
 from jaxtrain.models import Transformer
@@ -62,23 +63,26 @@ def run_config(workdir: pathlib.Path) -> tuple[int, ml_collections.ConfigDict]:
         step, saved = checkpoints.latest_intact()
     finally:
         checkpoints.manager.close()
-    return step, ml_collections.ConfigDict(saved)
+    cfg = base_config()  # keys added since the run was saved keep their defaults
+    cfg.update(saved)
+    cfg.mesh.rules = tuple(tuple(rule) for rule in cfg.mesh.rules)  # JSON made them lists
+    return step, cfg
 
 
-def load(workdir, *, tensor: int = 1, data: int = 1, batch: int | None = None,
+def load(workdir, *, data: int = 1, fsdp: int = 1, tensor: int = 1, batch: int | None = None,
          devices: Sequence[jax.Device] | None = None) -> LoadedModel:
     """The newest intact checkpoint of a run (or a quantized model directory) on a
-    data × tensor mesh of the first data·tensor devices; `batch` replaces the run's
-    train.global_batch (the rows an evaluation batch holds; data must divide it)."""
+    data × fsdp × tensor mesh of the first data·fsdp·tensor devices; `batch` replaces the
+    run's train.global_batch (the rows an evaluation batch holds; data·fsdp must divide it)."""
     workdir = pathlib.Path(workdir)
     step, cfg = run_config(workdir)
-    cfg.mesh.update(data=data, pipeline=1, fsdp=1, tensor=tensor, dcn_data=1,
-                    dcn_pipeline=1, dcn_fsdp=1, dcn_tensor=1)
+    cfg.mesh.update(data=data, pipeline=1, fsdp=fsdp, tensor=tensor, dcn_data=1,
+                    dcn_pipeline=1, dcn_fsdp=1, dcn_tensor=1, sequence_parallel=False)
     cfg.train.microbatches = 1
     if batch is not None:
         cfg.train.global_batch = batch
     cfg.optimizer.offload_to_host = False
-    devices = list(devices if devices is not None else jax.devices())[:data * tensor]
+    devices = list(devices if devices is not None else jax.devices())[:data * fsdp * tensor]
     setup = build(cfg, devices)
     target = setup.abstract_state().params
     quantization = _quantization(workdir)

@@ -9,67 +9,29 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import traverse_util
 from tqdm import tqdm
 
-from jaxtrain.checkpoint import CheckpointError
-from jaxtrain.config import ConfigError, base_config
+from jaxtrain import inference
+from jaxtrain.config import ConfigError
 from jaxtrain.hf import FAMILIES
 from jaxtrain.hf.files import ShardWriter, parse_size
-from jaxtrain.train.setup import Setup, build
+from jaxtrain.train.setup import Setup
 
 DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16}
 
 
 def restore_params(workdir, devices: Sequence[jax.Device] | None = None
                    ) -> tuple[Setup, dict, int]:
-    """(setup, params, step) of the newest checkpoint in `workdir`, params only (no
+    """(setup, params, step) of the newest intact checkpoint in `workdir`, params only (no
     optimizer state), on a mesh of this process's devices: FSDP over all of them where
     model.d_model divides, else one device. The config is the one saved with that step."""
-    workdir = pathlib.Path(workdir)
-    directory = (workdir / "checkpoints").absolute()
-    if not directory.is_dir():
-        raise ConfigError(f"--workdir={workdir} holds no checkpoints/: not a jaxtrain run")
-    manager = ocp.CheckpointManager(directory, item_names=("state", "config"),
-                                    options=ocp.CheckpointManagerOptions(create=False))
-    steps = manager.all_steps()
-    if not steps:
-        raise CheckpointError(f"{directory} holds no finished checkpoint")
-    step = max(steps)
-    saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
-    manager.close()
     devices = list(devices if devices is not None else jax.local_devices())
-    if saved["model"]["d_model"] % len(devices):
-        devices = devices[:1]
-    setup = build(_reading_config(saved, len(devices)), devices)
-    target = {"params": setup.abstract_state().params}
-    restored = ocp.PyTreeCheckpointer().restore(
-        directory / str(step) / "state", args=ocp.args.PyTreeRestore(
-            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-            partial_restore=True))
-    return setup, restored["params"], step
-
-
-def _tuples(value):
-    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-
-def _reading_config(saved: dict, devices: int) -> ml_collections.ConfigDict:
-    """The run's saved config on a plain FSDP mesh of `devices`, for reading params only."""
-    cfg = base_config()
-    cfg.update(saved)
-    for axis in ("data", "pipeline", "tensor"):
-        cfg.mesh[axis] = 1
-        cfg.mesh[f"dcn_{axis}"] = 1
-    cfg.mesh.fsdp, cfg.mesh.dcn_fsdp, cfg.mesh.sequence_parallel = devices, 1, False
-    cfg.mesh.rules = _tuples(cfg.mesh.rules)
-    cfg.model.attention, cfg.model.remat = "xla", "none"
-    cfg.train.precision, cfg.train.global_batch, cfg.train.microbatches = "float32", devices, 1
-    cfg.optimizer.offload_to_host = False
-    return cfg
+    _, cfg = inference.run_config(workdir)
+    fsdp = len(devices) if cfg.model.d_model % len(devices) == 0 else 1
+    loaded = inference.load(workdir, fsdp=fsdp, batch=fsdp, devices=devices)
+    return loaded.setup, loaded.params, loaded.step
 
 
 def export_hf(workdir, out_dir, max_shard_size: str | int = "2GB", dtype: str = "float32",
