@@ -31,33 +31,31 @@ _INT8_ACTIVATIONS = flags.DEFINE_bool("int8_activations", False, "int8 inputs to
 _DEVICES = flags.DEFINE_integer("devices", 1, "Devices to spread the batches over.")
 flags.mark_flags_as_required(["workdir", "out"])
 
-def main(argv) -> None:
-    del argv
-    logging.set_verbosity(logging.WARNING)
+def quantize_run(workdir, out, calibration_batches: int = 8, int8_activations: bool = False,
+                 devices: int = 1) -> dict:
+    """Quantizes the newest checkpoint of `workdir` into model directory `out`; returns the
+    summary (sizes, float32 and int8 validation losses). Raises ConfigError, CheckpointError
+    or DataError (one line) for bad input, before writing anything."""
     from jaxtrain import inference
-    from jaxtrain.checkpoint import CheckpointError, Checkpoints
+    from jaxtrain.checkpoint import Checkpoints
     from jaxtrain.config import ConfigError
-    from jaxtrain.data import DataError, make_batches
+    from jaxtrain.data import make_batches
     from jaxtrain.train.state import TrainState, abstract_model, param_axes
 
-    out = pathlib.Path(_OUT.value)
-    try:
-        if (out / "checkpoints").exists():
-            raise ConfigError(f"--out={out} already holds a model; choose a new directory")
-        if _CALIBRATION.value < 1:
-            raise ConfigError(f"--calibration_batches={_CALIBRATION.value} is invalid: >= 1")
-        step, cfg = inference.run_config(_WORKDIR.value)
-        loaded = inference.load(_WORKDIR.value, data=_DEVICES.value,
-                                batch=cfg.train.global_batch)
-        name, windows, _ = inference.evaluation_windows(loaded.cfg, None)
-    except (ConfigError, CheckpointError, DataError) as e:
-        sys.exit(f"jaxtrain: error: {e}")
+    out = pathlib.Path(out)
+    if (out / "checkpoints").exists():
+        raise ConfigError(f"--out={out} already holds a model; choose a new directory")
+    if calibration_batches < 1:
+        raise ConfigError(f"--calibration_batches={calibration_batches} is invalid: >= 1")
+    step, cfg = inference.run_config(workdir)
+    loaded = inference.load(workdir, data=devices, batch=cfg.train.global_batch)
+    _, windows, _ = inference.evaluation_windows(loaded.cfg, None)
     axes_by_path = param_axes(abstract_model(loaded.setup.spec))
     act_absmax = None
-    if _INT8_ACTIVATIONS.value:
+    if int8_activations:
         train = make_batches(loaded.cfg).train_iter(0)
         act_absmax = calibrate(loaded, axes_by_path,
-                               [next(train) for _ in range(_CALIBRATION.value)])
+                               [next(train) for _ in range(calibration_batches)])
     float_result = inference.evaluate(loaded, windows, loaded.cfg.eval_batches)
     float_bytes = sum(x.nbytes for x in jax.tree.leaves(loaded.params))
     loaded.params = quantize_params(loaded.params, axes_by_path, act_absmax)
@@ -69,16 +67,30 @@ def main(argv) -> None:
                        opt_state={})
     checkpoints.save(step, state, loaded.cfg.to_dict())
     checkpoints.close()
-    record = {**loaded.quantization, "source": str(_WORKDIR.value), "step": step,
-              "calibration_batches": _CALIBRATION.value if act_absmax else 0,
+    record = {**loaded.quantization, "source": str(workdir), "step": step,
+              "calibration_batches": calibration_batches if act_absmax else 0,
               "float32_val_loss": float_result["loss"], "int8_val_loss": int8_result["loss"]}
     (out / inference.QUANTIZATION_FILE).write_text(json.dumps(record, indent=2) + "\n")
     (out / "config.json").write_text(loaded.cfg.to_json_best_effort(indent=2) + "\n")
     int8_bytes = directory_bytes(out / "checkpoints")
-    print(json.dumps({**record, "out": str(out), "float32_param_bytes": float_bytes,
-                      "int8_checkpoint_bytes": int8_bytes,
-                      "size_ratio": round(int8_bytes / float_bytes, 4),
-                      "val_loss_change": int8_result["loss"] / float_result["loss"] - 1}))
+    return {**record, "out": str(out), "float32_param_bytes": float_bytes,
+            "int8_checkpoint_bytes": int8_bytes, "size_ratio": round(int8_bytes / float_bytes, 4),
+            "val_loss_change": int8_result["loss"] / float_result["loss"] - 1}
+
+
+def main(argv) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    from jaxtrain.checkpoint import CheckpointError
+    from jaxtrain.config import ConfigError
+    from jaxtrain.data import DataError
+
+    try:
+        summary = quantize_run(_WORKDIR.value, _OUT.value, _CALIBRATION.value,
+                               _INT8_ACTIVATIONS.value, _DEVICES.value)
+    except (ConfigError, CheckpointError, DataError) as e:
+        sys.exit(f"jaxtrain: error: {e}")
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":
