@@ -4,6 +4,7 @@
 # - bf16 MFU of configs/llama_1b.py at seq 2048 on one GPU, with cudnn, xla and chunked attention
 # - fp8 (e4m3) vs bf16 matmul throughput (the ceiling for fp8 training), and llama_1b in fp8
 # - gpt2_124m throughput on one GPU
+# - cudnn and pallas attention against the float32 reference (bf16, GQA, sliding window)
 # Each result is one JSON line in OUT_DIR/gpu_results.jsonl (default ./gpu_results).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,5 +31,7 @@ timeout 100 $PY scripts/bench.py --config configs/gpt2_124m.py --json --steps 5 
   --config.data.source=synthetic --config.train.global_batch=32 --config.train.microbatches=1 \
   --config.model.attention=cudnn >> "$RESULTS" \
   || echo '{"check": "gpt2_124m", "error": true}' >> "$RESULTS"
+timeout 120 $PY scripts/attention_check.py --length 2048 >> "$RESULTS" \
+  || echo '{"check": "attention", "error": true}' >> "$RESULTS"
 bench_llama chunked
 cat "$RESULTS"
