@@ -1,0 +1,356 @@
+"""Ahead-of-time compile checks for TPU, with libtpu and no TPU.
+
+libtpu describes a TPU topology (`jax.experimental.topologies.get_topology_desc`) whose
+compile-only devices jit can compile for; nothing is allocated or run. Checked here:
+
+* optimizer.offload_to_host: the jitted train step of a config, compiled with and without
+  offload; the Adam moments' compiled input and output shardings must be in `pinned_host`
+  memory, and XLA's memory analysis must move their bytes from the device to the host.
+* the splash attention kernel (jaxtrain/models/pallas_tpu.py), forward and gradient: causal
+  grouped-query, sliding-window and multi-query, on one chip and sharded over the topology,
+  and inside the llama_1b train step.
+
+    pip install --target /tmp/libtpu_site 'libtpu==0.0.42.*'   # jax[tpu]==0.10.2's pin
+    python scripts/tpu_aot_check.py [--topology v5e:2x2] [--json] [--cases tiny,splash]
+
+libtpu is kept out of the main environment (jax would otherwise look for a TPU in every
+process): this script re-runs itself with PYTHONPATH=--libtpu_site when `import libtpu`
+fails. The process's own backend stays CPU (JAX_PLATFORMS=cpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CASES = ("tiny", "llama_1b", "splash", "llama_1b_splash")
+# Not run by default: llama_1b on one 16 GiB v5e chip, which neither variant fits.
+EXTRA_CASES = ("llama_1b_1chip",)
+
+
+def _accelerator_type(topology: str) -> str | None:
+    """TPU_ACCELERATOR_TYPE for a topology name such as v5e:2x2 (libtpu warns without it)."""
+    kind, _, dims = topology.partition(":")
+    chips = math.prod(int(d) for d in dims.split("x")) if dims else 0
+    return {"v5e": f"v5litepod-{chips}", "v6e": f"v6e-{chips}", "v4": f"v4-{2 * chips}",
+            "v5p": f"v5p-{2 * chips}"}.get(kind)
+
+
+def tpu_env(libtpu_site: str | None, topology: str) -> dict:
+    """The environment for a compile-only libtpu process."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
+               TPU_WORKER_ID="0", TPU_WORKER_HOSTNAMES="localhost",
+               ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    accelerator = _accelerator_type(topology)
+    if accelerator:
+        env.setdefault("TPU_ACCELERATOR_TYPE", accelerator)
+    paths = [ROOT] + ([libtpu_site] if libtpu_site else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+# ---------------------------------------------------------------- train step, offload
+
+def _moment_leaves(tree):
+    """(path, leaf) of the Adam moments (mu, nu) in an opt_state-shaped tree."""
+    import jax
+
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [(jax.tree_util.keystr(p), x) for p, x in flat
+            if any(getattr(k, "name", None) in ("mu", "nu") for k in p)]
+
+
+def _shard_bytes(sds) -> int:
+    shape = sds.sharding.shard_shape(sds.shape)
+    return math.prod(shape) * sds.dtype.itemsize
+
+
+def train_case(name: str, config_file: str, overrides: dict, devices, offload: bool,
+               attention_fn=None) -> dict:
+    """Compiles the train step of a config for the topology; returns its memory figures."""
+    import jax
+    import numpy as np
+
+    from jaxtrain.config import apply_overrides, load_config_file
+    from jaxtrain.train.setup import build
+
+    cfg = apply_overrides(load_config_file(os.path.join(ROOT, config_file)),
+                          {**overrides, "optimizer.offload_to_host": offload})
+    patched = None
+    if attention_fn is not None:
+        # Until models/attention.py dispatches to the TPU kernel, stand it in for 'xla'.
+        from jaxtrain.models import attention as attention_lib
+
+        cfg.model.attention = "xla"
+        patched = attention_lib.ATTENTION["xla"]
+        attention_lib.ATTENTION["xla"] = attention_fn
+    try:
+        setup = build(cfg, devices)
+        tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1),
+                                      np.int32, sharding=setup.tokens_sharding)
+        # Outside set_mesh: under a mesh of compile-only devices, the eager jax.random.key
+        # inside abstract_state would be dispatched to them and fail.
+        state = setup.abstract_state()
+        start = time.perf_counter()
+        with jax.set_mesh(setup.mesh):
+            try:
+                compiled = setup.train_step().lower(state, tokens).compile()
+            except jax.errors.JaxRuntimeError as e:  # e.g. RESOURCE_EXHAUSTED: HBM too small
+                error = str(e).splitlines()[0]
+                compiled = None
+        seconds = time.perf_counter() - start
+    finally:
+        if patched is not None:
+            attention_lib.ATTENTION["xla"] = patched
+    row = {"case": name, "config": config_file, "overrides": overrides, "offload": offload,
+           "attention": "splash" if attention_fn is not None else setup.spec.attention,
+           "devices": len(devices), "device_kind": devices[0].device_kind,
+           "mesh": dict(zip(setup.mesh.axis_names, setup.mesh.devices.shape)),
+           "moment_bytes_per_device": sum(_shard_bytes(x)
+                                          for _, x in _moment_leaves(state.opt_state)),
+           "param_bytes_per_device": sum(_shard_bytes(x) for x in jax.tree.leaves(state.params)),
+           "compile_s": round(seconds, 1)}
+    if compiled is None:
+        return {**row, "error": error}
+    m = compiled.memory_analysis()
+    (in_state, _), _ = compiled.input_shardings
+    out_state, _ = compiled.output_shardings
+    moments_in = {s.memory_kind for _, s in _moment_leaves(in_state.opt_state)}
+    moments_out = {s.memory_kind for _, s in _moment_leaves(out_state.opt_state)}
+    params_in = {s.memory_kind for s in jax.tree.leaves(in_state.params)}
+    hlo = compiled.as_text()
+    return {
+        **row,
+        "moments_memory_in": sorted(moments_in), "moments_memory_out": sorted(moments_out),
+        "params_memory_in": sorted(params_in),
+        "argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
+        "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes,
+        "host_argument_bytes": m.host_argument_size_in_bytes,
+        "host_output_bytes": m.host_output_size_in_bytes,
+        "host_alias_bytes": m.host_alias_size_in_bytes,
+        "host_temp_bytes": m.host_temp_size_in_bytes,
+        "peak_bytes": getattr(m, "peak_memory_in_bytes", None),
+        "tpu_custom_calls": hlo.count('custom_call_target="tpu_custom_call"'),
+    }
+
+
+def check_offload(off: dict, on: dict) -> tuple[list[str], list[str]]:
+    """(problems, notes) between a step compiled without and with offload_to_host. A problem:
+    the moments are not in host memory between steps. A note: the device peak did not fall."""
+    if "error" in on or "error" in off:
+        return [], [f"{r['case']} offload={r['offload']}: {r['error']}"
+                    for r in (off, on) if "error" in r]
+    problems, notes = [], []
+    if on["moments_memory_in"] != ["pinned_host"] or on["moments_memory_out"] != ["pinned_host"]:
+        problems.append(f"{on['case']}: offloaded moments compiled in {on['moments_memory_in']}"
+                        f" / {on['moments_memory_out']} memory, not pinned_host")
+    if off["moments_memory_in"] != ["device"]:
+        problems.append(f"{off['case']}: moments without offload in {off['moments_memory_in']}")
+    if on["params_memory_in"] != ["device"]:
+        problems.append(f"{on['case']}: params in {on['params_memory_in']} memory")
+    moments = on["moment_bytes_per_device"]
+    moved = off["argument_bytes"] - on["argument_bytes"]
+    if on["host_argument_bytes"] < moments or moved < 0.99 * moments:
+        problems.append(f"{on['case']}: host argument bytes {on['host_argument_bytes']} / "
+                        f"device argument bytes saved {moved}, expected ~{moments} of moments")
+    if off["peak_bytes"] and on["peak_bytes"] and on["peak_bytes"] >= off["peak_bytes"]:
+        notes.append(f"{on['case']}: device peak {mib(off['peak_bytes'])} MiB without offload, "
+                     f"{mib(on['peak_bytes'])} MiB with (moments: {mib(moments)} MiB)")
+    return problems, notes
+
+
+# ---------------------------------------------------------------- splash kernel alone
+
+SPLASH_CASES = [
+    # name, batch, length, heads, kv heads, head_dim, window, sharded over the topology
+    ("causal GQA 32/8", 2, 2048, 32, 8, 128, None, False),
+    ("window 512 GQA 32/8", 2, 4096, 32, 8, 128, 512, False),
+    ("causal MQA 16/1", 2, 2048, 16, 1, 128, None, False),
+    ("causal GQA 32/8, batch over fsdp", 8, 2048, 32, 8, 128, None, True),
+]
+
+
+def splash_case(name, b, length, heads, groups, head_dim, window, sharded, devices) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+    from jaxtrain.config import MESH_AXES
+    from jaxtrain.models.pallas_tpu import splash_attention
+
+    dt = jnp.bfloat16
+    if sharded:
+        shape = {"data": 1, "pipeline": 1, "fsdp": len(devices), "tensor": 1}
+        mesh = Mesh(np.asarray(devices).reshape([shape[a] for a in MESH_AXES]), MESH_AXES)
+        sharding = NamedSharding(mesh, P(("data", "fsdp")))
+    else:
+        mesh, sharding = None, SingleDeviceSharding(devices[0])
+    q = jax.ShapeDtypeStruct((b, length, heads, head_dim), dt, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((b, length, groups, head_dim), dt, sharding=sharding)
+
+    def attend(q, k, v):
+        # The default interpret=None: lowered for TPU, the kernel is compiled.
+        return splash_attention(q, k, v, window)
+
+    def loss(q, k, v):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32))
+
+    row = {"case": name, "batch": b, "length": length, "heads": heads, "kv_heads": groups,
+           "head_dim": head_dim, "window": window, "devices": len(devices) if sharded else 1}
+    for part, fn in (("fwd", attend), ("grad", jax.grad(loss, argnums=(0, 1, 2)))):
+        start = time.perf_counter()
+        if mesh is None:
+            compiled = jax.jit(fn).lower(q, kv, kv).compile()
+        else:
+            with jax.set_mesh(mesh):
+                compiled = jax.jit(fn).lower(q, kv, kv).compile()
+        m = compiled.memory_analysis()
+        hlo = compiled.as_text()
+        row[part] = {"compile_s": round(time.perf_counter() - start, 1),
+                     "tpu_custom_calls": hlo.count('custom_call_target="tpu_custom_call"'),
+                     "all_gathers": hlo.count(" all-gather("),
+                     "argument_bytes": m.argument_size_in_bytes,
+                     "output_bytes": m.output_size_in_bytes,
+                     "temp_bytes": m.temp_size_in_bytes,
+                     "peak_bytes": getattr(m, "peak_memory_in_bytes", None)}
+    return row
+
+
+# ---------------------------------------------------------------- driver
+
+def run(args) -> dict:
+    import jax
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(topology_name=args.topology, platform="tpu")
+    devices = list(topo.devices)
+    import libtpu
+
+    result = {"topology": args.topology, "devices": len(devices),
+              "device_kind": devices[0].device_kind, "platform": devices[0].platform,
+              "memories": sorted(m.kind for m in devices[0].addressable_memories()),
+              "jax": jax.__version__, "libtpu": _libtpu_version(libtpu),
+              "train": [], "splash": [], "problems": [], "notes": []}
+    cases = args.cases.split(",")
+    train = {"tiny": ("configs/tiny.py", {}),
+             "llama_1b": ("configs/llama_1b.py", {"mesh.fsdp": -1}),
+             "llama_1b_splash": ("configs/llama_1b.py", {"mesh.fsdp": -1}),
+             "llama_1b_1chip": ("configs/llama_1b.py", {"mesh.fsdp": 1, "mesh.data": 1,
+                                                        "train.global_batch": 2})}
+    unknown = set(cases) - set(train) - {"splash"}
+    if unknown:
+        raise SystemExit(f"unknown cases {sorted(unknown)}; known: {CASES + EXTRA_CASES}")
+    for name in [c for c in cases if c in train]:
+        file, overrides = train[name]
+        on = devices[:1] if name.endswith("_1chip") else devices
+        fn = None
+        if name.endswith("_splash"):
+            from jaxtrain.models.pallas_tpu import splash_attention
+            fn = splash_attention
+        rows = [train_case(name, file, overrides, on, offload, fn)
+                for offload in (False, True)]
+        result["train"] += rows
+        problems, notes = check_offload(*rows)
+        result["problems"] += problems
+        result["notes"] += notes
+        if fn is not None and not all(r.get("tpu_custom_calls", 1) for r in rows):
+            result["problems"].append(f"{name}: no Mosaic kernel in the compiled step")
+    if "splash" in cases:
+        for spec in SPLASH_CASES:
+            row = splash_case(*spec, devices)
+            result["splash"].append(row)
+            for part in ("fwd", "grad"):
+                if not row[part]["tpu_custom_calls"]:
+                    result["problems"].append(f"splash {row['case']} {part}: no Mosaic kernel")
+                if row["devices"] > 1 and row[part]["all_gathers"]:
+                    result["problems"].append(f"splash {row['case']} {part}: all-gathers")
+    return result
+
+
+def _libtpu_version(libtpu) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("libtpu")
+    except metadata.PackageNotFoundError:
+        return getattr(libtpu, "__version__", "unknown")
+
+
+def mib(n) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def print_table(result: dict) -> None:
+    print(f"topology {result['topology']}: {result['devices']} × {result['device_kind']} "
+          f"(memories: {', '.join(result['memories'])}); jax {result['jax']}, "
+          f"libtpu {result['libtpu']}")
+    if result["train"]:
+        print("\ntrain step, per device (MiB):")
+        print("| case | attention | offload | moments in/out | moments | device args | "
+              "host args | device temp | host temp | device peak | compile s |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in result["train"]:
+            head = f"| {r['case']} ({r['devices']} dev) | {r['attention']} | {r['offload']} | "
+            if "error" in r:
+                print(head + f"compile failed: {r['error'][:100]} ||||||||")
+                continue
+            print(head + f"{'/'.join(r['moments_memory_in'])} → "
+                  f"{'/'.join(r['moments_memory_out'])} | "
+                  f"{mib(r['moment_bytes_per_device'])} | {mib(r['argument_bytes'])} | "
+                  f"{mib(r['host_argument_bytes'])} | {mib(r['temp_bytes'])} | "
+                  f"{mib(r['host_temp_bytes'])} | {mib(r['peak_bytes'] or 0)} | "
+                  f"{r['compile_s']} |")
+    if result["splash"]:
+        print("\nsplash attention (bf16), per device:")
+        print("| case | B×L, heads/kv, head_dim | devices | fwd: kernels, temp MiB, peak MiB, s | "
+              "grad: kernels, temp MiB, peak MiB, s |")
+        print("|---|---|---|---|---|")
+        for r in result["splash"]:
+            f, g = r["fwd"], r["grad"]
+            print(f"| {r['case']} | {r['batch']}×{r['length']}, {r['heads']}/{r['kv_heads']}, "
+                  f"{r['head_dim']} | {r['devices']} | {f['tpu_custom_calls']}, "
+                  f"{mib(f['temp_bytes'])}, {mib(f['peak_bytes'] or 0)}, {f['compile_s']} | "
+                  f"{g['tpu_custom_calls']}, {mib(g['temp_bytes'])}, "
+                  f"{mib(g['peak_bytes'] or 0)}, {g['compile_s']} |")
+    for note in result["notes"]:
+        print("note: " + note)
+    print("\nproblems: " + ("; ".join(result["problems"]) or "none"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--topology", default="v5e:2x2")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"comma-separated, of {', '.join(CASES + EXTRA_CASES)}")
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--libtpu_site", default=os.environ.get("LIBTPU_SITE",
+                                                                "/tmp/libtpu_site"))
+    parser.add_argument("--in_process", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if not args.in_process:
+        # A fresh process with the TPU environment set before jax is imported.
+        site = None if importlib.util.find_spec("libtpu") else args.libtpu_site
+        if site and not os.path.isdir(os.path.join(site, "libtpu")):
+            sys.exit(f"libtpu is not importable and not in {site}; install it with: pip "
+                     f"install --target {site} 'libtpu==0.0.42.*'")
+        argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--in_process"]
+        sys.exit(subprocess.run(argv, env=tpu_env(site, args.topology)).returncode)
+    sys.path.insert(0, ROOT)
+    result = run(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    sys.exit(1 if result["problems"] else 0)
+
+
+if __name__ == "__main__":
+    main()
