@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -47,7 +50,48 @@ def dense(spec, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
         return w.einsum(equation, x, spec.compute_dtype)
     if spec.fp8:
         return fp8_einsum(equation, x, w, spec.compute_dtype)
-    return jnp.einsum(equation, x, w.astype(spec.compute_dtype))
+    return _weight_matmul(x, w.astype(spec.compute_dtype), equation)
+
+
+def _split_weight_axes(equation: str) -> int:
+    """How many leading weight axes `equation` contracts; it must read 'bl<in>,<in><out>->
+    bl<out>' (all the model's weight matmuls do)."""
+    inputs, out = equation.split("->")
+    x_axes, w_axes = inputs.split(",")
+    contracted = x_axes[2:]
+    assert w_axes.startswith(contracted) and out == x_axes[:2] + w_axes[len(contracted):], \
+        equation
+    return len(contracted)
+
+
+# As one [tokens, in] × [in, out] matmul, with the weight gradient formed as dyᵀx and then
+# transposed: XLA:CPU otherwise lays autodiff's weight gradient out as a transposed-operands
+# dot that its fast matmul library does not take, and falls back to a generic one at half
+# the speed (configs/bench_cpu.py: the MLP's forward+backward 2× faster, see
+# docs/benchmarks.md). The numbers are the same matmuls, in the same float32 accumulation.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _weight_matmul(x: jax.Array, w: jax.Array, equation: str) -> jax.Array:
+    contracted = _split_weight_axes(equation)
+    d_in = math.prod(w.shape[:contracted])
+    y2 = x.reshape(-1, d_in) @ w.reshape(d_in, -1)
+    return y2.reshape(*x.shape[:2], *w.shape[contracted:])
+
+
+def _weight_matmul_fwd(x, w, equation):
+    return _weight_matmul(x, w, equation), (x, w)
+
+
+def _weight_matmul_bwd(equation, residuals, dy):
+    x, w = residuals
+    d_in = math.prod(w.shape[:_split_weight_axes(equation)])
+    x2, w2 = x.reshape(-1, d_in), w.reshape(d_in, -1)
+    dy2 = dy.reshape(x2.shape[0], -1)
+    dx = (dy2 @ w2.T).reshape(x.shape)
+    dw = jax.lax.dot_general(dy2, x2, (((0,), (0,)), ((), ()))).T.reshape(w.shape)
+    return dx, dw
+
+
+_weight_matmul.defvjp(_weight_matmul_fwd, _weight_matmul_bwd)
 
 
 def rope(x_BLHK: jax.Array, theta: float, positions_L: jax.Array | None = None) -> jax.Array:
