@@ -12,7 +12,7 @@ import math
 import ml_collections
 
 FAMILIES = ("gpt2", "llama")
-ATTENTIONS = ("auto", "xla", "chunked", "cudnn", "pallas")
+ATTENTIONS = ("auto", "xla", "chunked", "cudnn", "pallas", "splash")
 REMATS = ("none", "full", "save_dots", "save_dots_except_mlp", "save_attention_out",
           "offload_dots")
 PRECISIONS = ("float32", "bfloat16", "float16", "fp8")

@@ -72,8 +72,7 @@ def _shard_bytes(sds) -> int:
     return math.prod(shape) * sds.dtype.itemsize
 
 
-def train_case(name: str, config_file: str, overrides: dict, devices, offload: bool,
-               attention_fn=None) -> dict:
+def train_case(name: str, config_file: str, overrides: dict, devices, offload: bool) -> dict:
     """Compiles the train step of a config for the topology; returns its memory figures."""
     import jax
     import numpy as np
@@ -83,34 +82,22 @@ def train_case(name: str, config_file: str, overrides: dict, devices, offload: b
 
     cfg = apply_overrides(load_config_file(os.path.join(ROOT, config_file)),
                           {**overrides, "optimizer.offload_to_host": offload})
-    patched = None
-    if attention_fn is not None:
-        # Until models/attention.py dispatches to the TPU kernel, stand it in for 'xla'.
-        from jaxtrain.models import attention as attention_lib
-
-        cfg.model.attention = "xla"
-        patched = attention_lib.ATTENTION["xla"]
-        attention_lib.ATTENTION["xla"] = attention_fn
-    try:
-        setup = build(cfg, devices)
-        tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1),
-                                      np.int32, sharding=setup.tokens_sharding)
-        # Outside set_mesh: under a mesh of compile-only devices, the eager jax.random.key
-        # inside abstract_state would be dispatched to them and fail.
-        state = setup.abstract_state()
-        start = time.perf_counter()
-        with jax.set_mesh(setup.mesh):
-            try:
-                compiled = setup.train_step().lower(state, tokens).compile()
-            except jax.errors.JaxRuntimeError as e:  # e.g. RESOURCE_EXHAUSTED: HBM too small
-                error = str(e).splitlines()[0]
-                compiled = None
-        seconds = time.perf_counter() - start
-    finally:
-        if patched is not None:
-            attention_lib.ATTENTION["xla"] = patched
+    setup = build(cfg, devices)
+    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1),
+                                  np.int32, sharding=setup.tokens_sharding)
+    # Outside set_mesh: under a mesh of compile-only devices, the eager jax.random.key
+    # inside abstract_state would be dispatched to them and fail.
+    state = setup.abstract_state()
+    start = time.perf_counter()
+    with jax.set_mesh(setup.mesh):
+        try:
+            compiled = setup.train_step().lower(state, tokens).compile()
+        except jax.errors.JaxRuntimeError as e:  # e.g. RESOURCE_EXHAUSTED: HBM too small
+            error = str(e).splitlines()[0]
+            compiled = None
+    seconds = time.perf_counter() - start
     row = {"case": name, "config": config_file, "overrides": overrides, "offload": offload,
-           "attention": "splash" if attention_fn is not None else setup.spec.attention,
+           "attention": setup.spec.attention,
            "devices": len(devices), "device_kind": devices[0].device_kind,
            "mesh": dict(zip(setup.mesh.axis_names, setup.mesh.devices.shape)),
            "moment_bytes_per_device": sum(_shard_bytes(x)
@@ -240,9 +227,12 @@ def run(args) -> dict:
               "jax": jax.__version__, "libtpu": _libtpu_version(libtpu),
               "train": [], "splash": [], "problems": [], "notes": []}
     cases = args.cases.split(",")
-    train = {"tiny": ("configs/tiny.py", {}),
-             "llama_1b": ("configs/llama_1b.py", {"mesh.fsdp": -1}),
-             "llama_1b_splash": ("configs/llama_1b.py", {"mesh.fsdp": -1}),
+    # 'auto' picks splash on TPU; the plain llama_1b case keeps the chunked kernel to compare.
+    train = {"tiny": ("configs/tiny.py", {"model.attention": "chunked"}),
+             "llama_1b": ("configs/llama_1b.py", {"mesh.fsdp": -1,
+                                                  "model.attention": "chunked"}),
+             "llama_1b_splash": ("configs/llama_1b.py", {"mesh.fsdp": -1,
+                                                         "model.attention": "splash"}),
              "llama_1b_1chip": ("configs/llama_1b.py", {"mesh.fsdp": 1, "mesh.data": 1,
                                                         "train.global_batch": 2})}
     unknown = set(cases) - set(train) - {"splash"}
@@ -251,17 +241,14 @@ def run(args) -> dict:
     for name in [c for c in cases if c in train]:
         file, overrides = train[name]
         on = devices[:1] if name.endswith("_1chip") else devices
-        fn = None
-        if name.endswith("_splash"):
-            from jaxtrain.models.pallas_tpu import splash_attention
-            fn = splash_attention
-        rows = [train_case(name, file, overrides, on, offload, fn)
+        fn = name.endswith("_splash")
+        rows = [train_case(name, file, overrides, on, offload)
                 for offload in (False, True)]
         result["train"] += rows
         problems, notes = check_offload(*rows)
         result["problems"] += problems
         result["notes"] += notes
-        if fn is not None and not all(r.get("tpu_custom_calls", 1) for r in rows):
+        if fn and not all(r.get("tpu_custom_calls", 1) for r in rows):
             result["problems"].append(f"{name}: no Mosaic kernel in the compiled step")
     if "splash" in cases:
         for spec in SPLASH_CASES:

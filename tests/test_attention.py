@@ -95,6 +95,10 @@ def test_auto_picks_per_backend():
     assert resolve_attention("auto", "float32", "gpu") == "chunked"
     assert resolve_attention("auto", "float32", "cpu") == "chunked"
     assert resolve_attention("xla", "bfloat16", "gpu") == "xla"
+    assert resolve_attention("auto", "bfloat16", "tpu", seq_len=2048) == "splash"
+    assert resolve_attention("auto", "bfloat16", "tpu", seq_len=100) == "chunked"
+    assert resolve_attention("pallas", "bfloat16", "tpu") == "splash"
+    assert resolve_attention("pallas", "bfloat16", "gpu") == "pallas"
 
 
 @pytest.mark.parametrize("remat", ["full", "save_dots", "save_dots_except_mlp",

@@ -103,21 +103,19 @@ def test_sharded_over_batch_and_heads(devices, groups):
         assert _rel(g, w) < 1e-5
 
 
-def test_in_the_model_on_a_pipeline_fsdp_tensor_mesh(devices, monkeypatch):
-    """The kernel in the whole model (standing in for 'xla' until attention.py dispatches to
-    it), windowed, on a pipeline×fsdp×tensor mesh: the loss and gradients of the reference."""
+def test_in_the_model_on_a_pipeline_fsdp_tensor_mesh(devices):
+    """model.attention='splash' (what 'pallas' and 'auto' resolve to on TPU), windowed, on a
+    pipeline×fsdp×tensor mesh: the loss and gradients of the reference kernel."""
     from conftest import small_config
     from jaxtrain.data.pipeline import make_batches, to_global
-    from jaxtrain.models import attention as attention_lib
     from jaxtrain.train.setup import build
     from jaxtrain.train.step import loss_fn
 
-    cfg = small_config("llama", **{"model.seq_len": 128, "model.attention": "xla",
-                                   "model.sliding_window": 48, "train.global_batch": 8,
-                                   "mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
     results = []
-    for kernel in (attention_lib.xla_attention, splash_attention):
-        monkeypatch.setitem(attention_lib.ATTENTION, "xla", kernel)
+    for kernel in ("xla", "splash"):
+        cfg = small_config("llama", **{"model.seq_len": 128, "model.attention": kernel,
+                                       "model.sliding_window": 48, "train.global_batch": 8,
+                                       "mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
         setup = build(cfg, devices)
         state = setup.init_state()
         tokens = to_global(next(make_batches(cfg).train_iter(0)), setup.tokens_sharding)

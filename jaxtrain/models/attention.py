@@ -8,6 +8,7 @@ sliding_window).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -19,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtrain.mesh import constrain
 from jaxtrain.models.chunked_attention import chunked_attention
 from jaxtrain.models.layers import dense, param, rope
+from jaxtrain.models.pallas_tpu import splash_attention
 
 
 def causal_mask(query_pos, key_pos, window: int | None):
@@ -84,7 +86,8 @@ def pallas_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
 # "chunked" computes the same function (to float32 reassociation) with half the score
 # FLOPs and no L×L buffers kept for the backward pass; see chunked_attention.py.
 ATTENTION: dict[str, Callable] = {"xla": xla_attention, "chunked": chunked_attention,
-                                  "cudnn": cudnn_attention, "pallas": pallas_attention}
+                                  "cudnn": cudnn_attention, "pallas": pallas_attention,
+                                  "splash": splash_attention}
 
 
 # Names of the tensors remat policies can keep (models/transformer.py REMAT_POLICIES).
@@ -141,7 +144,10 @@ class Attention(nnx.Module):
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD, None)
         window = self.spec.sliding_window or None
-        return self._output(ATTENTION[self.spec.attention](q_BLHK, k_BLGK, v_BLGK, window))
+        kernel = ATTENTION[self.spec.attention]
+        if self.spec.attention == "splash":  # a custom call: it shards itself by the rules
+            kernel = functools.partial(kernel, rules=self.spec.rules)
+        return self._output(kernel(q_BLHK, k_BLGK, v_BLGK, window))
 
     def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):
         """T new positions [start, start+T) against the kv cache ([B, M, G, K] each), which

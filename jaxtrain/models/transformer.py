@@ -35,11 +35,17 @@ REMAT_POLICIES = {
 }
 
 
-def resolve_attention(name: str, precision: str, platform: str) -> str:
-    """'auto': cuDNN's fused kernel where it runs (NVIDIA GPUs, 16-bit compute), else the
-    chunked causal attention, which beats the reference on every backend measured."""
+def resolve_attention(name: str, precision: str, platform: str, seq_len: int = 128) -> str:
+    """'auto': cuDNN's fused kernel where it runs (NVIDIA GPUs, 16-bit compute), the splash
+    kernel on TPUs (sequences in blocks of 128), else the chunked causal attention, which
+    beats the reference on every backend measured. 'pallas' is jax's Pallas kernel for the
+    backend: Triton flash attention on GPUs, splash attention on TPUs."""
+    if name == "pallas" and platform == "tpu":
+        return "splash"
     if name != "auto":
         return name
+    if platform == "tpu" and seq_len % 128 == 0:
+        return "splash"
     return "cudnn" if platform == "gpu" and precision != "float32" else "chunked"
 
 
@@ -84,7 +90,7 @@ class ModelSpec:
             num_heads=m.num_heads, num_kv_heads=m.num_kv_heads or m.num_heads,
             head_dim=m.head_dim or m.d_model // m.num_heads, mlp_dim=m.mlp_dim,
             vocab_size=m.vocab_size, seq_len=m.seq_len,
-            attention=resolve_attention(m.attention, cfg.train.precision, platform),
+            attention=resolve_attention(m.attention, cfg.train.precision, platform, m.seq_len),
             sliding_window=m.sliding_window,
             remat=m.remat, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
             init_std=m.init_std, compute_dtype=compute,

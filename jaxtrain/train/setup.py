@@ -72,10 +72,17 @@ def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
     if cfg.model.remat == "offload_dots" and devices[0].platform == "cpu":
         raise ConfigError("model.remat='offload_dots' is invalid: offloading to pinned host "
                           "memory needs GPU or TPU devices; use save_dots or full on CPU")
-    if cfg.model.attention == "pallas" and devices[0].platform == "tpu":
-        raise ConfigError("model.attention='pallas' is invalid: the Pallas kernel here is the "
-                          "GPU (Triton) one; use chunked on TPU")
-    if cfg.model.attention == "pallas" and cfg.model.sliding_window:
+    platform = devices[0].platform
+    splash = cfg.model.attention == "splash" or (cfg.model.attention == "pallas"
+                                                 and platform == "tpu")
+    if splash and platform == "gpu":
+        raise ConfigError("model.attention='splash' is invalid: it is the TPU kernel; on "
+                          "GPUs use pallas (Triton) or cudnn")
+    if splash and cfg.model.seq_len % 128:
+        raise ConfigError(f"model.seq_len={cfg.model.seq_len} is invalid with the splash "
+                          "attention kernel (model.attention='pallas' on TPU, or 'splash'): "
+                          "it tiles the sequence in blocks of 128")
+    if cfg.model.attention == "pallas" and platform != "tpu" and cfg.model.sliding_window:
         raise ConfigError(f"model.sliding_window={cfg.model.sliding_window} is invalid with "
                           "model.attention='pallas': jax's Pallas GPU kernel has no window; "
                           "use cudnn or chunked")
