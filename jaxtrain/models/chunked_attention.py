@@ -104,6 +104,14 @@ def _attention_fwd(q_BLHK, k_BMGK, v_BMGK, block, window):
     return out_BLHK, (q_BLHK, k_BMGK, v_BMGK, out_BGRLK, lse_BGRL)
 
 
+def _transposed_matmul(a_BGQM, b_BGQK):
+    """aᵀb over the query rows, [B, G, M, K], with aᵀ materialised first: as a plain
+    row-major batched matmul XLA:CPU runs it about twice as fast as contracting the rows in
+    place (measured at the bench_cpu shapes)."""
+    a_BGMQ = jax.lax.optimization_barrier(jnp.swapaxes(a_BGQM, -1, -2))
+    return jnp.matmul(a_BGMQ, b_BGQK.astype(a_BGMQ.dtype), preferred_element_type=jnp.float32)
+
+
 def _attention_bwd(block, window, residuals, dout_BLHK):
     q_BLHK, k_BMGK, v_BMGK, out_BGRLK, lse_BGRL = residuals
     groups = k_BMGK.shape[2]
@@ -127,10 +135,8 @@ def _attention_bwd(block, window, residuals, dout_BLHK):
         ds_BGQM = p_BGQM * (dp_BGQM - delta_BGQ)
         dqs.append(_unrows(jnp.einsum("bgqm,bgmk->bgqk", ds_BGQM, k_BGMK[:, :, lo:end],
                                       preferred_element_type=jnp.float32), r))
-        dk_BGMK = dk_BGMK.at[:, :, lo:end].add(
-            jnp.einsum("bgqm,bgqk->bgmk", ds_BGQM, q_BGQK, preferred_element_type=jnp.float32))
-        dv_BGMK = dv_BGMK.at[:, :, lo:end].add(
-            jnp.einsum("bgqm,bgqk->bgmk", p_BGQM, do_BGQK, preferred_element_type=jnp.float32))
+        dk_BGMK = dk_BGMK.at[:, :, lo:end].add(_transposed_matmul(ds_BGQM, q_BGQK))
+        dv_BGMK = dv_BGMK.at[:, :, lo:end].add(_transposed_matmul(p_BGQM, do_BGQK))
     dq_BLHK = _from_groups(jnp.concatenate(dqs, axis=3)).astype(q_BLHK.dtype)
     return (dq_BLHK, dk_BGMK.transpose(0, 2, 1, 3).astype(k_BMGK.dtype),
             dv_BGMK.transpose(0, 2, 1, 3).astype(v_BMGK.dtype))
