@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -17,12 +18,17 @@ from jaxtrain.models.layers import Norm, dense, param
 from jaxtrain.parallel.pipeline import PipelineSpec, pipeline
 
 MLP_DOT_NAMES = ("mlp_up", "mlp_gate", "mlp_down")
+WEIGHT_DOT_NAMES = tuple(n for n in ATTENTION_DOT_NAMES if n != "attention_out") + MLP_DOT_NAMES
 _policies = jax.checkpoint_policies
 # What each remat policy keeps from the forward pass; everything else is recomputed.
 REMAT_POLICIES = {
     "full": _policies.nothing_saveable,
-    # Weight matmul outputs are kept; attention scores (batched dots) are recomputed.
-    "save_dots": _policies.dots_with_no_batch_dims_saveable,
+    # Weight matmul outputs are kept; attention scores (batched dots) are recomputed. The
+    # weight matmuls run under a custom VJP (layers.dense), which the dot rule cannot see
+    # into, so their outputs are also kept by name.
+    "save_dots": _policies.save_from_both_policies(
+        _policies.dots_with_no_batch_dims_saveable,
+        _policies.save_only_these_names(*WEIGHT_DOT_NAMES)),
     # The attention projections and output; the (larger) MLP matmuls are recomputed.
     "save_dots_except_mlp": _policies.save_only_these_names(*ATTENTION_DOT_NAMES),
     # Only the attention kernel's output: the cheapest place to cut an expensive recompute.
@@ -109,17 +115,15 @@ class ModelSpec:
     tied_embeddings = property(lambda self: not self.is_llama)
 
 
-# The activations are rematerialised: autodiff of tanh-GELU would keep ~5 B·L·F temporaries
-# per layer for the backward pass (1.5 GB stacked over the scan here), while recomputing these
-# few elementwise ops from the matmul outputs, which are kept anyway, is nearly free.
-@jax.checkpoint
-def _gelu_bias(h_BLF: jax.Array, b_F: jax.Array) -> jax.Array:
-    return jax.nn.gelu(h_BLF + b_F)
-
-
-@jax.checkpoint
-def _swiglu(gate_BLF: jax.Array, h_BLF: jax.Array) -> jax.Array:
-    return jax.nn.silu(gate_BLF) * h_BLF
+def _activation_and_down(spec, h_BLF, gate_BLF, b_up_F, w_down_FD):
+    """GELU(h + b) (GPT-2) or SiLU(gate)·h (Llama), then the down projection."""
+    dt = spec.compute_dtype
+    if spec.is_llama:
+        a_BLF = jax.nn.silu(gate_BLF) * h_BLF
+    else:
+        a_BLF = jax.nn.gelu(h_BLF + b_up_F.astype(dt))
+    a_BLF = constrain(a_BLF, ("batch", "length", "mlp"), spec.rules)
+    return dense(spec, "blf,fd->bld", a_BLF, w_down_FD)
 
 
 class Mlp(nnx.Module):
@@ -138,14 +142,19 @@ class Mlp(nnx.Module):
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         spec, dt = self.spec, self.spec.compute_dtype
         h_BLF = checkpoint_name(dense(spec, "bld,df->blf", x_BLD, self.w_up[...]), "mlp_up")
+        gate_BLF = b_up_F = None
         if spec.is_llama:
             gate_BLF = checkpoint_name(dense(spec, "bld,df->blf", x_BLD, self.w_gate[...]),
                                        "mlp_gate")
-            h_BLF = _swiglu(gate_BLF, h_BLF)
         else:
-            h_BLF = _gelu_bias(h_BLF, self.b_up[...].astype(dt))
-        h_BLF = constrain(h_BLF, ("batch", "length", "mlp"), spec.rules)
-        y_BLD = checkpoint_name(dense(spec, "blf,fd->bld", h_BLF, self.w_down[...]), "mlp_down")
+            b_up_F = self.b_up[...]
+        # Rematerialised: the backward pass recomputes the activation from the up projection
+        # (kept anyway) instead of keeping its B·L·F output per layer for the down
+        # projection's weight gradient, and autodiff of tanh-GELU would keep ~5 more. XLA
+        # drops the recomputed down projection itself, which the backward does not need.
+        y_BLD = jax.checkpoint(functools.partial(_activation_and_down, spec))(
+            h_BLF, gate_BLF, b_up_F, self.w_down[...])
+        y_BLD = checkpoint_name(y_BLD, "mlp_down")
         if not spec.is_llama:
             y_BLD = y_BLD + self.b_down[...].astype(dt)
         return y_BLD

@@ -142,7 +142,7 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator") -> dict[s
     # is alive at its peak. save_dots recomputes only what it did not save.
     one_layer = _layer_activations(spec, working_rows, sizes, "all", c)
     if saved == "input":
-        working = 0.9 * one_layer
+        working = 1.3 * one_layer
     elif saved == "dots":
         working = 0.5 * (one_layer - _layer_activations(spec, working_rows, sizes, "dots", c))
     else:
