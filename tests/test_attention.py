@@ -1,5 +1,7 @@
 """Attention implementations match the reference ('xla') in outputs and gradients."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,24 +103,28 @@ def test_auto_picks_per_backend():
     assert resolve_attention("pallas", "bfloat16", "gpu") == "pallas"
 
 
-@pytest.mark.parametrize("remat", ["full", "save_dots", "save_dots_except_mlp",
-                                   "save_attention_out"])
-def test_remat_policies_give_the_loss_and_grads_of_none(remat, devices):
+@functools.lru_cache(maxsize=None)
+def _llama_loss_and_grads(remat: str):
+    """Loss and gradients of the small Llama under a remat policy (cached: 'none' is every
+    policy's reference)."""
     from conftest import small_config
     from jaxtrain.data.pipeline import make_batches
     from jaxtrain.train.setup import build
     from jaxtrain.train.step import loss_fn
 
-    results = {}
-    for policy in ("none", remat):
-        cfg = small_config("llama", **{"model.remat": policy})
-        setup = build(cfg, devices[:1])
-        params = setup.init_state().params
-        tokens = next(make_batches(cfg).train_iter(0))
-        with jax.set_mesh(setup.mesh):
-            results[policy] = jax.jit(jax.value_and_grad(
-                lambda p, t: loss_fn(p, setup.graphdef, t)))(params, tokens)
-    (loss, grads), (loss_r, grads_r) = results["none"], results[remat]
+    cfg = small_config("llama", **{"model.remat": remat})
+    setup = build(cfg, jax.devices()[:1])
+    params = setup.init_state().params
+    tokens = next(make_batches(cfg).train_iter(0))
+    with jax.set_mesh(setup.mesh):
+        return jax.jit(jax.value_and_grad(
+            lambda p, t: loss_fn(p, setup.graphdef, t)))(params, tokens)
+
+
+@pytest.mark.parametrize("remat", ["full", "save_dots", "save_dots_except_mlp",
+                                   "save_attention_out"])
+def test_remat_policies_give_the_loss_and_grads_of_none(remat, devices):
+    (loss, grads), (loss_r, grads_r) = _llama_loss_and_grads("none"), _llama_loss_and_grads(remat)
     assert abs(float(loss_r) - float(loss)) < 1e-6
     for a, b in zip(jax.tree.leaves(grads_r), jax.tree.leaves(grads)):
         assert _rel(a, b) < 1e-5

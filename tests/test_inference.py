@@ -100,12 +100,12 @@ def _json(result: subprocess.CompletedProcess) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, devices):
-    """configs/tiny.py trained 80 steps on the built-in corpus (a sixth of the main job)."""
+    """configs/tiny.py trained 40 steps on the built-in corpus (a twelfth of the main job)."""
     from jaxtrain.train.loop import run
 
     workdir = tmp_path_factory.mktemp("tiny")
     cfg = load_config_file(ROOT / "configs/tiny.py")
-    cfg.steps, cfg.eval_every_steps, cfg.log_every_steps = 80, 80, 40
+    cfg.steps, cfg.eval_every_steps, cfg.log_every_steps = 40, 40, 20
     run(cfg, workdir, devices[:1])
     return workdir
 
@@ -115,7 +115,7 @@ def test_eval_reports_the_runs_validation_loss(tiny_run):
     logged = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
     val_loss = [row["val_loss"] for row in logged if "val_loss" in row][-1]
     result = _json(_cli("eval", f"--workdir={tiny_run}"))
-    assert result["step"] == 80
+    assert result["step"] == 40
     assert result["loss"] == pytest.approx(val_loss, rel=1e-6)
     assert result["perplexity"] == pytest.approx(np.exp(val_loss), rel=1e-6)
     assert result["bits_per_byte"] == pytest.approx(val_loss / np.log(2), rel=1e-6)
