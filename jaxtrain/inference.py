@@ -18,14 +18,12 @@ from typing import Sequence
 import jax
 import ml_collections
 import numpy as np
-from flax import nnx
 
 from jaxtrain import quantization as quantization_lib
 from jaxtrain.checkpoint import CheckpointError, Checkpoints
 from jaxtrain.config import base_config
 from jaxtrain.data.pipeline import to_global
 from jaxtrain.data.sources import DataError, TokenWindows, token_splits
-from jaxtrain.models import Transformer
 from jaxtrain.train.setup import Setup, build
 from jaxtrain.train.state import abstract_model, param_axes
 from jaxtrain.train.step import loss_fn
@@ -40,10 +38,6 @@ class LoadedModel:
     params: dict
     step: int
     quantization: dict | None = None  # quantize.py's record, for an int8 model
-
-    def model(self, params: dict | None = None) -> Transformer:
-        """The nnx model with these parameters (call inside jit, under the mesh)."""
-        return nnx.merge(self.setup.graphdef, self.params if params is None else params)
 
     def loss_step(self):
         """jit((params, tokens) -> mean loss). The parameters keep the shardings they were
@@ -88,7 +82,7 @@ def load(workdir, *, data: int = 1, fsdp: int = 1, tensor: int = 1, batch: int |
     quantization = _quantization(workdir)
     if quantization is not None:
         axes_by_path = param_axes(abstract_model(setup.spec))
-        target = quantization_lib.abstract_quantized(target, axes_by_path, quantization)
+        target = quantization_lib.abstract_quantized(target, axes_by_path)
     checkpoints = Checkpoints(workdir / "checkpoints", keep=1_000_000, log=lambda _: None)
     try:
         params = checkpoints.restore_params(step, target)

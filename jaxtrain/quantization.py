@@ -55,7 +55,7 @@ def from_dicts(params: dict, int8_activations: bool, paths: list[tuple]) -> dict
     return traverse_util.unflatten_dict(flat)
 
 
-def abstract_quantized(target: dict, axes_by_path: dict, quantization: dict) -> dict:
+def abstract_quantized(target: dict, axes_by_path: dict) -> dict:
     """Shapes and shardings to restore a quantized tree into (scales replicated along the
     contracted axes, which they lack)."""
     flat = traverse_util.flatten_dict(target)
