@@ -43,6 +43,9 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+    from jaxtrain import hostmem
     from jaxtrain.cli import parse_flags
+
+    hostmem.restart_with_huge_pages()
 
     app.run(main, flags_parser=parse_flags)

@@ -13,9 +13,13 @@ jitted 2048×2048 matmul measured in this same process, on known accelerators th
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import itertools
 import json
+import math
+import re
 import sys
 import time
 
@@ -33,6 +37,29 @@ _ATTENTIONS = flags.DEFINE_list("attentions", None, "Sweep: attention implementa
 _REMATS = flags.DEFINE_list("remats", None, "Sweep: remat policies (default: all).")
 _PRECISIONS = flags.DEFINE_list("precisions", None, "Sweep: precision policies (default: all).")
 flags.mark_flags_as_required(["config"])
+
+
+def saved_activation_bytes(setup, state, tokens) -> int:
+    """Bytes the loss's backward pass keeps from its forward pass (the parameters and the
+    batch themselves not counted): the activation memory that remat policies trade for
+    recomputation, as jax.ad_checkpoint.print_saved_residuals lists it."""
+    from jax import ad_checkpoint
+
+    from jaxtrain.train.step import loss_fn
+
+    listing = io.StringIO()
+    with contextlib.redirect_stdout(listing):
+        ad_checkpoint.print_saved_residuals(
+            lambda params: loss_fn(params, setup.graphdef, tokens), state.params)
+    total = 0
+    for line in listing.getvalue().splitlines():
+        aval, _, source = line.partition(" ")
+        if source.startswith("from the argument"):
+            continue
+        kind = re.match(r"([a-z]+)(\d*)\[([\d,]*)\]", aval)
+        bits = int(kind.group(2) or 8)
+        total += math.prod(int(d) for d in kind.group(3).split(",") if d) * bits // 8
+    return total
 
 
 def bench(cfg, steps: int) -> dict:
@@ -59,6 +86,7 @@ def bench(cfg, steps: int) -> dict:
             return {"config": cfg.name, "attention": spec.attention, "remat": cfg.model.remat,
                     "precision": cfg.train.precision, "seq_len": cfg.model.seq_len,
                     "compile_s": compile_s,
+                    "saved_activation_bytes": saved_activation_bytes(setup, state, tokens[0]),
                     "memory_argument_bytes": int(memory.argument_size_in_bytes),
                     "memory_output_bytes": int(memory.output_size_in_bytes),
                     "memory_temp_bytes": int(memory.temp_size_in_bytes)}
@@ -160,6 +188,8 @@ def main(argv) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(
         __import__("os").path.abspath(__file__))))
+    from jaxtrain import hostmem
     from jaxtrain.cli import parse_flags
 
+    hostmem.restart_with_huge_pages()  # as python -m jaxtrain.main runs
     app.run(main, flags_parser=parse_flags)

@@ -121,7 +121,9 @@ class Attention(nnx.Module):
         y = checkpoint_name(y, PROJECTION_NAMES[name])
         return constrain(y, ("batch", "length") + axes, self.spec.rules)
 
-    def _qkv(self, x_BLD, positions_L):
+    def qkv(self, x_BLD, positions_L=None):
+        """Projected q (scaled by 1/√head_dim), k and v of the normed input; positions_L
+        for rotary embeddings (default 0..L-1)."""
         spec = self.spec
         q_BLHK = self._project(x_BLD, "q", ("heads", "kv"))
         k_BLGK = self._project(x_BLD, "k", ("kv_heads", "kv"))
@@ -142,7 +144,10 @@ class Attention(nnx.Module):
         return checkpoint_name(y_BLD, "out_proj")
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
-        q_BLHK, k_BLGK, v_BLGK = self._qkv(x_BLD, None)
+        return self.attend(*self.qkv(x_BLD))
+
+    def attend(self, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array) -> jax.Array:
+        """The attention kernel and the output projection, from projected q, k, v."""
         window = self.spec.sliding_window or None
         kernel = ATTENTION[self.spec.attention]
         if self.spec.attention == "splash":  # a custom call: it shards itself by the rules
@@ -153,7 +158,7 @@ class Attention(nnx.Module):
         """T new positions [start, start+T) against the kv cache ([B, M, G, K] each), which
         gets their keys and values; returns (y_BTD, cache)."""
         positions_T = start + jnp.arange(x_BTD.shape[1])
-        q_BTHK, k_BTGK, v_BTGK = self._qkv(x_BTD, positions_T)
+        q_BTHK, k_BTGK, v_BTGK = self.qkv(x_BTD, positions_T)
         k_BMGK, v_BMGK = (jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, 1)
                           for c, new in zip(cache, (k_BTGK, v_BTGK)))
         out_BTHK = cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T,

@@ -90,8 +90,7 @@ def _forward(q_BLHK, k_BMGK, v_BMGK, block: int, window: int | None):
                             preferred_element_type=jnp.float32) / sum_BGQ
         outs.append(_unrows(o_BGQK.astype(q_BLHK.dtype), r))
         lses.append(_unrows((max_BGQ + jnp.log(sum_BGQ))[..., 0], r))
-    out_BGRLK = jnp.concatenate(outs, axis=3)
-    return _from_groups(out_BGRLK), (out_BGRLK, jnp.concatenate(lses, axis=3))
+    return _from_groups(jnp.concatenate(outs, axis=3)), jnp.concatenate(lses, axis=3)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -100,8 +99,9 @@ def _attention(q_BLHK, k_BMGK, v_BMGK, block, window):
 
 
 def _attention_fwd(q_BLHK, k_BMGK, v_BMGK, block, window):
-    out_BLHK, (out_BGRLK, lse_BGRL) = _forward(q_BLHK, k_BMGK, v_BMGK, block, window)
-    return out_BLHK, (q_BLHK, k_BMGK, v_BMGK, out_BGRLK, lse_BGRL)
+    out_BLHK, lse_BGRL = _forward(q_BLHK, k_BMGK, v_BMGK, block, window)
+    # The output as returned: the output projection keeps this same array for its backward.
+    return out_BLHK, (q_BLHK, k_BMGK, v_BMGK, out_BLHK, lse_BGRL)
 
 
 def _transposed_matmul(a_BGQM, b_BGQK):
@@ -113,14 +113,16 @@ def _transposed_matmul(a_BGQM, b_BGQK):
 
 
 def _attention_bwd(block, window, residuals, dout_BLHK):
-    q_BLHK, k_BMGK, v_BMGK, out_BGRLK, lse_BGRL = residuals
+    q_BLHK, k_BMGK, v_BMGK, out_BLHK, lse_BGRL = residuals
+    b, length, heads, _ = q_BLHK.shape
     groups = k_BMGK.shape[2]
-    r = q_BLHK.shape[2] // groups
+    r = heads // groups
     q_BGRLK, do_BGRLK = _to_groups(q_BLHK, groups), _to_groups(dout_BLHK, groups)
     k_BGMK, v_BGMK = k_BMGK.transpose(0, 2, 1, 3), v_BMGK.transpose(0, 2, 1, 3)
     # delta = rowsum(dO ∘ O) = rowsum(P ∘ dP): the softmax backward's per-row correction.
-    delta_BGRL = jnp.einsum("bgrlk,bgrlk->bgrl", do_BGRLK.astype(jnp.float32),
-                            out_BGRLK.astype(jnp.float32))
+    delta_BLH = jnp.einsum("blhk,blhk->blh", dout_BLHK.astype(jnp.float32),
+                           out_BLHK.astype(jnp.float32))
+    delta_BGRL = delta_BLH.reshape(b, length, groups, r).transpose(0, 2, 3, 1)
     dk_BGMK = jnp.zeros(k_BGMK.shape, jnp.float32)
     dv_BGMK = jnp.zeros(v_BGMK.shape, jnp.float32)
     dqs = []

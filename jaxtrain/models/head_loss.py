@@ -34,8 +34,15 @@ def _split(x_BL, chunk: int):
     return jnp.swapaxes(x_BL.reshape(b, length // chunk, chunk, *x_BL.shape[2:]), 0, 1)
 
 
-def _chunk_loss(x_BCD, head_DV, targets_BC, rules, with_grads: bool):
-    logits_BCV = (x_BCD @ head_DV).astype(jnp.float32)
+def _head_axes(vocab_major: bool) -> str:
+    """The head's [D, V] or [V, D] axes: a tied head is the [V, D] embedding table itself,
+    read in place (a transposed copy of it costs ≈3% of configs/bench_cpu.py's step)."""
+    return "vd" if vocab_major else "dv"
+
+
+def _chunk_loss(x_BCD, head, targets_BC, rules, with_grads: bool, vocab_major: bool):
+    head_axes = _head_axes(vocab_major)
+    logits_BCV = jnp.einsum(f"bcd,{head_axes}->bcv", x_BCD, head).astype(jnp.float32)
     logits_BCV = constrain(logits_BCV, ("batch", "length", "vocab"), rules)
     lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
     target_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
@@ -47,49 +54,55 @@ def _chunk_loss(x_BCD, head_DV, targets_BC, rules, with_grads: bool):
     return loss, dlogits_BCV
 
 
-def _run(x_BLD, head_DV, targets_BL, rules, with_grads: bool):
+def _run(x_BLD, head, targets_BL, rules, with_grads: bool, vocab_major: bool):
     """(summed loss, dx unscaled, dhead unscaled); the grads are None without with_grads."""
+    head_axes = _head_axes(vocab_major)
     chunk = _chunk_size(x_BLD.shape[1], x_BLD.shape[0])
     xs = (_split(x_BLD, chunk), _split(targets_BL, chunk))
 
     def body(carry, xs_chunk):
         loss, dhead_DV = carry
         x_BCD, targets_BC = xs_chunk
-        chunk_loss, dlogits_BCV = _chunk_loss(x_BCD, head_DV, targets_BC, rules, with_grads)
+        chunk_loss, dlogits_BCV = _chunk_loss(x_BCD, head, targets_BC, rules, with_grads,
+                                              vocab_major)
         if not with_grads:
             return (loss + chunk_loss, dhead_DV), None
-        dx_BCD = dlogits_BCV @ head_DV.T
+        dx_BCD = jnp.einsum(f"bcv,{head_axes}->bcd", dlogits_BCV, head)
+        # Accumulated as [D, V] either way: x·dlogits contracted over tokens runs as a plain
+        # matmul in that orientation; a vocab-major head takes one transpose at the end.
         dhead_DV = dhead_DV + jnp.einsum("bcd,bcv->dv", x_BCD, dlogits_BCV)
         return (loss + chunk_loss, dhead_DV), dx_BCD
 
-    dhead0 = jnp.zeros_like(head_DV) if with_grads else None
+    d, v = x_BLD.shape[-1], head.shape[0 if vocab_major else 1]
+    dhead0 = jnp.zeros((d, v), head.dtype) if with_grads else None
     (loss, dhead_DV), dx_CBcD = jax.lax.scan(body, (jnp.zeros((), jnp.float32), dhead0), xs)
     if not with_grads:
         return loss, None, None
     dx_BLD = jnp.swapaxes(dx_CBcD, 0, 1).reshape(x_BLD.shape)
-    return loss, dx_BLD, dhead_DV
+    return loss, dx_BLD, dhead_DV.T if vocab_major else dhead_DV
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _mean_loss(x_BLD, head_DV, targets_BL, rules):
-    return _run(x_BLD, head_DV, targets_BL, rules, with_grads=False)[0] / targets_BL.size
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _mean_loss(x_BLD, head, targets_BL, rules, vocab_major):
+    return _run(x_BLD, head, targets_BL, rules, False, vocab_major)[0] / targets_BL.size
 
 
-def _mean_loss_fwd(x_BLD, head_DV, targets_BL, rules):
-    loss, dx_BLD, dhead_DV = _run(x_BLD, head_DV, targets_BL, rules, with_grads=True)
-    return loss / targets_BL.size, (dx_BLD, dhead_DV)
+def _mean_loss_fwd(x_BLD, head, targets_BL, rules, vocab_major):
+    loss, dx_BLD, dhead = _run(x_BLD, head, targets_BL, rules, True, vocab_major)
+    return loss / targets_BL.size, (dx_BLD, dhead)
 
 
-def _mean_loss_bwd(rules, residuals, g):
-    dx_BLD, dhead_DV = residuals
+def _mean_loss_bwd(rules, vocab_major, residuals, g):
+    dx_BLD, dhead = residuals
     scale = g / (dx_BLD.shape[0] * dx_BLD.shape[1])
-    return (dx_BLD * scale.astype(dx_BLD.dtype), dhead_DV * scale.astype(dhead_DV.dtype), None)
+    return (dx_BLD * scale.astype(dx_BLD.dtype), dhead * scale.astype(dhead.dtype), None)
 
 
 _mean_loss.defvjp(_mean_loss_fwd, _mean_loss_bwd)
 
 
-def head_cross_entropy(x_BLD: jax.Array, head_DV: jax.Array, targets_BL: jax.Array,
-                       rules=()) -> jax.Array:
-    """mean(softmax_cross_entropy(x @ head, targets)) without materialising all logits."""
-    return _mean_loss(x_BLD, head_DV, targets_BL, rules)
+def head_cross_entropy(x_BLD: jax.Array, head: jax.Array, targets_BL: jax.Array,
+                       rules=(), vocab_major: bool = False) -> jax.Array:
+    """mean(softmax_cross_entropy(x @ head, targets)) without materialising all logits.
+    head: [D, V], or [V, D] with vocab_major (a tied embedding table)."""
+    return _mean_loss(x_BLD, head, targets_BL, rules, vocab_major)

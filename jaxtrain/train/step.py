@@ -23,8 +23,9 @@ def loss_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT: jax.Array) -> jax.A
     """
     inputs_BL, targets_BL = tokens_BT[:, :-1], tokens_BT[:, 1:]
     model = nnx.merge(graphdef, params)
-    return head_cross_entropy(model.features(inputs_BL), model.head(), targets_BL,
-                              model.spec.rules)
+    head, vocab_major = model.head_as_stored()
+    return head_cross_entropy(model.features(inputs_BL), head, targets_BL, model.spec.rules,
+                              vocab_major)
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
