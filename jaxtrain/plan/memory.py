@@ -62,8 +62,9 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     """Bytes one layer keeps for backward for `rows` sequences on one device, activations
     of c bytes each.
 
-    saved: 'all' (no remat), 'dots' (save_dots: matmul outputs) or 'input' (full remat:
-    the layer's input only).
+    saved: 'kept' (no remat policy: what the backward pass keeps), 'dots' (save_dots:
+    matmul outputs), 'input' (full remat: the layer's input only), or 'all' (every
+    intermediate a layer makes: the working set while a layer is recomputed).
     """
     t = sizes["tensor"]
     s, d, f = spec.seq_len, spec.d_model, spec.mlp_dim
@@ -79,14 +80,23 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     dots = tokens * (2 * heads + 2 * kv + mlp) * c + 2 * tokens_res * d * c
     if saved == "dots":
         return dots + tokens_res * d * c
-    # Plus the residual stream inputs, the two norms (float32 statistics and outputs),
-    # the MLP activation's output, and the attention scores: the xla kernel keeps float32
-    # scores and probabilities and their compute-dtype copy (the full L×L); the chunked and
-    # cuDNN kernels keep only a float32 logsumexp per query and recompute the rest.
-    stream = tokens_res * d * (2 * c + 2 * F32)
-    act = tokens * f / t * c
+    # The attention scores: the xla kernel keeps float32 scores and probabilities and their
+    # compute-dtype copy (the full L×L); the chunked and cuDNN kernels keep only a float32
+    # logsumexp per query and recompute the rest.
     per_query = s * (2 * F32 + c) if spec.attention == "xla" else F32
     scores = rows * spec.num_heads / t * s * per_query
+    if saved == "kept":
+        # Without a policy the norms and their projections are recomputed from the two norm
+        # inputs (models/transformer.py Block._norm_then), which take the place of the w_o
+        # and w_down outputs in `dots`; the MLP activation is recomputed too. With tensor
+        # parallelism XLA also keeps about one more residual-stream tensor per layer
+        # (fitted on the grid: without it the tensor-parallel cases read 0.81–0.91).
+        row_parallel = tokens_res * d * c if t > 1 else 0
+        return dots + scores + row_parallel
+    # Plus the residual stream inputs, the two norms (float32 statistics and outputs) and
+    # the MLP activation's output.
+    stream = tokens_res * d * (2 * c + 2 * F32)
+    act = tokens * f / t * c
     return dots + stream + act + scores
 
 
@@ -114,7 +124,7 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator") -> dict[s
     # The finer named policies are modelled by their nearest coarse one (an approximation;
     # --compile gives the compiler's figure): save_dots_except_mlp keeps fewer dots than
     # save_dots, save_attention_out and offload_dots keep about what full remat keeps on device.
-    saved = {"none": "all", "save_dots": "dots", "save_dots_except_mlp": "dots",
+    saved = {"none": "kept", "save_dots": "dots", "save_dots_except_mlp": "dots",
              "full": "input", "save_attention_out": "input", "offload_dots": "input"}[remat]
     if p > 1:
         m, v = spec.pipeline.microbatches, spec.pipeline.repeats
