@@ -61,6 +61,20 @@ def _wait_for_step(workdir, step, process, timeout=240):
     raise TimeoutError(f"step {step} never logged")
 
 
+def _wait_for_a_checkpoint(workdir, process, timeout=240):
+    """Until some step's checkpoint is committed (orbax renames a finished step's directory
+    to the bare step number): saves are asynchronous, so a kill right after step 7 is
+    logged can come before step 6's save is on disk, and the rerun then rightly starts over."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert process.poll() is None, process.communicate()[1][-2000:]
+        directory = workdir / "checkpoints"
+        if directory.exists() and any(p.name.isdigit() for p in directory.iterdir()):
+            return
+        time.sleep(0.05)
+    raise TimeoutError("no checkpoint was committed")
+
+
 def _final_params(workdir, step=24):
     cfg = _cli_config()
     setup = build(cfg, jax.devices()[:1])
@@ -91,6 +105,7 @@ def test_kill_9_then_rerun_is_bitwise_the_same_run(tmp_path, uninterrupted):
     kill_after = random.Random().randint(7, 20)
     process = _start(tmp_path)
     _wait_for_step(tmp_path, kill_after, process)
+    _wait_for_a_checkpoint(tmp_path, process)
     process.kill()
     process.wait()
     assert max(_losses(tmp_path)) < 24, "killed before the end"
