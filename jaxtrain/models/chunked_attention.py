@@ -23,7 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_NEG = float(np.finfo(np.float32).min)
+# Added to masked scores: exp(-1e30 - max) is exactly 0 and, unlike finfo.min, adding it to
+# a score cannot overflow to -inf.
+_MASKED = -1e30
 
 
 def _chunks(length: int, block: int) -> list[tuple[int, int]]:
@@ -71,7 +73,14 @@ def _unrows(x_BGQK, r: int):
 def _scores(q_BGQK, k_BGMK, start: int, end: int, r: int, window: int | None):
     s_BGQM = jnp.einsum("bgqk,bgmk->bgqm", q_BGQK, k_BGMK[:, :, _key_start(start, window):end],
                         preferred_element_type=jnp.float32)
-    return jnp.where(_causal_mask(start, end, r, window), s_BGQM, _NEG)
+    return s_BGQM + _mask_bias(start, end, r, window)
+
+
+def _mask_bias(start: int, end: int, repeats: int, window: int | None) -> np.ndarray:
+    """The causal mask as scores to add, [rows, keys]: an addition rather than a select is
+    the cheaper pass over the scores on XLA:CPU (configs/bench_cpu.py: −0.8% step time),
+    with the same numbers."""
+    return np.where(_causal_mask(start, end, repeats, window), 0.0, _MASKED).astype(np.float32)
 
 
 def _forward(q_BLHK, k_BMGK, v_BMGK, block: int, window: int | None):
@@ -104,12 +113,12 @@ def _attention_fwd(q_BLHK, k_BMGK, v_BMGK, block, window):
     return out_BLHK, (q_BLHK, k_BMGK, v_BMGK, out_BLHK, lse_BGRL)
 
 
-def _transposed_matmul(a_BGQM, b_BGQK):
-    """aᵀb over the query rows, [B, G, M, K], with aᵀ materialised first: as a plain
+def _transposed_matmul(a_BGNX, b_BGNY):
+    """aᵀb contracted over the rows N, [B, G, X, Y], with aᵀ materialised first: as a plain
     row-major batched matmul XLA:CPU runs it about twice as fast as contracting the rows in
     place (measured at the bench_cpu shapes)."""
-    a_BGMQ = jax.lax.optimization_barrier(jnp.swapaxes(a_BGQM, -1, -2))
-    return jnp.matmul(a_BGMQ, b_BGQK.astype(a_BGMQ.dtype), preferred_element_type=jnp.float32)
+    a_BGXN = jax.lax.optimization_barrier(jnp.swapaxes(a_BGNX, -1, -2))
+    return jnp.matmul(a_BGXN, b_BGNY.astype(a_BGXN.dtype), preferred_element_type=jnp.float32)
 
 
 def _attention_bwd(block, window, residuals, dout_BLHK):
@@ -126,19 +135,27 @@ def _attention_bwd(block, window, residuals, dout_BLHK):
     dk_BGMK = jnp.zeros(k_BGMK.shape, jnp.float32)
     dv_BGMK = jnp.zeros(v_BGMK.shape, jnp.float32)
     dqs = []
-    for start, end in _chunks(q_BLHK.shape[1], block):
+    # Keys as rows (Pᵀ, dSᵀ: [keys, queries]): dK = dSᵀQ and dV = PᵀdO are then plain
+    # row-major matmuls, and only dSᵀ is transposed, once, for dQ = dS·K (with queries as
+    # rows both P and dS were: configs/bench_cpu.py −1.2% step time).
+    for start, end in _chunks(length, block):
         q_BGQK, do_BGQK = _rows(q_BGRLK, start, end), _rows(do_BGRLK, start, end)
-        lse_BGQ = lse_BGRL[:, :, :, start:end].reshape(*q_BGQK.shape[:3], 1)
-        delta_BGQ = delta_BGRL[:, :, :, start:end].reshape(*q_BGQK.shape[:3], 1)
+        rows = q_BGQK.shape[2]
+        lse_BG1Q = lse_BGRL[:, :, :, start:end].reshape(b, groups, 1, rows)
+        delta_BG1Q = delta_BGRL[:, :, :, start:end].reshape(b, groups, 1, rows)
         lo = _key_start(start, window)
-        p_BGQM = jnp.exp(_scores(q_BGQK, k_BGMK, start, end, r, window) - lse_BGQ)
-        dp_BGQM = jnp.einsum("bgqk,bgmk->bgqm", do_BGQK, v_BGMK[:, :, lo:end],
+        k_chunk_BGMK, v_chunk_BGMK = k_BGMK[:, :, lo:end], v_BGMK[:, :, lo:end]
+        sT_BGMQ = jnp.einsum("bgmk,bgqk->bgmq", k_chunk_BGMK, q_BGQK,
                              preferred_element_type=jnp.float32)
-        ds_BGQM = p_BGQM * (dp_BGQM - delta_BGQ)
-        dqs.append(_unrows(jnp.einsum("bgqm,bgmk->bgqk", ds_BGQM, k_BGMK[:, :, lo:end],
-                                      preferred_element_type=jnp.float32), r))
-        dk_BGMK = dk_BGMK.at[:, :, lo:end].add(_transposed_matmul(ds_BGQM, q_BGQK))
-        dv_BGMK = dv_BGMK.at[:, :, lo:end].add(_transposed_matmul(p_BGQM, do_BGQK))
+        pT_BGMQ = jnp.exp(sT_BGMQ + _mask_bias(start, end, r, window).T - lse_BG1Q)
+        dpT_BGMQ = jnp.einsum("bgmk,bgqk->bgmq", v_chunk_BGMK, do_BGQK,
+                              preferred_element_type=jnp.float32)
+        dsT_BGMQ = pT_BGMQ * (dpT_BGMQ - delta_BG1Q)
+        dv_BGMK = dv_BGMK.at[:, :, lo:end].add(
+            jnp.matmul(pT_BGMQ, do_BGQK.astype(jnp.float32)))
+        dk_BGMK = dk_BGMK.at[:, :, lo:end].add(
+            jnp.matmul(dsT_BGMQ, q_BGQK.astype(jnp.float32)))
+        dqs.append(_unrows(_transposed_matmul(dsT_BGMQ, k_chunk_BGMK), r))
     dq_BLHK = _from_groups(jnp.concatenate(dqs, axis=3)).astype(q_BLHK.dtype)
     return (dq_BLHK, dk_BGMK.transpose(0, 2, 1, 3).astype(k_BMGK.dtype),
             dv_BGMK.transpose(0, 2, 1, 3).astype(v_BMGK.dtype))

@@ -14,7 +14,7 @@ from jaxtrain.mesh import active_rules, constrain
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.models.attention import ATTENTION_DOT_NAMES, Attention
-from jaxtrain.models.layers import Norm, dense, param
+from jaxtrain.models.layers import Norm, dense, gelu, param
 from jaxtrain.parallel.pipeline import PipelineSpec, pipeline
 
 MLP_DOT_NAMES = ("mlp_up", "mlp_gate", "mlp_down")
@@ -121,7 +121,7 @@ def _activation_and_down(spec, h_BLF, gate_BLF, b_up_F, w_down_FD):
     if spec.is_llama:
         a_BLF = jax.nn.silu(gate_BLF) * h_BLF
     else:
-        a_BLF = jax.nn.gelu(h_BLF + b_up_F.astype(dt))
+        a_BLF = gelu(h_BLF + b_up_F.astype(dt))
     a_BLF = constrain(a_BLF, ("batch", "length", "mlp"), spec.rules)
     return dense(spec, "blf,fd->bld", a_BLF, w_down_FD)
 
@@ -157,7 +157,7 @@ class Mlp(nnx.Module):
         b_up_F = None if spec.is_llama else self.b_up[...]
         # Rematerialised: the backward pass recomputes the activation from the up projection
         # (kept anyway) instead of keeping its B·L·F output per layer for the down
-        # projection's weight gradient, and autodiff of tanh-GELU would keep ~5 more. XLA
+        # projection's weight gradient. XLA
         # drops the recomputed down projection itself, which the backward does not need.
         y_BLD = jax.checkpoint(functools.partial(_activation_and_down, spec))(
             h_BLF, gate_BLF, b_up_F, self.w_down[...])
