@@ -21,7 +21,7 @@ F32 = 4
 # Buffers XLA holds besides the ones counted (fusion outputs, copies around collectives,
 # the optimizer's update tree): a fraction of the counted temporaries, measured against the
 # compiled step on the test grid (scripts/plan_vs_compiler.py).
-TEMP_MARGIN = 0.10
+TEMP_MARGIN = 0.07
 
 
 def param_shards(spec: ModelSpec, sizes: dict[str, int]) -> dict[str, int]:
@@ -152,17 +152,18 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator") -> dict[s
     # is alive at its peak. save_dots recomputes only what it did not save.
     one_layer = _layer_activations(spec, working_rows, sizes, "all", c)
     if saved == "input":
-        working = 1.3 * one_layer
+        working = one_layer
     elif saved == "dots":
         working = 0.5 * (one_layer - _layer_activations(spec, working_rows, sizes, "dots", c))
     else:
         working = 0.0
     if spec.attention != "xla" and remat == "none":
         # The chunked kernel's backward recomputes one query chunk (≤128 rows) against its
-        # whole key prefix at a time (scores, probabilities, their gradient; fitted on the grid).
-        # (Under remat the recomputed layer's own working set above already dominates.)
+        # whole key prefix at a time (probabilities and their gradient, keys as rows, about
+        # one float32 score matrix alive at once; fitted on the grid). (Under remat the
+        # recomputed layer's own working set above already dominates.)
         working += (working_rows * spec.num_heads / sizes["tensor"] * min(128, spec.seq_len)
-                    * spec.seq_len * 1.5 * F32)
+                    * spec.seq_len * F32)
     layer_weights = shards["layer_gathered"] * (c + F32)
     activations = kept + working
 
