@@ -137,7 +137,7 @@ def _attention_bwd(block, window, residuals, dout_BLHK):
     dqs = []
     # Keys as rows (Pᵀ, dSᵀ: [keys, queries]): dK = dSᵀQ and dV = PᵀdO are then plain
     # row-major matmuls, and only dSᵀ is transposed, once, for dQ = dS·K (with queries as
-    # rows both P and dS were: configs/bench_cpu.py −1.2% step time).
+    # rows, P and dS both had to be: configs/bench_cpu.py −1.2% step time).
     for start, end in _chunks(length, block):
         q_BGQK, do_BGQK = _rows(q_BGRLK, start, end), _rows(do_BGRLK, start, end)
         rows = q_BGQK.shape[2]

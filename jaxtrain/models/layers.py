@@ -84,7 +84,7 @@ _GELU_C = math.sqrt(2 / math.pi)
 
 
 # tanh-GELU (GPT-2's "gelu_new", jax.nn.gelu's default) with a closed-form derivative: the
-# backward is one fused pass over the input, where autodiff's keeps tanh's output as an extra
+# backward is one fused pass over the input, where autodiff keeps tanh's output as an extra
 # full-size tensor and reads it from two more passes (configs/bench_cpu.py: −1.8% step time).
 @jax.custom_vjp
 def gelu(u: jax.Array) -> jax.Array:

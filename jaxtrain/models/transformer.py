@@ -157,8 +157,8 @@ class Mlp(nnx.Module):
         b_up_F = None if spec.is_llama else self.b_up[...]
         # Rematerialised: the backward pass recomputes the activation from the up projection
         # (kept anyway) instead of keeping its B·L·F output per layer for the down
-        # projection's weight gradient. XLA
-        # drops the recomputed down projection itself, which the backward does not need.
+        # projection's weight gradient. XLA drops the recomputed down projection itself,
+        # which the backward does not need.
         y_BLD = jax.checkpoint(functools.partial(_activation_and_down, spec))(
             h_BLF, gate_BLF, b_up_F, self.w_down[...])
         y_BLD = checkpoint_name(y_BLD, "mlp_down")
