@@ -15,10 +15,15 @@ from __future__ import annotations
 import argparse
 import time
 
+if __name__ == "__main__":
+    # Before jax is imported, so the re-executed process is the only one that loads it.
+    from jaxtrain import hostmem
+
+    hostmem.restart_with_huge_pages()  # as python -m jaxtrain.main runs
+
 import jax
 import numpy as np
 
-from jaxtrain import hostmem
 from jaxtrain.config import apply_overrides, load_config_file
 from jaxtrain.data.pipeline import make_batches, to_global
 from jaxtrain.metrics import flops_per_token, measure_matmul_peak
@@ -48,7 +53,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("variants", nargs="+")
     args = parser.parse_args()
-    hostmem.restart_with_huge_pages()  # as python -m jaxtrain.main runs
     runs = []
     for text in args.variants:
         cfg = apply_overrides(load_config_file(args.config), parse_overrides(text))
