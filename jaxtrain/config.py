@@ -1,47 +1,32 @@
-"""Config defaults, choices and validation.
+"""Config defaults and validation.
 
 Every config file in configs/ starts from `base_config()` and overrides what it needs, so the
 set of keys is defined here once. `validate()` catches impossible combinations before anything
-compiles and names the key with the values that would be valid.
+compiles and names the key with the values that would be valid. Each extensible choice (model
+family, attention kernel, remat policy, precision, data source, mesh axis, schedule) is a
+registry entry in the module that implements it, carrying its own checks; validate() asks
+the registries, so this module sits above them and they never import it.
 """
 
 from __future__ import annotations
 
-import math
+import importlib.util
+import pathlib
 
 import ml_collections
 
-FAMILIES = ("gpt2", "llama")
-ATTENTIONS = ("auto", "xla", "chunked", "cudnn", "pallas", "splash")
-REMATS = ("none", "full", "save_dots", "save_dots_except_mlp", "save_attention_out",
-          "offload_dots")
-PRECISIONS = ("float32", "bfloat16", "float16", "fp8")
-SCHEDULES = ("cosine", "linear", "constant")
-SOURCES = ("stdlib", "bin", "synthetic")
-PIPELINE_SCHEDULES = ("gpipe", "circular")
-MESH_AXES = ("data", "pipeline", "fsdp", "tensor")
+from jaxtrain.data.sources import SOURCES
+from jaxtrain.errors import ConfigError, divisors, fail
+from jaxtrain.mesh import (AXES, DEFAULT_RULES, MESH_AXES, batch_shards, dcn_shape,
+                           resolve_mesh_shape, validate_axes)
+from jaxtrain.models.attention import CHOICES as ATTENTIONS, KERNELS, resolve_attention
+from jaxtrain.models.families import FAMILIES
+from jaxtrain.models.remat import REMATS
+from jaxtrain.optim import SCHEDULES
+from jaxtrain.precision import PRECISIONS
 
-# Logical axis -> mesh axes. For each logical dimension of an array the first rule whose mesh
-# axes are not already used by an earlier dimension of the same array applies; a dimension
-# with no usable rule is replicated. That is how 'embed' is fsdp-sharded in a weight but
-# replicated in an activation whose 'batch' already took fsdp.
-DEFAULT_RULES = (
-    ("batch", ("data", "fsdp")),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-    # The residual stream's length between blocks; used only when mesh.sequence_parallel.
-    ("sequence", "tensor"),
-    # The stacked layers of the model, and the stage axis of the pipeline's buffers.
-    ("layers", "pipeline"),
-    ("stage", "pipeline"),
-)
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message is one line naming the key."""
+__all__ = ["ATTENTIONS", "DEFAULT_RULES", "MESH_AXES", "ConfigError", "apply_overrides",
+           "base_config", "dcn_shape", "load_config_file", "resolve_mesh_shape", "validate"]
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -54,16 +39,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval_batches = 4
 
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1
-    c.mesh.pipeline = 1
-    c.mesh.fsdp = 1
-    c.mesh.tensor = 1
+    for axis in AXES:  # mesh.NAME: size within a node or slice; -1: the rest of the devices
+        c.mesh[axis] = -1 if axis == "data" else 1
     c.mesh.sequence_parallel = False
     # Sizes across the slow links between hosts/slices (DCN); the plain sizes are within one.
-    c.mesh.dcn_data = 1
-    c.mesh.dcn_pipeline = 1
-    c.mesh.dcn_fsdp = 1
-    c.mesh.dcn_tensor = 1
+    for axis in AXES:
+        c.mesh[f"dcn_{axis}"] = 1
     c.mesh.rules = DEFAULT_RULES
 
     # Used when mesh.pipeline > 1 (see docs/parallelism.md).
@@ -94,6 +75,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.microbatches = 1
     c.train.precision = "float32"
     c.train.max_consecutive_bad_steps = 5  # non-finite steps in a row before the run stops
+    # Hang watchdog: no step (or evaluation, or checkpoint save) completing for this long
+    # dumps every thread's stack and exits with code 4; 0: off.
+    c.train.step_timeout_s = 1800.0
     c.train.mfu_floor = 0.0  # warn when a logged step's MFU is below this; 0: never
     # float16 only: dynamic loss scaling, doubled after this many finite steps in a row.
     c.train.loss_scale_init = 2.0**15
@@ -128,8 +112,21 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 0  # 0: only at the end of the run
-    c.checkpoint.keep = 3
+    c.checkpoint.keep = 3  # healthy checkpoints kept (docs/operations.md)
     c.checkpoint.keep_period = 0  # also keep every N-th step forever; 0: none
+    # A second, fast tier (a local SSD; for a multi-process job, a directory every process
+    # sees): saved every local_every_steps, keeping local_keep. Restore takes the newest
+    # intact step of either tier.
+    c.checkpoint.local_dir = ""
+    c.checkpoint.local_every_steps = 0
+    c.checkpoint.local_keep = 2
+    c.checkpoint.verify_on_restore = True  # check every file's checksum before restoring
+
+    # Multi-process jobs: a process whose peer stops answering exits (non-zero) after this
+    # long, so that the scheduler can restart the job (docs/multihost.md).
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.heartbeat_timeout_s = 60
+    c.distributed.initialization_timeout_s = 300
 
     # Test-only fault injection: a NaN loss at steps [nan_from_step, nan_from_step+nan_steps).
     c.debug = ml_collections.ConfigDict()
@@ -139,13 +136,25 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 def load_config_file(path) -> ml_collections.ConfigDict:
-    """get_config() of a config file, as --config loads it."""
-    import importlib.util
-
+    """get_config() of a config file, as --config loads it; ConfigError (one line) when the
+    file is missing or broken."""
+    path = pathlib.Path(str(path).split(":")[0])
+    if not path.is_file():
+        raise ConfigError(f"--config={path}: no such file")
     spec = importlib.util.spec_from_file_location(f"_config_{abs(hash(str(path)))}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    try:
+        spec.loader.exec_module(module)
+        return module.get_config()
+    except Exception as e:  # noqa: BLE001 - any failure of a user's file is an input error
+        where = ""
+        tb = e.__traceback__
+        while tb is not None:  # the innermost frame inside the config file
+            if tb.tb_frame.f_code.co_filename == str(path):
+                where = f" (line {tb.tb_lineno})"
+            tb = tb.tb_next
+        raise ConfigError(f"--config={path} cannot be loaded{where}: "
+                          f"{type(e).__name__}: {e}") from None
 
 
 def apply_overrides(c: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
@@ -159,170 +168,104 @@ def apply_overrides(c: ml_collections.ConfigDict, overrides: dict) -> ml_collect
     return c
 
 
-def _fail(key: str, value, valid: str) -> None:
-    raise ConfigError(f"{key}={value!r} is invalid: {valid}")
-
-
 def _choice(c, key: str, choices) -> None:
     value = c
     for part in key.split("."):
         value = value[part]
     if value not in choices:
-        _fail(key, value, f"valid values are {', '.join(choices)}")
+        fail(key, value, f"valid values are {', '.join(choices)}")
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
-def dcn_shape(mesh_cfg) -> dict[str, int]:
-    """Per-axis sizes across the slow links (between hosts or slices); 1 where unused."""
-    return {axis: int(mesh_cfg[f"dcn_{axis}"]) for axis in MESH_AXES}
-
-
-def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
-    """Total mesh axis sizes (within-node size × dcn size), the one -1 filled so that they
-    multiply to num_devices."""
-    dcn = dcn_shape(mesh_cfg)
-    for axis, size in dcn.items():
-        if size < 1:
-            _fail(f"mesh.dcn_{axis}", size, "must be >= 1")
-    if dcn["tensor"] != 1:
-        _fail("mesh.dcn_tensor", dcn["tensor"], "tensor parallelism needs fast links: keep it "
-              "within a node (mesh.tensor) and put data, fsdp or pipeline across nodes")
-    granules = math.prod(dcn.values())
-    if num_devices % granules:
-        _fail("mesh", f"dcn sizes multiplying to {granules}", f"must divide the {num_devices} "
-              "devices")
-    per_granule = num_devices // granules
-    sizes = {axis: int(mesh_cfg[axis]) for axis in MESH_AXES}
-    for axis, size in sizes.items():
-        if size == 0 or size < -1:
-            _fail(f"mesh.{axis}", size, "a positive size, or -1 for 'the rest'")
-    free = [a for a, s in sizes.items() if s == -1]
-    if len(free) > 1:
-        _fail(f"mesh.{free[1]}", -1, f"only one axis may be -1 (mesh.{free[0]} already is)")
-    fixed = math.prod(s for s in sizes.values() if s != -1)
-    where = f"the {per_granule} devices of each of the {granules} dcn groups" if granules > 1 \
-        else f"the {num_devices} devices"
-    if free:
-        if per_granule % fixed:
-            _fail(f"mesh.{free[0]}", -1, f"the other axes multiply to {fixed}, "
-                  f"which does not divide {where}")
-        sizes[free[0]] = per_granule // fixed
-    elif fixed != per_granule:
-        shown = "×".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "1"
-        _fail("mesh", shown, f"the mesh axes must multiply to {where} "
-              f"(got {fixed}); set one axis to -1 to fill the rest")
-    return {axis: sizes[axis] * dcn[axis] for axis in MESH_AXES}
-
-
-def validate(c: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
-    """Raises ConfigError for the first impossible setting; returns the mesh axis sizes."""
+def _check_numbers(c) -> None:
+    """Plain ranges of the keys no registry owns."""
     for key in ("steps", "log_every_steps", "eval_every_steps", "eval_batches"):
         if c[key] < 1:
-            _fail(key, c[key], "must be >= 1")
-    m, t = c.model, c.train
-    _choice(c, "model.family", FAMILIES)
-    _choice(c, "model.attention", ATTENTIONS)
-    _choice(c, "model.remat", REMATS)
-    _choice(c, "train.precision", PRECISIONS)
-    _choice(c, "optimizer.schedule", SCHEDULES)
-    _choice(c, "data.source", SOURCES)
-    if m.attention == "cudnn" and c.train.precision == "float32":
-        _fail("model.attention", m.attention, "cuDNN flash attention needs "
-              "train.precision=bfloat16; use xla or chunked for float32")
-    if c.data.dtype not in ("uint16", "uint32"):
-        _fail("data.dtype", c.data.dtype, "valid values are uint16, uint32")
+            fail(key, c[key], "must be >= 1")
+    m = c.model
     for key in ("d_model", "num_layers", "num_heads", "mlp_dim", "vocab_size", "seq_len"):
         if m[key] < 1:
-            _fail(f"model.{key}", m[key], "must be >= 1")
+            fail(f"model.{key}", m[key], "must be >= 1")
     if m.sliding_window < 0:
-        _fail("model.sliding_window", m.sliding_window, "must be 0 (off) or a window >= 1")
+        fail("model.sliding_window", m.sliding_window, "must be 0 (off) or a window >= 1")
+    if not 0.0 < c.data.val_fraction < 1.0:
+        fail("data.val_fraction", c.data.val_fraction, "must be between 0 and 1")
+    if c.optimizer.lr <= 0:
+        fail("optimizer.lr", c.optimizer.lr, "must be > 0")
+    if c.optimizer.warmup_steps < 0:
+        fail("optimizer.warmup_steps", c.optimizer.warmup_steps, "must be >= 0")
+    for key, low in (("every_steps", 0), ("keep", 1), ("keep_period", 0),
+                     ("local_every_steps", 0), ("local_keep", 1)):
+        if c.checkpoint[key] < low:
+            fail(f"checkpoint.{key}", c.checkpoint[key], f"must be >= {low}")
+    if c.checkpoint.local_every_steps and not c.checkpoint.local_dir:
+        fail("checkpoint.local_every_steps", c.checkpoint.local_every_steps,
+             "needs checkpoint.local_dir (a fast local directory for that tier)")
+    if c.train.step_timeout_s < 0:
+        fail("train.step_timeout_s", c.train.step_timeout_s, "must be >= 0 (0: no watchdog)")
+    for key in ("heartbeat_timeout_s", "initialization_timeout_s"):
+        if c.distributed[key] < 1:
+            fail(f"distributed.{key}", c.distributed[key], "must be >= 1 (seconds)")
+    if c.train.loss_scale_init <= 0 or c.train.loss_scale_period < 1:
+        fail("train.loss_scale_init", c.train.loss_scale_init, "loss_scale_init must be > 0 "
+             "and loss_scale_period >= 1")
+    if c.profile.num_steps < 1:
+        fail("profile.num_steps", c.profile.num_steps, "must be >= 1")
+    if c.train.max_consecutive_bad_steps < 1:
+        fail("train.max_consecutive_bad_steps", c.train.max_consecutive_bad_steps, "must be >= 1")
+
+
+def _check_model(c, platform: str | None) -> None:
+    m = c.model
     heads, kv_heads = m.num_heads, m.num_kv_heads or m.num_heads
     if heads % kv_heads:
-        _fail("model.num_kv_heads", m.num_kv_heads,
-              f"must divide model.num_heads={heads}: one of {_divisors(heads)}")
+        fail("model.num_kv_heads", m.num_kv_heads,
+             f"must divide model.num_heads={heads}: one of {divisors(heads)}")
     if not m.head_dim and m.d_model % heads:
-        _fail("model.num_heads", heads, f"must divide model.d_model={m.d_model} "
-              "(or set model.head_dim)")
-    if m.family == "llama" and (m.head_dim or m.d_model // heads) % 2:
-        _fail("model.head_dim", m.head_dim or m.d_model // heads, "RoPE needs an even head_dim")
-    if c.data.source == "stdlib" and m.vocab_size < 256:
-        _fail("model.vocab_size", m.vocab_size, "the byte-level stdlib corpus needs >= 256")
-    if c.data.source == "bin" and not c.data.path:
-        _fail("data.path", "", "data.source='bin' needs a .bin file or a directory "
-              "holding train.bin and val.bin")
-    if not 0.0 < c.data.val_fraction < 1.0:
-        _fail("data.val_fraction", c.data.val_fraction, "must be between 0 and 1")
-    if c.optimizer.lr <= 0:
-        _fail("optimizer.lr", c.optimizer.lr, "must be > 0")
-    if c.optimizer.warmup_steps < 0:
-        _fail("optimizer.warmup_steps", c.optimizer.warmup_steps, "must be >= 0")
-    for key, low in (("every_steps", 0), ("keep", 1), ("keep_period", 0)):
-        if c.checkpoint[key] < low:
-            _fail(f"checkpoint.{key}", c.checkpoint[key], f"must be >= {low}")
-    if c.train.loss_scale_init <= 0 or c.train.loss_scale_period < 1:
-        _fail("train.loss_scale_init", c.train.loss_scale_init, "loss_scale_init must be > 0 "
-              "and loss_scale_period >= 1")
-    if c.profile.num_steps < 1:
-        _fail("profile.num_steps", c.profile.num_steps, "must be >= 1")
-    if c.train.max_consecutive_bad_steps < 1:
-        _fail("train.max_consecutive_bad_steps", c.train.max_consecutive_bad_steps,
-              "must be >= 1")
+        fail("model.num_heads", heads, f"must divide model.d_model={m.d_model} "
+             "(or set model.head_dim)")
+    FAMILIES[m.family].check(m.head_dim or m.d_model // heads)
+    kernel = resolve_attention(m.attention, c.train.precision, platform or "", m.seq_len,
+                               m.sliding_window)
+    if problem := KERNELS[kernel].problem(c.train.precision, platform, m.seq_len,
+                                          m.sliding_window):
+        shown = m.attention if m.attention == kernel else f"{m.attention} ({kernel} here)"
+        fail("model.attention", shown, problem)
+    if problem := REMATS[m.remat].problem(platform):
+        fail("model.remat", m.remat, problem)
 
-    sizes = resolve_mesh_shape(c.mesh, num_devices)
-    _validate_pipeline(c, sizes["pipeline"])
-    tensor, fsdp = sizes["tensor"], sizes["fsdp"]
-    for key, value in (("num_heads", heads), ("num_kv_heads", kv_heads),
-                       ("mlp_dim", m.mlp_dim), ("vocab_size", m.vocab_size)):
-        if value % tensor:
-            _fail(f"model.{key}", value, f"must be divisible by mesh.tensor={tensor}")
-    if m.d_model % fsdp:
-        _fail("model.d_model", m.d_model, f"must be divisible by mesh.fsdp={fsdp}")
-    if c.mesh.sequence_parallel and m.seq_len % tensor:
-        _fail("model.seq_len", m.seq_len, f"must be divisible by mesh.tensor={tensor} "
-              "under mesh.sequence_parallel")
+
+def _check_batch(c, sizes: dict[str, int]) -> None:
+    t = c.train
     if t.microbatches < 1 or t.global_batch % t.microbatches:
-        _fail("train.microbatches", t.microbatches,
-              f"must divide train.global_batch={t.global_batch}: one of "
-              f"{_divisors(t.global_batch)}")
-    batch_shards = sizes["data"] * fsdp
+        fail("train.microbatches", t.microbatches,
+             f"must divide train.global_batch={t.global_batch}: one of "
+             f"{divisors(t.global_batch)}")
+    shards = batch_shards(sizes)
+    text = "×".join(f"mesh.{a}" for a, entry in AXES.items() if entry.batch)
     if sizes["pipeline"] > 1:
-        batch_shards *= c.pipeline.microbatches
-    shards_text = "mesh.data×mesh.fsdp" + ("×pipeline.microbatches" if sizes["pipeline"] > 1
-                                           else "")
+        shards *= c.pipeline.microbatches
+        text += "×pipeline.microbatches"
     micro = t.global_batch // t.microbatches
-    if micro % batch_shards:
-        _fail("train.global_batch", t.global_batch,
-              f"each of the {t.microbatches} micro-batches ({micro} sequences) must divide "
-              f"by {shards_text}={batch_shards}; try "
-              f"{batch_shards * t.microbatches * max(1, round(micro / batch_shards))}")
+    if micro % shards:
+        fail("train.global_batch", t.global_batch,
+             f"each of the {t.microbatches} micro-batches ({micro} sequences) must divide "
+             f"by {text}={shards}; try {shards * t.microbatches * max(1, round(micro / shards))}")
+
+
+def validate(c: ml_collections.ConfigDict, num_devices: int,
+             platform: str | None = None) -> dict[str, int]:
+    """Raises ConfigError for the first impossible setting; returns the mesh axis sizes.
+
+    platform: the devices' platform ('cpu', 'gpu', 'tpu'), for the choices that depend on
+    it (attention kernels, remat offload); None checks only what holds everywhere."""
+    _check_numbers(c)
+    for key, registry in (("model.family", FAMILIES), ("model.attention", ATTENTIONS),
+                          ("model.remat", REMATS), ("train.precision", PRECISIONS),
+                          ("optimizer.schedule", SCHEDULES), ("data.source", SOURCES)):
+        _choice(c, key, tuple(registry))
+    _check_model(c, platform)
+    SOURCES[c.data.source].validate(c)
+    sizes = resolve_mesh_shape(c.mesh, num_devices)
+    validate_axes(c, sizes)
+    _check_batch(c, sizes)
     return sizes
-
-
-def _validate_pipeline(c, stages: int) -> None:
-    pc = c.pipeline
-    _choice(c, "pipeline.schedule", PIPELINE_SCHEDULES)
-    if pc.microbatches < 1:
-        _fail("pipeline.microbatches", pc.microbatches, "must be >= 1")
-    if pc.schedule == "gpipe" and pc.repeats != 1:
-        _fail("pipeline.repeats", pc.repeats, "the gpipe schedule has one chunk per stage: "
-              "use 1, or pipeline.schedule='circular'")
-    if pc.schedule == "circular" and pc.repeats < 2:
-        _fail("pipeline.repeats", pc.repeats, "the circular schedule needs >= 2 chunks per stage")
-    if stages == 1:
-        return
-    if pc.schedule == "circular" and pc.microbatches < stages:
-        _fail("pipeline.microbatches", pc.microbatches,
-              f"the circular schedule needs at least mesh.pipeline={stages} micro-batches")
-    chunks = stages * pc.repeats
-    layers = c.model.num_layers
-    if layers % chunks:
-        below, above = layers - layers % chunks, layers + chunks - layers % chunks
-        options = [str(n) for n in (below, above) if n > 0]
-        repeats = [r for r in range(2, layers + 1) if layers % (stages * r) == 0]
-        hint = f"; or pipeline.repeats in {repeats}" if repeats and pc.schedule == "circular" \
-            else ""
-        _fail("model.num_layers", layers, f"must divide into mesh.pipeline×pipeline.repeats="
-              f"{stages}×{pc.repeats} equal stages: use {' or '.join(options)}{hint}")

@@ -11,6 +11,8 @@ import os
 
 import jax
 
+from jaxtrain.errors import ConfigError
+
 # Environment variables that mark a multi-process job, per launcher jax can detect.
 _CLUSTER_MARKERS = {
     "SLURM": lambda env: int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in env,
@@ -34,21 +36,28 @@ def _on_cpu() -> bool:
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> str:
-    """Joins the job's processes; returns how ('single process', 'flags', or the cluster)."""
+               process_id: int | None = None, heartbeat_timeout_s: int = 60,
+               initialization_timeout_s: int = 300) -> str:
+    """Joins the job's processes; returns how ('single process', 'flags', or the cluster).
+
+    heartbeat_timeout_s: a process whose peer (or the coordinator) stops answering for this
+    long exits non-zero, so that a dead rank ends the whole job and its scheduler can start
+    it again, rather than the survivors waiting in a collective forever."""
     explicit = coordinator is not None or num_processes is not None or process_id is not None
     cluster = None if explicit else detected_cluster()
     if not explicit and cluster is None:
         return "single process"
     if explicit and None in (coordinator, num_processes, process_id):
-        raise ValueError("--coordinator, --num_processes and --process_id go together")
+        raise ConfigError("--coordinator, --num_processes and --process_id go together")
     if _on_cpu():
         # XLA's CPU collectives across processes.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeouts = dict(initialization_timeout=initialization_timeout_s,
+                    heartbeat_timeout_seconds=heartbeat_timeout_s)
     if explicit:
         jax.distributed.initialize(coordinator_address=coordinator,
                                    num_processes=num_processes, process_id=process_id,
-                                   initialization_timeout=120, heartbeat_timeout_seconds=30)
+                                   **timeouts)
         return "flags"
-    jax.distributed.initialize()
+    jax.distributed.initialize(**timeouts)
     return cluster

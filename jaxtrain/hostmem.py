@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pathlib
 import platform
+import signal
 import sys
 
 TUNABLE = "glibc.malloc.hugetlb"
@@ -50,4 +51,7 @@ def restart_with_huge_pages() -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
+    # A SIGINT/SIGTERM arriving while the new process starts stays pending (a blocked
+    # signal survives exec) until jaxtrain/signals.py installs its handlers and unblocks it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     os.execve(sys.executable, sys.orig_argv, environment_with_huge_pages())

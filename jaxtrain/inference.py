@@ -20,10 +20,11 @@ import ml_collections
 import numpy as np
 
 from jaxtrain import quantization as quantization_lib
-from jaxtrain.checkpoint import CheckpointError, Checkpoints
+from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.config import base_config
-from jaxtrain.data.pipeline import to_global
-from jaxtrain.data.sources import DataError, TokenWindows, token_splits
+from jaxtrain.data.batches import to_global
+from jaxtrain.data.sources import SOURCES, TokenWindows
+from jaxtrain.errors import CheckpointError, ConfigError, DataError
 from jaxtrain.train.setup import Setup, build
 from jaxtrain.train.state import abstract_model, param_axes
 from jaxtrain.train.step import loss_fn
@@ -51,7 +52,7 @@ def run_config(workdir: pathlib.Path) -> tuple[int, ml_collections.ConfigDict]:
     directory = pathlib.Path(workdir) / "checkpoints"
     if not directory.is_dir():
         raise CheckpointError(f"--workdir={workdir} holds no checkpoints/ directory: "
-                              "train with python -m jaxtrain.main first")
+                              "train with jaxtrain train (python -m jaxtrain.main) first")
     checkpoints = Checkpoints(directory, keep=1_000_000, log=lambda _: None)
     try:
         step, saved = checkpoints.latest_intact()
@@ -100,15 +101,52 @@ def _quantization(workdir: pathlib.Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def byte_level(cfg) -> bool:
+    """Whether the run's tokens are bytes (text prompts, bits per byte)."""
+    return SOURCES[cfg.data.source].byte_level
+
+
+def prompt_tokens(cfg, text: str | None, ids: list[str] | None,
+                  max_new_tokens: int = 0) -> list[int]:
+    """The prompt as token ids; ConfigError (one line) for what this model cannot take."""
+    if (text is None) == (ids is None):
+        raise ConfigError("give exactly one of --prompt and --prompt_ids")
+    if text is not None:
+        if not byte_level(cfg):
+            raise ConfigError(f"this model was trained on token ids (data.source="
+                              f"{cfg.data.source!r}) and has no tokenizer here; pass "
+                              "--prompt_ids")
+        tokens = list(text.encode("utf-8"))
+    else:
+        try:
+            tokens = [int(i) for i in ids]
+        except ValueError:
+            raise ConfigError(f"--prompt_ids={','.join(ids)} is invalid: integers, "
+                              "comma-separated") from None
+    bad = [t for t in tokens if not 0 <= t < cfg.model.vocab_size]
+    if not tokens or bad:
+        raise ConfigError(f"the prompt must be 1 or more token ids in [0, "
+                          f"{cfg.model.vocab_size}); got {bad or 'none'}")
+    limit = cfg.model.seq_len
+    if len(tokens) >= limit:
+        raise ConfigError(f"the prompt is {len(tokens)} tokens: it must be shorter than the "
+                          f"model's model.seq_len={limit}, to leave room for new tokens")
+    if len(tokens) + max_new_tokens > limit:
+        raise ConfigError(f"--max_new_tokens={max_new_tokens} is too many: the prompt "
+                          f"({len(tokens)} tokens) plus new tokens must fit the model's "
+                          f"model.seq_len={limit}; at most {limit - len(tokens)}")
+    return tokens
+
+
 def evaluation_windows(cfg, data: str | None):
     """(name, windows source, tokens are bytes) for the run's validation split or a file."""
-    byte_level = cfg.data.source == "stdlib"
+    source = SOURCES[cfg.data.source]
     if data is None:
-        if cfg.data.source == "synthetic":
-            raise DataError("this run trained on synthetic tokens: it has no validation "
-                            "text; pass --data")
-        return "validation split", TokenWindows(token_splits(cfg.data, cfg.model.vocab_size)[1],
-                                                cfg.model.seq_len, "the validation split"), byte_level
+        if source.tokens is None:
+            raise DataError(f"this run trained on data.source={cfg.data.source!r}: it has no "
+                            "validation text; pass --data")
+        return "validation split", TokenWindows(source.tokens(cfg)[1], cfg.model.seq_len,
+                                                "the validation split"), source.byte_level
     path = pathlib.Path(data)
     if not path.is_file():
         raise DataError(f"--data={data}: no such file")
@@ -119,11 +157,12 @@ def evaluation_windows(cfg, data: str | None):
             raise DataError(f"--data={data} holds token id {top}, outside the model's "
                             f"vocabulary of {cfg.model.vocab_size}")
     else:
-        if not byte_level:
+        if not source.byte_level:
             raise DataError(f"--data={data}: this model reads token ids, not text; pass a "
                             ".bin token file")
         tokens = np.frombuffer(path.read_bytes(), dtype=np.uint8)
-    return str(path), TokenWindows(tokens, cfg.model.seq_len, f"--data={data}"), byte_level
+    return str(path), TokenWindows(tokens, cfg.model.seq_len, f"--data={data}"), \
+        source.byte_level
 
 
 def evaluate(loaded, windows, batches: int) -> dict:

@@ -1,4 +1,5 @@
-"""Device mesh and the logical-axis rules that map array dimensions onto it.
+"""Device mesh: its axes (one registry entry each), their sizes, and the logical-axis rules
+that map array dimensions onto them.
 
 The mesh uses Auto axis types: shardings are stated at the jit boundary (in/out shardings) and
 as constraints on activations, and XLA's partitioner propagates the rest. Axis order puts
@@ -7,16 +8,161 @@ as constraints on activations, and XLA's partitioner propagates the rest. Axis o
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+import math
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxtrain.config import MESH_AXES, ConfigError
+from jaxtrain.errors import ConfigError, fail
 
 Rules = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
 LogicalAxes = Sequence["str | None"]
+
+# Logical axis -> mesh axes. For each logical dimension of an array the first rule whose mesh
+# axes are not already used by an earlier dimension of the same array applies; a dimension
+# with no usable rule is replicated. That is how 'embed' is fsdp-sharded in a weight but
+# replicated in an activation whose 'batch' already took fsdp.
+DEFAULT_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    # The residual stream's length between blocks; used only when mesh.sequence_parallel.
+    ("sequence", "tensor"),
+    # The stacked layers of the model, and the stage axis of the pipeline's buffers.
+    ("layers", "pipeline"),
+    ("stage", "pipeline"),
+)
+
+
+def _check_fsdp(c, size: int) -> None:
+    if c.model.d_model % size:
+        fail("model.d_model", c.model.d_model, f"must be divisible by mesh.fsdp={size}")
+
+
+def _check_tensor(c, size: int) -> None:
+    m = c.model
+    for key, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads or m.num_heads),
+                       ("mlp_dim", m.mlp_dim), ("vocab_size", m.vocab_size)):
+        if value % size:
+            fail(f"model.{key}", value, f"must be divisible by mesh.tensor={size}")
+    if c.mesh.sequence_parallel and m.seq_len % size:
+        fail("model.seq_len", m.seq_len, f"must be divisible by mesh.tensor={size} under "
+             "mesh.sequence_parallel")
+
+
+def _check_pipeline(c, stages: int) -> None:
+    pc = c.pipeline
+    if pc.schedule not in ("gpipe", "circular"):
+        fail("pipeline.schedule", pc.schedule, "valid values are gpipe, circular")
+    if pc.microbatches < 1:
+        fail("pipeline.microbatches", pc.microbatches, "must be >= 1")
+    if pc.schedule == "gpipe" and pc.repeats != 1:
+        fail("pipeline.repeats", pc.repeats, "the gpipe schedule has one chunk per stage: "
+             "use 1, or pipeline.schedule='circular'")
+    if pc.schedule == "circular" and pc.repeats < 2:
+        fail("pipeline.repeats", pc.repeats, "the circular schedule needs >= 2 chunks per stage")
+    if stages == 1:
+        return
+    if pc.schedule == "circular" and pc.microbatches < stages:
+        fail("pipeline.microbatches", pc.microbatches,
+             f"the circular schedule needs at least mesh.pipeline={stages} micro-batches")
+    chunks = stages * pc.repeats
+    layers = c.model.num_layers
+    if layers % chunks:
+        below, above = layers - layers % chunks, layers + chunks - layers % chunks
+        options = [str(n) for n in (below, above) if n > 0]
+        repeats = [r for r in range(2, layers + 1) if layers % (stages * r) == 0]
+        hint = f"; or pipeline.repeats in {repeats}" if repeats and pc.schedule == "circular" \
+            else ""
+        fail("model.num_layers", layers, f"must divide into mesh.pipeline×pipeline.repeats="
+             f"{stages}×{pc.repeats} equal stages: use {' or '.join(options)}{hint}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshAxis:
+    """One mesh axis: `mesh.NAME` and `mesh.dcn_NAME` in the config, and its checks."""
+
+    name: str
+    doc: str
+    check: Callable | None = None  # (config, total size) -> None, raising ConfigError
+    batch: bool = False  # splits the global batch (each shard a different slice of rows)
+    dcn: str | None = None  # why this axis must stay within a node; None: it may span nodes
+
+    def validate(self, c, size: int) -> None:
+        if self.check is not None:
+            self.check(c, size)
+
+
+# In mesh order, outermost first: the innermost axis gets the fastest links.
+AXES: dict[str, MeshAxis] = {a.name: a for a in (
+    MeshAxis("data", "replicas of the model, each on a slice of the batch", batch=True),
+    MeshAxis("pipeline", "consecutive layers per stage, micro-batches flowing through",
+             _check_pipeline),
+    MeshAxis("fsdp", "parameters, gradients and optimizer state sharded (ZeRO-3), batch "
+             "split", _check_fsdp, batch=True),
+    MeshAxis("tensor", "Megatron-style tensor parallelism over heads, MLP and vocab",
+             _check_tensor, dcn="tensor parallelism needs fast links: keep it within a node "
+             "(mesh.tensor) and put data, fsdp or pipeline across nodes"),
+)}
+MESH_AXES = tuple(AXES)
+
+
+def dcn_shape(mesh_cfg) -> dict[str, int]:
+    """Per-axis sizes across the slow links (between hosts or slices); 1 where unused."""
+    return {axis: int(mesh_cfg[f"dcn_{axis}"]) for axis in MESH_AXES}
+
+
+def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
+    """Total mesh axis sizes (within-node size × dcn size), the one -1 filled so that they
+    multiply to num_devices."""
+    dcn = dcn_shape(mesh_cfg)
+    for axis, size in dcn.items():
+        if size < 1:
+            fail(f"mesh.dcn_{axis}", size, "must be >= 1")
+        if size != 1 and AXES[axis].dcn is not None:
+            fail(f"mesh.dcn_{axis}", size, AXES[axis].dcn)
+    granules = math.prod(dcn.values())
+    if num_devices % granules:
+        fail("mesh", f"dcn sizes multiplying to {granules}", f"must divide the {num_devices} "
+             "devices")
+    per_granule = num_devices // granules
+    sizes = {axis: int(mesh_cfg[axis]) for axis in MESH_AXES}
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            fail(f"mesh.{axis}", size, "a positive size, or -1 for 'the rest'")
+    free = [a for a, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        fail(f"mesh.{free[1]}", -1, f"only one axis may be -1 (mesh.{free[0]} already is)")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    where = f"the {per_granule} devices of each of the {granules} dcn groups" if granules > 1 \
+        else f"the {num_devices} devices"
+    if free:
+        if per_granule % fixed:
+            fail(f"mesh.{free[0]}", -1, f"the other axes multiply to {fixed}, "
+                 f"which does not divide {where}")
+        sizes[free[0]] = per_granule // fixed
+    elif fixed != per_granule:
+        shown = "×".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "1"
+        fail("mesh", shown, f"the mesh axes must multiply to {where} "
+             f"(got {fixed}); set one axis to -1 to fill the rest")
+    return {axis: sizes[axis] * dcn[axis] for axis in MESH_AXES}
+
+
+def validate_axes(c, sizes: dict[str, int]) -> None:
+    """Each axis's own checks (what the model and schedule need to split over it)."""
+    for axis, entry in AXES.items():
+        entry.validate(c, sizes[axis])
+
+
+def batch_shards(sizes: dict[str, int]) -> int:
+    """Ways the batch is split across the mesh (the product of the batch axes)."""
+    return math.prod(sizes[a] for a, entry in AXES.items() if entry.batch)
 
 
 def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None,

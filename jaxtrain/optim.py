@@ -10,17 +10,21 @@ EMBEDDINGS = ("tok_embed", "pos_embed")
 NEVER = 2**31 - 1
 
 
+# optimizer.schedule -> the learning rate after warm-up: (peak, min_lr_ratio, steps) ->
+# optax schedule over those steps.
+SCHEDULES = {
+    "cosine": lambda peak, ratio, steps: optax.cosine_decay_schedule(peak, steps, alpha=ratio),
+    "linear": lambda peak, ratio, steps: optax.linear_schedule(peak, peak * ratio, steps),
+    "constant": lambda peak, ratio, steps: optax.constant_schedule(peak),
+}
+
+
 def make_schedule(cfg) -> optax.Schedule:
     o = cfg.optimizer
-    peak, end = o.lr, o.lr * o.min_lr_ratio
+    peak = o.lr
     warmup = min(o.warmup_steps, cfg.steps)
     decay_steps = max(cfg.steps - warmup, 1)
-    if o.schedule == "constant":
-        after = optax.constant_schedule(peak)
-    elif o.schedule == "linear":
-        after = optax.linear_schedule(peak, end, decay_steps)
-    else:
-        after = optax.cosine_decay_schedule(peak, decay_steps, alpha=o.min_lr_ratio)
+    after = SCHEDULES[o.schedule](peak, o.min_lr_ratio, decay_steps)
     if warmup == 0:
         return after
     # Warm up from lr/warmup rather than 0 so that the first step already moves the weights.
@@ -46,3 +50,18 @@ def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
     # A step with non-finite gradients leaves params and moments untouched, however many come
     # in a row: the loop, not optax, stops the run after train.max_consecutive_bad_steps.
     return optax.apply_if_finite(inner, max_consecutive_errors=NEVER), schedule
+
+
+# Readers of the state of the optimizer make_optimizer builds, so that nothing else depends
+# on how its transformations are nested.
+
+def skipped_steps(opt_state) -> tuple:
+    """(steps skipped so far, non-finite steps in a row up to now): optax.apply_if_finite's
+    counters."""
+    return (optax.tree_utils.tree_get(opt_state, "total_notfinite"),
+            optax.tree_utils.tree_get(opt_state, "notfinite_count"))
+
+
+def adam_moments(opt_state) -> tuple:
+    """(mu, nu): Adam's first and second moments, trees shaped like the parameters."""
+    return optax.tree_utils.tree_get(opt_state, "mu"), optax.tree_utils.tree_get(opt_state, "nu")

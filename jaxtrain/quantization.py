@@ -1,5 +1,5 @@
 """INT8 quantization of a parameter tree: which weights, their checkpoint form, and the
-calibration of activation scales (the command line is jaxtrain/quantize.py)."""
+calibration of activation scales (the command line is jaxtrain/commands/quantize.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import jax.numpy as jnp
 from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtrain.data.pipeline import to_global
+from jaxtrain.data.batches import to_global
 from jaxtrain.models.int8 import Int8Weight, contraction_axes, quantize
+from jaxtrain.models.layers import MatmulWeight
 
 # Matmul weights and the embedding table; the rest is small and stays float32.
 QUANTIZED = ("w_q", "w_k", "w_v", "w_o", "w_up", "w_gate", "w_down", "tok_embed", "lm_head")
@@ -78,14 +79,26 @@ def abstract_quantized(target: dict, axes_by_path: dict) -> dict:
     return traverse_util.unflatten_dict(flat)
 
 
+class _AbsMax(dict):
+    """{(path, layer): absmax of the input}; hashed by identity, as jit's static data must
+    be hashable."""
+
+    __hash__ = object.__hash__
+
+    def __eq__(self, other) -> bool:
+        return self is other
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class _Probe:
-    """A float block weight that records the absmax of its matmul's input (calibration)."""
+class _Probe(MatmulWeight):
+    """A float block weight that records the absmax of its matmul's input (calibration)
+    into `record` ({(path, layer): absmax}), which its calibrate() call owns."""
 
     values: jax.Array
     layer: jax.Array  # int32; [layers] stored, one scalar per layer inside the scan
     path: tuple = dataclasses.field(metadata={"static": True})
+    record: _AbsMax = dataclasses.field(metadata={"static": True})
 
     def __getitem__(self, index):
         return self
@@ -94,17 +107,14 @@ class _Probe:
         return self.values.astype(dtype)
 
     def einsum(self, equation, x, dtype):
-        jax.debug.callback(functools.partial(_record, self.path), self.layer,
+        jax.debug.callback(functools.partial(_record, self.record, self.path), self.layer,
                            jnp.max(jnp.abs(x.astype(jnp.float32))))
         return jnp.einsum(equation, x, self.values.astype(dtype))
 
 
-_ABSMAX: dict = {}
-
-
-def _record(path, layer, absmax) -> None:
+def _record(record: dict, path, layer, absmax) -> None:
     key = (path, int(layer))
-    _ABSMAX[key] = max(_ABSMAX.get(key, 0.0), float(absmax))
+    record[key] = max(record.get(key, 0.0), float(absmax))
 
 
 def calibrate(loaded, axes_by_path: dict, batches) -> dict:
@@ -112,16 +122,16 @@ def calibrate(loaded, axes_by_path: dict, batches) -> dict:
     flat = traverse_util.flatten_dict(loaded.params)
     probed = [p for p in quantized_paths(axes_by_path) if axes_by_path[p][0] == "layers"]
     layers = loaded.setup.spec.num_layers
+    absmax = _AbsMax()
     for path in probed:
-        flat[path] = _Probe(flat[path], jnp.arange(layers, dtype=jnp.int32), path)
+        flat[path] = _Probe(flat[path], jnp.arange(layers, dtype=jnp.int32), path, absmax)
     probes = traverse_util.unflatten_dict(flat)
     setup = loaded.setup
-    _ABSMAX.clear()
     with jax.set_mesh(setup.mesh):
         eval_step = loaded.loss_step()
         for batch in batches:
             jax.block_until_ready(eval_step(probes, to_global(batch, setup.tokens_sharding)))
-    return {path: jnp.asarray([_ABSMAX[(path, i)] for i in range(layers)])
+    return {path: jnp.asarray([absmax[(path, i)] for i in range(layers)])
             for path in probed}
 
 

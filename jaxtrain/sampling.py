@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtrain.errors import ConfigError
 from jaxtrain.mesh import constrain
 
 
@@ -31,7 +32,7 @@ class Sampling:
                                 ("top_k", self.top_k >= 0, ">= 0 (0: off)"),
                                 ("top_p", 0 < self.top_p <= 1, "in (0, 1]")):
             if not ok:
-                raise ValueError(f"--{name}={getattr(self, name)} is invalid: must be {valid}")
+                raise ConfigError(f"--{name}={getattr(self, name)} is invalid: must be {valid}")
 
 
 def pick(logits_BV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:

@@ -17,7 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.models.attention import ATTENTION
+from jaxtrain.models.attention import KERNELS
 
 
 def main() -> None:
@@ -36,14 +36,14 @@ def main() -> None:
     cot = jax.random.normal(keys[3], (b, length, heads, head_dim))
 
     def loss_and_grads(name, window, dt):
-        fn = lambda q, k, v: ATTENTION[name](q.astype(dt), k.astype(dt), v.astype(dt),  # noqa
+        fn = lambda q, k, v: KERNELS[name](q.astype(dt), k.astype(dt), v.astype(dt),  # noqa
                                              window).astype(jnp.float32)
         return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.vdot(fn(q, k, v), cot),
                                           argnums=(0, 1, 2)))
 
     for window in (None, 256):
         reference = loss_and_grads("xla", window, jnp.float32)
-        out_ref = jax.jit(lambda q, k, v: ATTENTION["xla"](q, k, v, window))(q, k, v)
+        out_ref = jax.jit(lambda q, k, v: KERNELS["xla"](q, k, v, window))(q, k, v)
         _, grads_ref = reference(q, k, v)
         for name in impls:
             if name == "pallas" and window is not None:
@@ -51,7 +51,7 @@ def main() -> None:
             row = {"check": "attention", "platform": platform, "impl": name,
                    "dtype": jnp.dtype(dtype).name, "window": window, "length": length}
             try:
-                out = jax.jit(lambda q, k, v: ATTENTION[name](
+                out = jax.jit(lambda q, k, v: KERNELS[name](
                     q.astype(dtype), k.astype(dtype), v.astype(dtype), window))(q, k, v)
                 step = loss_and_grads(name, window, dtype)
                 _, grads = jax.block_until_ready(step(q, k, v))

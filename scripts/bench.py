@@ -66,7 +66,7 @@ def bench(cfg, steps: int) -> dict:
     import jax
     import numpy as np
 
-    from jaxtrain.data.pipeline import make_batches, to_global
+    from jaxtrain.data.batches import make_batches, to_global
     import jax.numpy as jnp
 
     from jaxtrain.metrics import flops_per_token, measure_matmul_peak, peak_flops_per_device
@@ -189,7 +189,7 @@ if __name__ == "__main__":
     sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(
         __import__("os").path.abspath(__file__))))
     from jaxtrain import hostmem
-    from jaxtrain.cli import parse_flags
+    from jaxtrain.commands.common import parse_flags
 
     hostmem.restart_with_huge_pages()  # as python -m jaxtrain.main runs
     app.run(main, flags_parser=parse_flags)

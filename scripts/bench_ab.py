@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from jaxtrain.config import apply_overrides, load_config_file
-from jaxtrain.data.pipeline import make_batches, to_global
+from jaxtrain.data.batches import make_batches, to_global
 from jaxtrain.metrics import flops_per_token, measure_matmul_peak
 from jaxtrain.train.setup import build
 

@@ -20,8 +20,8 @@ import transformers
 from flax import nnx
 
 from jaxtrain.config import base_config
-from jaxtrain.convert import restore_params
-from jaxtrain.data.pipeline import make_batches
+from jaxtrain.hf.save import load_for_export
+from jaxtrain.data.batches import make_batches
 
 
 def _loss(logits: np.ndarray, targets: np.ndarray) -> float:
@@ -40,7 +40,7 @@ def main() -> None:
     cfg.update(json.loads((pathlib.Path(a.workdir) / "config.json").read_text()))
     tokens = np.concatenate(make_batches(cfg).val_batches())
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    setup, params, step = restore_params(a.workdir, jax.devices()[:1])
+    setup, params, step = load_for_export(a.workdir, jax.devices()[:1])
     with jax.set_mesh(setup.mesh):
         ours = np.asarray(jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(params, inputs))
     print(f"validation: {inputs.shape[0]} sequences x {inputs.shape[1]} tokens")

@@ -4,7 +4,7 @@
 
 Quantizes the run's newest checkpoint twice (int8 weights; int8 weights and activations),
 then for each model measures the checkpoint size on disk, the validation loss (as
-`jaxtrain.eval`) and greedy decode tokens/s with the KV cache (as `jaxtrain.generate`: one
+`jaxtrain eval`) and greedy decode tokens/s with the KV cache (as `jaxtrain generate`: one
 prompt, compile excluded, best of 3). Sizes: the run's own checkpoint holds the Adam moments
 too, so the float32 parameters alone are also given.
 """
@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxtrain import inference
 from jaxtrain.quantization import directory_bytes
-from jaxtrain.quantize import quantize_run
+from jaxtrain.commands.quantize import quantize_run
 from jaxtrain.sampling import Sampling, make_generate
 
 

@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 
-from jaxtrain.data.pipeline import make_batches, to_global
+from jaxtrain.data.batches import make_batches, to_global
 from jaxtrain.train.setup import build
 
 

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain.models.attention import ATTENTION
-from jaxtrain.models.transformer import resolve_attention
+from jaxtrain.models.attention import KERNELS
+from jaxtrain.models.attention import resolve_attention
 
 
 def _inputs(b, length, heads, groups, head_dim, seed=0):
@@ -39,7 +39,7 @@ def test_implementations_match_xla_in_outputs_and_gradients(impl, shape):
     q, k, v, cotangent = _inputs(*shape)
     outputs, grads = {}, {}
     for name in ("xla", impl):
-        fn = jax.jit(ATTENTION[name])
+        fn = jax.jit(KERNELS[name])
         outputs[name] = fn(q, k, v)
         grads[name] = jax.grad(lambda q, k, v: jnp.vdot(fn(q, k, v), cotangent),
                                argnums=(0, 1, 2))(q, k, v)
@@ -56,7 +56,7 @@ def test_chunked_matches_xla_with_a_sliding_window(shape, window):
     q, k, v, cotangent = _inputs(*shape)
     outputs, grads = {}, {}
     for name in ("xla", "chunked"):
-        fn = jax.jit(lambda q, k, v, name=name: ATTENTION[name](q, k, v, window))
+        fn = jax.jit(lambda q, k, v, name=name: KERNELS[name](q, k, v, window))
         outputs[name] = fn(q, k, v)
         grads[name] = jax.grad(lambda q, k, v: jnp.vdot(fn(q, k, v), cotangent),
                                argnums=(0, 1, 2))(q, k, v)
@@ -69,27 +69,27 @@ def test_chunked_matches_xla_with_a_sliding_window(shape, window):
 def test_sliding_window_sees_exactly_the_last_w_keys(name):
     q, k, v, _ = _inputs(1, 200, 4, 2, 16)
     window, pos = 40, 150
-    out = ATTENTION[name](q, k, v, window)
+    out = KERNELS[name](q, k, v, window)
     # Changing keys/values outside (pos - window, pos] leaves position pos alone ...
     outside = jnp.zeros(200, bool).at[:pos - window + 1].set(True).at[pos + 1:].set(True)
     k2 = jnp.where(outside[None, :, None, None], k * 3.0, k)
     v2 = jnp.where(outside[None, :, None, None], -v, v)
-    np.testing.assert_allclose(ATTENTION[name](q, k2, v2, window)[:, pos], out[:, pos],
+    np.testing.assert_allclose(KERNELS[name](q, k2, v2, window)[:, pos], out[:, pos],
                                atol=1e-6)
     # ... while its oldest key inside the window matters, and a window as long as the
     # sequence is plain causal attention.
     v3 = v.at[:, pos - window + 1].add(1.0)
-    assert not np.allclose(ATTENTION[name](q, k, v3, window)[:, pos], out[:, pos])
-    np.testing.assert_allclose(ATTENTION[name](q, k, v, 200), ATTENTION[name](q, k, v),
+    assert not np.allclose(KERNELS[name](q, k, v3, window)[:, pos], out[:, pos])
+    np.testing.assert_allclose(KERNELS[name](q, k, v, 200), KERNELS[name](q, k, v),
                                atol=1e-6)
 
 
 def test_attention_is_causal():
     q, k, v, _ = _inputs(1, 256, 4, 2, 16)
     for name in ("xla", "chunked", "pallas"):
-        before = ATTENTION[name](q, k, v)[:, :100]
+        before = KERNELS[name](q, k, v)[:, :100]
         v_later = v.at[:, 100:].set(0.0)  # changing later positions changes nothing earlier
-        np.testing.assert_allclose(ATTENTION[name](q, k, v_later)[:, :100], before, atol=1e-6)
+        np.testing.assert_allclose(KERNELS[name](q, k, v_later)[:, :100], before, atol=1e-6)
 
 
 def test_auto_picks_per_backend():
@@ -108,7 +108,7 @@ def _llama_loss_and_grads(remat: str):
     """Loss and gradients of the small Llama under a remat policy (cached: 'none' is every
     policy's reference)."""
     from conftest import small_config
-    from jaxtrain.data.pipeline import make_batches
+    from jaxtrain.data.batches import make_batches
     from jaxtrain.train.setup import build
     from jaxtrain.train.step import loss_fn
 

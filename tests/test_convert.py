@@ -1,4 +1,4 @@
-"""Hugging Face import/export (jaxtrain/convert.py) against transformers' own models, on CPU.
+"""Hugging Face import/export (jaxtrain/commands/convert.py) against transformers' own models, on CPU.
 
 torch and transformers come with the `test` extra and are imported inside the tests only.
 """
@@ -16,7 +16,8 @@ from flax import nnx, traverse_util
 
 from conftest import small_config
 from jaxtrain.config import ConfigError
-from jaxtrain.convert import export_hf, import_hf, restore_params
+from jaxtrain.hf.load import import_hf
+from jaxtrain.hf.save import export_hf, load_for_export
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-4  # max |Δ logit|, float32
@@ -152,7 +153,7 @@ def test_a_trained_model_exports_to_transformers(family, tmp_path, devices):
                       devices=devices[:1])
     assert "model.safetensors.index.json" in files and len(files) > 3
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    setup, params, step = restore_params(tmp_path / "run", devices[:1])
+    setup, params, step = load_for_export(tmp_path / "run", devices[:1])
     assert step == 3
     tokens = _tokens(cfg)
     err = np.abs(_jax_logits(setup, params, tokens) - _hf_logits(model, tokens)).max()
@@ -203,7 +204,7 @@ def test_bfloat16_export_imports_back_rounded(tmp_path, devices):
 
 
 def test_the_training_loop_resumes_from_an_import(tmp_path, devices):
-    from jaxtrain.data.pipeline import make_batches, to_global
+    from jaxtrain.data.batches import make_batches, to_global
     from jaxtrain.train.loop import run
 
     cfg = _config("gpt2", steps=2)
@@ -265,7 +266,7 @@ def test_mismatches_are_one_line_errors_before_any_tensor_is_read(tmp_path, devi
 
 def test_cli_errors_are_one_line_with_a_nonzero_exit(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "jaxtrain.convert", f"--from-hf={tmp_path / 'missing'}",
+        [sys.executable, "-m", "jaxtrain.commands.convert", f"--from-hf={tmp_path / 'missing'}",
          "--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import small_config
-from jaxtrain import report
+from jaxtrain.commands import report
 from jaxtrain.train.loop import run
 
 
@@ -50,9 +50,11 @@ def test_report_draws_a_png_and_summarises(profiled_run, capsys):
     assert f"val_loss: first {val[0]:.4f}, last {val[-1]:.4f}" in out
 
 
-def test_report_on_a_missing_run_is_a_clear_error(tmp_path):
-    with pytest.raises(SystemExit, match="metrics.jsonl does not exist; is --workdir a jaxtrain run"):
+def test_report_on_a_missing_run_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
         report.main(["--workdir", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "metrics.jsonl does not exist; is --workdir a jaxtrain run" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("device_kind,entry", [

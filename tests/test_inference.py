@@ -89,7 +89,7 @@ def test_sampling_filters_and_seeds():
 
 
 def _cli(module: str, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", f"jaxtrain.{module}", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "jaxtrain", module, *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -158,7 +158,7 @@ def test_int8_model_is_smaller_with_the_same_loss(tiny_run, tmp_path, activation
 
 
 def test_prompts_are_checked(devices):
-    from jaxtrain.generate import prompt_tokens
+    from jaxtrain.inference import prompt_tokens
 
     cfg = small_config()
     assert prompt_tokens(cfg, "hé", None) == [104, 195, 169]

@@ -1,12 +1,14 @@
-"""The hand-written backward passes (norms, GELU, fused head + loss) against plain autodiff."""
+"""The hand-written backward passes (norms, GELU, weight matmuls, fused head + loss) against
+plain autodiff, and rotary embeddings against an independent complex-number form."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 from jaxtrain.models.head_loss import head_cross_entropy
-from jaxtrain.models.layers import _norm, gelu
+from jaxtrain.models.layers import _norm, _weight_matmul, gelu, rope
 
 
 def _rel(a, b) -> float:
@@ -86,3 +88,53 @@ def test_head_loss_equals_plain_cross_entropy(vocab_major):
     for g, w in zip(got[1], want[1]):
         assert g.shape == w.shape
         assert _rel(g, w) < 1e-5
+
+
+@pytest.mark.parametrize("equation,x_shape,w_shape", [
+    ("bld,df->blf", (2, 5, 8), (8, 12)),           # an MLP projection
+    ("bld,dhk->blhk", (2, 5, 8), (8, 3, 4)),       # q/k/v: one input axis, two output axes
+    ("blhk,hkd->bld", (2, 5, 3, 4), (3, 4, 8)),    # the attention output: two input axes
+])
+def test_weight_matmul_backward_equals_autodiff(equation, x_shape, w_shape):
+    kx, kw, kg = jax.random.split(jax.random.key(1), 3)
+    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
+    out_shape = jnp.einsum(equation, x, w).shape
+    g = jax.random.normal(kg, out_shape)
+    np.testing.assert_allclose(_weight_matmul(x, w, equation), jnp.einsum(equation, x, w),
+                               rtol=1e-5, atol=1e-5)
+    ours = jax.vjp(lambda x, w: _weight_matmul(x, w, equation), x, w)[1](g)
+    plain = jax.vjp(lambda x, w: jnp.einsum(equation, x, w), x, w)[1](g)
+    for got, want in zip(ours, plain):
+        assert got.shape == want.shape
+        assert _rel(got, want) < 1e-5
+
+
+def _rope_by_hand(x, positions, theta):
+    """Rotary embedding as complex multiplication: pairs (i, i + K/2) of each head are the
+    real and imaginary parts, rotated by position × theta^(-2i/K)."""
+    x = np.asarray(x, np.float64)
+    half = x.shape[-1] // 2
+    freq = theta ** (-np.arange(half) * 2.0 / x.shape[-1])
+    z = (x[..., :half] + 1j * x[..., half:]) * np.exp(
+        1j * np.asarray(positions, np.float64)[None, :, None, None] * freq)
+    return np.concatenate([z.real, z.imag], axis=-1)
+
+
+def test_rope_equals_complex_rotation_at_shifted_positions():
+    x = jax.random.normal(jax.random.key(2), (2, 6, 3, 8))
+    for positions in (np.arange(6), np.arange(6) + 1000, np.array([0, 5, 9, 100, 101, 4096])):
+        np.testing.assert_allclose(rope(x, 10000.0, jnp.asarray(positions)),
+                                   _rope_by_hand(x, positions, 10000.0), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(rope(x, 500.0), _rope_by_hand(x, np.arange(6), 500.0),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_rope_scores_depend_only_on_relative_positions():
+    kq, kk = jax.random.split(jax.random.key(3))
+    q, k = jax.random.normal(kq, (1, 5, 2, 16)), jax.random.normal(kk, (1, 5, 2, 16))
+    positions = jnp.arange(5)
+    scores = jnp.einsum("bqhk,bmhk->bhqm", rope(q, 1e4, positions), rope(k, 1e4, positions))
+    for shift in (7, 300):
+        shifted = jnp.einsum("bqhk,bmhk->bhqm", rope(q, 1e4, positions + shift),
+                             rope(k, 1e4, positions + shift))
+        np.testing.assert_allclose(shifted, scores, rtol=1e-3, atol=1e-3)

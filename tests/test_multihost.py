@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 def _launch(workdir, *args, processes=2, timeout=400):
-    return subprocess.run([sys.executable, "-m", "jaxtrain.launch", "--processes",
+    return subprocess.run([sys.executable, "-m", "jaxtrain.commands.launch", "--processes",
                            str(processes), "--devices-per-process", str(8 // processes), "--",
                            *TINY, *args, f"--workdir={workdir}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
@@ -72,7 +72,7 @@ def test_hybrid_mesh_with_data_across_processes(tmp_path, single_process):
 
 def test_a_dead_rank_stops_the_job_quickly(tmp_path):
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "jaxtrain.launch", "--processes", "2",
+        [sys.executable, "-m", "jaxtrain.commands.launch", "--processes", "2",
          "--devices-per-process", "4", "--", *TINY, *MESH, "--config.steps=100000",
          f"--workdir={tmp_path}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True)

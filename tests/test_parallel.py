@@ -5,6 +5,7 @@ import pytest
 
 from conftest import small_config
 from helpers import assert_params_close, train_steps
+from jaxtrain.optim import adam_moments
 
 MESHES = {
     "dp8": dict(data=8),
@@ -55,9 +56,9 @@ def test_shards_have_the_shapes_the_mesh_implies(mesh, expect, devices):
     w_up = state.params["blocks"]["mlp"]["w_up"]
     assert w_up.shape == (2, 64, 128)
     assert _shard_shapes(w_up) == {expect}
-    adam = state.opt_state.inner_state[1][0]  # apply_if_finite(chain(clip, adamw))
-    assert _shard_shapes(adam.mu["blocks"]["mlp"]["w_up"]) == {expect}
-    assert _shard_shapes(adam.nu["blocks"]["mlp"]["w_up"]) == {expect}
+    mu, nu = adam_moments(state.opt_state)
+    assert _shard_shapes(mu["blocks"]["mlp"]["w_up"]) == {expect}
+    assert _shard_shapes(nu["blocks"]["mlp"]["w_up"]) == {expect}
     # The tied embedding (vocab=256, embed=64) is vocab-parallel over tensor, embed over fsdp.
     tensor, fsdp = mesh.get("tensor", 1), mesh.get("fsdp", 1)
     assert _shard_shapes(state.params["tok_embed"]) == {(256 // tensor, 64 // fsdp)}

@@ -83,3 +83,34 @@ def test_the_step_logs_the_bubble(tmp_path, devices, capfd):
     assert ("warning: the pipeline bubble is 42.9% of each step (4 stages, 4 micro-batches, "
             "1 repeats); pipeline.microbatches=28 or more brings it under 10%"
             ) in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("stages,repeats,microbatches", [(4, 1, 4), (4, 2, 4), (8, 1, 8),
+                                                         (8, 2, 8)])
+def test_the_schedule_applies_every_layer_in_order_to_every_row(stages, repeats,
+                                                                microbatches, devices):
+    """pipeline() against applying the layers one after another in numpy: non-commuting
+    layers (x -> tanh(x @ W_l)), distinct rows, 4 and 8 stages, GPipe and circular."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    from jaxtrain.parallel.pipeline import PipelineSpec, pipeline
+
+    layers, d = stages * repeats * 2, 6
+    kw, kx = jax.random.split(jax.random.key(4))
+    w_LDD = jax.random.normal(kw, (layers, d, d)) / np.sqrt(d)
+    x_BLD = jax.random.normal(kx, (2 * microbatches, 3, d))
+
+    def stage(chunk_w, x):
+        return jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), x, chunk_w)[0]
+
+    want = np.asarray(x_BLD, np.float64)
+    for w in np.asarray(w_LDD, np.float64):
+        want = np.tanh(want @ w)
+    mesh = Mesh(np.asarray(devices[:stages]).reshape(stages), ("pipeline",))
+    spec = PipelineSpec(stages, repeats, microbatches)
+    with jax.set_mesh(mesh):
+        rules = (("stage", "pipeline"), ("layers", "pipeline"))
+        got = jax.jit(lambda w, x: pipeline(stage, w, x, spec, rules))(w_LDD, x_BLD)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -123,7 +123,7 @@ def test_no_shipped_config_ooms_on_its_target(name):
 
 def test_cli_json_with_compile():
     out = subprocess.run(
-        [sys.executable, "-m", "jaxtrain.plan", "--config", str(ROOT / "configs/tiny.py"),
+        [sys.executable, "-m", "jaxtrain.commands.plan", "--config", str(ROOT / "configs/tiny.py"),
          "--hardware", "A100-80GB", "--devices", "2", "--tokens", "1e9", "--json",
          "--compile", "--config.mesh.data=2"],
         capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -136,7 +136,7 @@ def test_cli_json_with_compile():
 
 def test_cli_errors_are_one_line():
     out = subprocess.run(
-        [sys.executable, "-m", "jaxtrain.plan", "--config", str(ROOT / "configs/tiny.py"),
+        [sys.executable, "-m", "jaxtrain.commands.plan", "--config", str(ROOT / "configs/tiny.py"),
          "--hardware", "A200", "--devices", "8"],
         capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 2

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from conftest import small_config
-from jaxtrain.data.pipeline import make_batches, to_global
+from jaxtrain.data.batches import make_batches, to_global
 from jaxtrain.train.setup import build
 
 

@@ -1,3 +1,5 @@
-from jaxtrain.data.pipeline import DataError, Batches, make_batches
+from jaxtrain.data.batches import Batches, make_batches, to_global
+from jaxtrain.data.sources import SOURCES
+from jaxtrain.errors import DataError
 
-__all__ = ["Batches", "DataError", "make_batches"]
+__all__ = ["Batches", "DataError", "SOURCES", "make_batches", "to_global"]

@@ -1,4 +1,5 @@
-"""Token sources: the built-in stdlib corpus, nanoGPT .bin files, synthetic tokens.
+"""Token sources, one registry entry per `data.source`: the built-in stdlib corpus, nanoGPT
+.bin files, synthetic tokens.
 
 Each source is random access: item i is the i-th window of seq_len + 1 tokens (inputs and
 their next-token targets), so any step's batch can be read without reading the ones before.
@@ -6,15 +7,15 @@ their next-token targets), so any step's batch can be read without reading the o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import sysconfig
+from typing import Callable
 
 import numpy as np
 
-
-class DataError(ValueError):
-    """A data source that cannot be read; the message is one line naming the source."""
+from jaxtrain.errors import DataError, fail
 
 
 class TokenWindows:
@@ -75,24 +76,89 @@ def _memmap(path: pathlib.Path, dtype: str) -> np.ndarray:
 def _check_vocab(tokens: np.ndarray, vocab_size: int, name: str) -> None:
     top = int(tokens.max())
     if top >= vocab_size:
-        raise DataError(f"{name} holds token id {top}, outside model.vocab_size={vocab_size}")
+        hint = ""
+        if tokens.dtype == np.uint32 and top >= 1 << 16:
+            hint = ("; if the file holds uint16 tokens (nanoGPT's default), set "
+                    "data.dtype=uint16")
+        raise DataError(f"{name} holds token id {top}, outside model.vocab_size={vocab_size} "
+                        f"(read as data.dtype={tokens.dtype}){hint}")
 
 
-def token_splits(data_cfg, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train, validation) token arrays for the stdlib or bin sources."""
-    if data_cfg.source == "stdlib":
-        tokens = stdlib_corpus()
-        name = "the stdlib corpus"
-    else:
-        path = pathlib.Path(os.path.expanduser(data_cfg.path))
-        if path.is_dir():
-            train = _memmap(path / "train.bin", data_cfg.dtype)
-            val = _memmap(path / "val.bin", data_cfg.dtype)
-            _check_vocab(train, vocab_size, str(path / "train.bin"))
-            _check_vocab(val, vocab_size, str(path / "val.bin"))
-            return train, val
-        tokens = _memmap(path, data_cfg.dtype)
-        name = str(path)
-        _check_vocab(tokens, vocab_size, name)
-    cut = int(len(tokens) * (1.0 - data_cfg.val_fraction))
+def _split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    cut = int(len(tokens) * (1.0 - val_fraction))
     return tokens[:cut], tokens[cut:]
+
+
+def _stdlib_tokens(c) -> tuple[np.ndarray, np.ndarray]:
+    return _split(stdlib_corpus(), c.data.val_fraction)
+
+
+def _bin_tokens(c) -> tuple[np.ndarray, np.ndarray]:
+    path, dtype, vocab = pathlib.Path(os.path.expanduser(c.data.path)), c.data.dtype, \
+        c.model.vocab_size
+    if path.is_dir():
+        train = _memmap(path / "train.bin", dtype)
+        val = _memmap(path / "val.bin", dtype)
+        _check_vocab(train, vocab, str(path / "train.bin"))
+        _check_vocab(val, vocab, str(path / "val.bin"))
+        return train, val
+    tokens = _memmap(path, dtype)
+    _check_vocab(tokens, vocab, str(path))
+    return _split(tokens, c.data.val_fraction)
+
+
+def _windows(tokens_of: Callable) -> Callable:
+    """splits() of a source of flat token arrays: non-overlapping windows over each."""
+    def splits(c):
+        train, val = tokens_of(c)
+        name = f"data.source={c.data.source!r}"
+        return (TokenWindows(train, c.model.seq_len, f"the training split of {name}"),
+                TokenWindows(val, c.model.seq_len, f"the validation split of {name}"))
+    return splits
+
+
+def _synthetic_splits(c):
+    seq, vocab = c.model.seq_len, c.model.vocab_size
+    return (SyntheticWindows(vocab, seq, c.seed),
+            SyntheticWindows(vocab, seq, c.seed + 1, size=c.eval_batches * c.train.global_batch))
+
+
+def _check_stdlib(c) -> None:
+    if c.model.vocab_size < 256:
+        fail("model.vocab_size", c.model.vocab_size, "the byte-level stdlib corpus needs >= 256")
+
+
+def _check_bin(c) -> None:
+    if not c.data.path:
+        fail("data.path", "", "data.source='bin' needs a .bin file or a directory holding "
+             "train.bin and val.bin")
+    if c.data.dtype not in ("uint16", "uint32"):
+        fail("data.dtype", c.data.dtype, "valid values are uint16, uint32")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSource:
+    """One `data.source`: its config checks (before anything compiles) and its splits."""
+
+    name: str
+    doc: str
+    splits: Callable  # config -> (train, validation) random-access windows of seq_len + 1
+    check: Callable | None = None  # config -> None, raising ConfigError
+    byte_level: bool = False  # a token is a byte: text prompts, bits per byte
+    # The (train, validation) flat token arrays, for sources that have them (evaluation
+    # reads consecutive windows of the validation tokens).
+    tokens: Callable | None = None
+
+    def validate(self, c) -> None:
+        if self.check is not None:
+            self.check(c)
+
+
+SOURCES: dict[str, DataSource] = {s.name: s for s in (
+    DataSource("stdlib", "the bytes of this Python's standard library sources",
+               _windows(_stdlib_tokens), _check_stdlib, byte_level=True, tokens=_stdlib_tokens),
+    DataSource("bin", "nanoGPT-style flat uint16/uint32 token files", _windows(_bin_tokens),
+               _check_bin, tokens=_bin_tokens),
+    DataSource("synthetic", "uniform random tokens, a function of (seed, index)",
+               _synthetic_splits),
+)}

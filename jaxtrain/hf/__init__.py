@@ -1,7 +1,7 @@
 """Hugging Face checkpoint families: one module per model_type, each describing its config
-checks, its tensors and its exported config.json (see jaxtrain/convert.py)."""
+checks, its tensors and its exported config.json (see jaxtrain/commands/convert.py)."""
 
-from jaxtrain.config import ConfigError
+from jaxtrain.errors import ConfigError
 from jaxtrain.hf import gpt2, llama
 
 FAMILIES = {"gpt2": gpt2, "llama": llama}  # HF model_type (= jaxtrain model.family) -> module

@@ -6,6 +6,7 @@ Only safetensors' numpy API is used: no torch, no transformers.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import struct
 from contextlib import ExitStack
@@ -14,7 +15,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxtrain.config import ConfigError
+from jaxtrain.errors import ConfigError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -163,13 +164,22 @@ class ShardWriter:
             self._flush()
         count = len(self.shards)
         if count == 1:
-            self._path(0).rename(self.directory / SINGLE)
+            _publish(self._path(0), self.directory / SINGLE)
             return [SINGLE]
         names = [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
         weight_map = {}
         for k, (name, tensors) in enumerate(zip(names, self.shards)):
-            self._path(k).rename(self.directory / name)
+            _publish(self._path(k), self.directory / name)
             weight_map.update({tensor: name for tensor in tensors})
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
         (self.directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         return names + [INDEX]
+
+
+def _publish(partial: pathlib.Path, final: pathlib.Path) -> None:
+    """Renames a written file to its final name, readable as any file this process makes
+    (safetensors creates its files private, 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(partial, 0o666 & ~umask)
+    partial.rename(final)

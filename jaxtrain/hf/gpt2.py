@@ -9,7 +9,7 @@ so that it round-trips.
 
 from __future__ import annotations
 
-from jaxtrain.config import ConfigError
+from jaxtrain.errors import ConfigError
 from jaxtrain.hf.mapping import Checks, HFTensor, Part, one, split_heads
 
 ARCHITECTURE = "GPT2LMHeadModel"

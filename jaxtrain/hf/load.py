@@ -1,4 +1,4 @@
-"""Import: a Hugging Face directory -> a step-0 jaxtrain checkpoint (jaxtrain/convert.py)."""
+"""Import: a Hugging Face directory -> a step-0 jaxtrain checkpoint (jaxtrain/commands/convert.py)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from jaxtrain.checkpoint import Checkpoints
-from jaxtrain.config import ConfigError
+from jaxtrain.errors import ConfigError
 from jaxtrain.hf import family_of
 from jaxtrain.hf.files import SafetensorsDir, read_config
-from jaxtrain.train.loop import prepare_workdir
 from jaxtrain.train.setup import Setup, build, loss_scale_init
 from jaxtrain.train.state import LossScale, TrainState
+from jaxtrain.workdir import prepare_workdir, write_config
 
 
 def _say(message: str) -> None:
@@ -77,10 +77,10 @@ def import_hf(cfg, hf_dir, workdir, devices: Sequence[jax.Device] | None = None
     state = _fresh_state(setup, params)
     checkpoints = Checkpoints(checkpoints_dir, cfg.checkpoint.keep, cfg.checkpoint.keep_period,
                               log=_say)
-    checkpoints.save(0, state, cfg.to_dict())
+    checkpoints.save(0, state.tree(), cfg.to_dict())
     checkpoints.close()
     if jax.process_index() == 0:
-        (workdir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
+        write_config(workdir, cfg)
     return setup, state
 
 

@@ -1,4 +1,4 @@
-"""Export: the newest checkpoint of a run -> a Hugging Face directory (jaxtrain/convert.py)."""
+"""Export: the newest checkpoint of a run -> a Hugging Face directory (jaxtrain/commands/convert.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from flax import traverse_util
 from tqdm import tqdm
 
 from jaxtrain import inference
-from jaxtrain.config import ConfigError
+from jaxtrain.errors import ConfigError
 from jaxtrain.hf import FAMILIES
 from jaxtrain.hf.files import ShardWriter, parse_size
 from jaxtrain.train.setup import Setup
@@ -22,7 +22,7 @@ from jaxtrain.train.setup import Setup
 DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16}
 
 
-def restore_params(workdir, devices: Sequence[jax.Device] | None = None
+def load_for_export(workdir, devices: Sequence[jax.Device] | None = None
                    ) -> tuple[Setup, dict, int]:
     """(setup, params, step) of the newest intact checkpoint in `workdir`, params only (no
     optimizer state), on a mesh of this process's devices: FSDP over all of them where
@@ -52,7 +52,7 @@ def export_hf(workdir, out_dir, max_shard_size: str | int = "2GB", dtype: str = 
                              or (out_dir / "config.json").exists()):
         raise ConfigError(f"--to-hf={out_dir} already holds a model; export into a new or "
                           "empty directory")
-    setup, params, step = restore_params(workdir, devices)
+    setup, params, step = load_for_export(workdir, devices)
     spec = setup.spec
     if 0 < spec.sliding_window < spec.seq_len:
         raise ConfigError(f"model.sliding_window={spec.sliding_window} cannot be exported: "

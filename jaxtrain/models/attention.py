@@ -8,7 +8,7 @@ sliding_window).
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from typing import Callable
 
 import jax
@@ -83,14 +83,82 @@ def pallas_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
                           block_sizes=blocks, interpret=jax.default_backend() == "cpu")
 
 
-# "chunked" computes the same function (to float32 reassociation) with half the score
-# FLOPs and no L×L buffers kept for the backward pass; see chunked_attention.py.
-ATTENTION: dict[str, Callable] = {"xla": xla_attention, "chunked": chunked_attention,
-                                  "cudnn": cudnn_attention, "pallas": pallas_attention,
-                                  "splash": splash_attention}
+@dataclasses.dataclass(frozen=True)
+class AttentionKernel:
+    """One `model.attention` value: the kernel, where it runs, what it supports (checked
+    before anything compiles) and what the planner needs to know about it."""
+
+    name: str
+    fn: Callable  # (q_BLHK scaled, k_BMGK, v_BMGK, window) -> out_BLHK, causal
+    doc: str
+    platforms: tuple[str, ...]  # where it runs ('cpu' for Pallas kernels: interpreted, tests)
+    float32: bool = True  # runs in float32 (else 16-bit compute only)
+    window: bool = True  # takes a sliding window
+    seq_multiple: int = 1  # the sequence length must be a multiple of this
+    auto_on: str | None = None  # 'auto' picks it first on this platform, where it applies
+    # Planner: the whole L×L score matrix exists (and, without remat, is kept for the
+    # backward pass); else a flash-style kernel that keeps only per-row statistics.
+    full_scores: bool = False
+    sharded_by_rules: bool = False  # a custom call that shards itself by the logical rules
+
+    def __call__(self, q_BLHK, k_BMGK, v_BMGK, window: int | None = None, rules=None):
+        if self.sharded_by_rules:
+            return self.fn(q_BLHK, k_BMGK, v_BMGK, window, rules=rules)
+        return self.fn(q_BLHK, k_BMGK, v_BMGK, window)
+
+    def problem(self, precision: str, platform: str | None, seq_len: int,
+                window: int) -> str | None:
+        """Why this kernel cannot run this config (None: it can); platform None: unknown
+        yet (the planner), so only the platform-independent checks apply."""
+        if platform is not None and platform not in self.platforms:
+            return (f"it runs on {' and '.join(self.platforms)}, and this run has "
+                    f"{platform} devices; use xla or chunked")
+        if not self.float32 and precision == "float32":
+            return ("it needs train.precision=bfloat16 (or float16/fp8); use xla or chunked "
+                    "for float32")
+        if window and not self.window:
+            return f"it has no sliding window (model.sliding_window={window}); use cudnn or chunked"
+        if seq_len % self.seq_multiple:
+            return (f"it tiles the sequence in blocks of {self.seq_multiple}: model.seq_len="
+                    f"{seq_len} is not a multiple")
+        return None
 
 
-# Names of the tensors remat policies can keep (models/transformer.py REMAT_POLICIES).
+# Registry order is 'auto''s order of preference where auto_on matches the platform;
+# chunked is the fallback (it beats the reference on every backend measured).
+KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
+    AttentionKernel("splash", splash_attention, "jax's Pallas splash kernel for TPUs",
+                    ("tpu", "cpu"), seq_multiple=128, auto_on="tpu", sharded_by_rules=True),
+    AttentionKernel("cudnn", cudnn_attention, "cuDNN's fused flash attention", ("gpu",),
+                    float32=False, auto_on="gpu"),
+    AttentionKernel("pallas", pallas_attention, "jax's Pallas (Triton) flash kernel for "
+                    "GPUs; 'pallas' on TPU means splash", ("gpu", "cpu"), window=False),
+    AttentionKernel("chunked", chunked_attention, "flash-style causal attention in XLA: "
+                    "query chunks, skipped masked blocks, no L×L buffers kept",
+                    ("cpu", "gpu", "tpu")),
+    AttentionKernel("xla", xla_attention, "the reference: full score matrix, mask, softmax",
+                    ("cpu", "gpu", "tpu"), full_scores=True),
+)}
+CHOICES = ("auto", *KERNELS)
+
+
+def resolve_attention(name: str, precision: str, platform: str, seq_len: int = 128,
+                      window: int = 0) -> str:
+    """The kernel `model.attention` names on this platform: 'auto' is the first kernel
+    whose auto_on is the platform and that can run the config, else chunked; 'pallas' on
+    a TPU is the splash kernel."""
+    if name == "pallas" and platform == "tpu":
+        return "splash"
+    if name != "auto":
+        return name
+    for kernel in KERNELS.values():
+        if kernel.auto_on == platform and not kernel.problem(precision, platform, seq_len,
+                                                              window):
+            return kernel.name
+    return "chunked"
+
+
+# Names of the tensors remat policies can keep (models/remat.py).
 PROJECTION_NAMES = {"q": "query_proj", "k": "key_proj", "v": "value_proj"}
 ATTENTION_DOT_NAMES = ("query_proj", "key_proj", "value_proj", "attention_out", "out_proj")
 
@@ -148,11 +216,10 @@ class Attention(nnx.Module):
 
     def attend(self, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array) -> jax.Array:
         """The attention kernel and the output projection, from projected q, k, v."""
-        window = self.spec.sliding_window or None
-        kernel = ATTENTION[self.spec.attention]
-        if self.spec.attention == "splash":  # a custom call: it shards itself by the rules
-            kernel = functools.partial(kernel, rules=self.spec.rules)
-        return self._output(kernel(q_BLHK, k_BLGK, v_BLGK, window))
+        kernel = KERNELS[self.spec.attention]
+        out_BLHK = kernel(q_BLHK, k_BLGK, v_BLGK, self.spec.sliding_window or None,
+                          rules=self.spec.rules)
+        return self._output(out_BLHK)
 
     def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):
         """T new positions [start, start+T) against the kv cache ([B, M, G, K] each), which

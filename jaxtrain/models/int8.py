@@ -13,10 +13,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.models.layers import MatmulWeight
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Int8Weight:
+class Int8Weight(MatmulWeight):
     values: jax.Array  # int8, the weight's shape
     scale: jax.Array  # float32, the weight's shape with 1 on the contraction axes
     act_scale: jax.Array  # float32, [] per layer: the input's calibrated absmax / 127

@@ -106,10 +106,18 @@ def _gelu_bwd(u, g):
 gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
-def dense(spec, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+class MatmulWeight:
+    """A stand-in for a weight array that runs its own matmul (int8 serving weights,
+    models/int8.py; quantization's calibration probes)."""
+
+    def einsum(self, equation: str, x: jax.Array, dtype) -> jax.Array:
+        raise NotImplementedError
+
+
+def dense(spec, equation: str, x: jax.Array, w) -> jax.Array:
     """A weight matmul in the spec's precision: compute dtype, or fp8 operands; weights that
-    bring their own matmul (int8 serving weights, models/int8.py) run it."""
-    if hasattr(w, "einsum"):
+    bring their own matmul (MatmulWeight) run it."""
+    if isinstance(w, MatmulWeight):
         return w.einsum(equation, x, spec.compute_dtype)
     if spec.fp8:
         return fp8_einsum(equation, x, w, spec.compute_dtype)

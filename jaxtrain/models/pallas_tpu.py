@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.config import DEFAULT_RULES
-from jaxtrain.mesh import logical_to_spec
+from jaxtrain.mesh import DEFAULT_RULES, logical_to_spec
+
 
 LANES = 128  # the kernel's kv block (and its compute slice) must be a multiple of this
 

@@ -1,9 +1,8 @@
-"""Decoder-only Transformer: GPT-2 and Llama families, layers stacked and scanned."""
+"""Decoder-only Transformer: any family of models/families.py, layers stacked and scanned."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -11,48 +10,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.mesh import active_rules, constrain
-from jax.ad_checkpoint import checkpoint_name
-
-from jaxtrain.models.attention import ATTENTION_DOT_NAMES, Attention
-from jaxtrain.models.layers import Norm, dense, gelu, param
+from jaxtrain.models.attention import Attention, resolve_attention
+from jaxtrain.models.families import FAMILIES, Family
+from jaxtrain.models.layers import Norm, param
+from jaxtrain.models.mlp import Mlp
+from jaxtrain.models.remat import REMATS
 from jaxtrain.parallel.pipeline import PipelineSpec, pipeline
-
-MLP_DOT_NAMES = ("mlp_up", "mlp_gate", "mlp_down")
-WEIGHT_DOT_NAMES = tuple(n for n in ATTENTION_DOT_NAMES if n != "attention_out") + MLP_DOT_NAMES
-_policies = jax.checkpoint_policies
-# What each remat policy keeps from the forward pass; everything else is recomputed.
-REMAT_POLICIES = {
-    "full": _policies.nothing_saveable,
-    # Weight matmul outputs are kept; attention scores (batched dots) are recomputed. The
-    # weight matmuls run under a custom VJP (layers.dense), which the dot rule cannot see
-    # into, so their outputs are also kept by name.
-    "save_dots": _policies.save_from_both_policies(
-        _policies.dots_with_no_batch_dims_saveable,
-        _policies.save_only_these_names(*WEIGHT_DOT_NAMES)),
-    # The attention projections and output; the (larger) MLP matmuls are recomputed.
-    "save_dots_except_mlp": _policies.save_only_these_names(*ATTENTION_DOT_NAMES),
-    # Only the attention kernel's output: the cheapest place to cut an expensive recompute.
-    "save_attention_out": _policies.save_only_these_names("attention_out"),
-    # Every named matmul output, moved to host memory between forward and backward.
-    "offload_dots": _policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=[
-            *ATTENTION_DOT_NAMES, *MLP_DOT_NAMES],
-        offload_src="device", offload_dst="pinned_host"),
-}
-
-
-def resolve_attention(name: str, precision: str, platform: str, seq_len: int = 128) -> str:
-    """'auto': cuDNN's fused kernel where it runs (NVIDIA GPUs, 16-bit compute), the splash
-    kernel on TPUs (sequences in blocks of 128), else the chunked causal attention, which
-    beats the reference on every backend measured. 'pallas' is jax's Pallas kernel for the
-    backend: Triton flash attention on GPUs, splash attention on TPUs."""
-    if name == "pallas" and platform == "tpu":
-        return "splash"
-    if name != "auto":
-        return name
-    if platform == "tpu" and seq_len % 128 == 0:
-        return "splash"
-    return "cudnn" if platform == "gpu" and precision != "float32" else "chunked"
+from jaxtrain.precision import PRECISIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,87 +53,36 @@ class ModelSpec:
         if pipeline_stages > 1:
             pipeline = PipelineSpec(pipeline_stages, cfg.pipeline.repeats,
                                     cfg.pipeline.microbatches)
-        compute = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
-                   "fp8": jnp.bfloat16}[cfg.train.precision]
+        precision = PRECISIONS[cfg.train.precision]
         return cls(
             family=m.family, d_model=m.d_model, num_layers=m.num_layers,
             num_heads=m.num_heads, num_kv_heads=m.num_kv_heads or m.num_heads,
             head_dim=m.head_dim or m.d_model // m.num_heads, mlp_dim=m.mlp_dim,
             vocab_size=m.vocab_size, seq_len=m.seq_len,
-            attention=resolve_attention(m.attention, cfg.train.precision, platform, m.seq_len),
+            attention=resolve_attention(m.attention, cfg.train.precision, platform, m.seq_len,
+                                        m.sliding_window),
             sliding_window=m.sliding_window,
             remat=m.remat, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-            init_std=m.init_std, compute_dtype=compute,
+            init_std=m.init_std, compute_dtype=precision.compute_dtype,
             rules=active_rules(tuple(tuple(r) for r in cfg.mesh.rules),
                                cfg.mesh.sequence_parallel),
-            pipeline=pipeline, fp8=cfg.train.precision == "fp8")
+            pipeline=pipeline, fp8=precision.fp8_matmuls)
 
     @property
-    def is_llama(self) -> bool:
-        return self.family == "llama"
+    def family_entry(self) -> Family:
+        return FAMILIES[self.family]
 
-    # GPT-2: learned positions, LayerNorm, GELU, biases, tied embeddings.
-    # Llama: RoPE, RMSNorm, SwiGLU, no biases, separate output head.
-    use_bias = property(lambda self: not self.is_llama)
-    rope = property(lambda self: self.is_llama)
-    tied_embeddings = property(lambda self: not self.is_llama)
-
-
-def _activation_and_down(spec, h_BLF, gate_BLF, b_up_F, w_down_FD):
-    """GELU(h + b) (GPT-2) or SiLU(gate)·h (Llama), then the down projection."""
-    dt = spec.compute_dtype
-    if spec.is_llama:
-        a_BLF = jax.nn.silu(gate_BLF) * h_BLF
-    else:
-        a_BLF = gelu(h_BLF + b_up_F.astype(dt))
-    a_BLF = constrain(a_BLF, ("batch", "length", "mlp"), spec.rules)
-    return dense(spec, "blf,fd->bld", a_BLF, w_down_FD)
-
-
-class Mlp(nnx.Module):
-    def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
-        self.spec = spec
-        d, f, dt = spec.d_model, spec.mlp_dim, spec.param_dtype
-        out_std = spec.init_std / (2 * spec.num_layers) ** 0.5
-        self.w_up = param(rngs, (d, f), ("embed", "mlp"), spec.init_std, dt)
-        self.w_down = param(rngs, (f, d), ("mlp", "embed"), out_std, dt)
-        if spec.is_llama:
-            self.w_gate = param(rngs, (d, f), ("embed", "mlp"), spec.init_std, dt)
-        else:
-            self.b_up = param(rngs, (f,), ("mlp",), 0.0, dt)
-            self.b_down = param(rngs, (d,), ("embed",), 0.0, dt)
-
-    def __call__(self, x_BLD: jax.Array) -> jax.Array:
-        return self.down(*self.up(x_BLD))
-
-    def up(self, x_BLD: jax.Array):
-        """The up (and, for Llama, gate) projections: (h_BLF, gate_BLF or None)."""
-        spec = self.spec
-        h_BLF = checkpoint_name(dense(spec, "bld,df->blf", x_BLD, self.w_up[...]), "mlp_up")
-        gate_BLF = None
-        if spec.is_llama:
-            gate_BLF = checkpoint_name(dense(spec, "bld,df->blf", x_BLD, self.w_gate[...]),
-                                       "mlp_gate")
-        return h_BLF, gate_BLF
-
-    def down(self, h_BLF: jax.Array, gate_BLF: jax.Array | None) -> jax.Array:
-        spec = self.spec
-        b_up_F = None if spec.is_llama else self.b_up[...]
-        # Rematerialised: the backward pass recomputes the activation from the up projection
-        # (kept anyway) instead of keeping its B·L·F output per layer for the down
-        # projection's weight gradient. XLA drops the recomputed down projection itself,
-        # which the backward does not need.
-        y_BLD = jax.checkpoint(functools.partial(_activation_and_down, spec))(
-            h_BLF, gate_BLF, b_up_F, self.w_down[...])
-        y_BLD = checkpoint_name(y_BLD, "mlp_down")
-        if not spec.is_llama:
-            y_BLD = y_BLD + self.b_down[...].astype(spec.compute_dtype)
-        return y_BLD
+    # What the model code reads: the family's fields, never its name.
+    use_bias = property(lambda self: self.family_entry.bias)
+    rope = property(lambda self: self.family_entry.rope)
+    tied_embeddings = property(lambda self: self.family_entry.tied_embeddings)
+    gated_mlp = property(lambda self: self.family_entry.gated_mlp)
+    rms_norm = property(lambda self: self.family_entry.norm == "rms")
 
 
 class Block(nnx.Module):
     def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
-        norm = dict(rms=spec.is_llama, eps=spec.norm_eps, dtype=spec.param_dtype, rngs=rngs)
+        norm = dict(rms=spec.rms_norm, eps=spec.norm_eps, dtype=spec.param_dtype, rngs=rngs)
         self.spec = spec
         self.attn_norm = Norm(spec.d_model, **norm)
         self.attn = Attention(spec, rngs=rngs)
@@ -189,9 +102,9 @@ class Block(nnx.Module):
         per norm instead of two; configs/bench_cpu.py: −3% step time, −10% temporaries).
         XLA drops the recomputed matmuls, which the backward pass does not use. Under a
         remat policy, the policy decides what is kept."""
-        if self.spec.remat != "none":
+        if REMATS[self.spec.remat].policy is not None:
             return norm_and_project
-        return jax.checkpoint(norm_and_project, policy=_policies.nothing_saveable)
+        return jax.checkpoint(norm_and_project, policy=jax.checkpoint_policies.nothing_saveable)
 
     def _mlp_residual(self, x_BLD):
         x_BLD = constrain(x_BLD, ("batch", "sequence", "embed"), self.spec.rules)
@@ -216,7 +129,7 @@ class Transformer(nnx.Module):
         for _, var in nnx.iter_graph(self.blocks):
             if isinstance(var, nnx.Variable):
                 var.set_metadata("axes", ("layers",) + var.get_metadata()["axes"])
-        self.final_norm = Norm(d, rms=spec.is_llama, eps=spec.norm_eps, dtype=dt, rngs=rngs)
+        self.final_norm = Norm(d, rms=spec.rms_norm, eps=spec.norm_eps, dtype=dt, rngs=rngs)
         if not spec.tied_embeddings:
             self.lm_head = param(rngs, (d, v), ("embed", "vocab"), spec.init_std, dt)
 
@@ -242,8 +155,9 @@ class Transformer(nnx.Module):
         def layer(x_BLD, layer_state):
             return nnx.merge(graphdef, layer_state)(x_BLD), None
 
-        if spec.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[spec.remat], prevent_cse=False)
+        policy = REMATS[spec.remat].policy
+        if policy is not None:
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
         if spec.pipeline is None:
             x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
         else:

@@ -73,7 +73,7 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     tokens = rows * s
     heads = spec.num_heads * spec.head_dim / t
     kv = spec.num_kv_heads * spec.head_dim / t
-    mlp = f / t * (2 if spec.is_llama else 1)
+    mlp = f / t * (2 if spec.gated_mlp else 1)
     if saved == "input":
         return tokens_res * d * c
     # The matmul outputs: q, k, v, attention output, w_o, the MLP up (and gate), w_down.

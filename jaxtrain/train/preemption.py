@@ -1,49 +1,55 @@
-"""Stop requests: SIGTERM/SIGINT mean 'checkpoint at the next step boundary and exit 0'."""
+"""Stop requests: SIGTERM/SIGINT mean 'checkpoint at the next step boundary and exit 0'.
+
+The signals themselves are caught by jaxtrain/signals.py (from the start of the process
+under `jaxtrain train`); this is where the loop asks whether to stop. With several
+processes, jax's preemption notifier catches SIGTERM instead, and its sync point makes
+every process stop at the same step, so that they all save it.
+"""
 
 from __future__ import annotations
-
-import os
-import signal
-import sys
-import threading
 
 import jax
 from jax.experimental import multihost_utils
 
+from jaxtrain.signals import STOP_SIGNALS, StopSignals
+
 
 class StopRequest:
-    """Within `with StopRequest() as stop:`, the first SIGTERM or SIGINT sets a flag that the
-    loop polls between steps; a second one exits at once. With several processes, jax's own
-    preemption notifier (started by jax.distributed) catches SIGTERM instead, and its sync
-    point makes every host stop at the same step, so that they all save it."""
+    """Within `with StopRequest() as stop:` the process's signal handlers are in place
+    (installed here if the command did not already, and then removed on exit)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.signal_name: str | None = None
-        self._previous: dict = {}
+    def __init__(self, signals: StopSignals = STOP_SIGNALS):
+        self.signals = signals
+        self._installed_here = False
 
     def __enter__(self) -> "StopRequest":
-        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+        self._installed_here = self.signals.install()
+        self.signals.multi_process = jax.process_count() > 1
         return self
 
     def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        self.signals.saving_step = None
+        if self._installed_here:
+            self.signals.uninstall()
+            self.signals.reset()
 
-    def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.signal_name is not None:
-            print(f"jaxtrain: second {name}: exiting now, without a checkpoint",
-                  file=sys.stderr, flush=True)
-            os._exit(128 + signum)
-        self.signal_name = name
-        print(f"jaxtrain: {name}: saving a checkpoint at the end of this step, then exiting "
-              "(send it again to exit at once)", file=sys.stderr, flush=True)
+    @property
+    def signal_name(self) -> str | None:
+        return self.signals.name
+
+    def requested(self) -> bool:
+        """A stop was asked for (single process; before any step, say)."""
+        return jax.process_count() == 1 and self.signals.name is not None
 
     def should_stop(self, step: int) -> bool:
         if jax.process_count() > 1:
             return multihost_utils.reached_preemption_sync_point(step)
-        return self.signal_name is not None
+        return self.signals.name is not None
+
+    def saving(self, step: int | None) -> None:
+        """A checkpoint of `step` is being written (None: no longer)."""
+        self.signals.saving_step = step
+
+    def durable(self, step: int) -> None:
+        """The checkpoint of `step` is on disk: a next run resumes there."""
+        self.signals.resume_step = max(self.signals.resume_step, step)

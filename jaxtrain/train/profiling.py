@@ -8,18 +8,22 @@ import time
 
 import jax
 
+from jaxtrain.train.hooks import Hook, StepInfo
+
 DATA_WAIT_WARNING = 0.05  # of step time
 
 
-class ProfileWindow:
+class ProfileWindow(Hook):
     """Traces steps [start, start + count) into WORKDIR/profile and saves a device memory
     profile at the end of the window."""
 
-    def __init__(self, workdir: pathlib.Path, start: int, count: int, enabled: bool):
+    def __init__(self, workdir: pathlib.Path, start: int, count: int, enabled: bool,
+                 say=print):
         self.directory = workdir / "profile"
         self.start, self.stop = start, start + count
         self.enabled = enabled and start >= 0
         self.active = False
+        self.say = say
 
     def before_step(self, step: int) -> None:
         if self.enabled and step == self.start:
@@ -27,16 +31,15 @@ class ProfileWindow:
             jax.profiler.start_trace(str(self.directory))
             self.active = True
 
-    def after_step(self, step: int, outputs) -> str | None:
-        """Returns a message when the window closes."""
-        if not (self.active and step + 1 == self.stop):
-            return None
-        jax.block_until_ready(outputs)
+    def after_step(self, info: StepInfo) -> None:
+        if not (self.active and info.step == self.stop):
+            return
+        jax.block_until_ready(info.metrics)
         jax.profiler.stop_trace()
         jax.profiler.save_device_memory_profile(str(self.directory / "memory.prof"))
         self.active = False
-        return (f"jaxtrain: profiled steps {self.start}-{self.stop - 1} into {self.directory} "
-                "(open with TensorBoard's profile tab or Perfetto; memory.prof with pprof)")
+        self.say(f"jaxtrain: profiled steps {self.start}-{self.stop - 1} into {self.directory} "
+                 "(open with TensorBoard's profile tab or Perfetto; memory.prof with pprof)")
 
 
 class DataClock:

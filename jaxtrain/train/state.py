@@ -38,6 +38,18 @@ class TrainState:
     opt_state: Any
     loss_scale: LossScale | None = None  # float16 precision only
 
+    def tree(self) -> dict:
+        """The checkpointed tree: absent fields (loss_scale outside float16) are left out,
+        since orbax cannot restore into a None."""
+        tree = {"step": self.step, "params": self.params, "opt_state": self.opt_state}
+        if self.loss_scale is not None:
+            tree["loss_scale"] = self.loss_scale
+        return tree
+
+    @classmethod
+    def from_tree(cls, tree: dict) -> "TrainState":
+        return cls(**tree)
+
 
 def abstract_model(spec: ModelSpec) -> Transformer:
     return nnx.eval_shape(lambda: Transformer(spec, rngs=nnx.Rngs(0)))

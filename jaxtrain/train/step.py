@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxtrain.mesh import logical_to_spec
 from jaxtrain.models.head_loss import head_cross_entropy
+from jaxtrain.optim import skipped_steps
 from jaxtrain.train.state import TrainState
 
 
@@ -28,24 +30,36 @@ def loss_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT: jax.Array) -> jax.A
                               vocab_major)
 
 
-def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                    schedule: optax.Schedule, microbatches: int, rules,
-                    nan_steps: tuple[int, int] | None = None,
-                    constants: dict | None = None,
-                    loss_scale_period: int = 2000,
-                    opt_device_shardings=None) -> Callable:
-    """The pure step. nan_steps=(first, count) poisons those steps' loss (tests only);
-    constants are logged with every step's metrics; with a LossScale in the state (float16)
-    the loss is scaled before differentiation and the gradients unscaled after;
-    opt_device_shardings (optimizer state offloaded to host memory) brings it to the device
-    for the update, and the jit's out_shardings send it back."""
+def model_loss(graphdef: nnx.GraphDef) -> Callable:
+    """loss(params, tokens_BT, step) of the model graphdef describes, the form the train step
+    differentiates (the step is for wrappers such as train/faults.py)."""
+    return lambda params, tokens_BT, step: loss_fn(params, graphdef, tokens_BT)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """How the step runs, beyond the model and the optimizer."""
+
+    microbatches: int = 1  # gradient accumulation: micro-batches per step, scanned
+    loss_scale_period: int = 2000  # float16: finite steps in a row before the scale doubles
+    constants: tuple = ()  # (name, value) pairs logged with every step's metrics
+    # Optimizer state offloaded to host memory: its device shardings, to bring it to the
+    # device for the update (the jit's out_shardings send it back).
+    opt_device_shardings: Any = None
+
+
+def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
+                    schedule: optax.Schedule, rules, options: StepOptions = StepOptions()
+                    ) -> Callable:
+    """The pure step: (state, tokens_BT) -> (state, metrics).
+
+    loss(params, tokens_BT, step) -> mean loss. With a LossScale in the state (float16) the
+    loss is scaled before differentiation and the gradients unscaled after."""
+    microbatches = options.microbatches
 
     def objective(params, tokens_BT, step, scale):
-        loss = loss_fn(params, graphdef, tokens_BT)
-        if nan_steps is not None:
-            first, count = nan_steps
-            loss = loss * jnp.where((step >= first) & (step < first + count), jnp.nan, 1.0)
-        return loss if scale is None else loss * scale
+        value = loss(params, tokens_BT, step)
+        return value if scale is None else value * scale
 
     grad_fn = jax.value_and_grad(objective)
 
@@ -60,33 +74,31 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
             micro_MBT, logical_to_spec((None, "batch", None), rules))
 
         def accumulate(carry, tokens):
-            loss, grads = grad_fn(params, tokens, step, scale)
-            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+            value, grads = grad_fn(params, tokens, step, scale)
+            return jax.tree.map(jnp.add, carry, (value, grads)), None
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro_MBT)
-        return jax.tree.map(lambda x: x / microbatches, (loss, grads))
+        (value, grads), _ = jax.lax.scan(accumulate, zeros, micro_MBT)
+        return jax.tree.map(lambda x: x / microbatches, (value, grads))
 
     def train_step(state: TrainState, tokens_BT: jax.Array) -> tuple[TrainState, dict]:
         scale = None if state.loss_scale is None else state.loss_scale.scale
-        loss, grads = scaled_loss_and_grads(state.params, tokens_BT, state.step, scale)
+        value, grads = scaled_loss_and_grads(state.params, tokens_BT, state.step, scale)
         loss_scale, extra = state.loss_scale, {}
         if scale is not None:
-            loss, grads = jax.tree.map(lambda x: x / scale, (loss, grads))
+            value, grads = jax.tree.map(lambda x: x / scale, (value, grads))
             finite = jnp.isfinite(optax.tree.norm(grads))
-            loss_scale = state.loss_scale.update(finite, loss_scale_period)
+            loss_scale = state.loss_scale.update(finite, options.loss_scale_period)
             extra = {"loss_scale": scale}
         opt_state = state.opt_state
-        if opt_device_shardings is not None:
-            opt_state = jax.device_put(opt_state, opt_device_shardings)
+        if options.opt_device_shardings is not None:
+            opt_state = jax.device_put(opt_state, options.opt_device_shardings)
         updates, opt_state = optimizer.update(grads, opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                   "learning_rate": schedule(state.step),
-                   # optax.apply_if_finite's counters: all skipped steps, and the current run.
-                   "skipped_steps": opt_state.total_notfinite,
-                   "bad_steps_in_a_row": opt_state.notfinite_count, **extra,
-                   **(constants or {})}
+        skipped, in_a_row = skipped_steps(opt_state)
+        metrics = {"loss": value, "grad_norm": optax.tree.norm(grads),
+                   "learning_rate": schedule(state.step), "skipped_steps": skipped,
+                   "bad_steps_in_a_row": in_a_row, **extra, **dict(options.constants)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                           loss_scale=loss_scale), metrics
 

@@ -1,12 +1,12 @@
-"""python -m jaxtrain.quantize --workdir RUN --out DIR [--calibration_batches N]
+"""jaxtrain quantize --workdir RUN --out DIR [--calibration_batches N]
     [--int8_activations] [--devices N]
 
 Post-training INT8 quantization of a run's newest checkpoint: every matmul weight and the
 embedding table become int8 with one float32 scale per output channel (models/int8.py);
 norms, biases and learned positions stay float32. With --int8_activations the block matmuls
 also take int8 inputs, each with a per-tensor scale calibrated as the input's absolute
-maximum over N training batches. DIR is a model directory that `jaxtrain.generate` and
-`jaxtrain.eval` read like a run; the float32 and int8 validation losses are measured and
+maximum over N training batches. DIR is a model directory that `jaxtrain generate` and
+`jaxtrain eval` read like a run; the float32 and int8 validation losses are measured and
 printed (one JSON line) with the sizes.
 """
 
@@ -14,33 +14,40 @@ from __future__ import annotations
 
 import json
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags, logging
+from absl import flags, logging
 
+from jaxtrain import inference
+from jaxtrain.checkpoint import Checkpoints
+from jaxtrain.commands.common import run_absl
+from jaxtrain.data import make_batches
+from jaxtrain.errors import ConfigError
 from jaxtrain.quantization import as_dicts, calibrate, directory_bytes, quantize_params
+from jaxtrain.train.state import TrainState, abstract_model, param_axes
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "The run to quantize.")
-_OUT = flags.DEFINE_string("out", None, "Directory for the quantized model.")
-_CALIBRATION = flags.DEFINE_integer("calibration_batches", 8, "Training batches that "
-                                    "calibrate the activation scales.")
-_INT8_ACTIVATIONS = flags.DEFINE_bool("int8_activations", False, "int8 inputs to the block "
-                                      "matmuls too (calibrated), not only int8 weights.")
-_DEVICES = flags.DEFINE_integer("devices", 1, "Devices to spread the batches over.")
-flags.mark_flags_as_required(["workdir", "out"])
+
+def _define_flags() -> dict:
+    values = {
+        "workdir": flags.DEFINE_string("workdir", None, "The run to quantize."),
+        "out": flags.DEFINE_string("out", None, "Directory for the quantized model."),
+        "calibration_batches": flags.DEFINE_integer(
+            "calibration_batches", 8, "Training batches that calibrate the activation scales."),
+        "int8_activations": flags.DEFINE_bool(
+            "int8_activations", False, "int8 inputs to the block matmuls too (calibrated), "
+            "not only int8 weights."),
+        "devices": flags.DEFINE_integer("devices", 1, "Devices to spread the batches over."),
+    }
+    flags.mark_flags_as_required(["workdir", "out"])
+    return values
+
 
 def quantize_run(workdir, out, calibration_batches: int = 8, int8_activations: bool = False,
                  devices: int = 1) -> dict:
     """Quantizes the newest checkpoint of `workdir` into model directory `out`; returns the
     summary (sizes, float32 and int8 validation losses). Raises ConfigError, CheckpointError
     or DataError (one line) for bad input, before writing anything."""
-    from jaxtrain import inference
-    from jaxtrain.checkpoint import Checkpoints
-    from jaxtrain.config import ConfigError
-    from jaxtrain.data import make_batches
-    from jaxtrain.train.state import TrainState, abstract_model, param_axes
 
     out = pathlib.Path(out)
     if (out / "checkpoints").exists():
@@ -65,7 +72,7 @@ def quantize_run(workdir, out, calibration_batches: int = 8, int8_activations: b
     checkpoints = Checkpoints(out / "checkpoints", keep=1, log=lambda _: None)
     state = TrainState(step=jnp.asarray(step, jnp.int32), params=as_dicts(loaded.params),
                        opt_state={})
-    checkpoints.save(step, state, loaded.cfg.to_dict())
+    checkpoints.save(step, state.tree(), loaded.cfg.to_dict())
     checkpoints.close()
     record = {**loaded.quantization, "source": str(workdir), "step": step,
               "calibration_batches": calibration_batches if act_absmax else 0,
@@ -78,22 +85,18 @@ def quantize_run(workdir, out, calibration_batches: int = 8, int8_activations: b
             "val_loss_change": int8_result["loss"] / float_result["loss"] - 1}
 
 
-def main(argv) -> None:
+def _quantize(f: dict, argv) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
-    from jaxtrain.checkpoint import CheckpointError
-    from jaxtrain.config import ConfigError
-    from jaxtrain.data import DataError
-
-    try:
-        summary = quantize_run(_WORKDIR.value, _OUT.value, _CALIBRATION.value,
-                               _INT8_ACTIVATIONS.value, _DEVICES.value)
-    except (ConfigError, CheckpointError, DataError) as e:
-        sys.exit(f"jaxtrain: error: {e}")
+    summary = quantize_run(f["workdir"].value, f["out"].value, f["calibration_batches"].value,
+                           f["int8_activations"].value, f["devices"].value)
     print(json.dumps(summary))
 
 
-if __name__ == "__main__":
-    from jaxtrain.cli import parse_flags
+def main(argv: list[str] | None = None) -> None:
+    values = _define_flags()
+    run_absl("quantize", lambda args: _quantize(values, args), argv)
 
-    app.run(main, flags_parser=parse_flags)
+
+if __name__ == "__main__":
+    main()

@@ -1,12 +1,20 @@
-"""The planner's flags and output; the entry point is jaxtrain/plan/__main__.py."""
+"""jaxtrain plan --config configs/NAME.py --hardware NAME --devices N
+       [--tokens T | --hours H] [--price-per-hour P] [--json] [--search [--by cost]]
+       [--compile] [--config.KEY=VALUE ...]
+
+The planner's flags and output (the planner itself is jaxtrain/plan/).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from absl import flags
 from ml_collections import config_flags
+
+from jaxtrain.commands.common import fail as _fail, run_absl
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file from configs/.",
                                           lock_config=True)
@@ -30,12 +38,7 @@ _COMPILE = flags.DEFINE_bool("compile", False, "AOT-compile the real step on fak
 flags.mark_flags_as_required(["config", "hardware"])
 
 
-def _fail(message: str) -> None:
-    print(f"jaxtrain: error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def main(argv) -> None:
+def _plan(argv) -> None:
     del argv
     from jaxtrain.config import ConfigError
     from jaxtrain.plan import catalog
@@ -103,7 +106,7 @@ def _add_compiled(plans: list[dict], cfg, devices: int) -> None:
 
     if jax.device_count() < devices:
         _fail(f"--compile needs {devices} fake devices but jax has {jax.device_count()}: "
-              "run as python -m jaxtrain.plan so they are set before jax loads")
+              "run as jaxtrain plan so they are set before jax loads")
     for plan in plans:
         if "compiled" in plan:
             continue  # --search already compiled it
@@ -113,3 +116,34 @@ def _add_compiled(plans: list[dict], cfg, devices: int) -> None:
         # The like-for-like estimate: XLA's CPU backend keeps bf16 activations in float32.
         compiled["estimate_cpu_bytes"] = memory.estimate(target, plan["mesh"], "cpu")["total"]
         plan["compiled"] = compiled
+
+
+def _fake_devices_before_jax(argv: list[str]) -> None:
+    """--compile needs N fake CPU devices, which XLA reads once, when jax is imported."""
+    if "--compile" not in argv:
+        return
+    devices = None
+    for i, arg in enumerate(argv):
+        if arg.startswith("--devices="):
+            devices = arg.split("=", 1)[1]
+        elif arg == "--devices" and i + 1 < len(argv):
+            devices = argv[i + 1]
+        elif arg.startswith("--hardware") and devices is None:
+            from jaxtrain.plan.catalog import slice_devices  # no jax: a JSON catalog
+            name = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
+            devices = slice_devices(name)
+    if devices:
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
+        os.environ["XLA_FLAGS"] = " ".join(
+            flags + [f"--xla_force_host_platform_device_count={devices}"])
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def main(argv: list[str] | None = None) -> None:
+    _fake_devices_before_jax(sys.argv[1:] if argv is None else argv)
+    run_absl("plan", _plan, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,25 +1,29 @@
 """Draw a run as a PNG, with a short text summary:
 
-    python -m jaxtrain.report --workdir RUN [--out RUN/report.png]
+    jaxtrain report --workdir RUN [--out RUN/report.png]
 
-Panels: loss and val_loss, tokens/s, MFU, and the step time split into waiting for data
-and device work, all against the step, from RUN/metrics.jsonl.
+Panels: loss and val_loss, tokens/s, MFU, the step time split into waiting for data and
+device work, goodput, and where the rest of the wall time went (start-up, checkpoints,
+evaluation, data, restarts, recomputed steps), from RUN/metrics.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import pathlib
 import sys
+
+from jaxtrain.commands.common import fail
+from jaxtrain.train.goodput import LOST
+from jaxtrain.workdir import read_metrics
 
 
 def load_rows(workdir: pathlib.Path) -> list[dict]:
     path = workdir / "metrics.jsonl"
     if not path.exists():
-        sys.exit(f"jaxtrain.report: error: {path} does not exist; is --workdir a jaxtrain run?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        fail(f"{path} does not exist; is --workdir a jaxtrain run?")
+    return read_metrics(path, say=lambda message: print(message, file=sys.stderr))
 
 
 def series(rows, key):
@@ -47,15 +51,33 @@ def summary(rows: list[dict]) -> str:
         best = min(val, key=lambda r: r["val_loss"])
         lines.append(f"val_loss: first {val[0]['val_loss']:.4f}, last {val[-1]['val_loss']:.4f}"
                      f", best {best['val_loss']:.4f} at step {best['step']}")
+    good = [r for r in rows if "goodput" in r]
+    if good:
+        last = good[-1]
+        lost = ", ".join(f"{cause} {last[f'lost_{cause}_s']:.4g}s" for cause in LOST
+                         if last.get(f"lost_{cause}_s"))
+        lines.append(f"goodput: {last['goodput']:.1%} of {last['wall_s']:.4g}s since the job "
+                     f"first started; lost: {lost or 'nothing'}")
     return "\n".join(lines)
 
 
 def draw(rows: list[dict], out: pathlib.Path, title: str) -> None:
-    import matplotlib
+    import matplotlib  # heavy, and only this command draws
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    fig, axes = plt.subplots(3, 2, figsize=(11, 10), constrained_layout=True)
+    _draw_training(axes, rows)
+    _draw_goodput(axes[2], rows)
+    for ax in axes.flat:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def _draw_training(axes, rows: list[dict]) -> None:
     ax = axes[0, 0]
     ax.plot(*series(rows, "loss"), label="loss")
     ax.plot(*series(rows, "val_loss"), "o-", label="val_loss")
@@ -72,16 +94,27 @@ def draw(rows: list[dict], out: pathlib.Path, title: str) -> None:
         ax.stackplot(steps, device, data, labels=["device", "waiting for data"])
         ax.legend(loc="upper right")
     ax.set_title("step time (s)")
-    for ax in axes.flat:
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+
+
+def _draw_goodput(axes, rows: list[dict]) -> None:
+    """Goodput over the run, and the wall time lost by cause (cumulative, since the job
+    first started)."""
+    axes[0].plot(*series(rows, "goodput"))
+    axes[0].set_ylim(0, 1)
+    axes[0].set_title("goodput (productive share of wall time)")
+    good = [r for r in rows if "goodput" in r]
+    causes = [c for c in LOST if any(r.get(f"lost_{c}_s") for r in good)]
+    if good and causes:
+        axes[1].stackplot([r["step"] for r in good],
+                          *[[r.get(f"lost_{c}_s", 0.0) for r in good] for c in causes],
+                          labels=causes)
+        axes[1].legend(loc="upper left", fontsize="small")
+    axes[1].set_title("wall time lost, by cause (s)")
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Draw a jaxtrain run as a PNG.")
+    parser = argparse.ArgumentParser(prog="jaxtrain report",
+                                     description="Draw a jaxtrain run as a PNG.")
     parser.add_argument("--workdir", required=True, type=pathlib.Path)
     parser.add_argument("--out", type=pathlib.Path, help="default WORKDIR/report.png")
     args = parser.parse_args(argv)

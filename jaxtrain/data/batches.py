@@ -15,9 +15,10 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxtrain.data.sources import DataError, SyntheticWindows, TokenWindows, token_splits
+from jaxtrain.data.sources import SOURCES
+from jaxtrain.errors import DataError
 
-__all__ = ["Batches", "DataError", "make_batches"]
+__all__ = ["Batches", "make_batches", "to_global"]
 
 
 @dataclasses.dataclass
@@ -54,17 +55,10 @@ class Batches:
 
 
 def make_batches(cfg) -> Batches:
-    seq, vocab = cfg.model.seq_len, cfg.model.vocab_size
     if cfg.train.global_batch % jax.process_count():
         raise DataError(f"train.global_batch={cfg.train.global_batch} must divide by the "
                         f"{jax.process_count()} processes")
-    if cfg.data.source == "synthetic":
-        train = SyntheticWindows(vocab, seq, cfg.seed)
-        val = SyntheticWindows(vocab, seq, cfg.seed + 1, size=cfg.eval_batches * cfg.train.global_batch)
-    else:
-        train_tokens, val_tokens = token_splits(cfg.data, vocab)
-        train = TokenWindows(train_tokens, seq, f"the training split of data.source={cfg.data.source!r}")
-        val = TokenWindows(val_tokens, seq, f"the validation split of data.source={cfg.data.source!r}")
+    train, val = SOURCES[cfg.data.source].splits(cfg)
     return Batches(train, val, cfg.train.global_batch, cfg.seed, cfg.data.prefetch,
                    cfg.eval_batches)
 

@@ -1,0 +1,47 @@
+"""The `jaxtrain` command line: one subcommand per module of this package.
+
+    jaxtrain train --config configs/NAME.py [--config.KEY=VALUE ...] [--workdir DIR]
+    jaxtrain plan | generate | eval | quantize | convert | report | launch ...
+
+`python -m jaxtrain.main` is `jaxtrain train`, and `python -m jaxtrain.commands.NAME` runs
+NAME. Importing this package imports neither jax nor the command modules: `train` must
+re-execute itself (hostmem.py) and `plan --compile` set fake devices before jax loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module in this package, one line of help)
+COMMANDS = {
+    "train": ("train", "train a model (the same as python -m jaxtrain.main)"),
+    "plan": ("plan", "memory, step time, MFU and cost of a config on a hardware catalog entry"),
+    "generate": ("generate", "continue a prompt with a trained model (KV cache)"),
+    "eval": ("eval", "loss, perplexity and bits per byte of a trained model"),
+    "quantize": ("quantize", "int8 post-training quantization of a trained model"),
+    "convert": ("convert", "import from / export to Hugging Face (GPT-2, Llama)"),
+    "report": ("report", "draw a run's metrics into a PNG"),
+    "launch": ("launch", "start a multi-process job on this machine"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    return "usage: jaxtrain COMMAND [ARGS...]  (jaxtrain COMMAND --help)\n\n" + "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The console script `jaxtrain`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        sys.exit(0 if argv else 2)
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"jaxtrain: error: no command {name!r}; valid: {', '.join(COMMANDS)}",
+              file=sys.stderr)
+        sys.exit(2)
+    module = importlib.import_module(f"jaxtrain.commands.{COMMANDS[name][0]}")
+    module.main(rest)

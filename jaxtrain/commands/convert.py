@@ -1,0 +1,81 @@
+r"""Hugging Face import and export (GPT2LMHeadModel, LlamaForCausalLM).
+
+    jaxtrain convert --from-hf DIR --config configs/NAME.py --workdir OUT \
+        [--config.KEY=VALUE ...]
+    jaxtrain convert --to-hf OUT_DIR --workdir RUN [--max_shard_size 2GB] [--dtype float32]
+
+Import writes a step-0 checkpoint (fresh optimizer state) and config.json into OUT, the way
+the training loop does, so `jaxtrain train` with the same config and overrides resumes
+from it. Export writes config.json and safetensors that
+`transformers.AutoModelForCausalLM.from_pretrained` loads with no custom code.
+The work is in jaxtrain/hf/: load.py (import), save.py (export), one mapping module per
+family (gpt2.py, llama.py); docs/interop.md has the name table.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+from absl import flags, logging
+from ml_collections import config_flags
+
+from jaxtrain.commands.common import run_absl
+from jaxtrain.errors import ConfigError
+from jaxtrain.hf.load import import_hf
+from jaxtrain.hf.save import DTYPES, export_hf
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _define_flags() -> dict:
+    return {
+        "config": config_flags.DEFINE_config_file(
+            "config", None, "With --from-hf: the config file (and --config.KEY=VALUE "
+            "overrides) the imported run will train with.", lock_config=True),
+        "from": flags.DEFINE_string("from-hf", None, "Import this Hugging Face directory."),
+        "to": flags.DEFINE_string("to-hf", None, "Export the run's newest checkpoint here."),
+        "workdir": flags.DEFINE_string("workdir", None, "The jaxtrain run directory: "
+                                       "written by --from-hf, read by --to-hf."),
+        "max_shard_size": flags.DEFINE_string("max_shard_size", "2GB", "--to-hf: largest "
+                                              "safetensors file before sharding."),
+        "dtype": flags.DEFINE_enum("dtype", "float32", list(DTYPES), "--to-hf: the dtype "
+                                   "the tensors are written in."),
+    }
+
+
+def _convert(flag: dict, argv) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    config = flag["config"]
+    source, target, workdir = flag["from"].value, flag["to"].value, flag["workdir"].value
+    if bool(source) == bool(target):
+        raise ConfigError("give one of --from-hf DIR (import) or --to-hf OUT_DIR (export)")
+    if not workdir:
+        raise ConfigError("--workdir is required: the run to write (--from-hf) or to read "
+                          "(--to-hf)")
+    if source:
+        if config.value is None:
+            raise ConfigError("--from-hf needs --config configs/NAME.py: the run the "
+                              "imported weights will train with")
+        setup, _ = import_hf(config.value, source, workdir)
+        count = sum(x.size for x in jax.tree.leaves(setup.abstract_state().params))
+        _say(f"jaxtrain: imported {source} ({count:,} parameters) into {workdir} at step 0; "
+             f"fine-tune it with jaxtrain train, the same --config and overrides, and "
+             f"--workdir {workdir}")
+    else:
+        if config.value is not None:
+            raise ConfigError("--config is for --from-hf only: --to-hf reads the run's own "
+                              "config from its checkpoint")
+        export_hf(workdir, target, flag["max_shard_size"].value, flag["dtype"].value)
+
+
+def main(argv: list[str] | None = None) -> None:
+    values = _define_flags()
+    run_absl("convert", lambda args: _convert(values, args), argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""jaxtrain train --config configs/NAME.py [--config.KEY=VALUE ...] [--workdir DIR]
+    [--coordinator HOST:PORT --num_processes N --process_id I]
+
+Trains, resuming from the newest intact checkpoint in the workdir (default runs/<config
+name>). `python -m jaxtrain.main` runs this.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import time
+
+from absl import flags, logging
+from ml_collections import config_flags
+
+from jaxtrain import hostmem
+from jaxtrain.commands.common import run_absl
+from jaxtrain.signals import STOP_SIGNALS
+
+STOPPED = 3  # the run stopped itself: too many non-finite steps in a row
+
+
+def _define_flags() -> dict:
+    config = config_flags.DEFINE_config_file("config", None, "A config file from configs/.",
+                                             lock_config=True)
+    values = {
+        "config": config,
+        "workdir": flags.DEFINE_string("workdir", None, "Run directory (default "
+                                       "runs/<config name>)."),
+        "coordinator": flags.DEFINE_string("coordinator", None, "host:port of process 0, for "
+                                           "multi-process runs (else detected from SLURM, "
+                                           "Open MPI, TPU pods, GKE)"),
+        "num_processes": flags.DEFINE_integer("num_processes", None, "Processes in the job."),
+        "process_id": flags.DEFINE_integer("process_id", None, "This process's rank."),
+    }
+    flags.mark_flags_as_required(["config"])
+    return values
+
+
+def _train(values: dict, started: float, argv) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    cfg = values["config"].value
+    # jax loads here, after the huge-pages restart and the signal handlers, and before
+    # anything touches devices.
+    from jaxtrain import distributed
+    from jaxtrain.train.loop import TrainingStopped, run
+
+    distributed.initialize(values["coordinator"].value, values["num_processes"].value,
+                           values["process_id"].value, cfg.distributed.heartbeat_timeout_s,
+                           cfg.distributed.initialization_timeout_s)
+    config_name = pathlib.Path(
+        config_flags.get_config_filename(flags.FLAGS["config"])).stem
+    workdir = pathlib.Path(values["workdir"].value or f"runs/{config_name}")
+    try:
+        run(cfg, workdir, started=started)
+    except TrainingStopped as e:
+        print(f"jaxtrain: stopped: {e}", file=sys.stderr)
+        sys.exit(STOPPED)
+
+
+def main(argv: list[str] | None = None) -> None:
+    hostmem.restart_with_huge_pages()
+    started = time.time()
+    # Before jax loads: a Ctrl-C during start-up is then a clean stop (jaxtrain/signals.py).
+    STOP_SIGNALS.install()
+    values = _define_flags()
+    run_absl("train", lambda args: _train(values, started, args), argv)
+
+
+if __name__ == "__main__":
+    main()

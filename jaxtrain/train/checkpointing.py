@@ -1,0 +1,173 @@
+"""The loop's checkpoints: restore or initialise the state, save on schedule and on demand,
+in one or two tiers (a durable directory, and optionally a fast local one saved more often).
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import time
+from typing import Callable
+
+import jax
+
+from jaxtrain.checkpoint import Checkpoints
+from jaxtrain.errors import ConfigError
+from jaxtrain.train.hooks import Hook, StepInfo, due
+from jaxtrain.train.state import TrainState
+
+# Config keys that fix the shapes and structure of the checkpointed state, checked by name
+# before the tree itself is compared (a clearer message for the common cases).
+STATE_KEYS = ("model.family", "model.d_model", "model.num_layers", "model.num_heads",
+              "model.num_kv_heads", "model.head_dim", "model.mlp_dim", "model.vocab_size",
+              "model.seq_len")
+# Sections whose keys can change what the state holds (named when the tree differs).
+STATE_SECTIONS = ("model", "train", "optimizer")
+
+
+def _changed_keys(cfg, saved: dict) -> list[str]:
+    changed = []
+    for section in STATE_SECTIONS:
+        for name, now in cfg[section].items():
+            before = saved.get(section, {}).get(name, now)
+            if isinstance(now, float) or isinstance(before, float):
+                same = math.isclose(float(before), float(now)) if \
+                    isinstance(before, (int, float)) and isinstance(now, (int, float)) else False
+            else:
+                same = before == now or (isinstance(now, tuple) and list(now) == before)
+            if not same:
+                changed.append(f"{section}.{name}={now!r} (was {before!r})")
+    return changed
+
+
+def check_same_run(cfg, workdir: pathlib.Path) -> Callable:
+    """check_config for Checkpoints.newest_intact: refuses, in one line, a checkpoint of
+    another model or one whose state this config would lay out differently."""
+    def check(step: int, saved: dict, mismatch: str | None) -> None:
+        for key in STATE_KEYS:
+            section, name = key.split(".")
+            before, now = saved.get(section, {}).get(name), cfg[section][name]
+            if before != now:
+                raise ConfigError(
+                    f"{key}={now!r} does not match the checkpoint at step {step} in "
+                    f"{workdir} ({key}={before!r}); use another --workdir, or the same model")
+        if mismatch:
+            changed = _changed_keys(cfg, saved)
+            keys = f" ({', '.join(changed)})" if changed else ""
+            raise ConfigError(
+                f"the checkpoint at step {step} in {workdir} does not fit this config"
+                f"{keys}: its state {mismatch}; resume with the config it was saved with, "
+                "or use another --workdir")
+    return check
+
+
+class Tiers:
+    """The run's checkpoint directories: durable (workdir/checkpoints) and, with
+    checkpoint.local_dir, a local tier saved every checkpoint.local_every_steps."""
+
+    def __init__(self, cfg, workdir: pathlib.Path, log: Callable[[str], None],
+                 on_commit: Callable[[int], None] | None = None):
+        c = cfg.checkpoint
+        self.durable = Checkpoints(workdir / "checkpoints", c.keep, c.keep_period, log=log,
+                                   on_commit=on_commit)
+        self.local = None
+        if c.local_dir:
+            local = pathlib.Path(c.local_dir)
+            self.local = Checkpoints(local / "checkpoints", c.local_keep, log=log,
+                                     manifests=local / "checkpoint_manifests",
+                                     on_commit=on_commit)
+
+    @property
+    def all(self) -> list[Checkpoints]:
+        return [t for t in (self.durable, self.local) if t is not None]
+
+    def newest_step(self) -> int:
+        return max((s for tier in self.all for s in tier.steps()), default=0)
+
+    def restore(self, target: dict, check: Callable, verify: bool):
+        """(step, tree) of the newest intact checkpoint across the tiers (durable first on
+        a tie), or (0, None)."""
+        best = None
+        for tier in self.all:
+            found = tier.newest_intact(target, check, verify,
+                                       below=None if best is None else best[0] + 1)
+            if found is not None and (best is None or found[0] > best[0]):
+                best = found
+        return best or (0, None)
+
+    def close(self) -> None:
+        for tier in self.all:
+            tier.close()
+
+
+def restore_or_init(tiers: Tiers, setup, workdir: pathlib.Path
+                    ) -> tuple[int, TrainState, bool, float]:
+    """(step, state, restored, seconds restoring took): the newest intact checkpoint's,
+    else a fresh state at 0. restored is True at step 0 too for a checkpoint that
+    jaxtrain convert wrote."""
+    began = time.perf_counter()
+    start, tree = tiers.restore(setup.abstract_state().tree(),
+                                check_same_run(setup.cfg, workdir),
+                                setup.cfg.checkpoint.verify_on_restore)
+    seconds = time.perf_counter() - began
+    if tree is None:
+        return start, setup.init_state(), False, seconds
+    return start, TrainState.from_tree(tree), True, seconds
+
+
+class Checkpointer(Hook):
+    """Saves every checkpoint.every_steps steps (and local_every_steps to the local tier)
+    and at the last step, never a step twice; marks a checkpoint healthy once a step at or
+    after it is seen to train normally, which lets it count toward checkpoint.keep."""
+
+    def __init__(self, tiers: Tiers, cfg, logger, restored_step: int, stop=None):
+        self.tiers, self.cfg, self.logger, self.stop = tiers, cfg, logger, stop
+        self.saved = {restored_step}
+        self.unjudged: list[tuple[Checkpoints, int]] = []  # saved, health not yet seen
+        self.previous: StepInfo | None = None
+
+    def after_step(self, info: StepInfo) -> None:
+        self._judge(self.previous)  # its metrics are ready by now: no wait for the device
+        self.previous = info
+        c = self.cfg.checkpoint
+        if due(info.step, c.every_steps, info.last):
+            self.save(info.step, info.state)
+        elif self.tiers.local is not None and due(info.step, c.local_every_steps, False):
+            self.save(info.step, info.state, self.tiers.local)
+
+    def finish(self) -> None:
+        """At the end of the run: judge the last step, and wait for every save."""
+        self._judge(self.previous)
+        for tier in self.tiers.all:
+            tier.wait()
+
+    def save(self, step: int, state: TrainState, tier: Checkpoints | None = None) -> None:
+        if step in self.saved:  # e.g. a stop request right after a periodic checkpoint
+            return
+        tier = tier or self.tiers.durable
+        self.saved.add(step)
+        self.logger.flush()  # the rows up to this step are written before it is saved
+        with self.logger.outside_steps("checkpoint"):
+            tier.save(step, state.tree(), self.cfg.to_dict())
+        self.unjudged.append((tier, step))
+
+    def save_and_wait(self, step: int, state: TrainState) -> None:
+        """A durable checkpoint of `step`, committed when this returns (for a stop)."""
+        if self.stop is not None:
+            self.stop.saving(step)
+        self.save(step, state)
+        with self.logger.outside_steps("checkpoint"):
+            self.tiers.durable.wait()
+        if self.stop is not None:
+            self.stop.saving(None)
+
+    def _judge(self, info: StepInfo | None) -> None:
+        if info is None or not self.unjudged or not info.metrics:
+            return
+        metrics = jax.device_get({k: info.metrics[k] for k in ("loss", "bad_steps_in_a_row")})
+        if not (math.isfinite(float(metrics["loss"])) and int(metrics["bad_steps_in_a_row"]) == 0):
+            return
+        ready = [(t, s) for t, s in self.unjudged if s <= info.step]
+        self.unjudged = [(t, s) for t, s in self.unjudged if s > info.step]
+        for tier, step in ready:
+            tier.mark_healthy(step)

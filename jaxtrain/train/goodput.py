@@ -1,0 +1,87 @@
+"""Goodput: the share of the wall time since a job first started that went into training
+steps that count toward the final model, across restarts.
+
+Each run of the job (a session) records in WORKDIR/goodput.json when it started, the step it
+resumed at, the device time of its steps by step range, and the time it lost by cause; the
+file is rewritten at every logged step, so a killed session leaves its record up to its
+last log. The summary charges to `recomputed` the steps a session ran past the step the next
+session resumed at (they were done again), and to `restart` the gaps between sessions (a
+dead process, the scheduler's delay, the time after a session's last log).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import time
+
+FILE = "goodput.json"
+# Causes of lost time within a session (restart and recomputed come from the sessions).
+CAUSES = ("startup", "checkpoint", "eval", "data")
+LOST = CAUSES + ("restart", "recomputed")
+
+
+class Goodput:
+    def __init__(self, workdir: pathlib.Path, started: float, resumed_at: int,
+                 enabled: bool = True):
+        self.path = workdir / FILE
+        self.enabled = enabled
+        self.previous = self._load(resumed_at) if enabled else []
+        self.session = {"start": started, "end": started, "resumed_at": resumed_at,
+                        "productive": [], "lost": {cause: 0.0 for cause in CAUSES}}
+        self._startup_open = True
+
+    def _load(self, resumed_at: int) -> list[dict]:
+        try:
+            sessions = json.loads(self.path.read_text())["sessions"]
+        except (OSError, ValueError, KeyError):
+            return []
+        # A session that started past this resume point was itself recomputed: keep it.
+        return [s for s in sessions if isinstance(s, dict) and "start" in s]
+
+    def lose(self, cause: str, seconds: float) -> None:
+        self.session["lost"][cause] += seconds
+
+    def training_started(self, now: float | None = None) -> None:
+        """The first step starts: what came before (less what is charged elsewhere) was
+        start-up: imports, building, restoring, compiling."""
+        if not self._startup_open:
+            return
+        self._startup_open = False
+        now = time.time() if now is None else now
+        charged = sum(self.session["lost"].values())
+        self.session["lost"]["startup"] += max(now - self.session["start"] - charged, 0.0)
+
+    def steps(self, first: int, last: int, device_s: float, data_s: float) -> None:
+        """Steps (first, last] took device_s of device time and waited data_s for data."""
+        self.session["productive"].append([first, last, device_s])
+        self.lose("data", data_s)
+
+    def summary(self, now: float | None = None) -> dict:
+        """goodput and the lost seconds by cause, since the job first started."""
+        now = time.time() if now is None else now
+        self.session["end"] = now
+        sessions = self.previous + [self.session]
+        wall = max(now - sessions[0]["start"], 1e-9)
+        productive, lost = 0.0, {cause: 0.0 for cause in LOST}
+        for i, session in enumerate(sessions):
+            redone_from = sessions[i + 1]["resumed_at"] if i + 1 < len(sessions) else math.inf
+            for first, last, seconds in session["productive"]:
+                kept = min(max(redone_from - first, 0), last - first) / max(last - first, 1)
+                productive += seconds * kept
+                lost["recomputed"] += seconds * (1 - kept)
+            for cause, seconds in session["lost"].items():
+                lost[cause] += seconds
+            if i > 0:
+                lost["restart"] += max(session["start"] - sessions[i - 1]["end"], 0.0)
+        row = {"goodput": productive / wall, "wall_s": wall}
+        row.update({f"lost_{cause}_s": seconds for cause, seconds in lost.items()})
+        return row
+
+    def save(self) -> None:
+        if not self.enabled:
+            return
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"sessions": self.previous + [self.session]}))
+        tmp.rename(self.path)

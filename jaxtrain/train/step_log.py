@@ -1,0 +1,110 @@
+"""Logged steps: metrics fetched one step late, so the device never waits for the host, and
+the wall time between fetches turned into step time, tokens/s and MFU."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import jax
+import numpy as np
+
+from jaxtrain.metrics import MetricsWriter
+from jaxtrain.train.goodput import Goodput
+from jaxtrain.train.hooks import Hook, StepInfo, due
+from jaxtrain.train.profiling import DATA_WAIT_WARNING, DataClock
+
+
+class StepLogger(Hook):
+    """Logs every `every` steps and the last; `rows` holds what was written."""
+
+    def __init__(self, writer: MetricsWriter, every: int, tokens_per_step: int,
+                 flops_per_token: float, peak_flops: float, mfu_floor: float = 0.0,
+                 goodput: Goodput | None = None, beat=None):
+        self.writer, self.every, self.tokens_per_step = writer, every, tokens_per_step
+        self.goodput, self.beat = goodput, beat or (lambda: None)
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.mfu_floor = mfu_floor
+        self.data = DataClock()
+        self.pending = None  # (step, device metrics, extra host values) not yet written
+        self.rows: list[dict] = []
+        self.warned: set[str] = set()
+        self.excluded = 0.0
+        self.clock_time, self.clock_step = time.perf_counter(), 0
+
+    def start(self, step: int) -> None:
+        """Time from here: the first logged interval starts at `step`."""
+        self.clock_time, self.clock_step, self.excluded = time.perf_counter(), step, 0.0
+        self.data.take()
+
+    @contextlib.contextmanager
+    def outside_steps(self, cause: str):
+        """Work between steps (cause: 'eval', 'checkpoint') that the step time leaves out
+        and goodput charges to its cause."""
+        start = time.perf_counter()
+        self.beat()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - start
+            self.excluded += elapsed
+            if self.goodput is not None:
+                self.goodput.lose(cause, elapsed)
+            self.beat()
+
+    def after_step(self, info: StepInfo) -> None:
+        self.flush()
+        if due(info.step, self.every, info.last):
+            self.pending = (info.step, info.metrics, {})
+        self.writer.advance(1)
+
+    def attach(self, step: int, values: dict) -> None:
+        """Adds host values (val_loss) to step's row: the pending one, else a row of its own."""
+        if self.pending is not None and self.pending[0] == step:
+            self.pending[2].update(values)
+        else:
+            self.writer.write(step, values)
+
+    def flush(self) -> None:
+        if self.pending is None:
+            return
+        step, metrics, extra = self.pending
+        self.pending = None
+        row = {"step": step, **{k: _number(v) for k, v in jax.device_get(metrics).items()}}
+        now = time.perf_counter()
+        steps = max(step - self.clock_step, 1)
+        step_time = (now - self.clock_time - self.excluded) / steps
+        self.clock_time, self.clock_step, self.excluded = now, step, 0.0
+        row["step_time_s"] = step_time
+        row["data_wait_s"] = min(self.data.take() / steps, step_time)
+        row["device_time_s"] = step_time - row["data_wait_s"]
+        row["tokens_per_s"] = self.tokens_per_step / step_time
+        row["mfu"] = self.flops_per_token * row["tokens_per_s"] / self.peak_flops
+        row.update(extra)
+        if self.goodput is not None:
+            self.goodput.steps(step - steps, step, row["device_time_s"] * steps,
+                               row["data_wait_s"] * steps)
+            row.update(self.goodput.summary())
+            self.goodput.save()
+        self.writer.write(step, row)
+        if self.rows:  # the first interval includes warm-up: judge from the second on
+            self._warn_once(row)
+        self.rows.append(row)
+
+    def _warn_once(self, row: dict) -> None:
+        waiting = row["data_wait_s"] / row["step_time_s"]
+        if waiting > DATA_WAIT_WARNING and "data" not in self.warned:
+            self.warned.add("data")
+            self.writer.print(f"jaxtrain: warning: waiting for data took {waiting:.1%} of "
+                              f"step {row['step']}'s time (over {DATA_WAIT_WARNING:.0%}): the "
+                              "input pipeline is a bottleneck; raise data.prefetch")
+        if row["mfu"] < self.mfu_floor and "mfu" not in self.warned:
+            self.warned.add("mfu")
+            self.writer.print(f"jaxtrain: warning: MFU {row['mfu']:.3f} at step {row['step']} "
+                              f"is under train.mfu_floor={self.mfu_floor}; profile it with "
+                              "--config.profile.start_step")
+
+
+def _number(value):
+    value = np.asarray(value)
+    return int(value) if value.dtype.kind in "iu" else float(value)

@@ -1,0 +1,139 @@
+"""The run directory: created and checked before anything is written, locked while a run
+uses it, and the files the loop keeps in it besides checkpoints (metrics.jsonl,
+config.json)."""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import os
+import pathlib
+import socket
+import sys
+
+from jaxtrain.errors import ConfigError
+
+LOCK_FILE = ".lock"
+
+
+def prepare_workdir(workdir: pathlib.Path) -> None:
+    """Creates the directory; ConfigError (one line) when it cannot be written."""
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / f".write_test_{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--workdir={workdir} is not writable: {e.strerror}") from None
+
+
+class WorkdirLock:
+    """An exclusive lock on a run directory for as long as a run uses it.
+
+    An advisory lock (flock) on WORKDIR/.lock, which the kernel releases when the holding
+    process dies however it dies, so a lock left by a dead run is simply taken over; the
+    file says who holds it (host, pid, since when) for the one-line refusal. On a network
+    file system flock is only as good as the server's lock support (NFSv4 and Lustre have
+    it). A multi-process job takes it in process 0 only.
+    """
+
+    def __init__(self, workdir: pathlib.Path, say=print):
+        self.path = workdir / LOCK_FILE
+        self.say = say
+        self.handle = None
+
+    def acquire(self) -> None:
+        handle = open(self.path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _holder(self.path)
+            handle.close()
+            raise ConfigError(f"--workdir={self.path.parent} is in use by {holder} "
+                              f"({self.path}); wait for that run to end or stop it, or use "
+                              "another --workdir") from None
+        left = _read(handle)
+        if left:
+            self.say(f"jaxtrain: taking over the lock of {_describe(left)}, which is no "
+                     "longer running")
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                 "since": _now(), "argv": sys.argv}) + "\n")
+        handle.flush()
+        self.handle = handle
+
+    def release(self) -> None:
+        if self.handle is None:
+            return
+        self.handle.seek(0)
+        self.handle.truncate()  # an empty file: released cleanly
+        fcntl.flock(self.handle, fcntl.LOCK_UN)
+        self.handle.close()
+        self.handle = None
+
+    def __enter__(self) -> "WorkdirLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def _read(handle) -> dict:
+    handle.seek(0)
+    try:
+        return json.loads(handle.read() or "{}")
+    except ValueError:
+        return {}
+
+
+def _describe(holder: dict) -> str:
+    return (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} since "
+            f"{holder.get('since', '?')}")
+
+
+def _holder(path: pathlib.Path) -> str:
+    try:
+        return _describe(json.loads(path.read_text() or "{}"))
+    except (OSError, ValueError):
+        return "another process"
+
+
+def read_metrics(path: pathlib.Path, say=print) -> list[dict]:
+    """The rows of a metrics.jsonl; a partial last line (a run killed mid-write) is dropped
+    with a message, any other bad line is reported by its number and skipped."""
+    if not path.exists():
+        return []
+    rows = []
+    lines = path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            where = "its last line is partial (a run stopped while writing it)" \
+                if number == len(lines) else f"line {number} is not JSON"
+            say(f"jaxtrain: {path}: {where}; dropped")
+    return rows
+
+
+def keep_metrics_up_to(path: pathlib.Path, step: int, say=print) -> None:
+    """On resume, keep the logged rows up to the checkpoint's step (the resumed run logs the
+    later ones again); a run that starts afresh at step 0 keeps none."""
+    if not path.exists():
+        return
+    rows = [r for r in read_metrics(path, say) if 0 < step and r.get("step", 0) <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.rename(path)
+
+
+def write_config(workdir: pathlib.Path, cfg) -> None:
+    (workdir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")

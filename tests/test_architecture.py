@@ -1,0 +1,145 @@
+"""The package's shape: dependencies point down the layers, no cycles, and module-level
+imports except where a dependency must load late (jax after a re-exec or fake-device flags)
+or is heavy and optional."""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxtrain"
+
+# Lowest first. A module may import its own layer and the ones below, never one above.
+LAYERS = [
+    ("errors", "precision", "hostmem", "hardware", "distributed", "signals"),
+    ("mesh",),
+    ("parallel",),
+    ("models",),
+    ("data", "optim", "checkpoint", "workdir", "metrics"),
+    ("config",),
+    ("train.state", "train.step", "train.setup", "train.faults", "train.hooks",
+     "train.profiling", "train.preemption", "train.goodput", "train.watchdog"),
+    ("train",),  # the loop and its hooks
+    ("inference", "sampling", "quantization", "hf", "plan"),
+    ("commands", "main", "__main__"),
+]
+
+# Function-level imports: third-party modules that are heavy and needed by one path only,
+# and, in commands, the package itself where jax must load after the command has set up
+# its process (train: the huge-pages re-exec; plan --compile: fake devices).
+LATE_THIRD_PARTY = ("matplotlib", "tensorboardX", "ml_dtypes", "jax.experimental")
+LATE_ALLOWED_IN = ("commands.train", "commands.plan", "commands.common")
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        yield ".".join(parts), path
+
+
+def _layer(module: str) -> int:
+    best, length = None, -1
+    for index, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > length:
+                best, length = index, len(name)
+    assert best is not None, f"jaxtrain.{module} is in no layer of {__file__}"
+    return best
+
+
+def _imports(path: pathlib.Path):
+    """(imported module, line, at module level) for every import of the file."""
+    tree = ast.parse(path.read_text())
+    top = {id(node) for node in tree.body}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            yield name, node.lineno, id(node) in top
+
+
+def _package_imports(path):
+    """(jaxtrain module, line, at module level): `from a.b import c` counts as an import of
+    a.b.c where that is a module, else of a.b."""
+    known = {m for m, _ in _modules()}
+    for name, line, top in _imports(path):
+        parts = name.split(".")
+        if parts[0] != "jaxtrain":
+            continue
+        for end in range(len(parts), 1, -1):
+            target = ".".join(parts[1:end])
+            if target in known:
+                yield target, line, top
+                break
+
+
+def test_every_module_has_a_layer():
+    for module, _ in _modules():
+        if module:
+            _layer(module)
+
+
+def test_no_import_points_up_a_layer():
+    upward = []
+    for module, path in _modules():
+        if not module:
+            continue
+        for target, line, _ in _package_imports(path):
+            if _layer(target) > _layer(module):
+                upward.append(f"jaxtrain/{path.relative_to(PACKAGE)}:{line} {module} "
+                              f"(layer {_layer(module)}) imports {target} (layer {_layer(target)})")
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycles():
+    graph = {module: {t for t, _, _ in _package_imports(path)} - {module}
+             for module, path in _modules() if module}
+    state: dict[str, int] = {}
+
+    def visit(node, trail):
+        state[node] = 1
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == 1:
+                cycle = trail[trail.index(nxt):] + [nxt] if nxt in trail else [node, nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt, trail + [nxt])
+        state[node] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module, [module])
+
+
+def test_function_level_imports_only_where_needed():
+    found = []
+    for module, path in _modules():
+        for name, line, top in _imports(path):
+            if top or name.startswith(LATE_THIRD_PARTY) or name.endswith(".*"):
+                continue
+            if name.startswith("jaxtrain") or name.split(".")[0] in ("jax", "numpy"):
+                if module.startswith(LATE_ALLOWED_IN):
+                    continue
+            found.append(f"jaxtrain/{path.relative_to(PACKAGE)}:{line} imports {name} inside "
+                         "a function")
+    assert not found, "\n".join(found)
+
+
+def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
+    """The walk above finds what it is meant to find: a planted models -> train import."""
+    fake = tmp_path / "jaxtrain"
+    (fake / "models").mkdir(parents=True)
+    (fake / "train").mkdir()
+    (fake / "models" / "bad.py").write_text("from jaxtrain.train.loop import run\n")
+    (fake / "train" / "loop.py").write_text("import jax\n\ndef f():\n    import numpy\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    with pytest.raises(AssertionError, match=r"models.bad \(layer 3\) imports train.loop"):
+        test_no_import_points_up_a_layer()
+    with pytest.raises(AssertionError, match="imports numpy inside a function"):
+        test_function_level_imports_only_where_needed()
