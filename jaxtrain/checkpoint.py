@@ -173,14 +173,12 @@ class Checkpoints:
     # Restoring
 
     def newest_intact(self, target: dict, check_config: Callable[[int, dict, str | None], None],
-                      verify: bool = True, below: int | None = None):
-        """(step, restored tree) of the newest intact checkpoint (below `below`, if given),
-        or None. Damaged steps are reported, set aside and skipped. check_config(step,
+                      verify: bool = True, above: int = -1):
+        """(step, restored tree) of the newest intact checkpoint newer than `above`, or
+        None. Damaged steps are reported, set aside and skipped. check_config(step,
         saved config, how the saved tree differs from `target` or None) raises ConfigError
         for a checkpoint this run cannot continue."""
-        for step in reversed(self.steps()):
-            if below is not None and step >= below:
-                continue
+        for step in reversed([s for s in self.steps() if s > above]):
             problem = self.verify(step) if verify else None
             saved = None
             if problem is None:

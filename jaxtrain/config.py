@@ -19,13 +19,13 @@ from jaxtrain.data.sources import SOURCES
 from jaxtrain.errors import ConfigError, divisors, fail
 from jaxtrain.mesh import (AXES, DEFAULT_RULES, MESH_AXES, batch_shards, dcn_shape,
                            resolve_mesh_shape, validate_axes)
-from jaxtrain.models.attention import CHOICES as ATTENTIONS, KERNELS, resolve_attention
+from jaxtrain.models.attention import KERNELS, resolve_attention
 from jaxtrain.models.families import FAMILIES
 from jaxtrain.models.remat import REMATS
 from jaxtrain.optim import SCHEDULES
 from jaxtrain.precision import PRECISIONS
 
-__all__ = ["ATTENTIONS", "DEFAULT_RULES", "MESH_AXES", "ConfigError", "apply_overrides",
+__all__ = ["DEFAULT_RULES", "MESH_AXES", "ConfigError", "apply_overrides",
            "base_config", "dcn_shape", "load_config_file", "resolve_mesh_shape", "validate"]
 
 
@@ -128,10 +128,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.distributed.heartbeat_timeout_s = 60
     c.distributed.initialization_timeout_s = 300
 
-    # Test-only fault injection: a NaN loss at steps [nan_from_step, nan_from_step+nan_steps).
+    # Test-only fault injection (train/faults.py): a NaN loss at steps
+    # [nan_from_step, nan_from_step + nan_steps); the input of step hang_at_step never comes.
     c.debug = ml_collections.ConfigDict()
     c.debug.nan_from_step = -1
     c.debug.nan_steps = 1
+    c.debug.hang_at_step = -1
     return c
 
 
@@ -259,7 +261,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int,
     platform: the devices' platform ('cpu', 'gpu', 'tpu'), for the choices that depend on
     it (attention kernels, remat offload); None checks only what holds everywhere."""
     _check_numbers(c)
-    for key, registry in (("model.family", FAMILIES), ("model.attention", ATTENTIONS),
+    for key, registry in (("model.family", FAMILIES), ("model.attention", ("auto", *KERNELS)),
                           ("model.remat", REMATS), ("train.precision", PRECISIONS),
                           ("optimizer.schedule", SCHEDULES), ("data.source", SOURCES)):
         _choice(c, key, tuple(registry))

@@ -135,15 +135,18 @@ def bench(cfg, steps: int) -> dict:
 def sweep(cfg, steps: int) -> list[dict]:
     import jax
 
-    from jaxtrain import config as config_lib
+    from jaxtrain.models.attention import KERNELS
+    from jaxtrain.models.remat import REMATS
+    from jaxtrain.precision import PRECISIONS
 
-    attentions = _ATTENTIONS.value or [
-        a for a in config_lib.ATTENTIONS if a != "auto"
-        and (a not in ("cudnn", "pallas") or jax.devices()[0].platform == "gpu")]
+    platform = jax.devices()[0].platform
+    attentions = _ATTENTIONS.value or [  # the kernels that run natively here
+        name for name, k in KERNELS.items()
+        if platform in k.platforms and platform not in k.interpreted]
     rows = []
     for attention, remat, precision in itertools.product(
-            attentions, _REMATS.value or config_lib.REMATS,
-            _PRECISIONS.value or config_lib.PRECISIONS):
+            attentions, _REMATS.value or [r for r, e in REMATS.items() if platform in e.platforms],
+            _PRECISIONS.value or PRECISIONS):
         variant = copy.deepcopy(cfg)
         variant.model.attention, variant.model.remat = attention, remat
         variant.train.precision = precision

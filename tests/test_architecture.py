@@ -143,3 +143,56 @@ def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
         test_no_import_points_up_a_layer()
     with pytest.raises(AssertionError, match="imports numpy inside a function"):
         test_function_level_imports_only_where_needed()
+
+
+def _entry_cases():
+    """(config overrides, registry, name, entry): a new choice, added as one entry."""
+    import jax
+
+    from jaxtrain.data.sources import SOURCES, DataSource, SyntheticWindows
+    from jaxtrain.models.attention import KERNELS, AttentionKernel, xla_attention
+    from jaxtrain.models.families import FAMILIES, Family
+    from jaxtrain.models.remat import REMATS, Remat
+    from jaxtrain.precision import PRECISIONS, Precision
+
+    def constant_splits(c):
+        return (SyntheticWindows(c.model.vocab_size, c.model.seq_len, 7),
+                SyntheticWindows(c.model.vocab_size, c.model.seq_len, 8, size=64))
+
+    return {
+        "remat": ({"model.remat": "save_qkv"}, REMATS, "save_qkv", Remat(
+            "save_qkv", "keep q, k, v", jax.checkpoint_policies.save_only_these_names(
+                "query_proj", "key_proj", "value_proj"), saves="input", recomputes="forward")),
+        "attention": ({"model.attention": "xla_copy"}, KERNELS, "xla_copy", AttentionKernel(
+            "xla_copy", xla_attention, "the reference again", ("cpu", "gpu", "tpu"),
+            full_scores=True)),
+        "precision": ({"train.precision": "bf16_plain"}, PRECISIONS, "bf16_plain", Precision(
+            "bf16_plain", jax.numpy.bfloat16, "bf16 compute")),
+        "data": ({"data.source": "seven"}, SOURCES, "seven", DataSource(
+            "seven", "synthetic tokens of another seed", constant_splits)),
+        "family": ({"model.family": "gpt2_rms"}, FAMILIES, "gpt2_rms", Family(
+            "gpt2_rms", "GPT-2 with RMSNorm", norm="rms", bias=True, rope=False,
+            tied_embeddings=True, mlp="gelu")),
+    }
+
+
+@pytest.mark.parametrize("case", ["remat", "attention", "precision", "data", "family"])
+def test_a_new_choice_is_one_registry_entry(case, monkeypatch, devices):
+    """Adding a remat policy, an attention kernel, a precision, a data source or a model
+    family is one registry entry: validation accepts it, a typo lists it, and it trains."""
+    import math
+
+    from conftest import small_config
+    from helpers import train_steps
+    from jaxtrain.config import validate
+    from jaxtrain.errors import ConfigError
+
+    overrides, registry, name, entry = _entry_cases()[case]
+    key = next(iter(overrides))
+    with pytest.raises(ConfigError, match=rf"{key}='{name}' is invalid"):
+        validate(small_config(**overrides), 1, "cpu")
+    monkeypatch.setitem(registry, name, entry)
+    with pytest.raises(ConfigError, match=rf"valid values are .*{name}"):
+        validate(small_config(**{key: name + "x"}), 1, "cpu")
+    losses, _, _ = train_steps(small_config(**overrides), devices[:1], steps=2)
+    assert all(math.isfinite(v) for v in losses) and losses[1] < losses[0] + 0.5

@@ -31,39 +31,49 @@ def _losses(workdir):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+RUN = ["--config.steps=12", "--config.checkpoint.every_steps=4"]
+
+
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("single")
-    out = _launch(workdir, *MESH, "--config.steps=6", "--config.checkpoint.every_steps=3",
-                  processes=1)
+    out = _launch(workdir, *MESH, *RUN, processes=1)
     assert out.returncode == 0, out.stderr[-3000:]
     return _losses(workdir)
 
 
-def test_two_processes_match_one(tmp_path, single_process):
-    out = _launch(tmp_path, *MESH, "--config.steps=6", "--config.checkpoint.every_steps=3")
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """An uninterrupted 2-process run: its workdir, stderr and losses."""
+    workdir = tmp_path_factory.mktemp("two")
+    out = _launch(workdir, *MESH, *RUN)
     assert out.returncode == 0, out.stderr[-3000:]
+    return workdir, out.stderr, _losses(workdir)
+
+
+def test_two_processes_match_one(tmp_path, single_process, two_processes):
+    workdir, stderr, losses = two_processes
+    shutil.copytree(workdir, tmp_path, dirs_exist_ok=True)
+    out = subprocess.CompletedProcess([], 0, "", stderr)
     assert "[rank 0] jaxtrain: gpt2 2x128, chunked attention, mesh {'data': 2, 'pipeline': 1, " \
         "'fsdp': 2, 'tensor': 2} on 8 cpu devices" in out.stderr
     assert "[rank 1] jaxtrain:" not in out.stderr, "only process 0 reports"
-    losses = _losses(tmp_path)
-    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
-    np.testing.assert_allclose([losses[s] for s in range(1, 7)],
-                               [single_process[s] for s in range(1, 7)], rtol=0, atol=1e-5)
+    assert sorted(losses) == list(range(1, 13))
+    np.testing.assert_allclose([losses[s] for s in range(1, 13)],
+                               [single_process[s] for s in range(1, 13)], rtol=0, atol=1e-5)
     # The checkpoint of the 2-process run resumes in one process (8 devices, another mesh).
-    shutil.rmtree(tmp_path / "checkpoints" / "6")
-    out = _launch(tmp_path, "--config.mesh.data=1", "--config.mesh.fsdp=8", "--config.steps=6",
-                  "--config.checkpoint.every_steps=3", processes=1)
+    shutil.rmtree(tmp_path / "checkpoints" / "12")
+    out = _launch(tmp_path, "--config.mesh.data=1", "--config.mesh.fsdp=8", *RUN, processes=1)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "resuming at step 3" in out.stderr
+    assert "resuming at step 8" in out.stderr
     resumed = _losses(tmp_path)
-    np.testing.assert_allclose([resumed[s] for s in (4, 5, 6)],
-                               [single_process[s] for s in (4, 5, 6)], rtol=0, atol=1e-5)
+    np.testing.assert_allclose([resumed[s] for s in range(9, 13)],
+                               [single_process[s] for s in range(9, 13)], rtol=0, atol=1e-5)
 
 
 def test_hybrid_mesh_with_data_across_processes(tmp_path, single_process):
     out = _launch(tmp_path, "--config.mesh.dcn_data=2", "--config.mesh.data=1",
-                  "--config.mesh.fsdp=2", "--config.mesh.tensor=2", "--config.steps=6")
+                  "--config.mesh.fsdp=2", "--config.mesh.tensor=2", *RUN)
     assert out.returncode == 0, out.stderr[-3000:]
     losses = _losses(tmp_path)
     np.testing.assert_allclose([losses[s] for s in (1, 2, 3)],
@@ -95,3 +105,69 @@ def test_a_dead_rank_stops_the_job_quickly(tmp_path):
     finally:  # never leave a 100000-step job behind
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def _rank_pid(workdir, rank: int) -> int:
+    pattern = f"jaxtrain.main .*--workdir={workdir} .*--process_id={rank}"
+    pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    assert len(pids) == 1, pids
+    return int(pids[0])
+
+
+def _wait(condition, process, timeout=300):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline and process.poll() is None
+        time.sleep(0.05)
+
+
+def test_a_killed_rank_is_restarted_and_the_job_trains_the_same_numbers(tmp_path,
+                                                                        two_processes):
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "jaxtrain.commands.launch", "--processes", "2",
+         "--devices-per-process", "4", "--max-restarts", "1", "--", *TINY, *MESH, *RUN,
+         f"--workdir={tmp_path}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)
+    try:
+        _wait(lambda: (tmp_path / "checkpoint_manifests" / "4.json").exists()
+              and max(_losses(tmp_path), default=0) >= 5, launcher)
+        os.kill(_rank_pid(tmp_path, 1), signal.SIGKILL)
+        _, err = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 0, err[-3000:]
+    assert "restarting the job (1 of 1) after rank 1 exited with status 137" in err
+    assert "resuming at step" in err
+    assert _losses(tmp_path) == two_processes[2], "every step's loss, bit for bit"
+    last = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["lost_restart_s"] > 0 and 0 < last["goodput"] < 1
+
+
+def test_without_a_launcher_a_rank_whose_peer_died_exits_in_bounded_time(tmp_path):
+    """No supervisor: jax.distributed's heartbeat (distributed.heartbeat_timeout_s) ends the
+    survivor, non-zero, so that a scheduler can restart the job."""
+    port = subprocess.run([sys.executable, "-c", "import socket; s = socket.socket(); "
+                           "s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"],
+                          capture_output=True, text=True).stdout.strip()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    ranks = [subprocess.Popen(
+        [sys.executable, "-m", "jaxtrain.main", *TINY, *MESH, "--config.steps=100000",
+         "--config.distributed.heartbeat_timeout_s=10", f"--workdir={tmp_path}",
+         f"--coordinator=127.0.0.1:{port}", "--num_processes=2", f"--process_id={rank}"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for rank in range(2)]
+    try:
+        _wait(lambda: (tmp_path / "metrics.jsonl").exists() and _losses(tmp_path), ranks[0])
+        ranks[1].kill()
+        killed_at = time.time()
+        ranks[0].wait(timeout=120)
+        detected = time.time() - killed_at
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+    assert ranks[0].returncode != 0
+    assert detected < 60, detected
+    assert "another task died" in ranks[0].stderr.read()

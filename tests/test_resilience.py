@@ -18,6 +18,7 @@ import pytest
 from conftest import small_config
 from helpers import train_steps
 from jaxtrain.checkpoint import Checkpoints
+from jaxtrain.commands import report
 from jaxtrain.config import ConfigError, apply_overrides, load_config_file
 from jaxtrain.optim import skipped_steps
 from jaxtrain.train.loop import TrainingStopped, run
@@ -115,6 +116,16 @@ def test_kill_9_then_rerun_is_bitwise_the_same_run(tmp_path, uninterrupted):
     assert rerun.returncode == 0, err[-2000:]
     assert "resuming at step" in err
     _assert_same_run(tmp_path, uninterrupted)
+    # Goodput accounts for the restart: the steps run past the checkpoint were done twice,
+    # and the time between the kill and the rerun is lost.
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]
+    assert last["lost_recomputed_s"] > 0 and last["lost_restart_s"] > 0
+    lost = sum(v for k, v in last.items() if k.startswith("lost_"))
+    assert 0 < last["goodput"] < 1
+    assert last["goodput"] * last["wall_s"] + lost <= last["wall_s"] * 1.01
+    report.main(["--workdir", str(tmp_path)])
+    assert (tmp_path / "report.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow

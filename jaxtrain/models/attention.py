@@ -91,7 +91,8 @@ class AttentionKernel:
     name: str
     fn: Callable  # (q_BLHK scaled, k_BMGK, v_BMGK, window) -> out_BLHK, causal
     doc: str
-    platforms: tuple[str, ...]  # where it runs ('cpu' for Pallas kernels: interpreted, tests)
+    platforms: tuple[str, ...]  # where it runs
+    interpreted: tuple[str, ...] = ()  # of those, where it runs in an interpreter (tests)
     float32: bool = True  # runs in float32 (else 16-bit compute only)
     window: bool = True  # takes a sliding window
     seq_multiple: int = 1  # the sequence length must be a multiple of this
@@ -128,18 +129,19 @@ class AttentionKernel:
 # chunked is the fallback (it beats the reference on every backend measured).
 KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
     AttentionKernel("splash", splash_attention, "jax's Pallas splash kernel for TPUs",
-                    ("tpu", "cpu"), seq_multiple=128, auto_on="tpu", sharded_by_rules=True),
+                    ("tpu", "cpu"), ("cpu",), seq_multiple=128, auto_on="tpu",
+                    sharded_by_rules=True),
     AttentionKernel("cudnn", cudnn_attention, "cuDNN's fused flash attention", ("gpu",),
                     float32=False, auto_on="gpu"),
     AttentionKernel("pallas", pallas_attention, "jax's Pallas (Triton) flash kernel for "
-                    "GPUs; 'pallas' on TPU means splash", ("gpu", "cpu"), window=False),
+                    "GPUs; 'pallas' on TPU means splash", ("gpu", "cpu"), ("cpu",),
+                    window=False),
     AttentionKernel("chunked", chunked_attention, "flash-style causal attention in XLA: "
                     "query chunks, skipped masked blocks, no L×L buffers kept",
                     ("cpu", "gpu", "tpu")),
     AttentionKernel("xla", xla_attention, "the reference: full score matrix, mask, softmax",
                     ("cpu", "gpu", "tpu"), full_scores=True),
 )}
-CHOICES = ("auto", *KERNELS)
 
 
 def resolve_attention(name: str, precision: str, platform: str, seq_len: int = 128,

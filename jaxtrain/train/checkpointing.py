@@ -12,7 +12,7 @@ from typing import Callable
 import jax
 
 from jaxtrain.checkpoint import Checkpoints
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import CheckpointError, ConfigError
 from jaxtrain.train.hooks import Hook, StepInfo, due
 from jaxtrain.train.state import TrainState
 
@@ -87,12 +87,18 @@ class Tiers:
     def restore(self, target: dict, check: Callable, verify: bool):
         """(step, tree) of the newest intact checkpoint across the tiers (durable first on
         a tie), or (0, None)."""
+        had = {str(tier.directory): tier.steps() for tier in self.all if tier.steps()}
         best = None
         for tier in self.all:
             found = tier.newest_intact(target, check, verify,
-                                       below=None if best is None else best[0] + 1)
-            if found is not None and (best is None or found[0] > best[0]):
+                                       above=-1 if best is None else best[0])
+            if found is not None:
                 best = found
+        if best is None and had:
+            listed = "; ".join(f"{d} (steps {', '.join(map(str, s))})" for d, s in had.items())
+            raise CheckpointError(f"none of the checkpoints in {listed} is usable (they were "
+                                  "set aside as damaged); move the directory away to start "
+                                  "afresh")
         return best or (0, None)
 
     def close(self) -> None:

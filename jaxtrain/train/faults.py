@@ -1,9 +1,11 @@
 """Fault injection for testing the run's defences (config section `debug`): a NaN loss at
-chosen steps, as a wrapper around the loss the train step differentiates."""
+chosen steps (a wrapper around the loss the train step differentiates), and an input
+pipeline that hangs at a chosen step (for the hang watchdog)."""
 
 from __future__ import annotations
 
-from typing import Callable
+import threading
+from typing import Callable, Iterator
 
 import jax.numpy as jnp
 
@@ -23,3 +25,12 @@ def loss_with_faults(loss: Callable, debug_cfg) -> Callable:
     if debug_cfg.nan_from_step >= 0:
         return poisoned(loss, debug_cfg.nan_from_step, debug_cfg.nan_steps)
     return loss
+
+
+def data_with_faults(batches: Iterator, debug_cfg, start: int) -> Iterator:
+    """The batches, but the one for step debug.hang_at_step never comes (a stuck reader)."""
+    hang_at = debug_cfg.hang_at_step
+    for step, batch in enumerate(batches, start):
+        if step == hang_at:
+            threading.Event().wait()
+        yield batch

@@ -26,6 +26,7 @@ from jaxtrain.metrics import MetricsWriter, flops_per_token, peak_flops_per_devi
 from jaxtrain.parallel.pipeline import microbatches_for_bubble
 from jaxtrain.train.checkpointing import Checkpointer, Tiers, restore_or_init
 from jaxtrain.train.evaluation import Evaluator
+from jaxtrain.train.faults import data_with_faults
 from jaxtrain.train.goodput import Goodput
 from jaxtrain.train.guards import BadStepGuard, StopOnRequest
 from jaxtrain.train.hooks import Halt, StepInfo
@@ -106,8 +107,9 @@ def _train(setup: Setup, batches, state, start: int, restored: bool, tiers: Tier
                      logger, BadStepGuard(cfg.train.max_consecutive_bad_steps), evaluator,
                      checkpointer, StopOnRequest(stop)]
             goodput.training_started()
-            _steps(setup, state, train_step, batches.train_iter(start), start, hooks, logger,
-                   checkpointer, watchdog)
+            data = data_with_faults(batches.train_iter(start), cfg.debug, start)
+            _steps(setup, state, train_step, data, start, hooks, logger, checkpointer,
+                   watchdog)
     return logger.rows
 
 
