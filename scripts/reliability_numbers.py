@@ -56,20 +56,23 @@ def save(directory: pathlib.Path) -> dict:
     tree = setup.init_state().tree()
     size = sum(x.nbytes for x in jax.tree.leaves(tree))
     checkpoints = Checkpoints(directory / "checkpoints", keep=3)
+    result = {"check": "save", "state_bytes": size}
+    for step in (1, 2):  # the first save of a process also sets orbax up
+        began = time.perf_counter()
+        checkpoints.save(step, tree, cfg.to_dict())
+        held = time.perf_counter() - began
+        checkpoints.manager.wait_until_finished()
+        committed = time.perf_counter() - began
+        checkpoints.wait()
+        manifested = time.perf_counter() - began
+        result[f"save{step}"] = {"training_thread_held_s": round(held, 3),
+                                 "committed_s": round(committed, 3),
+                                 "with_manifest_s": round(manifested, 3)}
     began = time.perf_counter()
-    checkpoints.save(1, tree, cfg.to_dict())
-    held = time.perf_counter() - began
-    checkpoints.manager.wait_until_finished()
-    committed = time.perf_counter() - began
-    checkpoints.wait()
-    manifested = time.perf_counter() - began
-    began = time.perf_counter()
-    problem = checkpoints.verify(1)
-    verified = time.perf_counter() - began
+    result["verified"] = checkpoints.verify(2) is None
+    result["verify_s"] = round(time.perf_counter() - began, 3)
     checkpoints.close()
-    return {"check": "save", "state_bytes": size, "training_thread_held_s": round(held, 3),
-            "committed_s": round(committed, 3), "with_manifest_s": round(manifested, 3),
-            "verify_s": round(verified, 3), "verified": problem is None}
+    return result
 
 
 def dead_rank(heartbeat: int, directory: pathlib.Path) -> dict:
