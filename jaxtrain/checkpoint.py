@@ -62,19 +62,22 @@ class Checkpoints:
 
     def __init__(self, directory: pathlib.Path, keep: int, keep_period: int = 0,
                  log: Callable[[str], None] = print, manifests: pathlib.Path | None = None,
-                 on_commit: Callable[[int], None] | None = None):
+                 on_commit: Callable[[int], None] | None = None, read_only: bool = False):
         """on_commit(step) is called (on a background thread) once a step is on disk with
-        its manifest."""
+        its manifest. read_only: for reading a run that may be training right now (eval,
+        generate, export): nothing is created, cleaned up or deleted."""
         self.directory = pathlib.Path(directory).absolute()
         self.on_commit = on_commit
         self.manifests = (manifests or self.directory.parent / "checkpoint_manifests").absolute()
         self.keep, self.keep_period, self.log = keep, keep_period, log
-        self.primary = jax.process_index() == 0
+        # Process 0 writes manifests and moves damaged steps; a reader writes nothing.
+        self.primary = jax.process_index() == 0 and not read_only
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "jaxtrain-manifest")
         self._lock = threading.Lock()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=None, create=True, enable_async_checkpointing=True,
-            cleanup_tmp_directories=True,
+            max_to_keep=None, create=not read_only, read_only=read_only,
+            enable_async_checkpointing=True, cleanup_tmp_directories=not read_only,
+            enable_background_delete=True,
             async_options=ocp.options.AsyncOptions(
                 post_finalization_callback=self._committed_async))
         self.manager = ocp.CheckpointManager(self.directory, options=options,

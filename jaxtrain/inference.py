@@ -53,7 +53,7 @@ def run_config(workdir: pathlib.Path) -> tuple[int, ml_collections.ConfigDict]:
     if not directory.is_dir():
         raise CheckpointError(f"--workdir={workdir} holds no checkpoints/ directory: "
                               "train with jaxtrain train (python -m jaxtrain.main) first")
-    checkpoints = Checkpoints(directory, keep=1_000_000, log=lambda _: None)
+    checkpoints = Checkpoints(directory, keep=1_000_000, log=lambda _: None, read_only=True)
     try:
         step, saved = checkpoints.latest_intact()
     finally:
@@ -84,7 +84,8 @@ def load(workdir, *, data: int = 1, fsdp: int = 1, tensor: int = 1, batch: int |
     if quantization is not None:
         axes_by_path = param_axes(abstract_model(setup.spec))
         target = quantization_lib.abstract_quantized(target, axes_by_path)
-    checkpoints = Checkpoints(workdir / "checkpoints", keep=1_000_000, log=lambda _: None)
+    checkpoints = Checkpoints(workdir / "checkpoints", keep=1_000_000, log=lambda _: None,
+                              read_only=True)
     try:
         params = checkpoints.restore_params(step, target)
     finally:
