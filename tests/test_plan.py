@@ -9,7 +9,9 @@ import sys
 import pytest
 
 from jaxtrain.config import validate
-from jaxtrain.plan import catalog, memory, timing
+from jaxtrain.models import ModelSpec
+from jaxtrain import hardware as catalog
+from jaxtrain.plan import memory, timing
 from jaxtrain.plan.compile_check import compile_in_subprocess, compiled_memory, load_config
 from jaxtrain.plan.grid import GRID, grid_config
 from jaxtrain.plan.planner import make_plan
@@ -48,14 +50,13 @@ def test_memory_estimate_within_15_percent_of_xla(case, devices):
 
 
 def test_known_figures():
-    assert memory.model_state_bytes_per_param("float32") == 16
-    seven_b = 7e9
-    assert memory.weight_bytes(seven_b, "float32") == pytest.approx(28e9)
-    state = seven_b * memory.model_state_bytes_per_param()
-    assert state - memory.weight_bytes(seven_b, "float32") == pytest.approx(84e9)
-    assert state == pytest.approx(112e9)
-    assert memory.weight_bytes(175e9, "float32") == pytest.approx(700e9)
-    assert memory.weight_bytes(175e9, "bfloat16") == pytest.approx(350e9)
+    # Adam in float32: 16 bytes per parameter (4 weights, 4 gradients, 8 moments), unsharded.
+    cfg = load_config(str(ROOT / "configs/gpt13b.py"), {
+        "mesh.fsdp": 1, "mesh.tensor": 1, "mesh.data": 1, "train.microbatches": 1})
+    parts = memory.estimate(cfg, validate(cfg, 1))
+    count = memory.param_shards(ModelSpec.from_config(cfg), validate(cfg, 1))["count"]
+    assert parts["params"] + parts["optimizer"] + parts["gradients"] == 16 * count
+    assert parts["params"] == 4 * count
     cost = timing.cost(720, 8, catalog.get("A100-40GB"), price_per_hour=32.77)
     assert round(cost["cloud_usd"]) == 23594
     # The catalog's own p4d price per GPU gives the same cluster price.
@@ -66,13 +67,29 @@ def test_known_figures():
     assert h100["energy_kwh"] == pytest.approx(8 * 0.7 * 720)
 
 
+@pytest.mark.parametrize("precision", ["float16", "fp8"])
+def test_time_and_memory_count_16_bit_values_alike(precision):
+    """float16 and fp8 (bf16 outside the matmuls) move 2-byte activations and gathered
+    weights, as bfloat16 does: the time model's traffic equals bfloat16's, and so does the
+    memory model's activation figure."""
+    def plan(p):
+        cfg = load_config(str(ROOT / "configs/gpt13b.py"), {"train.precision": p})
+        return make_plan(cfg, catalog.get("H100-SXM"), 64)
+
+    bf16, other = plan("bfloat16"), plan(precision)
+    assert other["time"]["comm_bytes"] == bf16["time"]["comm_bytes"]
+    assert other["time"]["memory_bound_s"] == bf16["time"]["memory_bound_s"]
+    assert other["memory"]["parts"]["activations"] == bf16["memory"]["parts"]["activations"]
+    f32 = plan("float32")["time"]["comm_bytes"]
+    assert f32["tensor"] == 2 * bf16["time"]["comm_bytes"]["tensor"] > 0
+
+
 def test_state_bytes_are_exact_for_a_known_model():
     cfg = load_config(str(ROOT / "configs/gpt13b.py"), {})
     sizes = validate(cfg, 64)
     parts = memory.estimate(cfg, sizes)
-    params = memory.param_shards(
-        __import__("jaxtrain.models", fromlist=["ModelSpec"]).ModelSpec.from_config(cfg),
-        {**sizes, "fsdp": 1, "tensor": 1})["count"]
+    params = memory.param_shards(ModelSpec.from_config(cfg),
+                                 {**sizes, "fsdp": 1, "tensor": 1})["count"]
     assert params == pytest.approx(12.85e9, rel=0.01)
     assert parts["params"] + parts["optimizer"] == pytest.approx(12 * params / 64, rel=0.01)
 

@@ -4,7 +4,7 @@ models small enough that each compile takes seconds on a CPU."""
 
 from __future__ import annotations
 
-from jaxtrain.config import base_config
+from jaxtrain.config import apply_overrides, base_config
 
 SIZES = {
     # d_model, layers, heads, kv heads, mlp, vocab, seq
@@ -54,7 +54,4 @@ def grid_config(name: str):
                    vocab_size=vocab, seq_len=seq)
     c.train.global_batch = batch
     c.mesh.data = 1
-    for key, value in overrides.items():
-        section, leaf = key.split(".")
-        c[section][leaf] = value
-    return c
+    return apply_overrides(c, overrides)

@@ -15,7 +15,8 @@ import jax
 from flax import nnx
 
 from jaxtrain.mesh import logical_to_spec
-from jaxtrain.models import ModelSpec
+from jaxtrain.models import ModelSpec, Transformer
+from jaxtrain.models.head_loss import chunk_size
 
 F32 = 4
 # Buffers XLA holds besides the ones counted (fusion outputs, copies around collectives,
@@ -24,10 +25,17 @@ F32 = 4
 TEMP_MARGIN = 0.07
 
 
+def value_bytes(spec: ModelSpec, backend: str = "accelerator") -> int:
+    """Bytes per activation (and per gathered weight): the compute dtype's, which is bf16
+    under fp8 too (fp8 quantizes inside the matmul); XLA's CPU backend keeps 16-bit
+    activations in float32."""
+    return F32 if backend == "cpu" else jax.numpy.dtype(spec.compute_dtype).itemsize
+
+
 def param_shards(spec: ModelSpec, sizes: dict[str, int]) -> dict[str, int]:
     """Elements per device: 'total' parameters, 'layer' (one layer of the stack, as a
     device holds it), and 'layer_gathered' (one layer after the FSDP all-gather)."""
-    model = nnx.eval_shape(lambda: _transformer(spec))
+    model = nnx.eval_shape(lambda: Transformer(spec, rngs=nnx.Rngs(0)))
     leaves = jax.tree_util.tree_flatten_with_path(
         nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
     out = {"total": 0, "layer": 0, "layer_gathered": 0, "count": 0, "embed_gathered": 0}
@@ -50,11 +58,6 @@ def param_shards(spec: ModelSpec, sizes: dict[str, int]) -> dict[str, int]:
         elif path[0].key in ("tok_embed", "lm_head"):
             out["embed_gathered"] += gathered
     return out
-
-
-def _transformer(spec):
-    from jaxtrain.models import Transformer
-    return Transformer(spec, rngs=nnx.Rngs(0))
 
 
 def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
@@ -108,7 +111,7 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator") -> dict[s
     """
     spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"])
     shards = param_shards(spec, sizes)
-    c = F32 if backend == "cpu" else jax.numpy.dtype(spec.compute_dtype).itemsize
+    c = value_bytes(spec, backend)
     micro = cfg.train.microbatches
     rows = cfg.train.global_batch // micro // (sizes["data"] * sizes["fsdp"])
     p = sizes["pipeline"]
@@ -171,7 +174,8 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator") -> dict[s
     # logits, their exponent and the compute-dtype logit gradient for a chunk, the stacked
     # input gradient, and the gathered head with its float32 gradient.
     global_rows = cfg.train.global_batch // micro
-    chunk_tokens = _chunk_tokens(spec.seq_len, global_rows) / (sizes["data"] * sizes["fsdp"])
+    chunk_tokens = chunk_size(spec.seq_len, global_rows) * global_rows / (
+        sizes["data"] * sizes["fsdp"])
     vocab_local = spec.vocab_size / sizes["tensor"]
     logits = chunk_tokens * vocab_local * (2 * F32 + c) + rows * spec.seq_len * spec.d_model * c
     head = shards["embed_gathered"] * (c + F32)
@@ -181,23 +185,3 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator") -> dict[s
              "logits": logits, "temporaries": temporaries}
     parts["total"] = sum(parts.values())
     return parts
-
-
-def _chunk_tokens(length: int, batch: int, target_tokens: int = 1024) -> int:
-    """Global tokens per head chunk, as models/head_loss.py picks it."""
-    best = 1
-    for chunk in range(1, length + 1):
-        if length % chunk == 0 and chunk * batch <= target_tokens:
-            best = chunk
-    return best * batch
-
-
-def model_state_bytes_per_param(precision: str = "float32") -> int:
-    """Adam model state per parameter: float32 master weights, gradients and two moments.
-    jaxtrain keeps float32 master weights under train.precision=bfloat16 too (16 bytes)."""
-    del precision
-    return 4 * F32
-
-
-def weight_bytes(params: float, dtype: str) -> float:
-    return params * {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}[dtype]

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 
-from jaxtrain.metrics import attention_flops_per_token, flops_per_token, matmul_params
 from jaxtrain.models import ModelSpec
+from jaxtrain.models.flops import attention_flops_per_token, flops_per_token, matmul_params
+from jaxtrain.plan.memory import value_bytes
 from jaxtrain.parallel.pipeline import bubble_fraction
 
 MATMUL_EFFICIENCY = 0.7
@@ -52,7 +53,7 @@ def axis_bandwidths(sizes: dict[str, int], hw, dcn: dict[str, int]) -> dict[str,
 def comm_bytes(cfg, spec: ModelSpec, sizes: dict[str, int], param_elems: int) -> dict:
     """Bytes each device sends per step on each axis (ring collectives: an all-gather or
     reduce-scatter of X moves (n−1)/n·X, an all-reduce twice that)."""
-    c = 2 if cfg.train.precision == "bfloat16" else 4
+    c = value_bytes(spec)
     d, t, f, p = sizes["data"], sizes["tensor"], sizes["fsdp"], sizes["pipeline"]
     micro = cfg.train.microbatches
     rows = cfg.train.global_batch // micro // (d * f)
@@ -84,7 +85,7 @@ def predict(cfg, sizes: dict[str, int], hw, param_elems: int, dcn: dict[str, int
     compute = flops["hardware"] / n / (peak * MATMUL_EFFICIENCY)
     # Roofline: each matmul streams its weights (compute dtype) once per pass and its
     # activations; memory-bound when tokens per device are few.
-    c = 2 if cfg.train.precision == "bfloat16" else 4
+    c = value_bytes(spec)
     passes = 4 if spec.remat in ("full", "save_attention_out") else 3
     tokens_dev = tokens / (sizes["data"] * sizes["fsdp"])
     weight_traffic = passes * cfg.train.microbatches * param_elems * sizes["fsdp"] * c
