@@ -74,7 +74,8 @@ def format_plan(plan: dict) -> str:
               f"{', comm: ' + comm if comm else ''}, bubble {t['bubble']:.1%}",
               f"  MFU {t['mfu']:.1%}, {t['tokens_per_s']:,.0f} tokens/s, "
               f"{t['tokens_per_step']:,} tokens/step",
-              f"  assumes: matmuls at {t['matmul_efficiency']:.0%} of peak; {t['overlap']}"]
+              f"  assumes: {t['overlap']}",
+              f"  uncertainty: {t['calibration']}"]
     if "cost" in plan:
         c = plan["cost"]
         lines += [f"training {t['train_tokens']:.3g} tokens: {t['train_steps']:,.0f} steps, "
