@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxtrain.config import (MESH_AXES, apply_overrides, load_config_file,
                              resolve_mesh_shape)
+from jaxtrain.plan import published
 from jaxtrain.plan.hlo import collective_bytes
 from jaxtrain.train.setup import build
 
@@ -54,7 +55,7 @@ def memory_figures(compiled) -> dict:
 def compiled_memory(cfg, devices=None) -> dict:
     """memory_figures of cfg's step on `devices` (default: all), with the collective bytes
     of its HLO (plan/hlo.py), the device count and platform."""
-    cfg = _single_granule(cfg)
+    cfg = single_granule(cfg, len(devices) if devices else None)
     setup = build(cfg, devices)
     compiled = compile_step(setup)
     return {**memory_figures(compiled), "devices": len(setup.mesh.devices.flat),
@@ -62,12 +63,12 @@ def compiled_memory(cfg, devices=None) -> dict:
             "collective_bytes": collective_bytes(compiled.as_text())}
 
 
-def _single_granule(cfg):
+def single_granule(cfg, devices: int | None = None):
     """Multi-host dcn sizes folded into the plain axis sizes: one process of fake devices
     has no hosts to split by, and per-device memory depends only on the axis sizes."""
     if all(cfg.mesh[f"dcn_{a}"] == 1 for a in MESH_AXES):
         return cfg
-    sizes = resolve_mesh_shape(cfg.mesh, jax.device_count())
+    sizes = resolve_mesh_shape(cfg.mesh, devices or jax.device_count())
     cfg = ml_collections.ConfigDict(cfg.to_dict())
     for axis in MESH_AXES:
         cfg.mesh[axis], cfg.mesh[f"dcn_{axis}"] = sizes[axis], 1
@@ -76,7 +77,8 @@ def _single_granule(cfg):
 
 def compile_in_subprocess(config_file: str, overrides: dict, devices: int,
                           timeout: float = 600) -> dict:
-    """compiled_memory on `devices` fake CPU devices, in a fresh Python process."""
+    """compiled_memory on `devices` fake CPU devices, in a fresh Python process.
+    config_file: a path, or 'published:RUN_ID' (load_config)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     argv = [sys.executable, "-m", "jaxtrain.plan.compile_check", "--devices", str(devices),
@@ -88,8 +90,14 @@ def compile_in_subprocess(config_file: str, overrides: dict, devices: int,
 
 
 def load_config(config_file: str, overrides: dict):
-    """A config file's get_config() with dotted KEY=VALUE overrides applied."""
-    return apply_overrides(load_config_file(config_file), overrides)
+    """A config file's get_config() (or, for 'published:RUN_ID', a published run's config,
+    plan/published.py) with dotted KEY=VALUE overrides applied."""
+    if config_file.startswith("published:"):
+        run_id = config_file.removeprefix("published:")
+        cfg = published.config(next(r for r in published.runs() if r["id"] == run_id))
+    else:
+        cfg = load_config_file(config_file)
+    return apply_overrides(cfg, overrides)
 
 
 def _main(argv) -> None:
