@@ -48,15 +48,17 @@ run_check() {  # name limit_s command...: appends the command's last JSON line, 
 
 if [ "$REHEARSE" -eq 1 ]; then
   export JAX_PLATFORMS=cpu
+  unset XLA_FLAGS  # one CPU device, like one GPU (a test runner may have asked for fake ones)
   HARDWARE=CPU-host
   # llama_1b's family and layout at a size a CPU runs in seconds.
   SHAPE="--config.model.d_model=128 --config.model.num_layers=2 --config.model.num_heads=4 \
 --config.model.num_kv_heads=2 --config.model.mlp_dim=256 --config.model.vocab_size=512 \
---config.model.seq_len=128 --config.train.global_batch=2"
+--config.model.seq_len=128 --config.train.global_batch=2 --config.mesh.fsdp=1"
   KERNELS="chunked xla"
   PEAK_N=256
   record install skipped '"reason": "rehearsal"'
 else
+  export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}  # the checks are for one GPU
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv > "$OUT_DIR/nvidia_smi.txt" 2>&1
   if ! $PY -c "import jax, sys; sys.exit(jax.devices()[0].platform != 'gpu')" 2>/dev/null; then
     run_check install 300 $PY -c "import subprocess, sys, json; subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '-e', '.[cuda12]'], check=True); print(json.dumps({}))"

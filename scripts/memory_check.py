@@ -44,23 +44,24 @@ def shipped_cases() -> list[dict]:
             for name, (hw, devices) in TARGETS.items()]
 
 
-def scaled_run(run: dict) -> dict:
-    """A published run's layout on ≤ MAX_DEVICES devices and ≤ MAX_LAYERS layers a stage:
-    per-device shapes (sequences, shards) are kept where the axes allow."""
+def scaled_run(run: dict, max_devices: int = MAX_DEVICES, cpu: bool = True) -> dict:
+    """A published run's layout on ≤ max_devices devices and ≤ MAX_LAYERS layers a stage:
+    per-device shapes (sequences, shards) are kept where the axes allow. cpu: replace the
+    GPU/TPU attention kernels, which do not compile for CPU."""
     cfg = published.config(run)
     sizes = validate(cfg, run["devices"])
     overrides = dict(run["config"])
     devices = run["devices"]
     # Drop data-parallel replicas, then fsdp, keeping the per-device batch.
     for axis in ("data", "fsdp"):
-        while devices > MAX_DEVICES and sizes[axis] % 2 == 0 and sizes[axis] > 1:
+        while devices > max_devices and sizes[axis] % 2 == 0 and sizes[axis] > 1:
             sizes[axis] //= 2
             devices //= 2
             overrides["train.global_batch"] = overrides["train.global_batch"] // 2
     for axis in ("data", "fsdp", "tensor", "pipeline"):
         overrides[f"mesh.{axis}"] = sizes[axis]
         overrides[f"mesh.dcn_{axis}"] = 1
-    if overrides.get("model.attention") in ("cudnn", "splash", "pallas"):
+    if cpu and overrides.get("model.attention") in ("cudnn", "splash", "pallas"):
         # GPU/TPU kernels do not compile for CPU; chunked keeps the same per-query state
         # (a logsumexp, no score matrix), which is what the memory model counts for all three.
         overrides["model.attention"] = "chunked"

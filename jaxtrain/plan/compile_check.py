@@ -106,7 +106,10 @@ def _main(argv) -> None:
     overrides = dict(a.split("=", 1) for a in argv[argv.index("--config") + 2:])
     overrides = {k: json.loads(v) for k, v in overrides.items()}
     # Read when the CPU backend starts (the first jax.devices()), not at import.
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join(
+        flags + [f"--xla_force_host_platform_device_count={devices}"])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     result = compiled_memory(load_config(config_file, overrides), jax.devices()[:devices])
     print(json.dumps(result))
