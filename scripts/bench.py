@@ -4,7 +4,7 @@
     python scripts/bench.py --config configs/bench_cpu.py --sweep [--attentions=xla,chunked]
         [--remats=none,full] [--precisions=float32,bfloat16]
 
-MFU is model FLOPs/s (jaxtrain.metrics.flops_per_token) over the devices' peak: on CPU a
+MFU is model FLOPs/s (jaxtrain.models.flops.flops_per_token) over the devices' peak: on CPU a
 jitted 2048×2048 matmul measured in this same process, on known accelerators the datasheet
 (and, as `mfu_vs_measured`, an 8192² matmul in the compute dtype measured in this process).
 --sweep benchmarks every combination of attention × remat × precision and prints a table

@@ -26,11 +26,8 @@ from jaxtrain.config import validate  # noqa: E402
 from jaxtrain.plan import memory, published  # noqa: E402
 from jaxtrain.plan.compile_check import (  # noqa: E402
     compile_in_subprocess, load_config, single_granule)
+from jaxtrain.plan.grid import SHIPPED_TARGETS  # noqa: E402
 
-# Each shipped config on the target its docstring names: (hardware, devices).
-TARGETS = {"tiny.py": ("CPU-host", 1), "bench_cpu.py": ("CPU-host", 1),
-           "gpt2_124m.py": ("A100-40GB", 8), "llama_1b.py": ("H100-SXM", 8),
-           "gpt13b.py": ("A100-80GB", 64), "gpt13b_pp.py": ("A100-80GB", 16)}
 # Published layouts compile on at most this many fake devices (more take minutes each on two
 # cores); larger runs keep their axis sizes but fewer data-parallel replicas, and at most
 # MAX_LAYERS layers per pipeline stage.
@@ -41,7 +38,7 @@ MAX_LAYERS = 2
 def shipped_cases() -> list[dict]:
     return [{"case": name, "config_file": os.path.join(ROOT, "configs", name),
              "overrides": {}, "devices": devices, "hardware": hw}
-            for name, (hw, devices) in TARGETS.items()]
+            for name, (hw, devices) in SHIPPED_TARGETS.items()]
 
 
 def scaled_run(run: dict, max_devices: int = MAX_DEVICES, cpu: bool = True) -> dict:
@@ -90,7 +87,8 @@ def check(case: dict) -> dict:
     compiled = compile_case(case)
     got = compiled["total_bytes_per_device"]
     return {"case": case["case"], "devices": case["devices"], "estimate_bytes": est,
-            "compiled_bytes": got, "ratio": est / got, "compile_s": compiled["compile_s"], "estimate_parts": parts,
+            "compiled_bytes": got, "ratio": est / got, "compile_s": compiled["compile_s"],
+            "estimate_parts": parts,
             **{k: compiled[k] for k in ("argument_bytes", "output_bytes", "alias_bytes",
                                         "temp_bytes")}}
 

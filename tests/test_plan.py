@@ -13,7 +13,7 @@ from jaxtrain.models import ModelSpec
 from jaxtrain import hardware as catalog
 from jaxtrain.plan import memory, timing
 from jaxtrain.plan.compile_check import compile_in_subprocess, compiled_memory, load_config
-from jaxtrain.plan.grid import GRID, grid_config
+from jaxtrain.plan.grid import GRID, SHIPPED_TARGETS, grid_config
 from jaxtrain.plan.planner import make_plan
 from jaxtrain.plan.search import search
 
@@ -119,10 +119,7 @@ def test_search_gpt13b_on_64_a100_only_returns_plans_the_compiler_confirms():
         assert plan["compiled"]["total_bytes_per_device"] <= plan["memory"]["usable_bytes"]
 
 
-# Each shipped config on the target its docstring names (the smallest device it claims).
-TARGETS = {"tiny.py": ("CPU-host", 1), "bench_cpu.py": ("CPU-host", 1),
-           "gpt2_124m.py": ("A100-40GB", 8), "llama_1b.py": ("H100-SXM", 8),
-           "gpt13b.py": ("A100-80GB", 64), "gpt13b_pp.py": ("A100-80GB", 16)}
+TARGETS = SHIPPED_TARGETS
 
 
 def test_every_shipped_config_has_a_target():

@@ -44,6 +44,14 @@ GRID = {
 }
 
 
+# Each shipped config (configs/) on the target its docstring names, the smallest device it
+# claims: (hardware catalog entry, devices). tests/test_plan.py checks none OOMs there;
+# scripts/memory_check.py compares the estimate with XLA on them.
+SHIPPED_TARGETS = {"tiny.py": ("CPU-host", 1), "bench_cpu.py": ("CPU-host", 1),
+                   "gpt2_124m.py": ("A100-40GB", 8), "llama_1b.py": ("H100-SXM", 8),
+                   "gpt13b.py": ("A100-80GB", 64), "gpt13b_pp.py": ("A100-80GB", 16)}
+
+
 def grid_config(name: str):
     family, size, batch, overrides = GRID[name]
     d, layers, heads, kv, mlp, vocab, seq = SIZES[size]
