@@ -20,9 +20,27 @@ from jaxtrain.models.head_loss import chunk_size
 
 F32 = 4
 # Buffers XLA holds besides the ones counted (fusion outputs, copies around collectives,
-# the optimizer's update tree): a fraction of the counted temporaries, measured against the
-# compiled step on the test grid (scripts/plan_vs_compiler.py).
-TEMP_MARGIN = 0.07
+# the optimizer's update tree): a fraction of the counted temporaries. This and the factors
+# below were fitted on XLA:CPU's compiled steps of the test grid (scripts/plan_vs_compiler.py),
+# the shipped configs and published layouts (scripts/memory_check.py), keeping the grid
+# within ±13% (docs/planner.md).
+TEMP_MARGIN = 0.05
+# From XLA's buffer assignments, fitted likewise:
+# f32 score matrices (one query chunk against its keys) alive at once in the chunked
+# kernel, a fixed number plus some per query chunk (its Python loop is unrolled, and XLA
+# overlaps the chunks' buffers: ~64 at seq 4096 in XLA's buffer assignment);
+CHUNK_SCORES = 0.0
+CHUNK_SCORES_PER_CHUNK = 1.5
+# the share of one layer's full set of activations alive while it is recomputed and run
+# backward: under full remat, and (of what save_dots did not save) under save_dots;
+FULL_WORKING = 0.75
+DOTS_WORKING = 0.25
+# float32-sized arrays per logit of the head's chunk (the logits; their gradient is counted
+# at the compute dtype on top; the exponent is fused into it);
+LOGIT_F32 = 1.0
+# and extra float32 [V, D] copies of a tied embedding table whose gradient (the gather's
+# and the head's, summed) XLA forms unsharded when the table is sharded.
+TIED_TABLE_COPIES = 2.0
 
 
 def value_bytes(spec: ModelSpec, backend: str = "accelerator") -> int:
@@ -103,13 +121,17 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     return dots + stream + act + scores
 
 
-def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator") -> dict[str, float]:
+def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
+             platform: str | None = None) -> dict[str, float]:
     """Per-device bytes by part, and 'total'. sizes: mesh axis sizes from config.validate.
 
     backend='cpu' predicts XLA's CPU backend instead of a GPU/TPU: it has no bf16 matmuls
     and runs bfloat16 activations through float32 copies, so they are counted at 4 bytes.
+    platform ('cpu', 'gpu', 'tpu'; default: cpu for backend='cpu', else gpu) is what
+    model.attention='auto' resolves for.
     """
-    spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"])
+    platform = platform or ("cpu" if backend == "cpu" else "gpu")
+    spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"], platform=platform)
     shards = param_shards(spec, sizes)
     c = value_bytes(spec, backend)
     micro = cfg.train.microbatches
@@ -155,18 +177,21 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator") -> dict[s
     # is alive at its peak. save_dots recomputes only what it did not save.
     one_layer = _layer_activations(spec, working_rows, sizes, "all", c)
     if saved == "input":
-        working = one_layer
+        working = FULL_WORKING * one_layer
     elif saved == "dots":
-        working = 0.5 * (one_layer - _layer_activations(spec, working_rows, sizes, "dots", c))
+        working = DOTS_WORKING * (
+            one_layer - _layer_activations(spec, working_rows, sizes, "dots", c))
     else:
         working = 0.0
-    if spec.attention != "xla" and remat == "none":
-        # The chunked kernel's backward recomputes one query chunk (≤128 rows) against its
-        # whole key prefix at a time (probabilities and their gradient, keys as rows, about
-        # one float32 score matrix alive at once; fitted on the grid). (Under remat the
-        # recomputed layer's own working set above already dominates.)
-        working += (working_rows * spec.num_heads / sizes["tensor"] * min(128, spec.seq_len)
-                    * spec.seq_len * F32)
+    if spec.attention == "chunked":
+        # The chunked kernel (forward, and the backward that recomputes it) forms one query
+        # chunk (≤128 rows) against its key prefix at a time: float32 probabilities and
+        # their gradient; XLA keeps several chunks' alive at once. cuDNN and splash keep
+        # only tiles.
+        chunks = math.ceil(spec.seq_len / 128)
+        working += (CHUNK_SCORES + CHUNK_SCORES_PER_CHUNK * chunks) * (
+            working_rows * spec.num_heads / sizes["tensor"] * min(128, spec.seq_len)
+            * spec.seq_len * F32)
     layer_weights = shards["layer_gathered"] * (c + F32)
     activations = kept + working
 
@@ -177,8 +202,11 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator") -> dict[s
     chunk_tokens = chunk_size(spec.seq_len, global_rows) * global_rows / (
         sizes["data"] * sizes["fsdp"])
     vocab_local = spec.vocab_size / sizes["tensor"]
-    logits = chunk_tokens * vocab_local * (2 * F32 + c) + rows * spec.seq_len * spec.d_model * c
+    logits = chunk_tokens * vocab_local * (LOGIT_F32 * F32 + c) + \
+        rows * spec.seq_len * spec.d_model * c
     head = shards["embed_gathered"] * (c + F32)
+    if spec.tied_embeddings and sizes["fsdp"] * sizes["tensor"] > 1:
+        head += TIED_TABLE_COPIES * spec.vocab_size * spec.d_model * F32
     temporaries = TEMP_MARGIN * (grads + activations + logits)
     parts = {"params": params, "optimizer": opt, "gradients": grads,
              "activations": activations, "layer_weights": layer_weights + head,

@@ -16,7 +16,7 @@ def make_plan(cfg, hw, devices: int, tokens: float | None = None, hours: float |
               amortize_years: float = 5.0, usable_fraction: float = USABLE_FRACTION) -> dict:
     """Raises ConfigError (one line) when the config cannot run on that many devices."""
     sizes = validate(cfg, devices)
-    mem = memory.estimate(cfg, sizes)
+    mem = memory.estimate(cfg, sizes, platform=hw.kind if hw.kind in ("gpu", "tpu") else "cpu")
     shards = memory.param_shards(
         ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"]), sizes)
     time = timing.predict(cfg, sizes, hw, shards["total"], dcn_shape(cfg.mesh))
