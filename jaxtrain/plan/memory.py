@@ -34,7 +34,7 @@ CHUNK_SCORES_PER_CHUNK = 1.5
 # the share of one layer's full set of activations alive while it is recomputed and run
 # backward: under full remat, and (of what save_dots did not save) under save_dots;
 FULL_WORKING = 0.75
-DOTS_WORKING = 0.25
+DOTS_WORKING = 0.75
 # float32-sized arrays per logit of the head's chunk (the logits; their gradient is counted
 # at the compute dtype on top; the exponent is fused into it);
 LOGIT_F32 = 1.0
@@ -100,7 +100,8 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     # The matmul outputs: q, k, v, attention output, w_o, the MLP up (and gate), w_down.
     dots = tokens * (2 * heads + 2 * kv + mlp) * c + 2 * tokens_res * d * c
     if saved == "dots":
-        return dots + tokens_res * d * c
+        # The w_down output is not kept: the next layer's input (kept) replaces it.
+        return dots
     # The attention scores: the xla kernel keeps float32 scores and probabilities and their
     # compute-dtype copy (the full L×L); the chunked and cuDNN kernels keep only a float32
     # logsumexp per query and recompute the rest.
