@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, ≤ 10 minutes on one H200 from a bare machine:
 #   bash scripts/gpu_check.sh [--rehearse] [OUT_DIR]
-# 1. installs .[cuda12] unless jax already sees a GPU (skipped with --rehearse);
+# 1. installs what is missing: with jax already on a GPU (the lent machine's image), the
+#    wheels scripts/gpu_wheels.sh put in .whl/; else .[cuda12] from PyPI (skipped with
+#    --rehearse);
 # 2. matmul peak per dtype (bf16, fp32, fp8);
 # 3. configs/llama_1b.py (bf16, one GPU) per attention kernel: tokens/s, MFU, XLA memory;
 # 4. the same in fp8, against bf16;
@@ -22,7 +24,7 @@ mkdir -p "$OUT_DIR"
 RESULTS="$OUT_DIR/gpu_results.jsonl"
 : > "$RESULTS"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}
 START=$(date +%s)
 DEADLINE_S=${DEADLINE_S:-570}
 
@@ -60,10 +62,20 @@ if [ "$REHEARSE" -eq 1 ]; then
 else
   export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}  # the checks are for one GPU
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv > "$OUT_DIR/nvidia_smi.txt" 2>&1
-  if ! $PY -c "import jax, sys; sys.exit(jax.devices()[0].platform != 'gpu')" 2>/dev/null; then
-    run_check install 300 $PY -c "import subprocess, sys, json; subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '-e', '.[cuda12]'], check=True); print(json.dumps({}))"
-  else
-    record install skipped '"reason": "jax already sees a GPU"'
+  if $PY -c "import jax, sys; sys.exit(jax.devices()[0].platform != 'gpu')" 2>/dev/null; then
+    # jax with CUDA is there (the lent machine's image): add only what it lacks, from the
+    # wheels scripts/gpu_wheels.sh fetched (that machine reaches no registry).
+    MISSING=$($PY -c "import importlib.util as u; print(' '.join(m for m in ('grain', 'ml_collections', 'tensorboardX') if not u.find_spec(m)))")
+    if [ -n "$MISSING" ] && ls .whl/*.whl > /dev/null 2>&1; then
+      run_check install 120 $PY -c "import subprocess, sys, json, glob; subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '--no-index', '--no-deps', '--no-compile', '--target', '/tmp/jaxtrain_site', *glob.glob('.whl/*.whl')], check=True); print(json.dumps({'from': '.whl', 'missing': '$MISSING'}))"
+      export PYTHONPATH="$PYTHONPATH:/tmp/jaxtrain_site"
+    elif [ -n "$MISSING" ]; then
+      record install error "\"reason\": \"missing $MISSING and no .whl/: run scripts/gpu_wheels.sh where pip works\""
+    else
+      record install skipped '"reason": "jax sees a GPU and every dependency is there"'
+    fi
+  else  # a bare machine with a registry: the CUDA build of jax and everything else
+    run_check install 300 $PY -c "import subprocess, sys, json; subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '-e', '.[cuda12]'], check=True); print(json.dumps({'from': 'pip'}))"
   fi
   HARDWARE=""
   SHAPE="--config.mesh.fsdp=1"
