@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import tqdm
 
 from jaxtrain import hardware
+
 # Re-exported: the training loop and the scripts read model FLOPs from here.
-from jaxtrain.models.flops import (  # noqa: F401
-    attention_flops_per_token, flops_per_token, matmul_params)
+from jaxtrain.models.flops import attention_flops_per_token, flops_per_token, matmul_params  # noqa: F401
 
 
 def measure_matmul_peak(dtype=jnp.float32, n: int = 2048, repeats: int = 5,

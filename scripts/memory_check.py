@@ -24,8 +24,7 @@ sys.path.insert(0, ROOT)
 
 from jaxtrain.config import validate  # noqa: E402
 from jaxtrain.plan import memory, published  # noqa: E402
-from jaxtrain.plan.compile_check import (  # noqa: E402
-    compile_in_subprocess, load_config, single_granule)
+from jaxtrain.plan.compile_check import compile_in_subprocess, load_config, single_granule  # noqa: E402
 from jaxtrain.plan.grid import SHIPPED_TARGETS  # noqa: E402
 
 # Published layouts compile on at most this many fake devices (more take minutes each on two

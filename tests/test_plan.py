@@ -8,12 +8,16 @@ import sys
 
 import pytest
 
+from jaxtrain import hardware as catalog
 from jaxtrain.config import validate
 from jaxtrain.models import ModelSpec
-from jaxtrain import hardware as catalog
 from jaxtrain.plan import memory, timing
-from jaxtrain.plan.compile_check import (compile_in_subprocess, compiled_memory, load_config,
-                                         single_granule)
+from jaxtrain.plan.compile_check import (
+    compile_in_subprocess,
+    compiled_memory,
+    load_config,
+    single_granule,
+)
 from jaxtrain.plan.grid import GRID, SHIPPED_TARGETS, grid_config
 from jaxtrain.plan.planner import make_plan
 from jaxtrain.plan.search import search

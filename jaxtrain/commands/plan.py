@@ -14,7 +14,8 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from jaxtrain.commands.common import fail as _fail, run_absl
+from jaxtrain.commands.common import fail as _fail
+from jaxtrain.commands.common import run_absl
 from jaxtrain.hardware import slice_devices  # no jax: safe before the fake devices are set
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file from configs/.",

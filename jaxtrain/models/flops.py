@@ -11,7 +11,7 @@ def matmul_params(spec: ModelSpec) -> int:
     """Weights that take part in matmuls: attention, MLP and the output head."""
     d, h, g, k, f = spec.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.mlp_dim
     attention = d * h * k * 2 + d * g * k * 2
-    mlp = d * f * (3 if spec.is_llama else 2)
+    mlp = d * f * (3 if spec.gated_mlp else 2)
     return spec.num_layers * (attention + mlp) + d * spec.vocab_size
 
 

@@ -19,8 +19,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxtrain.config import (MESH_AXES, apply_overrides, load_config_file,
-                             resolve_mesh_shape)
+from jaxtrain.config import MESH_AXES, apply_overrides, load_config_file, resolve_mesh_shape
 from jaxtrain.plan import published
 from jaxtrain.plan.hlo import collective_bytes
 from jaxtrain.train.setup import build

@@ -16,7 +16,9 @@ from flax import nnx
 
 from jaxtrain.mesh import logical_to_spec
 from jaxtrain.models import ModelSpec, Transformer
+from jaxtrain.models.attention import KERNELS
 from jaxtrain.models.head_loss import chunk_size
+from jaxtrain.models.remat import REMATS
 
 F32 = 4
 # Buffers XLA holds besides the ones counted (fusion outputs, copies around collectives,
@@ -105,7 +107,7 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     # The attention scores: the xla kernel keeps float32 scores and probabilities and their
     # compute-dtype copy (the full L×L); the chunked and cuDNN kernels keep only a float32
     # logsumexp per query and recompute the rest.
-    per_query = s * (2 * F32 + c) if spec.attention == "xla" else F32
+    per_query = s * (2 * F32 + c) if KERNELS[spec.attention].full_scores else F32
     scores = rows * spec.num_heads / t * s * per_query
     if saved == "kept":
         # Without a policy the norms and their projections are recomputed from the two norm
@@ -146,12 +148,10 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
     # and the current micro-batch's gradients at once.
     grads = shards["total"] * F32 * (2 if micro > 1 else 1)
 
-    remat = spec.remat
-    # The finer named policies are modelled by their nearest coarse one (an approximation;
-    # --compile gives the compiler's figure): save_dots_except_mlp keeps fewer dots than
-    # save_dots, save_attention_out and offload_dots keep about what full remat keeps on device.
-    saved = {"none": "kept", "save_dots": "dots", "save_dots_except_mlp": "dots",
-             "full": "input", "save_attention_out": "input", "offload_dots": "input"}[remat]
+    # What stays on the device per layer, from the remat registry (the finer policies are
+    # modelled by their nearest coarse one: save_dots_except_mlp as save_dots,
+    # save_attention_out and offload_dots as full remat; --compile gives XLA's figure).
+    saved = REMATS[spec.remat].saves
     if p > 1:
         m, v = spec.pipeline.microbatches, spec.pipeline.repeats
         # Every loop iteration keeps its stage's chunk activations for one pipeline
@@ -184,15 +184,15 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
             one_layer - _layer_activations(spec, working_rows, sizes, "dots", c))
     else:
         working = 0.0
-    if spec.attention == "chunked":
+    rows_per_chunk = KERNELS[spec.attention].query_chunk
+    if rows_per_chunk:
         # The chunked kernel (forward, and the backward that recomputes it) forms one query
-        # chunk (≤128 rows) against its key prefix at a time: float32 probabilities and
-        # their gradient; XLA keeps several chunks' alive at once. cuDNN and splash keep
-        # only tiles.
-        chunks = math.ceil(spec.seq_len / 128)
+        # chunk against its key prefix at a time: float32 probabilities and their gradient;
+        # XLA keeps several chunks' alive at once. cuDNN and splash keep only tiles.
+        chunks = math.ceil(spec.seq_len / rows_per_chunk)
         working += (CHUNK_SCORES + CHUNK_SCORES_PER_CHUNK * chunks) * (
-            working_rows * spec.num_heads / sizes["tensor"] * min(128, spec.seq_len)
-            * spec.seq_len * F32)
+            working_rows * spec.num_heads / sizes["tensor"]
+            * min(rows_per_chunk, spec.seq_len) * spec.seq_len * F32)
     layer_weights = shards["layer_gathered"] * (c + F32)
     activations = kept + working
 

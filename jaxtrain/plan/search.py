@@ -4,7 +4,7 @@ the ones whose estimate fits, ranked by predicted step time or cost."""
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from collections.abc import Callable
 
 import ml_collections
 
@@ -26,7 +26,8 @@ def candidates(cfg, devices: int, devices_per_node: int):
             continue
         rest = devices // (tensor * pipeline)
         for fsdp in divisor_list(rest):
-            for remat, micro in itertools.product(SEARCH_REMATS, divisor_list(cfg.train.global_batch)):
+            batch = cfg.train.global_batch
+            for remat, micro in itertools.product(SEARCH_REMATS, divisor_list(batch)):
                 if micro > 64:
                     continue
                 overrides = {"mesh.data": rest // fsdp, "mesh.fsdp": fsdp,

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from jaxtrain.models import ModelSpec
+from jaxtrain.models.attention import KERNELS
 from jaxtrain.models.flops import attention_flops_per_token, flops_per_token, matmul_params
+from jaxtrain.models.remat import REMATS
 from jaxtrain.parallel.pipeline import bubble_fraction
 from jaxtrain.plan import calibration as calibration_lib
 from jaxtrain.plan.memory import value_bytes
@@ -39,16 +41,15 @@ def step_flops(spec: ModelSpec, tokens: int) -> dict[str, float]:
     model = flops_per_token(spec) * tokens
     attention = attention_flops_per_token(spec) * tokens
     weights = model - attention
-    # What each policy recomputes, as (fraction of the weight matmuls' forward, fraction of
-    # the attention forward); the finer policies are modelled by their nearest coarse one.
+    # What the remat policy recomputes (the registry's planner fact), as (fraction of the
+    # weight matmuls' forward, fraction of the attention forward).
     redo_weights, redo_attention = {
-        "none": (0.0, 0.0), "full": (1.0, 1.0), "save_dots": (0.0, 1.0),
-        "save_dots_except_mlp": (0.0, 1.0), "save_attention_out": (1.0, 1.0),
-        "offload_dots": (0.0, 0.0)}[spec.remat]
+        "nothing": (0.0, 0.0), "attention_scores": (0.0, 1.0),
+        "forward": (1.0, 1.0)}[REMATS[spec.remat].recomputes]
     head = 6.0 * spec.d_model * spec.vocab_size * tokens  # the head is never recomputed
     hw_weights = weights + redo_weights * (weights - head) / 3
     hw_attention = attention * (1 + redo_attention / 3)
-    if spec.attention == "xla":
+    if KERNELS[spec.attention].full_scores:
         hw_attention *= 2  # the full s×s scores, masked afterwards
     return {"model": model, "hardware": hw_weights + hw_attention,
             "weights": hw_weights, "attention": hw_attention}
@@ -156,7 +157,7 @@ def step_features(cfg, sizes: dict[str, int], hw, param_elems: int,
     tokens = cfg.train.global_batch * cfg.model.seq_len
     flops = step_flops(spec, tokens)
     c = value_bytes(spec)
-    recompute = spec.remat in ("full", "save_attention_out")
+    recompute = REMATS[spec.remat].recomputes == "forward"
     micro = cfg.train.microbatches
     rows = cfg.train.global_batch // micro // (sizes["data"] * sizes["fsdp"])
     ctx = Ctx(spec, sizes, micro, rows, c, param_elems, 3 if recompute else 2)
