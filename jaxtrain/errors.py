@@ -28,6 +28,10 @@ def fail(key: str, value, valid: str) -> None:
     raise ConfigError(f"{key}={value!r} is invalid: {valid}")
 
 
+def divisor_list(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def divisors(n: int) -> str:
     """'1, 2, 4, 8' for 8: the values a config error proposes."""
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    return ", ".join(map(str, divisor_list(n)))

@@ -12,40 +12,10 @@ import jax
 import jax.numpy as jnp
 import tqdm
 
-from jaxtrain.models import ModelSpec
+from jaxtrain import hardware
 
-# jax device_kind prefixes -> entries of the hardware catalog (jaxtrain/plan/hardware.json),
-# which holds the datasheet peaks with their sources. Longer prefixes first.
-CATALOG_NAMES = (
-    ("NVIDIA H100 PCIe", "H100-PCIe"), ("NVIDIA H100", "H100-SXM"), ("NVIDIA H200", "H200"),
-    ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("NVIDIA A100-PCIE-40GB", "A100-40GB"),
-    ("NVIDIA A100", "A100-80GB"), ("NVIDIA B200", "B200"), ("TPU v4", "TPU-v4"),
-    ("TPU v5 lite", "TPU-v5e"), ("TPU v5", "TPU-v5p"), ("TPU v6 lite", "TPU-v6e"),
-)
-
-
-def matmul_params(spec: ModelSpec) -> int:
-    """Weights that take part in matmuls: attention, MLP and the output head."""
-    d, h, g, k, f = spec.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.mlp_dim
-    attention = d * h * k * 2 + d * g * k * 2
-    mlp = d * f * (3 if spec.gated_mlp else 2)
-    return spec.num_layers * (attention + mlp) + d * spec.vocab_size
-
-
-def flops_per_token(spec: ModelSpec) -> float:
-    """Training FLOPs per token: 6 per matmul weight, plus causal attention 6·L·s·(h·k)."""
-    return 6.0 * matmul_params(spec) + attention_flops_per_token(spec)
-
-
-def attention_flops_per_token(spec: ModelSpec) -> float:
-    """QKᵀ and PV are 2·s·h·k multiply-adds each per token forward, ×3 for backward, halved
-    because the causal mask leaves half the scores. A sliding window W leaves each query
-    W keys (fewer in the first W positions): W - W²/2s on average. No credit for
-    recomputation.
-    """
-    s, w = spec.seq_len, spec.sliding_window
-    keys = s / 2 if not w or w >= s else w - w * w / (2 * s)
-    return 12 * spec.num_layers * keys * spec.num_heads * spec.head_dim
+# Re-exported: the training loop and the scripts read model FLOPs from here.
+from jaxtrain.models.flops import attention_flops_per_token, flops_per_token, matmul_params  # noqa: F401
 
 
 def measure_matmul_peak(dtype=jnp.float32, n: int = 2048, repeats: int = 5,
@@ -65,19 +35,16 @@ def measure_matmul_peak(dtype=jnp.float32, n: int = 2048, repeats: int = 5,
 
 def peak_flops_per_device(precision: str) -> tuple[float, str]:
     """(FLOP/s, where it came from): a datasheet figure for known accelerators, else measured."""
-    from jaxtrain.plan import catalog
-
     device = jax.local_devices()[0]
     # 16-bit and fp8 runs are judged against the bf16 peak (fp8 MFU is often quoted that way).
     precision = "float32" if precision == "float32" else "bfloat16"
     if device.platform != "cpu":
-        name = next((n for prefix, n in CATALOG_NAMES
-                     if device.device_kind.startswith(prefix)), None)
+        name = hardware.for_device_kind(device.device_kind)
         if name is not None:
             try:
-                return (catalog.get(name).peak_flops(precision),
+                return (hardware.get(name).peak_flops(precision),
                         f"datasheet {name} {precision}")
-            except catalog.HardwareError:  # no datasheet figure for this precision
+            except hardware.HardwareError:  # no datasheet figure for this precision
                 pass
     dtype = jnp.bfloat16 if precision == "bfloat16" and device.platform != "cpu" else jnp.float32
     n = 2048 if device.platform == "cpu" else 8192

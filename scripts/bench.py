@@ -4,7 +4,7 @@
     python scripts/bench.py --config configs/bench_cpu.py --sweep [--attentions=xla,chunked]
         [--remats=none,full] [--precisions=float32,bfloat16]
 
-MFU is model FLOPs/s (jaxtrain.metrics.flops_per_token) over the devices' peak: on CPU a
+MFU is model FLOPs/s (jaxtrain.models.flops.flops_per_token) over the devices' peak: on CPU a
 jitted 2048×2048 matmul measured in this same process, on known accelerators the datasheet
 (and, as `mfu_vs_measured`, an 8192² matmul in the compute dtype measured in this process).
 --sweep benchmarks every combination of attention × remat × precision and prints a table
@@ -70,6 +70,7 @@ def bench(cfg, steps: int) -> dict:
     import jax.numpy as jnp
 
     from jaxtrain.metrics import flops_per_token, measure_matmul_peak, peak_flops_per_device
+    from jaxtrain.plan.compile_check import compile_step, memory_figures
     from jaxtrain.train.setup import build
 
     setup = build(cfg)
@@ -77,19 +78,21 @@ def bench(cfg, steps: int) -> dict:
     state = setup.init_state()
     data = make_batches(cfg).train_iter(0)
     tokens = [to_global(next(data), setup.tokens_sharding) for _ in range(2)]
+    t0 = time.perf_counter()
+    step = compile_step(setup, state, tokens[0])
+    compile_s = time.perf_counter() - t0
+    memory = memory_figures(step)
+    memory_row = {"memory_argument_bytes": int(memory["argument_bytes"]),
+                  "memory_output_bytes": int(memory["output_bytes"]),
+                  "memory_temp_bytes": int(memory["temp_bytes"]),
+                  "memory_total_bytes": int(memory["total_bytes_per_device"])}
+    if _COMPILE_ONLY.value:
+        with jax.set_mesh(mesh):
+            saved = saved_activation_bytes(setup, state, tokens[0])
+        return {"config": cfg.name, "attention": spec.attention, "remat": cfg.model.remat,
+                "precision": cfg.train.precision, "seq_len": cfg.model.seq_len,
+                "compile_s": compile_s, "saved_activation_bytes": saved, **memory_row}
     with jax.set_mesh(mesh):
-        t0 = time.perf_counter()
-        step = setup.train_step().lower(state, tokens[0]).compile()
-        compile_s = time.perf_counter() - t0
-        memory = step.memory_analysis()
-        if _COMPILE_ONLY.value:
-            return {"config": cfg.name, "attention": spec.attention, "remat": cfg.model.remat,
-                    "precision": cfg.train.precision, "seq_len": cfg.model.seq_len,
-                    "compile_s": compile_s,
-                    "saved_activation_bytes": saved_activation_bytes(setup, state, tokens[0]),
-                    "memory_argument_bytes": int(memory.argument_size_in_bytes),
-                    "memory_output_bytes": int(memory.output_size_in_bytes),
-                    "memory_temp_bytes": int(memory.temp_size_in_bytes)}
         for i in range(2):
             state, metrics = step(state, tokens[i % 2])
         jax.block_until_ready(metrics)
@@ -125,9 +128,7 @@ def bench(cfg, steps: int) -> dict:
         "remat": cfg.model.remat,
         "precision": cfg.train.precision,
         "compile_s": compile_s,
-        "memory_argument_bytes": int(memory.argument_size_in_bytes),
-        "memory_output_bytes": int(memory.output_size_in_bytes),
-        "memory_temp_bytes": int(memory.temp_size_in_bytes),
+        **memory_row,
         "loss": float(metrics["loss"]),
     }
 

@@ -18,10 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import argparse  # noqa: E402
 import json  # noqa: E402
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
 from jaxtrain.config import base_config  # noqa: E402
+from jaxtrain.plan.compile_check import compile_step, memory_figures  # noqa: E402
 from jaxtrain.plan.hlo import collective_bytes  # noqa: E402
 from jaxtrain.train.setup import build  # noqa: E402
 
@@ -59,17 +57,13 @@ def measure(name: str, layout: dict) -> dict:
     for key, value in layout.items():
         cfg.mesh[key] = value
     setup = build(cfg)
-    state = setup.abstract_state()
-    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), np.int32,
-                                  sharding=setup.tokens_sharding)
-    with jax.set_mesh(setup.mesh):
-        compiled = setup.train_step().lower(state, tokens).compile()
-    memory = compiled.memory_analysis()
+    compiled = compile_step(setup)
+    memory = memory_figures(compiled)
     traffic = collective_bytes(compiled.as_text())
     pipe = setup.spec.pipeline
     return {"strategy": name, "bubble": pipe.bubble if pipe else 0.0,
-            "memory_argument_bytes": memory.argument_size_in_bytes,
-            "memory_temp_bytes": memory.temp_size_in_bytes,
+            "memory_argument_bytes": memory["argument_bytes"],
+            "memory_temp_bytes": memory["temp_bytes"],
             **{f"{kind}_bytes": value for kind, value in traffic.items()}}
 
 

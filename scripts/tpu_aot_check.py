@@ -10,8 +10,12 @@ compile-only devices jit can compile for; nothing is allocated or run. Checked h
   grouped-query, sliding-window and multi-query, on one chip and sharded over the topology,
   and inside the llama_1b train step.
 
+* the planner's memory estimate against the compiled step of a published TPU run's layout
+  (plan/published_runs.json, scaled as scripts/memory_check.py does): --plan RUN_IDS.
+
     pip install --target /tmp/libtpu_site 'libtpu==0.0.42.*'   # jax[tpu]==0.10.2's pin
     python scripts/tpu_aot_check.py [--topology v5e:2x2] [--json] [--cases tiny,splash]
+    python scripts/tpu_aot_check.py --topology v5p:4x4x4 --plan maxtext-v5p-32b
 
 libtpu is kept out of the main environment (jax would otherwise look for a TPU in every
 process): this script re-runs itself with PYTHONPATH=--libtpu_site when `import libtpu`
@@ -211,6 +215,44 @@ def splash_case(name, b, length, heads, groups, head_dim, window, sharded, devic
     return row
 
 
+# ---------------------------------------------------------------- planner vs TPU compile
+
+def plan_case(run_id: str, devices) -> dict:
+    """A published TPU run's layout (scripts/memory_check.py scaled_run: ≤ the topology's
+    chips, ≤ 2 layers a stage), compiled for the TPU topology, against the planner's
+    accelerator estimate (bf16 activations, real device memory)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from memory_check import scaled_run
+
+    from jaxtrain.config import validate
+    from jaxtrain.plan import memory, published
+    from jaxtrain.plan.compile_check import compile_step, load_config, memory_figures
+    from jaxtrain.train.setup import build
+
+    run = next(r for r in published.runs() if r["id"] == run_id)
+    case = scaled_run(run, max_devices=len(devices), cpu=False)
+    cfg = load_config(case["config_file"], case["overrides"])
+    on = devices[:case["devices"]]
+    estimate = memory.estimate(cfg, validate(cfg, len(on)))
+    start = time.perf_counter()
+    try:
+        figures = memory_figures(compile_step(build(cfg, on)))
+    except jax_runtime_error() as e:
+        return {"case": run_id, "devices": len(on), "error": str(e).splitlines()[0][:200]}
+    return {"case": run_id, "devices": len(on), "attention": cfg.model.attention,
+            "layers": cfg.model.num_layers, "estimate_bytes": estimate["total"],
+            "compiled_bytes": figures["total_bytes_per_device"],
+            "ratio": estimate["total"] / figures["total_bytes_per_device"],
+            "temp_bytes": figures["temp_bytes"], "argument_bytes": figures["argument_bytes"],
+            "compile_s": round(time.perf_counter() - start, 1)}
+
+
+def jax_runtime_error():
+    import jax
+
+    return jax.errors.JaxRuntimeError
+
+
 # ---------------------------------------------------------------- driver
 
 def run(args) -> dict:
@@ -226,6 +268,12 @@ def run(args) -> dict:
               "memories": sorted(m.kind for m in devices[0].addressable_memories()),
               "jax": jax.__version__, "libtpu": _libtpu_version(libtpu),
               "train": [], "splash": [], "problems": [], "notes": []}
+    if args.plan:
+        result["plan"] = [plan_case(run_id, devices) for run_id in args.plan.split(",")]
+        result["problems"] += [f"{r['case']}: {r.get('error') or 'estimate/XLA %.2f' % r['ratio']}"
+                               for r in result["plan"]
+                               if "error" in r or not 0.85 <= r["ratio"] <= 1.15]
+        return result
     cases = args.cases.split(",")
     # 'auto' picks splash on TPU; the plain llama_1b case keeps the chunked kernel to compare.
     train = {"tiny": ("configs/tiny.py", {"model.attention": "chunked"}),
@@ -295,6 +343,10 @@ def print_table(result: dict) -> None:
                   f"{mib(r['host_argument_bytes'])} | {mib(r['temp_bytes'])} | "
                   f"{mib(r['host_temp_bytes'])} | {mib(r['peak_bytes'] or 0)} | "
                   f"{r['compile_s']} |")
+    for r in result.get("plan", []):
+        print(f"plan {r['case']} ({r['devices']} chips): " + (r.get("error") or (
+            f"estimate {mib(r['estimate_bytes'])} MiB, XLA {mib(r['compiled_bytes'])} MiB, "
+            f"ratio {r['ratio']:.2f}, compile {r['compile_s']} s")))
     if result["splash"]:
         print("\nsplash attention (bf16), per device:")
         print("| case | B×L, heads/kv, head_dim | devices | fwd: kernels, temp MiB, peak MiB, s | "
@@ -318,6 +370,8 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES),
                         help=f"comma-separated, of {', '.join(CASES + EXTRA_CASES)}")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--plan", help="published run ids (plan/published_runs.json) whose "
+                        "scaled layouts to compile and compare with the planner's estimate")
     parser.add_argument("--libtpu_site", default=os.environ.get("LIBTPU_SITE",
                                                                 "/tmp/libtpu_site"))
     parser.add_argument("--in_process", action="store_true", help=argparse.SUPPRESS)

@@ -65,7 +65,7 @@ def test_mfu_peak_comes_from_the_hardware_catalog(device_kind, entry, monkeypatc
     import jax
 
     from jaxtrain import metrics
-    from jaxtrain.plan import catalog
+    from jaxtrain import hardware as catalog
 
     fake = type("Device", (), {"platform": "gpu", "device_kind": device_kind})()
     monkeypatch.setattr(jax, "local_devices", lambda: [fake])

@@ -14,11 +14,13 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from jaxtrain.commands.common import fail as _fail, run_absl
+from jaxtrain.commands.common import fail as _fail
+from jaxtrain.commands.common import run_absl
+from jaxtrain.hardware import slice_devices  # no jax: safe before the fake devices are set
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file from configs/.",
                                           lock_config=True)
-_HARDWARE = flags.DEFINE_string("hardware", None, "A catalog entry (jaxtrain/plan/"
+_HARDWARE = flags.DEFINE_string("hardware", None, "A catalog entry (jaxtrain/"
                                 "hardware.json), e.g. A100-80GB, H100-SXM, v5p-128.")
 _HARDWARE_FILE = flags.DEFINE_string("hardware-file", None, "A JSON file of extra or "
                                      "replacement catalog entries, same form.")
@@ -40,9 +42,9 @@ flags.mark_flags_as_required(["config", "hardware"])
 
 def _plan(argv) -> None:
     del argv
+    from jaxtrain import hardware as catalog
     from jaxtrain.config import ConfigError
-    from jaxtrain.plan import catalog
-    from jaxtrain.plan.catalog import HardwareError
+    from jaxtrain.hardware import HardwareError
     from jaxtrain.plan.planner import format_plan, make_plan
     from jaxtrain.plan.search import override_flags, search
 
@@ -82,14 +84,14 @@ def _confirm(cfg, devices: int):
     """compile_check for a search candidate's overrides, in this process."""
     import jax
 
+    from jaxtrain.config import validate
     from jaxtrain.plan import memory
     from jaxtrain.plan.compile_check import compiled_memory
-    from jaxtrain.plan.search import _apply
+    from jaxtrain.plan.search import with_overrides
 
     def confirm(overrides: dict) -> dict:
-        target = _apply(cfg, overrides)
+        target = with_overrides(cfg, overrides)
         compiled = compiled_memory(target, jax.devices()[:devices])
-        from jaxtrain.config import validate
         compiled["estimate_cpu_bytes"] = memory.estimate(
             target, validate(target, devices), "cpu")["total"]
         return compiled
@@ -102,7 +104,7 @@ def _add_compiled(plans: list[dict], cfg, devices: int) -> None:
 
     from jaxtrain.plan import memory
     from jaxtrain.plan.compile_check import compiled_memory
-    from jaxtrain.plan.search import _apply
+    from jaxtrain.plan.search import with_overrides
 
     if jax.device_count() < devices:
         _fail(f"--compile needs {devices} fake devices but jax has {jax.device_count()}: "
@@ -110,7 +112,7 @@ def _add_compiled(plans: list[dict], cfg, devices: int) -> None:
     for plan in plans:
         if "compiled" in plan:
             continue  # --search already compiled it
-        target = _apply(cfg, plan["overrides"]) if "overrides" in plan else cfg
+        target = with_overrides(cfg, plan["overrides"]) if "overrides" in plan else cfg
         compiled = compiled_memory(target, jax.devices()[:devices])
         compiled["fits"] = compiled["total_bytes_per_device"] <= plan["memory"]["usable_bytes"]
         # The like-for-like estimate: XLA's CPU backend keeps bf16 activations in float32.
@@ -129,7 +131,6 @@ def _fake_devices_before_jax(argv: list[str]) -> None:
         elif arg == "--devices" and i + 1 < len(argv):
             devices = argv[i + 1]
         elif arg.startswith("--hardware") and devices is None:
-            from jaxtrain.plan.catalog import slice_devices  # no jax: a JSON catalog
             name = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
             devices = slice_devices(name)
     if devices:

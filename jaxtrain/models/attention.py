@@ -100,6 +100,9 @@ class AttentionKernel:
     # Planner: the whole L×L score matrix exists (and, without remat, is kept for the
     # backward pass); else a flash-style kernel that keeps only per-row statistics.
     full_scores: bool = False
+    # Planner: rows of the query chunks whose float32 scores against their keys XLA forms
+    # (0: none outside the kernel); its unrolled loop keeps several chunks' alive at once.
+    query_chunk: int = 0
     sharded_by_rules: bool = False  # a custom call that shards itself by the logical rules
 
     def __call__(self, q_BLHK, k_BMGK, v_BMGK, window: int | None = None, rules=None):
@@ -138,7 +141,7 @@ KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
                     window=False),
     AttentionKernel("chunked", chunked_attention, "flash-style causal attention in XLA: "
                     "query chunks, skipped masked blocks, no L×L buffers kept",
-                    ("cpu", "gpu", "tpu")),
+                    ("cpu", "gpu", "tpu"), query_chunk=128),
     AttentionKernel("xla", xla_attention, "the reference: full score matrix, mask, softmax",
                     ("cpu", "gpu", "tpu"), full_scores=True),
 )}

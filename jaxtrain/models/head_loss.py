@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from jaxtrain.mesh import constrain
 
 
-def _chunk_size(length: int, batch: int, target_tokens: int = 1024) -> int:
-    """Largest divisor of length with chunk·batch <= target_tokens (logits chunk ~128 MB)."""
+def chunk_size(length: int, batch: int, target_tokens: int = 1024) -> int:
+    """Largest divisor of length with chunk·batch <= target_tokens (logits chunk ~128 MB).
+    The planner's memory model counts the same chunk."""
     best = 1
     for c in range(1, length + 1):
         if length % c == 0 and c * batch <= target_tokens:
@@ -57,7 +58,7 @@ def _chunk_loss(x_BCD, head, targets_BC, rules, with_grads: bool, vocab_major: b
 def _run(x_BLD, head, targets_BL, rules, with_grads: bool, vocab_major: bool):
     """(summed loss, dx unscaled, dhead unscaled); the grads are None without with_grads."""
     head_axes = _head_axes(vocab_major)
-    chunk = _chunk_size(x_BLD.shape[1], x_BLD.shape[0])
+    chunk = chunk_size(x_BLD.shape[1], x_BLD.shape[0])
     xs = (_split(x_BLD, chunk), _split(targets_BL, chunk))
 
     def body(carry, xs_chunk):

@@ -15,44 +15,59 @@ import os
 import subprocess
 import sys
 
+import jax
+import ml_collections
+import numpy as np
 
-def compiled_memory(cfg, devices=None) -> dict:
-    """Per-device bytes of the compiled step: arguments, outputs, aliased, temporaries and
-    'total_bytes_per_device' (what must fit: arguments + outputs − aliased + temporaries)."""
-    import jax
-    import numpy as np
+from jaxtrain.config import MESH_AXES, apply_overrides, load_config_file, resolve_mesh_shape
+from jaxtrain.plan import published
+from jaxtrain.plan.hlo import collective_bytes
+from jaxtrain.train.setup import build
 
-    from jaxtrain.plan.hlo import collective_bytes
-    from jaxtrain.train.setup import build
 
-    cfg = _single_granule(cfg)
-    setup = build(cfg, devices)
-    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), np.int32,
-                                  sharding=setup.tokens_sharding)
+def compile_step(setup, state=None, tokens=None):
+    """The setup's train step, lowered and compiled for its mesh. state and tokens default to
+    abstract ones (ShapeDtypeStructs with shardings: nothing is allocated)."""
+    cfg = setup.cfg
+    if tokens is None:
+        tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1),
+                                      np.int32, sharding=setup.tokens_sharding)
+    if state is None:
+        # Outside set_mesh: with compile-only (TPU topology) devices, the eager random key
+        # inside abstract_state would otherwise be dispatched to them and fail.
+        state = setup.abstract_state()
     with jax.set_mesh(setup.mesh):
-        compiled = setup.train_step().lower(setup.abstract_state(), tokens).compile()
+        return setup.train_step().lower(state, tokens).compile()
+
+
+def memory_figures(compiled) -> dict:
+    """Per-device bytes of a compiled step: arguments, outputs, aliased, temporaries and
+    'total_bytes_per_device' (what must fit: arguments + outputs − aliased + temporaries)."""
     m = compiled.memory_analysis()
     total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
              + m.temp_size_in_bytes)
     return {"argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
             "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes,
-            "total_bytes_per_device": total, "devices": len(setup.mesh.devices.flat),
+            "total_bytes_per_device": total}
+
+
+def compiled_memory(cfg, devices=None) -> dict:
+    """memory_figures of cfg's step on `devices` (default: all), with the collective bytes
+    of its HLO (plan/hlo.py), the device count and platform."""
+    cfg = single_granule(cfg, len(devices) if devices else None)
+    setup = build(cfg, devices)
+    compiled = compile_step(setup)
+    return {**memory_figures(compiled), "devices": len(setup.mesh.devices.flat),
             "platform": setup.mesh.devices.flat[0].platform,
             "collective_bytes": collective_bytes(compiled.as_text())}
 
 
-def _single_granule(cfg):
+def single_granule(cfg, devices: int | None = None):
     """Multi-host dcn sizes folded into the plain axis sizes: one process of fake devices
     has no hosts to split by, and per-device memory depends only on the axis sizes."""
-    import ml_collections
-
-    from jaxtrain.config import MESH_AXES, resolve_mesh_shape
-
     if all(cfg.mesh[f"dcn_{a}"] == 1 for a in MESH_AXES):
         return cfg
-    import jax
-
-    sizes = resolve_mesh_shape(cfg.mesh, jax.device_count())
+    sizes = resolve_mesh_shape(cfg.mesh, devices or jax.device_count())
     cfg = ml_collections.ConfigDict(cfg.to_dict())
     for axis in MESH_AXES:
         cfg.mesh[axis], cfg.mesh[f"dcn_{axis}"] = sizes[axis], 1
@@ -61,7 +76,8 @@ def _single_granule(cfg):
 
 def compile_in_subprocess(config_file: str, overrides: dict, devices: int,
                           timeout: float = 600) -> dict:
-    """compiled_memory on `devices` fake CPU devices, in a fresh Python process."""
+    """compiled_memory on `devices` fake CPU devices, in a fresh Python process.
+    config_file: a path, or 'published:RUN_ID' (load_config)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     argv = [sys.executable, "-m", "jaxtrain.plan.compile_check", "--devices", str(devices),
@@ -73,10 +89,14 @@ def compile_in_subprocess(config_file: str, overrides: dict, devices: int,
 
 
 def load_config(config_file: str, overrides: dict):
-    """A config file's get_config() with dotted KEY=VALUE overrides applied."""
-    from jaxtrain.config import apply_overrides, load_config_file
-
-    return apply_overrides(load_config_file(config_file), overrides)
+    """A config file's get_config() (or, for 'published:RUN_ID', a published run's config,
+    plan/published.py) with dotted KEY=VALUE overrides applied."""
+    if config_file.startswith("published:"):
+        run_id = config_file.removeprefix("published:")
+        cfg = published.config(next(r for r in published.runs() if r["id"] == run_id))
+    else:
+        cfg = load_config_file(config_file)
+    return apply_overrides(cfg, overrides)
 
 
 def _main(argv) -> None:
@@ -84,10 +104,12 @@ def _main(argv) -> None:
     config_file = argv[argv.index("--config") + 1]
     overrides = dict(a.split("=", 1) for a in argv[argv.index("--config") + 2:])
     overrides = {k: json.loads(v) for k, v in overrides.items()}
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    # Read when the CPU backend starts (the first jax.devices()), not at import.
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join(
+        flags + [f"--xla_force_host_platform_device_count={devices}"])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-
     result = compiled_memory(load_config(config_file, overrides), jax.devices()[:devices])
     print(json.dumps(result))
 

@@ -4,7 +4,7 @@ models small enough that each compile takes seconds on a CPU."""
 
 from __future__ import annotations
 
-from jaxtrain.config import base_config
+from jaxtrain.config import apply_overrides, base_config
 
 SIZES = {
     # d_model, layers, heads, kv heads, mlp, vocab, seq
@@ -44,6 +44,14 @@ GRID = {
 }
 
 
+# Each shipped config (configs/) on the target its docstring names, the smallest device it
+# claims: (hardware catalog entry, devices). tests/test_plan.py checks none OOMs there;
+# scripts/memory_check.py compares the estimate with XLA on them.
+SHIPPED_TARGETS = {"tiny.py": ("CPU-host", 1), "bench_cpu.py": ("CPU-host", 1),
+                   "gpt2_124m.py": ("A100-40GB", 8), "llama_1b.py": ("H100-SXM", 8),
+                   "gpt13b.py": ("A100-80GB", 64), "gpt13b_pp.py": ("A100-80GB", 16)}
+
+
 def grid_config(name: str):
     family, size, batch, overrides = GRID[name]
     d, layers, heads, kv, mlp, vocab, seq = SIZES[size]
@@ -54,7 +62,4 @@ def grid_config(name: str):
                    vocab_size=vocab, seq_len=seq)
     c.train.global_batch = batch
     c.mesh.data = 1
-    for key, value in overrides.items():
-        section, leaf = key.split(".")
-        c[section][leaf] = value
-    return c
+    return apply_overrides(c, overrides)

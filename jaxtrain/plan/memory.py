@@ -15,19 +15,47 @@ import jax
 from flax import nnx
 
 from jaxtrain.mesh import logical_to_spec
-from jaxtrain.models import ModelSpec
+from jaxtrain.models import ModelSpec, Transformer
+from jaxtrain.models.attention import KERNELS
+from jaxtrain.models.head_loss import chunk_size
+from jaxtrain.models.remat import REMATS
 
 F32 = 4
 # Buffers XLA holds besides the ones counted (fusion outputs, copies around collectives,
-# the optimizer's update tree): a fraction of the counted temporaries, measured against the
-# compiled step on the test grid (scripts/plan_vs_compiler.py).
-TEMP_MARGIN = 0.07
+# the optimizer's update tree): a fraction of the counted temporaries. This and the factors
+# below were fitted on XLA:CPU's compiled steps of the test grid (scripts/plan_vs_compiler.py),
+# the shipped configs and published layouts (scripts/memory_check.py), keeping the grid
+# within ±13% (docs/planner.md).
+TEMP_MARGIN = 0.05
+# From XLA's buffer assignments, fitted likewise:
+# f32 score matrices (one query chunk against its keys) alive at once in the chunked
+# kernel, a fixed number plus some per query chunk (its Python loop is unrolled, and XLA
+# overlaps the chunks' buffers: ~64 at seq 4096 in XLA's buffer assignment);
+CHUNK_SCORES = 0.0
+CHUNK_SCORES_PER_CHUNK = 1.5
+# the share of one layer's full set of activations alive while it is recomputed and run
+# backward: under full remat, and (of what save_dots did not save) under save_dots;
+FULL_WORKING = 0.75
+DOTS_WORKING = 0.75
+# float32-sized arrays per logit of the head's chunk (the logits; their gradient is counted
+# at the compute dtype on top; the exponent is fused into it);
+LOGIT_F32 = 1.0
+# and extra float32 [V, D] copies of a tied embedding table whose gradient (the gather's
+# and the head's, summed) XLA forms unsharded when the table is sharded.
+TIED_TABLE_COPIES = 2.0
+
+
+def value_bytes(spec: ModelSpec, backend: str = "accelerator") -> int:
+    """Bytes per activation (and per gathered weight): the compute dtype's, which is bf16
+    under fp8 too (fp8 quantizes inside the matmul); XLA's CPU backend keeps 16-bit
+    activations in float32."""
+    return F32 if backend == "cpu" else jax.numpy.dtype(spec.compute_dtype).itemsize
 
 
 def param_shards(spec: ModelSpec, sizes: dict[str, int]) -> dict[str, int]:
     """Elements per device: 'total' parameters, 'layer' (one layer of the stack, as a
     device holds it), and 'layer_gathered' (one layer after the FSDP all-gather)."""
-    model = nnx.eval_shape(lambda: _transformer(spec))
+    model = nnx.eval_shape(lambda: Transformer(spec, rngs=nnx.Rngs(0)))
     leaves = jax.tree_util.tree_flatten_with_path(
         nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
     out = {"total": 0, "layer": 0, "layer_gathered": 0, "count": 0, "embed_gathered": 0}
@@ -52,11 +80,6 @@ def param_shards(spec: ModelSpec, sizes: dict[str, int]) -> dict[str, int]:
     return out
 
 
-def _transformer(spec):
-    from jaxtrain.models import Transformer
-    return Transformer(spec, rngs=nnx.Rngs(0))
-
-
 def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
                        c: int) -> float:
     """Bytes one layer keeps for backward for `rows` sequences on one device, activations
@@ -79,11 +102,12 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     # The matmul outputs: q, k, v, attention output, w_o, the MLP up (and gate), w_down.
     dots = tokens * (2 * heads + 2 * kv + mlp) * c + 2 * tokens_res * d * c
     if saved == "dots":
-        return dots + tokens_res * d * c
+        # The w_down output is not kept: the next layer's input (kept) replaces it.
+        return dots
     # The attention scores: the xla kernel keeps float32 scores and probabilities and their
     # compute-dtype copy (the full L×L); the chunked and cuDNN kernels keep only a float32
     # logsumexp per query and recompute the rest.
-    per_query = s * (2 * F32 + c) if spec.attention == "xla" else F32
+    per_query = s * (2 * F32 + c) if KERNELS[spec.attention].full_scores else F32
     scores = rows * spec.num_heads / t * s * per_query
     if saved == "kept":
         # Without a policy the norms and their projections are recomputed from the two norm
@@ -100,15 +124,19 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     return dots + stream + act + scores
 
 
-def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator") -> dict[str, float]:
+def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
+             platform: str | None = None) -> dict[str, float]:
     """Per-device bytes by part, and 'total'. sizes: mesh axis sizes from config.validate.
 
     backend='cpu' predicts XLA's CPU backend instead of a GPU/TPU: it has no bf16 matmuls
     and runs bfloat16 activations through float32 copies, so they are counted at 4 bytes.
+    platform ('cpu', 'gpu', 'tpu'; default: cpu for backend='cpu', else gpu) is what
+    model.attention='auto' resolves for.
     """
-    spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"])
+    platform = platform or ("cpu" if backend == "cpu" else "gpu")
+    spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"], platform=platform)
     shards = param_shards(spec, sizes)
-    c = F32 if backend == "cpu" else jax.numpy.dtype(spec.compute_dtype).itemsize
+    c = value_bytes(spec, backend)
     micro = cfg.train.microbatches
     rows = cfg.train.global_batch // micro // (sizes["data"] * sizes["fsdp"])
     p = sizes["pipeline"]
@@ -120,12 +148,10 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator") -> dict[s
     # and the current micro-batch's gradients at once.
     grads = shards["total"] * F32 * (2 if micro > 1 else 1)
 
-    remat = spec.remat
-    # The finer named policies are modelled by their nearest coarse one (an approximation;
-    # --compile gives the compiler's figure): save_dots_except_mlp keeps fewer dots than
-    # save_dots, save_attention_out and offload_dots keep about what full remat keeps on device.
-    saved = {"none": "kept", "save_dots": "dots", "save_dots_except_mlp": "dots",
-             "full": "input", "save_attention_out": "input", "offload_dots": "input"}[remat]
+    # What stays on the device per layer, from the remat registry (the finer policies are
+    # modelled by their nearest coarse one: save_dots_except_mlp as save_dots,
+    # save_attention_out and offload_dots as full remat; --compile gives XLA's figure).
+    saved = REMATS[spec.remat].saves
     if p > 1:
         m, v = spec.pipeline.microbatches, spec.pipeline.repeats
         # Every loop iteration keeps its stage's chunk activations for one pipeline
@@ -152,18 +178,21 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator") -> dict[s
     # is alive at its peak. save_dots recomputes only what it did not save.
     one_layer = _layer_activations(spec, working_rows, sizes, "all", c)
     if saved == "input":
-        working = one_layer
+        working = FULL_WORKING * one_layer
     elif saved == "dots":
-        working = 0.5 * (one_layer - _layer_activations(spec, working_rows, sizes, "dots", c))
+        working = DOTS_WORKING * (
+            one_layer - _layer_activations(spec, working_rows, sizes, "dots", c))
     else:
         working = 0.0
-    if spec.attention != "xla" and remat == "none":
-        # The chunked kernel's backward recomputes one query chunk (≤128 rows) against its
-        # whole key prefix at a time (probabilities and their gradient, keys as rows, about
-        # one float32 score matrix alive at once; fitted on the grid). (Under remat the
-        # recomputed layer's own working set above already dominates.)
-        working += (working_rows * spec.num_heads / sizes["tensor"] * min(128, spec.seq_len)
-                    * spec.seq_len * F32)
+    rows_per_chunk = KERNELS[spec.attention].query_chunk
+    if rows_per_chunk:
+        # The chunked kernel (forward, and the backward that recomputes it) forms one query
+        # chunk against its key prefix at a time: float32 probabilities and their gradient;
+        # XLA keeps several chunks' alive at once. cuDNN and splash keep only tiles.
+        chunks = math.ceil(spec.seq_len / rows_per_chunk)
+        working += (CHUNK_SCORES + CHUNK_SCORES_PER_CHUNK * chunks) * (
+            working_rows * spec.num_heads / sizes["tensor"]
+            * min(rows_per_chunk, spec.seq_len) * spec.seq_len * F32)
     layer_weights = shards["layer_gathered"] * (c + F32)
     activations = kept + working
 
@@ -171,33 +200,17 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator") -> dict[s
     # logits, their exponent and the compute-dtype logit gradient for a chunk, the stacked
     # input gradient, and the gathered head with its float32 gradient.
     global_rows = cfg.train.global_batch // micro
-    chunk_tokens = _chunk_tokens(spec.seq_len, global_rows) / (sizes["data"] * sizes["fsdp"])
+    chunk_tokens = chunk_size(spec.seq_len, global_rows) * global_rows / (
+        sizes["data"] * sizes["fsdp"])
     vocab_local = spec.vocab_size / sizes["tensor"]
-    logits = chunk_tokens * vocab_local * (2 * F32 + c) + rows * spec.seq_len * spec.d_model * c
+    logits = chunk_tokens * vocab_local * (LOGIT_F32 * F32 + c) + \
+        rows * spec.seq_len * spec.d_model * c
     head = shards["embed_gathered"] * (c + F32)
+    if spec.tied_embeddings and sizes["fsdp"] * sizes["tensor"] > 1:
+        head += TIED_TABLE_COPIES * spec.vocab_size * spec.d_model * F32
     temporaries = TEMP_MARGIN * (grads + activations + logits)
     parts = {"params": params, "optimizer": opt, "gradients": grads,
              "activations": activations, "layer_weights": layer_weights + head,
              "logits": logits, "temporaries": temporaries}
     parts["total"] = sum(parts.values())
     return parts
-
-
-def _chunk_tokens(length: int, batch: int, target_tokens: int = 1024) -> int:
-    """Global tokens per head chunk, as models/head_loss.py picks it."""
-    best = 1
-    for chunk in range(1, length + 1):
-        if length % chunk == 0 and chunk * batch <= target_tokens:
-            best = chunk
-    return best * batch
-
-
-def model_state_bytes_per_param(precision: str = "float32") -> int:
-    """Adam model state per parameter: float32 master weights, gradients and two moments.
-    jaxtrain keeps float32 master weights under train.precision=bfloat16 too (16 bytes)."""
-    del precision
-    return 4 * F32
-
-
-def weight_bytes(params: float, dtype: str) -> float:
-    return params * {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}[dtype]

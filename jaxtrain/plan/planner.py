@@ -16,7 +16,7 @@ def make_plan(cfg, hw, devices: int, tokens: float | None = None, hours: float |
               amortize_years: float = 5.0, usable_fraction: float = USABLE_FRACTION) -> dict:
     """Raises ConfigError (one line) when the config cannot run on that many devices."""
     sizes = validate(cfg, devices)
-    mem = memory.estimate(cfg, sizes)
+    mem = memory.estimate(cfg, sizes, platform=hw.kind if hw.kind in ("gpu", "tpu") else "cpu")
     shards = memory.param_shards(
         ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"]), sizes)
     time = timing.predict(cfg, sizes, hw, shards["total"], dcn_shape(cfg.mesh))
@@ -74,7 +74,8 @@ def format_plan(plan: dict) -> str:
               f"{', comm: ' + comm if comm else ''}, bubble {t['bubble']:.1%}",
               f"  MFU {t['mfu']:.1%}, {t['tokens_per_s']:,.0f} tokens/s, "
               f"{t['tokens_per_step']:,} tokens/step",
-              f"  assumes: matmuls at {t['matmul_efficiency']:.0%} of peak; {t['overlap']}"]
+              f"  assumes: {t['overlap']}",
+              f"  uncertainty: {t['calibration']}"]
     if "cost" in plan:
         c = plan["cost"]
         lines += [f"training {t['train_tokens']:.3g} tokens: {t['train_steps']:,.0f} steps, "

@@ -4,32 +4,30 @@ the ones whose estimate fits, ranked by predicted step time or cost."""
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from collections.abc import Callable
 
 import ml_collections
 
-from jaxtrain.config import ConfigError
+from jaxtrain.config import ConfigError, apply_overrides
+from jaxtrain.errors import divisor_list
+from jaxtrain.hardware import HardwareError
+from jaxtrain.plan.planner import make_plan
 
 # The policies the memory and time models count directly; the finer named ones are left to
 # --config.model.remat by hand.
 SEARCH_REMATS = ("none", "full", "save_dots")
-from jaxtrain.plan.catalog import HardwareError
-from jaxtrain.plan.planner import make_plan
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def candidates(cfg, devices: int, devices_per_node: int):
     """(overrides, config) for every layout worth trying. Tensor parallelism stays inside a
     node; pipelines use GPipe with enough micro-batches for a bubble near 10%."""
-    for tensor, pipeline in itertools.product(_divisors(devices), (1, 2, 4, 8)):
+    for tensor, pipeline in itertools.product(divisor_list(devices), (1, 2, 4, 8)):
         if tensor > min(devices_per_node, 8) or devices % (tensor * pipeline):
             continue
         rest = devices // (tensor * pipeline)
-        for fsdp in _divisors(rest):
-            for remat, micro in itertools.product(SEARCH_REMATS, _divisors(cfg.train.global_batch)):
+        for fsdp in divisor_list(rest):
+            batch = cfg.train.global_batch
+            for remat, micro in itertools.product(SEARCH_REMATS, divisor_list(batch)):
                 if micro > 64:
                     continue
                 overrides = {"mesh.data": rest // fsdp, "mesh.fsdp": fsdp,
@@ -41,15 +39,12 @@ def candidates(cfg, devices: int, devices_per_node: int):
                 if pipeline > 1:
                     overrides.update({"pipeline.schedule": "gpipe", "pipeline.repeats": 1,
                                       "pipeline.microbatches": 9 * (pipeline - 1) + 1})
-                yield overrides, _apply(cfg, overrides)
+                yield overrides, with_overrides(cfg, overrides)
 
 
-def _apply(cfg, overrides: dict):
-    c = ml_collections.ConfigDict(cfg.to_dict())
-    for key, value in overrides.items():
-        section, leaf = key.split(".")
-        c[section][leaf] = value
-    return c
+def with_overrides(cfg, overrides: dict):
+    """A copy of cfg (which may be locked) with dotted overrides applied."""
+    return apply_overrides(ml_collections.ConfigDict(cfg.to_dict()), overrides)
 
 
 # The memory model's error bound against the compiler (tests/test_plan.py): a candidate is

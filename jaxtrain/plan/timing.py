@@ -1,114 +1,230 @@
 """Step time, MFU, throughput, time to train and what it costs, from the config and a
 hardware entry. Formulas and sources: docs/planner.md.
 
-Stated assumptions (printed with every plan):
-- matmuls reach MATMUL_EFFICIENCY of the dense peak when compute-bound (roofline otherwise);
-- data and fsdp collectives overlap with compute (only the part longer than compute shows);
-  tensor and pipeline collectives sit on the critical path and add to the step;
-- an axis whose devices span more than one node runs at the inter-node bandwidth.
+Two halves:
+- `step_features`: what one step asks of a device (matmul and attention FLOPs, HBM traffic,
+  the bytes each mesh axis moves and over which link, collectives, pipeline bubble). Counted
+  from the config; nothing here is fitted.
+- `step_time`: turns features into seconds with a hardware family's calibration
+  (plan/calibration.py, fitted on published training runs): achievable matmul efficiency
+  and how it falls with the model width, attention kernels' relative speed, the fraction
+  of the datasheet link bandwidth collectives reach and their latency, and how much of the
+  data/fsdp and tensor collectives hides under compute.
+
+Each mesh axis's traffic is one entry of AXES (its collectives per step, whether they can
+overlap with compute, and where it sits from the innermost axis outwards): a new mesh axis
+is a new entry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 
-from jaxtrain.metrics import attention_flops_per_token, flops_per_token, matmul_params
 from jaxtrain.models import ModelSpec
+from jaxtrain.models.attention import KERNELS
+from jaxtrain.models.flops import attention_flops_per_token, flops_per_token, matmul_params
+from jaxtrain.models.remat import REMATS
 from jaxtrain.parallel.pipeline import bubble_fraction
+from jaxtrain.plan import calibration as calibration_lib
+from jaxtrain.plan.memory import value_bytes
 
-MATMUL_EFFICIENCY = 0.7
-OVERLAP = ("data and fsdp collectives overlap with compute; tensor and pipeline "
-           "collectives add to the step")
 F32 = 4
 
 
 def step_flops(spec: ModelSpec, tokens: int) -> dict[str, float]:
     """Model FLOPs (the MFU numerator: 6·N·tokens + causal attention) and the FLOPs the
-    hardware runs: plus one more forward under full remat, the attention scores' forward
-    under save_dots, and the masked half of the scores that the xla kernel computes."""
+    hardware runs, split into weight matmuls and attention: plus one more forward under full
+    remat, the attention scores' forward under save_dots, and the masked half of the scores
+    that the xla kernel computes."""
     model = flops_per_token(spec) * tokens
     attention = attention_flops_per_token(spec) * tokens
-    forward = model / 3
-    recompute = {"none": 0.0, "full": forward, "save_dots": attention / 3 * 2,
-                 # finer policies: modelled as their nearest coarse one
-                 "save_dots_except_mlp": attention / 3 * 2, "save_attention_out": forward,
-                 "offload_dots": 0.0}[spec.remat]
-    return {"model": model, "hardware": model + attention + recompute}
+    weights = model - attention
+    # What the remat policy recomputes (the registry's planner fact), as (fraction of the
+    # weight matmuls' forward, fraction of the attention forward).
+    redo_weights, redo_attention = {
+        "nothing": (0.0, 0.0), "attention_scores": (0.0, 1.0),
+        "forward": (1.0, 1.0)}[REMATS[spec.remat].recomputes]
+    head = 6.0 * spec.d_model * spec.vocab_size * tokens  # the head is never recomputed
+    hw_weights = weights + redo_weights * (weights - head) / 3
+    hw_attention = attention * (1 + redo_attention / 3)
+    if KERNELS[spec.attention].full_scores:
+        hw_attention *= 2  # the full s×s scores, masked afterwards
+    return {"model": model, "hardware": hw_weights + hw_attention,
+            "weights": hw_weights, "attention": hw_attention}
 
 
-def axis_bandwidths(sizes: dict[str, int], hw, dcn: dict[str, int]) -> dict[str, float]:
-    """Bytes/s per device for each mesh axis: inside a node unless the axis, counted from
-    the innermost (tensor) outwards, spans more devices than a node holds, or the config
-    puts part of it across nodes (mesh.dcn_*)."""
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """What one step's collectives on one mesh axis cost a device, before calibration."""
+
+    bytes: float  # sent per device per step
+    count: int  # collectives per step (latency)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ctx:
+    """The quantities every axis's traffic is counted from."""
+
+    spec: ModelSpec
+    sizes: dict
+    micro: int  # accumulation micro-batches per step
+    rows: int  # sequences per device per micro-batch
+    c: int  # bytes per activation / gathered weight
+    param_elems: int  # parameters held per device
+    passes: int  # weight passes per micro-batch: forward, backward (+ recompute)
+
+    @property
+    def activation(self) -> float:
+        """One micro-batch's residual stream on this device, bytes."""
+        return self.rows * self.spec.seq_len * self.spec.d_model * self.c
+
+
+def _ring(n: int) -> float:
+    """An all-gather or reduce-scatter of X moves (n−1)/n·X per device; an all-reduce 2×."""
+    return (n - 1) / n
+
+
+def _data(x: Ctx) -> Traffic:
+    d = x.sizes["data"]
+    return Traffic(2 * _ring(d) * x.param_elems * F32, 1 if d > 1 else 0)
+
+
+def _fsdp(x: Ctx) -> Traffic:
+    f = x.sizes["fsdp"]
+    weights = x.param_elems * f  # this device's tensor/pipeline shard, gathered over fsdp
+    layers = x.spec.num_layers // x.sizes["pipeline"]
+    # Per micro-batch: weight all-gathers per pass in the compute dtype, a float32
+    # reduce-scatter of the gradients.
+    return Traffic(x.micro * _ring(f) * weights * (x.passes * x.c + F32),
+                   x.micro * layers * (x.passes + 1) if f > 1 else 0)
+
+
+def _tensor(x: Ctx) -> Traffic:
+    t = x.sizes["tensor"]
+    layers = x.spec.num_layers // x.sizes["pipeline"]
+    # Two all-reduces of the block output per layer forward and two backward (+2 per
+    # recompute); sequence parallelism makes each an all-gather + reduce-scatter of the
+    # same bytes.
+    n = x.micro * layers * x.passes * 2
+    return Traffic(n * 2 * _ring(t) * x.activation, n if t > 1 else 0)
+
+
+def _pipeline(x: Ctx) -> Traffic:
+    if x.sizes["pipeline"] == 1:
+        return Traffic(0.0, 0)
+    p = x.sizes["pipeline"]
+    m, v = x.spec.pipeline.microbatches, x.spec.pipeline.repeats
+    # Every iteration each stage passes a micro-batch on, forward and backward.
+    n = x.micro * (v * m + p - 1) * 2
+    return Traffic(n * x.activation / m, n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    traffic: Callable[[Ctx], Traffic]
+    hidden: bool  # its collectives can overlap with compute (else on the critical path)
+
+
+# Innermost first: an axis crosses nodes once the product of the sizes up to it exceeds a
+# node. A new mesh axis (expert, context) is a new entry here, at its place in that order.
+AXES: dict[str, Axis] = {
+    "tensor": Axis(_tensor, hidden=False),
+    "fsdp": Axis(_fsdp, hidden=True),
+    "pipeline": Axis(_pipeline, hidden=False),
+    "data": Axis(_data, hidden=True),
+}
+
+
+def axis_links(sizes: dict[str, int], hw, dcn: dict[str, int]) -> dict[str, str]:
+    """'intra' or 'inter' for each mesh axis: inside a node unless the axis, counted from
+    the innermost outwards, spans more devices than a node holds, or the config puts part
+    of it across nodes (mesh.dcn_*)."""
     out, inner = {}, 1
-    for axis in ("tensor", "fsdp", "pipeline", "data"):
+    for axis in AXES:
         inner *= sizes[axis]
         crosses = inner > hw.devices_per_node or dcn.get(axis, 1) > 1
-        out[axis] = (hw.inter_node_gbps if crosses and sizes[axis] > 1
-                     else hw.intra_node_gbps) * 1e9
+        out[axis] = "inter" if crosses and sizes[axis] > 1 else "intra"
     return out
 
 
-def comm_bytes(cfg, spec: ModelSpec, sizes: dict[str, int], param_elems: int) -> dict:
-    """Bytes each device sends per step on each axis (ring collectives: an all-gather or
-    reduce-scatter of X moves (n−1)/n·X, an all-reduce twice that)."""
-    c = 2 if cfg.train.precision == "bfloat16" else 4
-    d, t, f, p = sizes["data"], sizes["tensor"], sizes["fsdp"], sizes["pipeline"]
-    micro = cfg.train.microbatches
-    rows = cfg.train.global_batch // micro // (d * f)
-    weights = param_elems * f  # this device's tensor/pipeline shard, gathered over fsdp
-    ring = lambda n: (n - 1) / n  # noqa: E731
-    passes = 3 if spec.remat in ("full", "save_attention_out") else 2  # weight gathers: forward, backward, recompute
-    out = {"data": 2 * ring(d) * param_elems * F32,  # gradient all-reduce, once per step
-           "fsdp": micro * ring(f) * weights * (passes * c + F32),  # gathers + reduce-scatter
-           "tensor": 0.0, "pipeline": 0.0}
-    layers = spec.num_layers / p
-    activation = rows * spec.seq_len * spec.d_model * c
-    # Two all-reduces of the block output per layer forward and two backward (+2 recompute);
-    # sequence parallelism makes each an all-gather + reduce-scatter of the same bytes.
-    out["tensor"] = micro * layers * (passes * 2) * 2 * ring(t) * activation
-    if p > 1:
-        m, v = spec.pipeline.microbatches, spec.pipeline.repeats
-        # Every iteration each stage passes a micro-batch on, forward and backward.
-        out["pipeline"] = micro * (v * m + p - 1) * 2 * activation / m
-    return out
-
-
-def predict(cfg, sizes: dict[str, int], hw, param_elems: int, dcn: dict[str, int]) -> dict:
-    """Step time and its parts; param_elems: parameters held per device."""
+def step_features(cfg, sizes: dict[str, int], hw, param_elems: int,
+                  dcn: dict[str, int]) -> dict:
+    """Everything step_time needs, counted from the config (nothing fitted)."""
     spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"])
     n = math.prod(sizes.values())
     tokens = cfg.train.global_batch * cfg.model.seq_len
     flops = step_flops(spec, tokens)
-    peak = hw.peak_flops(cfg.train.precision)
-    compute = flops["hardware"] / n / (peak * MATMUL_EFFICIENCY)
+    c = value_bytes(spec)
+    recompute = REMATS[spec.remat].recomputes == "forward"
+    micro = cfg.train.microbatches
+    rows = cfg.train.global_batch // micro // (sizes["data"] * sizes["fsdp"])
+    ctx = Ctx(spec, sizes, micro, rows, c, param_elems, 3 if recompute else 2)
     # Roofline: each matmul streams its weights (compute dtype) once per pass and its
     # activations; memory-bound when tokens per device are few.
-    c = 2 if cfg.train.precision == "bfloat16" else 4
-    passes = 4 if spec.remat in ("full", "save_attention_out") else 3
     tokens_dev = tokens / (sizes["data"] * sizes["fsdp"])
-    weight_traffic = passes * cfg.train.microbatches * param_elems * sizes["fsdp"] * c
-    act_traffic = passes * tokens_dev / sizes["pipeline"] * spec.num_layers * \
+    weight_traffic = (ctx.passes + 1) * micro * param_elems * sizes["fsdp"] * c
+    act_traffic = (ctx.passes + 1) * tokens_dev / sizes["pipeline"] * spec.num_layers * \
         spec.d_model * 12 * c / sizes["tensor"]
-    memory = (weight_traffic + act_traffic) / (hw.memory_bw_gbps * 1e9)
-    busy = max(compute, memory)
-    bw = axis_bandwidths(sizes, hw, dcn)
-    traffic = comm_bytes(cfg, spec, sizes, param_elems)
-    comm = {axis: traffic[axis] / bw[axis] for axis in traffic}
-    overlapped = max(busy, comm["data"] + comm["fsdp"])
-    exposed = comm["tensor"] + comm["pipeline"]
+    links = axis_links(sizes, hw, dcn)
+    bandwidth = {"intra": hw.intra_node_gbps * 1e9, "inter": hw.inter_node_gbps * 1e9}
+    axes = {}
+    for name, axis in AXES.items():
+        traffic = axis.traffic(ctx)
+        axes[name] = {"bytes": traffic.bytes, "count": traffic.count, "link": links[name],
+                      "datasheet_s": traffic.bytes / bandwidth[links[name]],
+                      "hidden": axis.hidden}
     bubble = 0.0 if spec.pipeline is None else bubble_fraction(
         sizes["pipeline"], spec.pipeline.repeats, spec.pipeline.microbatches)
-    step = (overlapped + exposed) / (1 - bubble)
+    return {"devices": n, "tokens_per_step": tokens, "model_flops": flops["model"],
+            "hardware_flops": flops["hardware"],
+            "weight_flops_per_device": flops["weights"] / n,
+            "attention_flops_per_device": flops["attention"] / n,
+            "width": spec.d_model, "memory_bytes": weight_traffic + act_traffic,
+            "axes": axes, "bubble": bubble, "matmul_params": matmul_params(spec)}
+
+
+def step_time(features: dict, hw, peak: float, cal) -> dict:
+    """Seconds per step and its parts, for a calibration `cal` (plan/calibration.py)."""
+    eff = cal.matmul_efficiency * features["width"] / (features["width"] + cal.width_knee)
+    compute = (features["weight_flops_per_device"]
+               + features["attention_flops_per_device"] / cal.attention_speed) / (peak * eff)
+    memory = features["memory_bytes"] / (hw.memory_bw_gbps * 1e9)
+    busy = max(compute, memory)
+    comm = {}
+    for name, a in features["axes"].items():
+        efficiency = cal.intra_link_efficiency if a["link"] == "intra" \
+            else cal.inter_link_efficiency
+        comm[name] = a["datasheet_s"] / efficiency + a["count"] * cal.collective_latency_s
+    hidden = sum(comm[n] for n, a in features["axes"].items() if a["hidden"])
+    exposed = sum(comm[n] for n, a in features["axes"].items() if not a["hidden"])
+    # A fraction `overlap` of the shorter of compute and the hideable collectives runs
+    # concurrently with the other; tensor/pipeline collectives hide `tensor_overlap`.
+    step = busy + hidden - cal.overlap * min(busy, hidden) + (1 - cal.tensor_overlap) * exposed
+    step /= 1 - features["bubble"]
     return {"step_s": step, "compute_s": compute, "memory_bound_s": memory,
-            "comm_s": comm, "comm_bytes": traffic, "bubble": bubble,
-            "bound": "compute" if compute >= memory else "memory",
-            "tokens_per_step": tokens, "tokens_per_s": tokens / step,
-            "model_flops_per_step": flops["model"],
-            "hardware_flops_per_step": flops["hardware"],
-            "mfu": flops["model"] / (step * n * peak), "peak_flops": peak,
-            "matmul_params": matmul_params(spec), "overlap": OVERLAP,
-            "matmul_efficiency": MATMUL_EFFICIENCY}
+            "matmul_efficiency": eff, "comm_s": comm,
+            "bound": "compute" if compute >= memory else "memory"}
+
+
+def predict(cfg, sizes: dict[str, int], hw, param_elems: int, dcn: dict[str, int],
+            cal=None) -> dict:
+    """Step time and its parts; param_elems: parameters held per device; cal: the
+    calibration (default: the hardware's family, plan/calibration.json)."""
+    cal = cal or calibration_lib.for_hardware(hw.name)
+    features = step_features(cfg, sizes, hw, param_elems, dcn)
+    peak = hw.peak_flops(cfg.train.precision)
+    t = step_time(features, hw, peak, cal)
+    tokens, n = features["tokens_per_step"], features["devices"]
+    return {**t, "comm_bytes": {k: a["bytes"] for k, a in features["axes"].items()},
+            "bubble": features["bubble"], "tokens_per_step": tokens,
+            "tokens_per_s": tokens / t["step_s"],
+            "model_flops_per_step": features["model_flops"],
+            "hardware_flops_per_step": features["hardware_flops"],
+            "mfu": features["model_flops"] / (t["step_s"] * n * peak), "peak_flops": peak,
+            "matmul_params": features["matmul_params"], "calibration": cal.describe(),
+            "overlap": cal.overlap_text()}
 
 
 def cost(hours: float, devices: int, hw, price_per_hour: float | None = None,

@@ -1,8 +1,11 @@
-"""The hardware catalog: jaxtrain/plan/hardware.json plus any user file of the same form.
+"""The hardware catalog: jaxtrain/hardware.json plus any user file of the same form.
 
 Each entry gives dense peak FLOP/s per precision, memory size and bandwidth, the one-way
 bandwidth per device inside a node and between nodes, power, prices and the source of those
 figures. A user file (--hardware-file) adds entries or replaces shipped ones by name.
+
+A low-level module (no jax, nothing of jaxtrain): metrics.py reads peaks from it for MFU and
+the planner everything else.
 """
 
 from __future__ import annotations
@@ -91,6 +94,21 @@ def get(name: str, extra_file: str | None = None) -> Hardware:
                 return hw
     raise HardwareError(f"--hardware={name} is invalid: valid values are "
                         f"{', '.join(catalog)}")
+
+
+# jax device_kind prefixes -> catalog entries. Longer prefixes first.
+DEVICE_KINDS = (
+    ("NVIDIA H100 PCIe", "H100-PCIe"), ("NVIDIA H100", "H100-SXM"), ("NVIDIA H200", "H200"),
+    ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("NVIDIA A100-PCIE-40GB", "A100-40GB"),
+    ("NVIDIA A100", "A100-80GB"), ("NVIDIA B200", "B200"), ("TPU v4", "TPU-v4"),
+    ("TPU v5 lite", "TPU-v5e"), ("TPU v5", "TPU-v5p"), ("TPU v6 lite", "TPU-v6e"),
+)
+
+
+def for_device_kind(device_kind: str) -> str | None:
+    """The catalog entry for a jax device_kind ('NVIDIA H100 80GB HBM3' -> 'H100-SXM')."""
+    return next((name for prefix, name in DEVICE_KINDS if device_kind.startswith(prefix)),
+                None)
 
 
 def slice_devices(name: str) -> int | None:

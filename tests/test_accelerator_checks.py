@@ -1,0 +1,55 @@
+"""Evidence for accelerators gathered without one: the train step lowered for CUDA
+(scripts/cuda_lowering_check.py) and the GPU check script's CPU rehearsal
+(scripts/gpu_check.sh --rehearse)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import cuda_lowering_check as cuda  # noqa: E402
+
+
+@pytest.mark.parametrize("kernel,precision,expected", [
+    ("cudnn", "bfloat16", "__cudnn$fmhaSoftmaxBackward"),
+    ("pallas", "fp8", "__gpu$xla.gpu.triton"),
+])
+def test_train_step_lowers_for_cuda_with_its_kernels(kernel, precision, expected):
+    found = cuda.inspect(cuda.lower_for_cuda(kernel, precision), cuda.SMALL["model.d_model"])
+    row = {"kernel": kernel, "precision": precision, **found}
+    assert expected in found["custom_calls"]
+    assert cuda.problems(row) == []
+    assert found["f32_weight_dots"] == 0 and not found["host_fallbacks"]
+    if precision == "fp8":
+        assert found["dot_operand_types"].get("f8E4M3FN×f8E4M3FN", 0) > 0
+
+
+def test_lowering_check_flags_what_is_missing():
+    text = cuda.lower_for_cuda("xla", "bfloat16")
+    found = cuda.inspect(text, cuda.SMALL["model.d_model"])
+    # An xla-kernel module offered as cuDNN's, or as fp8, is caught.
+    assert any("cuDNN" in p for p in cuda.problems({"kernel": "cudnn", "precision": "bfloat16",
+                                                    **found}))
+    assert any("fp8" in p for p in cuda.problems({"kernel": "xla", "precision": "fp8", **found}))
+    f32 = cuda.inspect(text.replace("xbf16>", "xf32>"), cuda.SMALL["model.d_model"])
+    assert f32["f32_weight_dots"] > 0
+
+
+@pytest.mark.slow
+def test_gpu_check_rehearses_on_cpu(tmp_path):
+    out = subprocess.run(["bash", os.path.join(ROOT, "scripts/gpu_check.sh"), "--rehearse",
+                          str(tmp_path)], capture_output=True, text=True, timeout=900,
+                         cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = json.loads((tmp_path / "gpu_report.json").read_text())
+    status = {r["check"]: r["status"] for r in rows}
+    assert status["matmul_peak"] == "ok" and status["llama_1b bf16 chunked"] == "ok"
+    assert status["llama_1b fp8 chunked"] == "ok" and status["llama_1b bf16 cudnn"] == "skipped"
+    bench = next(r for r in rows if r["check"] == "llama_1b bf16 chunked")
+    assert bench["planner"]["step_s"] > 0 and 0.5 < bench["planner"]["memory_ratio"] < 2
+    assert (tmp_path / "gpu_report.md").read_text().count("|") > 20

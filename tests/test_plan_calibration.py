@@ -1,0 +1,70 @@
+"""The planner's time model against published training runs (plan/published_runs.json):
+every run predicted within ±15% with the shipped calibration, the calibration file's error
+figures true, the FLOP-counting conversions right, and the uncertainty stated."""
+
+import pytest
+
+from jaxtrain import hardware
+from jaxtrain.plan import calibration, published
+from jaxtrain.plan.compile_check import load_config
+from jaxtrain.plan.planner import format_plan, make_plan
+
+RUNS = published.runs()
+
+
+def _cal(run):
+    return calibration.for_hardware(run["hardware"])
+
+
+def test_at_least_twelve_runs_on_every_listed_hardware():
+    assert len(RUNS) >= 12
+    kinds = {r["hardware"] for r in RUNS}
+    assert {"A100-80GB", "H100-SXM", "TPU-v4", "TPU-v5p", "TPU-v6e"} <= kinds
+    for run in RUNS:
+        assert run["source"].startswith("https://") and run["flops_counting"]
+
+
+@pytest.mark.parametrize("run_id", [r["id"] for r in RUNS])
+def test_predicted_mfu_within_15_percent_of_published(run_id):
+    run = next(r for r in RUNS if r["id"] == run_id)
+    error = published.predicted_tokens_per_s(run, _cal(run)) / \
+        published.published_tokens_per_s(run) - 1
+    assert abs(error) <= 0.15, f"{run_id}: predicted/published - 1 = {error:+.1%}"
+
+
+def test_calibration_file_states_its_errors_truly():
+    errors = published.errors(_cal)
+    for family in ("A100", "H100", "TPU-v4", "TPU-v5e", "TPU-v5p", "TPU-v6e"):
+        cal = calibration.for_family(family)
+        ids = [r["id"] for r in RUNS if calibration.family_of(r["hardware"]) == family]
+        assert cal.runs == len(ids) > 0
+        assert max(abs(errors[i]) for i in ids) == pytest.approx(cal.max_error, abs=1e-6)
+        assert cal.max_error <= cal.loo_max_error < 0.25
+
+
+def test_published_flops_conventions():
+    # MaxText's v6e table gives both MFU (attention not halved for causal) and tokens/s.
+    run = next(r for r in RUNS if r["id"] == "maxtext-v6e-llama3.1-8b")
+    assert published.published_tokens_per_s(run) == pytest.approx(
+        run["published_tokens_per_s_per_device"], rel=0.01)
+    # torchtitan's MFU counts 6 x all parameters (embedding too) + full attention.
+    run = next(r for r in RUNS if r["id"] == "torchtitan-a100-llama3-8b")
+    spec = published.ModelSpec.from_config(published.config(run))
+    mfu = run["published"]["tokens_per_s_per_device"] * published.source_flops_per_token(
+        spec, run["flops_counting"]) / hardware.get("A100-80GB").peak_flops("bfloat16")
+    assert mfu == pytest.approx(run["published_mfu"], abs=0.002)
+    # Megatron's 2021 figures include the recomputed forward: 4/3 of the layers' FLOPs.
+    counting = {"weights": "matmul", "attention": "full", "recompute": "none"}
+    redo = published.source_flops_per_token(spec, {**counting, "recompute": "full"})
+    head = 6.0 * spec.d_model * spec.vocab_size
+    assert redo - head == pytest.approx(
+        4 / 3 * (published.source_flops_per_token(spec, counting) - head))
+
+
+def test_plans_state_their_uncertainty():
+    cfg = load_config("configs/llama_1b.py", {})
+    plan = make_plan(cfg, hardware.get("H100-SXM"), 8)
+    assert "published runs of the H100 family" in plan["time"]["calibration"]
+    assert "uncertainty: ±" in format_plan(plan)
+    plan = make_plan(cfg, hardware.get("MI300X"), 8)
+    assert plan["time"]["calibration"].startswith("uncalibrated")
