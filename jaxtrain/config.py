@@ -105,10 +105,21 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "stdlib"
+    # bin: a .bin file or a directory with train.bin/val.bin; prepared: a directory made by
+    # `jaxtrain prepare` (docs/data.md).
     c.data.path = ""
     c.data.dtype = "uint16"  # token width of .bin files
-    c.data.val_fraction = 0.05
+    c.data.val_fraction = 0.05  # held-out tail (prepared: at a document boundary)
     c.data.prefetch = 2
+    # prepared: several datasets drawn by weight, "DIR:WEIGHT,DIR:WEIGHT" (instead of path).
+    c.data.mixture = ""
+    # prepared: validate on this prepared dataset instead of a held-out tail.
+    c.data.val_path = ""
+    # bin: the tokenizer that made the ids (a spec as for prepare --tokenizer), so that
+    # generate/eval/convert can use text; prepared datasets carry their own.
+    c.data.tokenizer = ""
+    # Resume even though the data's fingerprint changed since the run started (data.json).
+    c.data.allow_changed = False
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 0  # 0: only at the end of the run

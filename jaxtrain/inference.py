@@ -24,6 +24,7 @@ from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.config import base_config
 from jaxtrain.data.batches import to_global
 from jaxtrain.data.sources import SOURCES, TokenWindows
+from jaxtrain.data.tokenizers import ByteTokenizer
 from jaxtrain.errors import CheckpointError, ConfigError, DataError
 from jaxtrain.train.setup import Setup, build
 from jaxtrain.train.state import abstract_model, param_axes
@@ -108,16 +109,19 @@ def byte_level(cfg) -> bool:
 
 
 def prompt_tokens(cfg, text: str | None, ids: list[str] | None,
-                  max_new_tokens: int = 0) -> list[int]:
-    """The prompt as token ids; ConfigError (one line) for what this model cannot take."""
+                  max_new_tokens: int = 0, tokenizer=None) -> list[int]:
+    """The prompt as token ids; ConfigError (one line) for what this model cannot take.
+    Text is encoded with `tokenizer` (default: bytes for byte-level runs)."""
     if (text is None) == (ids is None):
         raise ConfigError("give exactly one of --prompt and --prompt_ids")
     if text is not None:
-        if not byte_level(cfg):
+        if tokenizer is None and byte_level(cfg):
+            tokenizer = ByteTokenizer()
+        if tokenizer is None:
             raise ConfigError(f"this model was trained on token ids (data.source="
                               f"{cfg.data.source!r}) and has no tokenizer here; pass "
                               "--prompt_ids")
-        tokens = list(text.encode("utf-8"))
+        tokens = tokenizer.encode(text)
     else:
         try:
             tokens = [int(i) for i in ids]
@@ -139,13 +143,16 @@ def prompt_tokens(cfg, text: str | None, ids: list[str] | None,
     return tokens
 
 
-def evaluation_windows(cfg, data: str | None):
-    """(name, windows source, tokens are bytes) for the run's validation split or a file."""
+def evaluation_windows(cfg, data: str | None, tokenizer=None):
+    """(name, windows source, tokens are bytes) for the run's validation split or a file
+    (a text file is encoded with `tokenizer`; bytes for byte-level runs)."""
     source = SOURCES[cfg.data.source]
     if data is None:
-        if source.tokens is None:
+        if not source.validation_text:
             raise DataError(f"this run trained on data.source={cfg.data.source!r}: it has no "
                             "validation text; pass --data")
+        if source.tokens is None:  # e.g. prepared datasets: the loop's validation windows
+            return "validation split", source.splits(cfg)[1], source.byte_level
         return "validation split", TokenWindows(source.tokens(cfg)[1], cfg.model.seq_len,
                                                 "the validation split"), source.byte_level
     path = pathlib.Path(data)
@@ -157,10 +164,12 @@ def evaluation_windows(cfg, data: str | None):
         if top >= cfg.model.vocab_size:
             raise DataError(f"--data={data} holds token id {top}, outside the model's "
                             f"vocabulary of {cfg.model.vocab_size}")
+    elif tokenizer is not None and not source.byte_level:
+        tokens = np.asarray(tokenizer.encode(path.read_text(errors="replace")), dtype=np.int32)
     else:
         if not source.byte_level:
-            raise DataError(f"--data={data}: this model reads token ids, not text; pass a "
-                            ".bin token file")
+            raise DataError(f"--data={data}: this model reads token ids and has no tokenizer "
+                            "here; pass a .bin token file")
         tokens = np.frombuffer(path.read_bytes(), dtype=np.uint8)
     return str(path), TokenWindows(tokens, cfg.model.seq_len, f"--data={data}"), \
         source.byte_level

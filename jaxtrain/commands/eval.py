@@ -2,8 +2,9 @@
 
 Loss, perplexity and bits per token/byte of a run's newest checkpoint (or a quantized model
 directory) as one JSON line: on the run's validation split by default, or on a token file
-(`.bin`, in the run's data.dtype) or, for byte-level models, a text file (any other name).
-Bits per byte are reported where a token is a byte; for other models pass
+(`.bin`, in the run's data.dtype) or a text file (any other name; encoded with the run's
+tokenizer). Bits per byte come from real byte counts: the UTF-8 bytes each evaluated target
+token stands for, by the run's tokenizer (WORKDIR/tokenizer); for a run without one, pass
 --bytes_per_token (the tokenizer's average on that text) to get them.
 """
 
@@ -15,6 +16,7 @@ from absl import flags, logging
 
 from jaxtrain import inference
 from jaxtrain.commands.common import run_absl
+from jaxtrain.data import record
 from jaxtrain.errors import DataError
 
 
@@ -36,12 +38,19 @@ def _define_flags() -> dict:
     return values
 
 
+def target_bytes(tokenizer, windows, count: int) -> int:
+    """UTF-8 bytes of the text the target tokens of the first `count` windows stand for."""
+    table = tokenizer.token_bytes()
+    return int(sum(table[windows[i][1:]].sum() for i in range(count)))
+
+
 def _evaluate(f: dict, argv) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
     workdir, data = f["workdir"].value, f["data"].value
     step, cfg = inference.run_config(workdir)
-    name, windows, byte_level = inference.evaluation_windows(cfg, data)
+    tokenizer = record.run_tokenizer(workdir, cfg)
+    name, windows, byte_level = inference.evaluation_windows(cfg, data, tokenizer)
     rows = cfg.train.global_batch
     batches = f["batches"].value or (cfg.eval_batches if data is None else len(windows) // rows)
     if batches < 1 or batches * rows > len(windows):
@@ -49,8 +58,13 @@ def _evaluate(f: dict, argv) -> None:
                         f"tokens: fewer than {max(batches, 1)} batches of {rows}")
     loaded = inference.load(workdir, data=f["devices"].value, batch=rows)
     result = inference.evaluate(loaded, windows, batches)
-    per_byte = 1.0 if byte_level else f["bytes_per_token"].value
-    result["bits_per_byte"] = None if per_byte is None else result["bits_per_token"] / per_byte
+    if tokenizer is not None:
+        result["bytes"] = target_bytes(tokenizer, windows, batches * rows)
+        result["bits_per_byte"] = result["bits_per_token"] * result["tokens"] / result["bytes"]
+    else:
+        per_byte = 1.0 if byte_level else f["bytes_per_token"].value
+        result["bits_per_byte"] = (None if per_byte is None
+                                   else result["bits_per_token"] / per_byte)
     print(json.dumps({"workdir": str(workdir), "step": step, "data": name,
                       "quantized": loaded.quantization is not None, **result}))
 

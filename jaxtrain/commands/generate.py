@@ -3,8 +3,9 @@
 
 Continues a prompt with the newest checkpoint of a run (or a quantized model directory),
 decoding with a KV cache. Temperature 0 (the default) is greedy and deterministic. --prompt
-is UTF-8 bytes for byte-level models (the built-in corpus); models trained on token files
-take --prompt_ids. --tensor N shards the model over N devices (tensor parallel).
+is encoded, and the output decoded, with the run's tokenizer (WORKDIR/tokenizer: bytes for
+the built-in corpus, the prepared dataset's otherwise); runs without one (synthetic data, a
+.bin without data.tokenizer) take --prompt_ids. --tensor N shards the model over N devices.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from absl import flags, logging
 
 from jaxtrain import inference
 from jaxtrain.commands.common import run_absl
+from jaxtrain.data import record
 from jaxtrain.sampling import Sampling, make_generate
 
 
@@ -27,7 +29,8 @@ def _define_flags() -> dict:
     values = {
         "workdir": flags.DEFINE_string("workdir", None, "A run directory, or a quantized "
                                        "model's."),
-        "prompt": flags.DEFINE_string("prompt", None, "Prompt text (byte-level models)."),
+        "prompt": flags.DEFINE_string("prompt", None, "Prompt text (encoded with the run's "
+                                      "tokenizer)."),
         "prompt_ids": flags.DEFINE_list("prompt_ids", None, "Prompt token ids, "
                                         "comma-separated."),
         "max_new_tokens": flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate."),
@@ -51,8 +54,9 @@ def _generate(f: dict, argv) -> None:
                         f["top_p"].value)
     sampling.check()
     loaded = inference.load(f["workdir"].value, tensor=f["tensor"].value)
+    tokenizer = record.run_tokenizer(f["workdir"].value, loaded.cfg)
     prompt = inference.prompt_tokens(loaded.cfg, f["prompt"].value, f["prompt_ids"].value,
-                                     sampling.max_new_tokens)
+                                     sampling.max_new_tokens, tokenizer)
     setup = loaded.setup
     with jax.set_mesh(setup.mesh):
         generate = make_generate(setup.graphdef, sampling, setup.spec.rules)
@@ -62,11 +66,12 @@ def _generate(f: dict, argv) -> None:
         start = time.perf_counter()
         tokens = np.asarray(jax.device_get(compiled(*args)))[0].tolist()
         seconds = time.perf_counter() - start
+    text = None if tokenizer is None else tokenizer.decode(prompt + tokens)
     if f["json"].value:
-        print(json.dumps({"prompt_ids": prompt, "generated_ids": tokens, "step": loaded.step,
-                          "tokens_per_s": round(len(tokens) / seconds, 1)}))
-    elif inference.byte_level(loaded.cfg):
-        print(bytes(prompt + tokens).decode("utf-8", errors="replace"))
+        print(json.dumps({"prompt_ids": prompt, "generated_ids": tokens, "text": text,
+                          "step": loaded.step, "tokens_per_s": round(len(tokens) / seconds, 1)}))
+    elif text is not None:
+        print(text)
     else:
         print(" ".join(map(str, tokens)))
     print(f"jaxtrain: {len(tokens)} tokens from step {loaded.step} at "

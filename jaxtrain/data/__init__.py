@@ -1,5 +1,19 @@
-from jaxtrain.data.batches import Batches, make_batches, to_global
-from jaxtrain.data.sources import SOURCES
-from jaxtrain.errors import DataError
+"""Data: sources, tokenizers, prepared datasets, the grain pipeline.
+
+The names below load lazily, so that the data-preparation processes (jaxtrain.data.prepare
+and its spawned workers) do not import jax and grain, which they never use.
+"""
+
+import importlib
 
 __all__ = ["Batches", "DataError", "SOURCES", "make_batches", "to_global"]
+
+_WHERE = {"Batches": "jaxtrain.data.batches", "make_batches": "jaxtrain.data.batches",
+          "to_global": "jaxtrain.data.batches", "SOURCES": "jaxtrain.data.sources",
+          "DataError": "jaxtrain.errors"}
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'jaxtrain.data' has no attribute {name!r}")

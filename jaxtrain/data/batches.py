@@ -39,19 +39,26 @@ class Batches:
     def train_iter(self, start_step: int) -> Iterator[np.ndarray]:
         """This process's slices of the global batches of steps start_step, start_step+1, ..."""
         count, index = jax.process_count(), jax.process_index()
-        ds = (grain.MapDataset.source(self.train_source)
-              .repeat(None)
-              .shuffle(seed=self.seed)
-              .batch(self.local_batch, drop_remainder=True))
+        ds = self._dataset(self.train_source, self.seed).batch(self.local_batch,
+                                                               drop_remainder=True)
         ds = ds[start_step * count + index::count]
         options = grain.ReadOptions(num_threads=2, prefetch_buffer_size=self.prefetch)
         return iter(ds.to_iter_dataset(options))
 
     def val_batches(self) -> list[np.ndarray]:
         count, index = jax.process_count(), jax.process_index()
-        ds = grain.MapDataset.source(self.val_source).repeat(None)
+        ds = self._dataset(self.val_source, None)
         ds = ds.batch(self.local_batch, drop_remainder=True)[index::count]
         return [ds[i] for i in range(self.eval_batches)]
+
+    @staticmethod
+    def _dataset(source, seed: int | None) -> grain.MapDataset:
+        """The infinite row stream of a source: repeated, and shuffled when seed is given. A
+        source with its own `grain_dataset(seed)` (a mixture) builds it itself."""
+        if hasattr(source, "grain_dataset"):
+            return source.grain_dataset(seed)
+        ds = grain.MapDataset.source(source).repeat(None)
+        return ds if seed is None else ds.shuffle(seed=seed)
 
 
 def make_batches(cfg) -> Batches:

@@ -1,5 +1,5 @@
 """Token sources, one registry entry per `data.source`: the built-in stdlib corpus, nanoGPT
-.bin files, synthetic tokens.
+.bin files, synthetic tokens, prepared datasets (jaxtrain.data.prepared_source).
 
 Each source is random access: item i is the i-th window of seq_len + 1 tokens (inputs and
 their next-token targets), so any step's batch can be read without reading the ones before.
@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from jaxtrain.data import fingerprints, prepared_source, tokenizers
 from jaxtrain.errors import DataError, fail
 
 
@@ -50,14 +51,21 @@ class SyntheticWindows:
         return rng.integers(0, self.vocab_size, self.seq_len + 1, dtype=np.int32)
 
 
-def stdlib_corpus() -> np.ndarray:
-    """The bytes of this Python's own standard library sources, in a fixed file order."""
+def stdlib_files() -> list[pathlib.Path]:
+    """The .py files of this interpreter's standard library, sorted by path. They differ
+    between Python versions (31.5 MB on 3.11, 31.7 MB on 3.12, 33.1 MB on 3.13), so a run
+    records their fingerprint (jaxtrain.data.record) and refuses to resume on other ones."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py")
                    if "site-packages" not in p.parts and "dist-packages" not in p.parts)
     if not files:
         raise DataError(f"data.source='stdlib' found no .py files under {root}")
-    return np.frombuffer(b"".join(p.read_bytes() for p in files), dtype=np.uint8)
+    return files
+
+
+def stdlib_corpus() -> np.ndarray:
+    """The bytes of this Python's own standard library sources, in a fixed file order."""
+    return np.frombuffer(b"".join(p.read_bytes() for p in stdlib_files()), dtype=np.uint8)
 
 
 def _memmap(path: pathlib.Path, dtype: str) -> np.ndarray:
@@ -136,18 +144,45 @@ def _check_bin(c) -> None:
         fail("data.dtype", c.data.dtype, "valid values are uint16, uint32")
 
 
+def _stdlib_fingerprint(c) -> dict:
+    return {"the stdlib corpus": fingerprints.stdlib_corpus(stdlib_files()),
+            "data.val_fraction": fingerprints.value(c.data.val_fraction)}
+
+
+def _bin_fingerprint(c) -> dict:
+    path = pathlib.Path(os.path.expanduser(c.data.path))
+    if path.is_dir():
+        return {f"data.path {name}": fingerprints.token_file(path / name)
+                for name in ("train.bin", "val.bin")}
+    return {"data.path": fingerprints.token_file(path),
+            "data.val_fraction": fingerprints.value(c.data.val_fraction)}
+
+
+def _synthetic_fingerprint(c) -> dict:
+    return {"synthetic tokens": fingerprints.item("synthetic-v1", "synthetic tokens")}
+
+
+def _bin_tokenizer(c) -> tokenizers.Tokenizer | None:
+    return tokenizers.load_tokenizer(c.data.tokenizer, "data.tokenizer") if c.data.tokenizer \
+        else None
+
+
 @dataclasses.dataclass(frozen=True)
 class DataSource:
-    """One `data.source`: its config checks (before anything compiles) and its splits."""
+    """One `data.source`: its config checks (before anything compiles), its splits, what
+    it is (fingerprint) and the tokenizer that made its ids."""
 
     name: str
     doc: str
     splits: Callable  # config -> (train, validation) random-access windows of seq_len + 1
+    fingerprint: Callable  # config -> {item: {fingerprint, about}} (jaxtrain.data.record)
     check: Callable | None = None  # config -> None, raising ConfigError
     byte_level: bool = False  # a token is a byte: text prompts, bits per byte
     # The (train, validation) flat token arrays, for sources that have them (evaluation
     # reads consecutive windows of the validation tokens).
     tokens: Callable | None = None
+    tokenizer: Callable | None = None  # config -> Tokenizer | None (None: not known)
+    validation_text: bool = True  # has held-out data to evaluate on
 
     def validate(self, c) -> None:
         if self.check is not None:
@@ -156,9 +191,13 @@ class DataSource:
 
 SOURCES: dict[str, DataSource] = {s.name: s for s in (
     DataSource("stdlib", "the bytes of this Python's standard library sources",
-               _windows(_stdlib_tokens), _check_stdlib, byte_level=True, tokens=_stdlib_tokens),
+               _windows(_stdlib_tokens), _stdlib_fingerprint, _check_stdlib, byte_level=True,
+               tokens=_stdlib_tokens, tokenizer=lambda c: tokenizers.ByteTokenizer()),
     DataSource("bin", "nanoGPT-style flat uint16/uint32 token files", _windows(_bin_tokens),
-               _check_bin, tokens=_bin_tokens),
+               _bin_fingerprint, _check_bin, tokens=_bin_tokens, tokenizer=_bin_tokenizer),
     DataSource("synthetic", "uniform random tokens, a function of (seed, index)",
-               _synthetic_splits),
+               _synthetic_splits, _synthetic_fingerprint, validation_text=False),
+    DataSource(prepared_source.NAME, "datasets made by `jaxtrain prepare`, alone or mixed "
+               "by weight (docs/data.md)", prepared_source.splits, prepared_source.fingerprint,
+               prepared_source.check, tokenizer=prepared_source.tokenizer),
 )}

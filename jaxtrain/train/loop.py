@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxtrain.data import record
 from jaxtrain.data.batches import make_batches, to_global
 from jaxtrain.errors import ConfigError
 from jaxtrain.metrics import MetricsWriter, flops_per_token, peak_flops_per_device
@@ -59,6 +60,10 @@ def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None,
         tiers = Tiers(cfg, workdir, say, on_commit=stop.durable)
         writer = None
         try:
+            # Before restoring: a resume on changed data is refused without reading the state.
+            record.check_and_store(workdir, *record.run_data(cfg),
+                                   any(tier.steps() for tier in tiers.all),
+                                   cfg.data.allow_changed, write=main_process)
             start, state, restored, restoring = restore_or_init(tiers, setup, workdir)
             stop.durable(start)
             if start >= cfg.steps:

@@ -1,0 +1,110 @@
+"""jaxtrain prepare: text, JSON Lines, Parquet or Hugging Face datasets -> token shards.
+
+    jaxtrain prepare INPUT... --out DIR (--tokenizer SPEC | --train-tokenizer VOCAB) [options]
+    jaxtrain prepare --stdlib --out DIR ...        (the built-in corpus, one file a document)
+    jaxtrain prepare --hf-dataset NAME --out DIR ...
+    jaxtrain prepare INPUT... --out DIR --shard I/N ...   then   jaxtrain prepare --merge DIR
+
+INPUTs are files, directories (every file below) or globs (quote them; `**` recurses). The
+format comes from the name (.jsonl/.ndjson/.json[.gz]: JSON Lines, .parquet: Parquet, a
+`save_to_disk` directory: a Hugging Face dataset, anything else: text) or --format. Also
+`python -m jaxtrain.commands.prepare`. docs/data.md has the details.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxtrain.errors import DataError
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard={text}: expected I/N, e.g. 3/16") from None
+    return i, n
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxtrain prepare", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("inputs", nargs="*", help="files, directories or globs")
+    p.add_argument("--out", help="the dataset directory to write")
+    what = p.add_argument_group("tokenizer (one of)")
+    what.add_argument("--tokenizer", help="bytes, tiktoken:NAME, a tokenizer.json, a "
+                      "SentencePiece .model, or a (model or tokenizer) directory")
+    what.add_argument("--train-tokenizer", type=int, metavar="VOCAB",
+                      help="train a byte-level BPE of VOCAB ids on the inputs")
+    what.add_argument("--tokenizer-only", action="store_true",
+                      help="with --train-tokenizer: write only the tokenizer, to --out")
+    src = p.add_argument_group("inputs")
+    src.add_argument("--stdlib", action="store_true", help="add the built-in corpus's files "
+                     "(this Python's standard library .py files)")
+    src.add_argument("--format", default="auto", help="auto, text, jsonl, parquet, hf")
+    src.add_argument("--field", default="text", help="the text field of JSON/Parquet/datasets")
+    src.add_argument("--text-unit", default="file", help="text files: one document per file "
+                     "(file) or per line (line)")
+    src.add_argument("--hf-dataset", help="a Hugging Face dataset name or local path, "
+                     "streamed with datasets.load_dataset (hub names need network)")
+    src.add_argument("--hf-config", help="the dataset's configuration name")
+    src.add_argument("--split", default="train", help="the split of --hf-dataset or of a "
+                     "saved DatasetDict")
+    out = p.add_argument_group("output")
+    out.add_argument("--bos", default="auto", help="auto, yes, no: BOS before each document "
+                     "(auto: when the tokenizer has one distinct from its EOS)")
+    out.add_argument("--eos", default="auto", help="auto, yes, no: EOS after each document "
+                     "(auto: when the tokenizer has one)")
+    out.add_argument("--tokens-per-file", type=int, default=1 << 27,
+                     help="close a shard after this many tokens (at a unit boundary)")
+    out.add_argument("--unit-bytes", type=int, default=4 << 20,
+                     help="input bytes per unit of work (changing it changes shard bounds)")
+    out.add_argument("--max-bad-fraction", type=float, default=0.01,
+                     help="abort when more than this fraction of records are unusable")
+    out.add_argument("--overwrite", action="store_true",
+                     help="prepare again even if --out already holds this dataset")
+    run = p.add_argument_group("running")
+    run.add_argument("--processes", type=int, default=0, help="worker processes (0: one per "
+                     "CPU)")
+    run.add_argument("--shard", type=_shard, metavar="I/N", help="prepare only part I of N "
+                     "of the input files, into OUT/part-I-of-N (then --merge OUT)")
+    run.add_argument("--merge", metavar="DIR", help="merge the finished parts in DIR")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    # Imported here so that --help and argument errors come before numpy and tokenizers load.
+    from jaxtrain.data import prepare as prepare_lib
+    from jaxtrain.data.sources import stdlib_files
+
+    try:
+        if args.merge:
+            prepare_lib.merge(args.merge)
+            return 0
+        if not args.out:
+            raise DataError("--out DIR is required: the dataset directory to write")
+        inputs = list(args.inputs) + ([str(p) for p in stdlib_files()] if args.stdlib else [])
+        request = prepare_lib.Request(
+            inputs=inputs, out=args.out, tokenizer=args.tokenizer,
+            train_tokenizer=args.train_tokenizer, tokenizer_only=args.tokenizer_only,
+            field=args.field, format=args.format, text_unit=args.text_unit,
+            hf_dataset=args.hf_dataset, hf_config=args.hf_config, split=args.split,
+            bos=args.bos, eos=args.eos, processes=args.processes, shard=args.shard,
+            tokens_per_file=args.tokens_per_file, unit_bytes=args.unit_bytes,
+            max_bad_fraction=args.max_bad_fraction, overwrite=args.overwrite,
+            progress=not args.no_progress)
+        prepare_lib.prepare(request)
+    except DataError as e:
+        print(f"jaxtrain: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("jaxtrain: interrupted; run the same command again to continue", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

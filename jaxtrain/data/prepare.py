@@ -1,0 +1,736 @@
+"""Text in, token shards out: the library behind `jaxtrain prepare`.
+
+How it keeps its promises:
+- Deterministic: the inputs are cut into units independently of the process count
+  (jaxtrain.data.readers), results are written in unit order, and a shard closes at the first
+  unit boundary past `tokens_per_file`; the manifest holds no times or absolute paths.
+- Resumable: work goes to `OUT.partial/` with the plan (inputs, sizes, options, tokenizer);
+  each shard is written to temporary names and committed by renaming its data and then its
+  record (`shard-K.json`) last. A rerun of the same command keeps the committed shards and
+  continues at the first unit after them.
+- Never half-readable: the manifest is written last, then OUT.partial replaces OUT. Until
+  then OUT (a previous complete dataset, if any) is untouched, including when the disk fills.
+- Parallel: units are tokenized by worker processes (spawned, each single-threaded), at most
+  a few units in flight so memory stays bounded; the main process only writes.
+- Past one machine: `shard=(i, n)` prepares the i-th of n contiguous slices of the input
+  files into OUT/part-i-of-n/ (SLURM arrays, Kubernetes indexed jobs); `merge(OUT)` then
+  writes one manifest over the parts' shards without copying tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import errno
+import hashlib
+import json
+import multiprocessing
+import os
+import pathlib
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from jaxtrain.data import dataset as fmt
+from jaxtrain.data import readers
+from jaxtrain.data import tokenizers as tokenizers_lib
+from jaxtrain.errors import DataError
+
+POLICIES = ("auto", "yes", "no")
+
+
+@dataclasses.dataclass
+class Request:
+    """One prepare: the command's options."""
+
+    inputs: list[str]
+    out: str
+    tokenizer: str | None = None
+    train_tokenizer: int | None = None
+    tokenizer_only: bool = False
+    field: str = "text"
+    format: str = "auto"
+    text_unit: str = "file"
+    hf_dataset: str | None = None
+    hf_config: str | None = None
+    split: str = "train"
+    bos: str = "auto"
+    eos: str = "auto"
+    processes: int = 0  # 0: one per CPU
+    shard: tuple[int, int] | None = None
+    tokens_per_file: int = 1 << 27
+    unit_bytes: int = 4 << 20
+    max_bad_fraction: float = 0.01
+    overwrite: bool = False
+    progress: bool = True
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --- the plan ------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Plan:
+    inputs: list[readers.Input]
+    units: list[readers.Unit]
+    options: readers.Options
+    out: pathlib.Path  # the dataset directory this prepare completes
+    identity: dict  # what the output depends on; its hash names the plan
+    streamed: bool = False
+
+    @property
+    def plan_id(self) -> str:
+        return hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()
+
+    @property
+    def staging(self) -> pathlib.Path:
+        return self.out.with_name(self.out.name + fmt.PARTIAL_SUFFIX)
+
+
+def _check_request(r: Request) -> None:
+    for key, value in (("--bos", r.bos), ("--eos", r.eos)):
+        if value not in POLICIES:
+            raise DataError(f"{key}={value} is invalid: valid values are {', '.join(POLICIES)}")
+    if r.text_unit not in readers.TEXT_UNITS:
+        raise DataError(f"--text-unit={r.text_unit} is invalid: valid values are "
+                        f"{', '.join(readers.TEXT_UNITS)}")
+    if (r.tokenizer is None) == (r.train_tokenizer is None):
+        raise DataError("give one of --tokenizer SPEC and --train-tokenizer VOCAB")
+    if r.tokenizer_only and r.train_tokenizer is None:
+        raise DataError("--tokenizer-only goes with --train-tokenizer VOCAB")
+    if r.train_tokenizer is not None and r.shard is not None:
+        raise DataError("--train-tokenizer with --shard would train a different tokenizer on "
+                        "each part: train one first (--train-tokenizer V --tokenizer-only) and "
+                        "pass it to every part with --tokenizer")
+    if not 0.0 <= r.max_bad_fraction <= 1.0:
+        raise DataError(f"--max-bad-fraction={r.max_bad_fraction} is invalid: between 0 and 1")
+    if r.tokens_per_file < 1 or r.unit_bytes < 1:
+        raise DataError("--tokens-per-file and --unit-bytes must be >= 1")
+    if bool(r.inputs) == bool(r.hf_dataset):
+        raise DataError("give input files, or --hf-dataset NAME, not both or neither")
+    if r.shard is not None:
+        i, n = r.shard
+        if not 0 <= i < n:
+            raise DataError(f"--shard={i}/{n} is invalid: i/N with 0 <= i < N")
+
+
+def _slice_for_shard(inputs: list[readers.Input], i: int, n: int) -> list[int]:
+    """Indices of the inputs of part i of n: contiguous, balanced by bytes, whole files."""
+    total = sum(item.size for item in inputs) or 1
+    chosen, before = [], 0
+    for index, item in enumerate(inputs):
+        middle = (before + item.size / 2) / total
+        if int(middle * n) == i or (i == n - 1 and middle * n >= n):
+            chosen.append(index)
+        before += item.size
+    return chosen
+
+
+def make_plan(r: Request) -> Plan:
+    _check_request(r)
+    options = readers.Options(field=r.field, text_unit=r.text_unit, split=r.split)
+    out = pathlib.Path(r.out).expanduser()
+    streamed = False
+    if r.hf_dataset is not None and not readers.is_hf_saved(pathlib.Path(r.hf_dataset)):
+        inputs = [readers.Input(r.hf_dataset, "hf-stream", 0)]
+        streamed = True
+    else:
+        inputs = readers.find_inputs(r.inputs or [r.hf_dataset], r.format)
+    if r.shard is not None:
+        if streamed:
+            raise DataError("--shard splits input files; a streamed dataset has none")
+        i, n = r.shard
+        inputs = [inputs[k] for k in _slice_for_shard(inputs, i, n)]
+        out = out / f"part-{i:05d}-of-{n:05d}"
+    units = [] if streamed else readers.plan_units(inputs, options, r.unit_bytes)
+    identity = {
+        "format": fmt.FORMAT,
+        "inputs": [[item.path, item.format, item.size] for item in inputs],
+        "hf": [r.hf_config, r.split] if r.hf_dataset else None,
+        "field": r.field, "text_unit": r.text_unit, "bos": r.bos, "eos": r.eos,
+        "tokens_per_file": r.tokens_per_file, "unit_bytes": r.unit_bytes,
+        "tokenizer": ({"train": r.train_tokenizer} if r.train_tokenizer is not None
+                      else {"spec": str(r.tokenizer)}),
+        "shard": list(r.shard) if r.shard else None,
+    }
+    return Plan(inputs, units, options, out, identity, streamed)
+
+
+# --- tokenizing a unit (runs in the workers) -------------------------------------------------
+
+@dataclasses.dataclass
+class UnitResult:
+    tokens: np.ndarray
+    lengths: np.ndarray  # tokens of each kept document, in order
+    tally: readers.Tally
+    size: int  # input bytes, for the progress bar
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer_dir: str, inputs: list[readers.Input], options: readers.Options,
+                 bos: int | None, eos: int | None, dtype: str) -> None:
+    # One thread per process: processes are the parallelism, and a forked/spawned process
+    # must not start a second thread pool per core.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER.update(tokenizer=tokenizers_lib.load_tokenizer(tokenizer_dir), inputs=inputs,
+                   options=options, bos=bos, eos=eos, dtype=np.dtype(dtype))
+
+
+def _tokenize(docs: list[str], tally: readers.Tally, size: int) -> UnitResult:
+    w = _WORKER
+    encoded = w["tokenizer"].encode_batch(docs) if docs else []
+    pieces, lengths = [], np.empty(len(docs), dtype=np.int64)
+    bos = None if w["bos"] is None else np.asarray([w["bos"]], dtype=w["dtype"])
+    eos = None if w["eos"] is None else np.asarray([w["eos"]], dtype=w["dtype"])
+    for k, ids in enumerate(encoded):
+        if bos is not None:
+            pieces.append(bos)
+        pieces.append(ids.astype(w["dtype"], copy=False))
+        if eos is not None:
+            pieces.append(eos)
+        lengths[k] = len(ids) + (bos is not None) + (eos is not None)
+        tally.text_bytes += len(docs[k].encode("utf-8"))
+    tokens = np.concatenate(pieces) if pieces else np.empty(0, dtype=w["dtype"])
+    return UnitResult(tokens, lengths, tally, size)
+
+
+def _work_unit(unit: readers.Unit) -> UnitResult:
+    tally = readers.Tally()
+    docs = readers.read_unit(unit, _WORKER["inputs"], _WORKER["options"], tally)
+    return _tokenize(docs, tally, unit.size)
+
+
+def _work_rows(rows: tuple[int, list]) -> UnitResult:
+    first_row, records = rows
+    tally = readers.Tally()
+    docs = readers.read_stream_rows(records, _WORKER["options"].field, first_row, tally)
+    result = _tokenize(docs, tally, 0)
+    result.size = tally.text_bytes  # no file sizes to count progress in: text bytes instead
+    return result
+
+
+# --- the report ----------------------------------------------------------------------------
+
+class Report:
+    """Counts over the whole prepare, with the first locations of each kind of bad input as
+    'path:line' / 'path row N' / 'path'."""
+
+    def __init__(self, inputs: list[readers.Input]):
+        self.inputs = inputs
+        self.totals = {"records": 0, "documents": 0, "tokens": 0, "text_bytes": 0}
+        self.counts: dict[str, int] = {}
+        self.first: dict[str, list[str]] = {}
+        self.lines_before: dict[int, int] = {}  # lines of each line-based input already read
+
+    def add(self, unit_first: int, result: UnitResult) -> None:
+        tally = result.tally
+        self.totals["records"] += tally.records
+        self.totals["documents"] += tally.documents
+        self.totals["text_bytes"] += tally.text_bytes
+        self.totals["tokens"] += len(result.tokens)
+        for kind, count in tally.counts.items():
+            self.counts[kind] = self.counts.get(kind, 0) + count
+            kept = self.first.setdefault(kind, [])
+            for where in tally.first[kind]:
+                if len(kept) < readers.FIRST_KEPT:
+                    kept.append(self._where(where))
+        if tally.lines:
+            self.lines_before[unit_first] = self.lines_before.get(unit_first, 0) + tally.lines
+
+    def _where(self, where: tuple) -> str:
+        index, kind, number = where
+        path = self.inputs[index].path
+        if kind == "line":
+            return f"{path}:{self.lines_before.get(index, 0) + number}"
+        return f"{path} row {number}" if kind == "row" else path
+
+    def bad(self) -> int:
+        return sum(self.counts.get(k, 0) for k in readers.BAD)
+
+    def to_json(self) -> dict:
+        skipped = {k: {"count": self.counts.get(k, 0), "first": self.first.get(k, [])}
+                   for k in readers.SKIPS}
+        return {**self.totals, "skipped": skipped,
+                "invalid_utf8_replaced": {"count": self.counts.get("invalid_utf8", 0),
+                                          "first": self.first.get("invalid_utf8", [])}}
+
+    @classmethod
+    def from_json(cls, inputs, data: dict, lines_before: dict) -> Report:
+        report = cls(inputs)
+        report.totals = {k: data[k] for k in report.totals}
+        for kind, value in [*data["skipped"].items(),
+                            ("invalid_utf8", data["invalid_utf8_replaced"])]:
+            if value["count"]:
+                report.counts[kind] = value["count"]
+                report.first[kind] = list(value["first"])
+        report.lines_before = {int(k): v for k, v in lines_before.items()}
+        return report
+
+    def summary(self) -> str:
+        parts = [f"{self.totals['documents']:,} documents, {self.totals['tokens']:,} tokens"]
+        for kind in readers.SKIPS:
+            if self.counts.get(kind):
+                parts.append(f"skipped {self.counts[kind]:,} {kind.replace('_', ' ')} "
+                             f"(first: {self.first[kind][0]})")
+        if self.counts.get("invalid_utf8"):
+            parts.append(f"replaced invalid UTF-8 in {self.counts['invalid_utf8']:,} records "
+                         f"(first: {self.first['invalid_utf8'][0]})")
+        return "; ".join(parts)
+
+
+# --- writing shards ------------------------------------------------------------------------
+
+class ShardWriter:
+    """Appends unit results to shard `index` under temporary names; commit() renames the
+    tokens, then the index, then writes the shard record that marks it done."""
+
+    def __init__(self, directory: pathlib.Path, index: int, first_unit: int, dtype: str):
+        self.directory, self.index, self.dtype = directory, index, np.dtype(dtype)
+        self.names = fmt.shard_names(index)
+        self.tmp = directory / (self.names[0] + ".tmp")
+        self.file = open(self.tmp, "wb")
+        self.sha = hashlib.sha256()
+        self.lengths: list[np.ndarray] = []
+        self.num_tokens = 0
+        self.units = [first_unit, first_unit]
+        self.records_end = 0
+
+    def add(self, unit_index: int, result: UnitResult) -> None:
+        data = result.tokens.astype(self.dtype, copy=False).tobytes()
+        self.file.write(data)
+        self.sha.update(data)
+        self.lengths.append(result.lengths)
+        self.num_tokens += len(result.tokens)
+        self.units[1] = unit_index + 1
+
+    def commit(self, report: Report) -> dict:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        tokens_name, index_name, record_name = self.names
+        lengths = (np.concatenate(self.lengths) if self.lengths
+                   else np.empty(0, dtype=np.int64))
+        if self.num_tokens:
+            starts = np.cumsum(lengths) - lengths
+            with open(self.directory / (index_name + ".tmp"), "wb") as f:
+                np.save(f, np.stack([starts, lengths], axis=1).astype(np.int64))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(self.tmp, self.directory / tokens_name)
+            os.replace(self.directory / (index_name + ".tmp"), self.directory / index_name)
+        else:
+            self.tmp.unlink()
+        record = {"index": self.index, "units": self.units, "records_end": self.records_end,
+                  "tokens": tokens_name if self.num_tokens else None,
+                  "index_file": index_name if self.num_tokens else None,
+                  "num_tokens": self.num_tokens, "num_documents": int(len(lengths)),
+                  "sha256": self.sha.hexdigest(), "report": report.to_json(),
+                  "lines_before": {str(k): v for k, v in report.lines_before.items()}}
+        tmp = self.directory / (record_name + ".tmp")
+        tmp.write_text(json.dumps(record, sort_keys=True) + "\n")
+        os.replace(tmp, self.directory / record_name)
+        return record
+
+    def abandon(self) -> None:
+        """Frees what the unfinished shard took (on out-of-disk or an abort)."""
+        self.file.close()
+        for name in (self.names[0], self.names[1]):
+            (self.directory / (name + ".tmp")).unlink(missing_ok=True)
+
+
+def _committed(staging: pathlib.Path) -> list[dict]:
+    """Shard records 0..k-1 present in order (a gap ends the list); later leftovers go."""
+    records = []
+    while True:
+        path = staging / fmt.shard_names(len(records))[2]
+        if not path.is_file():
+            break
+        records.append(json.loads(path.read_text()))
+    for leftover in staging.glob("*.tmp"):
+        leftover.unlink()
+    index = len(records)
+    while any((staging / name).exists() for name in fmt.shard_names(index)):
+        for name in fmt.shard_names(index):
+            (staging / name).unlink(missing_ok=True)
+        index += 1
+    return records
+
+
+# --- the tokenizer -------------------------------------------------------------------------
+
+def _documents_for_training(plan: Plan, request: Request) -> Iterator[str]:
+    if plan.streamed:
+        for _, rows in _stream_batches(plan, request, 0):
+            yield from readers.read_stream_rows(rows, plan.options.field, 0, readers.Tally())
+        return
+    for unit in plan.units:
+        yield from readers.read_unit(unit, plan.inputs, plan.options, readers.Tally())
+
+
+def _tokenizer(plan: Plan, request: Request, directory: pathlib.Path) -> tokenizers_lib.Tokenizer:
+    """The plan's tokenizer, saved in `directory` (reused there when a rerun resumes)."""
+    if tokenizers_lib.read_meta(directory) is not None:
+        return tokenizers_lib.load_tokenizer(directory)
+    if request.train_tokenizer is not None:
+        say(f"jaxtrain: training a byte-level BPE of {request.train_tokenizer} ids on the "
+            "inputs")
+        tokenizer = tokenizers_lib.train_bpe(
+            _documents_for_training(plan, request), request.train_tokenizer,
+            length=None if plan.streamed else sum(u.last - u.first for u in plan.units),
+            show_progress=request.progress)
+    else:
+        tokenizer = tokenizers_lib.load_tokenizer(request.tokenizer)
+    tokenizer.save(directory)
+    return tokenizer
+
+
+def _special_ids(tokenizer: tokenizers_lib.Tokenizer, request: Request) -> dict:
+    """The BOS/EOS policy: auto adds EOS when the tokenizer has one, and BOS when it has one
+    that differs from its EOS (Llama-style); yes/no force it, yes failing without the id."""
+    chosen = {}
+    for role, token_id in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id)):
+        policy = getattr(request, role)
+        if policy == "yes" and token_id is None:
+            raise DataError(f"--{role}=yes: the tokenizer ({tokenizer.describe()}) has no "
+                            f"{role.upper()} token")
+        if policy == "auto":
+            use = token_id is not None and not (role == "bos" and token_id == tokenizer.eos_id)
+        else:
+            use = policy == "yes"
+        chosen[role] = token_id if use else None
+    return chosen
+
+
+# --- running -------------------------------------------------------------------------------
+
+def _stream_batches(plan: Plan, request: Request, skip: int) -> Iterator[tuple[int, list]]:
+    """(first row, rows) of a streamed Hugging Face dataset, about unit_bytes at a time."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("--hf-dataset needs the datasets package: pip install "
+                        "'jaxtrain[data]'") from None
+    try:
+        stream = datasets.load_dataset(request.hf_dataset, name=request.hf_config,
+                                       split=request.split, streaming=True)
+    except Exception as e:  # noqa: BLE001 - hub, network and builder errors vary widely
+        raise DataError(f"--hf-dataset={request.hf_dataset}: cannot be loaded "
+                        f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    if skip:
+        stream = stream.skip(skip)
+    rows, size, first = [], 0, skip
+    for row in stream:
+        rows.append(row)
+        value = row.get(request.field) if isinstance(row, dict) else None
+        size += len(value) if isinstance(value, str) else 1
+        if size >= request.unit_bytes:
+            yield first, rows
+            first, rows, size = first + len(rows), [], 0
+    if rows:
+        yield first, rows
+
+
+def _results(plan: Plan, request: Request, start_unit: int, records_start: int,
+             worker_args: tuple) -> Iterator[tuple[int, int, UnitResult]]:
+    """(unit index, records consumed after it, result) in unit order, from a pool of worker
+    processes with a bounded number of units in flight."""
+    if plan.streamed:
+        tasks = ((k, first + len(rows), _work_rows, (first, rows)) for k, (first, rows)
+                 in enumerate(_stream_batches(plan, request, records_start), start=start_unit))
+    else:
+        tasks = ((k, 0, _work_unit, plan.units[k]) for k in range(start_unit, len(plan.units)))
+    processes = request.processes or os.cpu_count() or 1
+    if processes == 1:
+        previous = os.environ.get("TOKENIZERS_PARALLELISM")
+        _init_worker(*worker_args)
+        try:
+            for k, records, work, payload in tasks:
+                yield k, records, work(payload)
+        finally:
+            if previous is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = previous
+        return
+    context = multiprocessing.get_context("spawn")  # the parent may hold threads (tokenizers)
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context,
+                                                initializer=_init_worker,
+                                                initargs=worker_args) as pool:
+        pending = collections.deque()
+        for k, records, work, payload in tasks:
+            pending.append((k, records, pool.submit(work, payload)))
+            if len(pending) >= 2 * processes:
+                k0, r0, future = pending.popleft()
+                yield k0, r0, future.result()
+        while pending:
+            k0, r0, future = pending.popleft()
+            yield k0, r0, future.result()
+
+
+class _Progress:
+    """A tqdm bar over input bytes (ETA) showing documents and tokens/s."""
+
+    def __init__(self, plan: Plan, enabled: bool, done_bytes: int):
+        from tqdm import tqdm
+
+        total = None if plan.streamed else sum(u.size for u in plan.units)
+        self.bar = tqdm(total=total, initial=done_bytes, unit="B", unit_scale=True,
+                        unit_divisor=1024, desc="prepare", disable=not enabled, file=sys.stderr,
+                        dynamic_ncols=True)
+        self.start, self.tokens, self.docs = time.perf_counter(), 0, 0
+
+    def update(self, result: UnitResult, documents: int) -> None:
+        self.tokens += len(result.tokens)
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{documents:,} docs, {rate:,.0f} tokens/s", refresh=False)
+        self.bar.update(result.size or 0)
+
+    def close(self) -> float:
+        self.bar.close()
+        return self.tokens / max(time.perf_counter() - self.start, 1e-9)
+
+
+def _check_bad(report: Report, limit: float, final: bool) -> None:
+    records, bad = report.totals["records"], report.bad()
+    if not records or bad / records <= limit or (not final and records < 1000):
+        return
+    first = [loc for kind in readers.BAD for loc in report.first.get(kind, [])][:3]
+    raise DataError(f"{bad:,} of {records:,} records were unusable ({bad / records:.2%}, over "
+                    f"--max-bad-fraction={limit}): {report.summary()}; first: "
+                    f"{', '.join(first)}; fix the input or raise --max-bad-fraction")
+
+
+def _process(plan: Plan, request: Request, tokenizer, staging: pathlib.Path,
+             special: dict, dtype: str) -> tuple[list[dict], Report]:
+    records = _committed(staging)
+    start_unit = records[-1]["units"][1] if records else 0
+    records_start = records[-1]["records_end"] if records else 0
+    report = (Report.from_json(plan.inputs, records[-1]["report"], records[-1]["lines_before"])
+              if records else Report(plan.inputs))
+    if records:
+        say(f"jaxtrain: resuming {staging}: {len(records)} shard(s) done, continuing at unit "
+            f"{start_unit}")
+    done_bytes = sum(u.size for u in plan.units[:start_unit])
+    progress = _Progress(plan, request.progress, done_bytes)
+    writer = None
+    worker_args = (str(staging / fmt.TOKENIZER_DIR), plan.inputs, plan.options,
+                   special["bos"], special["eos"], dtype)
+    try:
+        for k, records_end, result in _results(plan, request, start_unit, records_start,
+                                               worker_args):
+            if writer is None:
+                writer = ShardWriter(staging, len(records), k, dtype)
+            writer.add(k, result)
+            writer.records_end = records_end
+            report.add(plan.units[k].first if not plan.streamed else 0, result)
+            progress.update(result, report.totals["documents"])
+            _check_bad(report, request.max_bad_fraction, final=False)
+            if writer.num_tokens >= request.tokens_per_file:
+                records.append(writer.commit(report))
+                writer = None
+        if writer is not None:
+            records.append(writer.commit(report))
+            writer = None
+    finally:
+        if writer is not None:
+            writer.abandon()
+        rate = progress.close()
+    _check_bad(report, request.max_bad_fraction, final=True)
+    say(f"jaxtrain: {report.summary()} ({rate:,.0f} tokens/s)")
+    return records, report
+
+
+# --- finishing -----------------------------------------------------------------------------
+
+def _manifest(plan: Plan, tokenizer, special: dict, dtype: str, shards: list[dict],
+              report: Report, request: Request) -> dict:
+    entries = [{"tokens": s["tokens"], "index": s["index_file"], "num_tokens": s["num_tokens"],
+                "num_documents": s["num_documents"], "sha256": s["sha256"]} for s in shards]
+    policy = {"bos": special["bos"] is not None, "eos": special["eos"] is not None}
+    return {
+        "format": fmt.FORMAT,
+        "fingerprint": fmt.content_fingerprint(dtype, tokenizer.fingerprint(), policy, entries),
+        "plan_id": plan.plan_id,
+        "dtype": dtype,
+        "num_tokens": sum(s["num_tokens"] for s in shards),
+        "num_documents": sum(s["num_documents"] for s in shards),
+        "text_bytes": report.totals["text_bytes"],
+        "tokenizer": tokenizer.meta(),
+        "policy": {**policy, "bos_id": special["bos"], "eos_id": special["eos"]},
+        "sources": [{"path": item.path, "format": item.format, "bytes": item.size}
+                    for item in plan.inputs],
+        "options": {"field": request.field, "text_unit": request.text_unit,
+                    "hf_config": request.hf_config, "split": request.split},
+        "shards": entries,
+        "report": report.to_json(),
+    }
+
+
+def _write_json(path: pathlib.Path, value: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(value, indent=1, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _publish(staging: pathlib.Path, out: pathlib.Path) -> None:
+    """Puts the finished staging directory at `out`; a previous dataset there goes only
+    once the new one is complete and in place."""
+    old = None
+    if out.exists():
+        old = out.with_name(f"{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(staging, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _check_out(out: pathlib.Path, overwrite: bool, plan: Plan) -> dict | None:
+    """The existing manifest when OUT already holds this very dataset, else None; refuses
+    to replace a directory that is not a prepared dataset."""
+    if not out.exists():
+        return None
+    manifest = out / fmt.MANIFEST
+    if not manifest.is_file():
+        raise DataError(f"--out={out} exists and is not a prepared dataset; choose another "
+                        "--out (nothing there is replaced)")
+    existing = json.loads(manifest.read_text())
+    if existing.get("plan_id") == plan.plan_id and not overwrite:
+        return existing
+    return None
+
+
+def prepare(request: Request) -> dict:
+    """Prepares (or resumes, or finds already prepared) a dataset; returns its manifest."""
+    plan = make_plan(request)
+    if request.tokenizer_only:
+        return _tokenizer_only(plan, request)
+    existing = _check_out(plan.out, request.overwrite, plan)
+    if existing is not None:
+        say(f"jaxtrain: {plan.out} is already prepared from these inputs and options "
+            "(--overwrite to prepare it again)")
+        return existing
+    staging = plan.staging
+    plan_file = staging / "plan.json"
+    if staging.exists() and (not plan_file.is_file()
+                             or json.loads(plan_file.read_text()) != plan.identity):
+        say(f"jaxtrain: {staging} holds an unfinished prepare of other inputs or options; "
+            "starting over")
+        shutil.rmtree(staging)
+    try:
+        staging.mkdir(parents=True, exist_ok=True)
+        if not plan_file.is_file():
+            _write_json(plan_file, plan.identity)
+        tokenizer = _tokenizer(plan, request, staging / fmt.TOKENIZER_DIR)
+        dtype = fmt.dtype_for(tokenizer.vocab_size)
+        special = _special_ids(tokenizer, request)
+        shards, report = _process(plan, request, tokenizer, staging, special, dtype)
+        if not report.totals["documents"]:
+            raise DataError(f"the inputs hold no documents: {report.summary()}")
+        manifest = _manifest(plan, tokenizer, special, dtype, shards, report, request)
+        plan_file.unlink()  # the manifest says what was made; the plan was for resuming
+        _write_json(staging / fmt.MANIFEST, manifest)
+        _publish(staging, plan.out)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        previous = (f"the previous dataset at {plan.out} is intact" if plan.out.exists()
+                    else f"nothing was written to {plan.out}")
+        raise DataError(f"out of disk space writing {staging}: {previous}; the finished "
+                        f"shards stay in {staging}: free space and run the same command to "
+                        "continue") from None
+    say(f"jaxtrain: wrote {plan.out} ({manifest['num_documents']:,} documents, "
+        f"{manifest['num_tokens']:,} tokens, {len(shards)} shard(s), fingerprint "
+        f"{manifest['fingerprint'][:12]})")
+    return manifest
+
+
+def _tokenizer_only(plan: Plan, request: Request) -> dict:
+    out = plan.out
+    if out.exists() and tokenizers_lib.read_meta(out) is None and any(out.iterdir()):
+        raise DataError(f"--out={out} exists and is not a tokenizer directory; choose another")
+    tmp = out.with_name(out.name + fmt.PARTIAL_SUFFIX)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = _tokenizer(plan, request, tmp)
+    _publish(tmp, out)
+    say(f"jaxtrain: wrote {tokenizer.describe()} to {out}")
+    return tokenizer.meta()
+
+
+# --- merging the parts of a multi-machine prepare -------------------------------------------
+
+def merge(directory) -> dict:
+    """One manifest over OUT/part-*-of-N (each a finished `--shard i/N` prepare): tokens are
+    not copied; the parts must agree on tokenizer, policy and dtype."""
+    directory = pathlib.Path(directory).expanduser()
+    parts = sorted(p for p in directory.glob("part-*-of-*") if p.is_dir()
+                   and not p.name.endswith(fmt.PARTIAL_SUFFIX))
+    if not parts:
+        raise DataError(f"--merge={directory}: no part-I-of-N directories in it")
+    total = int(parts[0].name.rsplit("-", 1)[1])
+    names = {p.name for p in parts}
+    missing = [f"part-{i:05d}-of-{total:05d}" for i in range(total)
+               if f"part-{i:05d}-of-{total:05d}" not in names
+               or not (directory / f"part-{i:05d}-of-{total:05d}" / fmt.MANIFEST).is_file()]
+    if missing:
+        raise DataError(f"--merge={directory}: {len(missing)} of {total} parts are not finished "
+                        f"(first: {missing[0]}); run their prepare first")
+    manifests = [json.loads((directory / f"part-{i:05d}-of-{total:05d}" / fmt.MANIFEST)
+                            .read_text()) for i in range(total)]
+    first = manifests[0]
+    for i, m in enumerate(manifests[1:], start=1):
+        if m["tokenizer"]["fingerprint"] != first["tokenizer"]["fingerprint"]:
+            raise DataError(f"--merge: part {i} was prepared with tokenizer "
+                            f"{m['tokenizer']['fingerprint'][:12]}, part 0 with "
+                            f"{first['tokenizer']['fingerprint'][:12]}; prepare every part "
+                            "with one --tokenizer")
+        for key in ("dtype", "policy", "options"):
+            if m[key] != first[key]:
+                raise DataError(f"--merge: part {i} has {key} {m[key]} but part 0 has "
+                                f"{first[key]}; prepare every part with the same options")
+    shards = [{**s, "tokens": f"part-{i:05d}-of-{total:05d}/{s['tokens']}" if s["tokens"]
+               else None, "index": f"part-{i:05d}-of-{total:05d}/{s['index']}" if s["index"]
+               else None} for i, m in enumerate(manifests) for s in m["shards"]]
+    policy = {"bos": first["policy"]["bos"], "eos": first["policy"]["eos"]}
+    merged = {**first,
+              "fingerprint": fmt.content_fingerprint(first["dtype"],
+                                                     first["tokenizer"]["fingerprint"], policy,
+                                                     shards),
+              "plan_id": hashlib.sha256("".join(m["plan_id"] for m in manifests).encode())
+              .hexdigest(),
+              "num_tokens": sum(m["num_tokens"] for m in manifests),
+              "num_documents": sum(m["num_documents"] for m in manifests),
+              "text_bytes": sum(m["text_bytes"] for m in manifests),
+              "sources": [s for m in manifests for s in m["sources"]],
+              "shards": shards,
+              "report": _merge_reports([m["report"] for m in manifests]),
+              "parts": total}
+    tokenizers_lib.copy_saved(directory / parts[0].name / fmt.TOKENIZER_DIR,
+                              directory / fmt.TOKENIZER_DIR)
+    _write_json(directory / fmt.MANIFEST, merged)
+    say(f"jaxtrain: merged {total} parts into {directory} ({merged['num_documents']:,} "
+        f"documents, {merged['num_tokens']:,} tokens)")
+    return merged
+
+
+def _merge_reports(reports: list[dict]) -> dict:
+    merged = {k: sum(r[k] for r in reports) for k in ("records", "documents", "tokens",
+                                                      "text_bytes")}
+
+    def combine(values: list[dict]) -> dict:
+        first = [loc for v in values for loc in v["first"]][:readers.FIRST_KEPT]
+        return {"count": sum(v["count"] for v in values), "first": first}
+
+    merged["skipped"] = {k: combine([r["skipped"][k] for r in reports]) for k in readers.SKIPS}
+    merged["invalid_utf8_replaced"] = combine([r["invalid_utf8_replaced"] for r in reports])
+    return merged

@@ -1,0 +1,191 @@
+"""data.source='prepared': training on datasets made by `jaxtrain prepare`, alone or mixed.
+
+- `data.path=DIR`: one dataset. Validation is `data.val_path` (another prepared dataset) or
+  the tail of DIR's documents holding about `data.val_fraction` of its tokens (cut at a
+  document boundary, so no document is in both).
+- `data.mixture="DIR:WEIGHT,DIR:WEIGHT,..."`: several datasets drawn by weight. Each is
+  repeated and shuffled with its own seed, and grain interleaves them in a fixed pattern of
+  their (integer-scaled) weights, so row r of the stream is a pure function of (seed, r):
+  any step's batch, on any process, is read without reading the ones before, and a resumed
+  run reads exactly what the uninterrupted run would have. Validation mixes the components'
+  held-out tails by the same weights, or is `data.val_path`.
+
+Every dataset must have been prepared with the same tokenizer, whose vocabulary must fit
+model.vocab_size. `check`, `splits`, `fingerprint` and `tokenizer` make its entry in the
+data-source registry (jaxtrain.data.sources).
+"""
+
+from __future__ import annotations
+
+import grain
+import numpy as np
+
+from jaxtrain.data import fingerprints, tokenizers
+from jaxtrain.data.dataset import PreparedDataset
+from jaxtrain.errors import ConfigError, DataError
+
+NAME = "prepared"
+
+
+def parse_mixture(text: str) -> list[tuple[str, float]]:
+    """'DIR:W,DIR:W' -> [(DIR, W), ...]; ConfigError naming data.mixture when malformed."""
+    parts = []
+    for item in (p.strip() for p in text.split(",") if p.strip()):
+        path, sep, weight = item.rpartition(":")
+        try:
+            value = float(weight) if sep else float("nan")
+        except ValueError:
+            value = float("nan")
+        if not path or not value > 0:
+            raise ConfigError(f"data.mixture={text!r} is invalid: a comma-separated list of "
+                              "PATH:WEIGHT with weights > 0, e.g. 'data/web:0.7,data/code:0.3'")
+        parts.append((path, value))
+    return parts
+
+
+def check(c) -> None:
+    """Config checks, before anything is read or compiled."""
+    d = c.data
+    if bool(d.path) == bool(d.mixture):
+        raise ConfigError(f"data.path={d.path!r} and data.mixture={d.mixture!r}: "
+                          "data.source='prepared' needs exactly one of them (a prepared "
+                          "dataset directory, or PATH:WEIGHT,...)")
+    if d.mixture:
+        parse_mixture(d.mixture)
+    if not 0.0 < d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={d.val_fraction!r} is invalid: must be between "
+                          "0 and 1")
+
+
+def _components(c) -> list[tuple[PreparedDataset, float, str]]:
+    if c.data.mixture:
+        return [(PreparedDataset(path, f"data.mixture entry {path}"), weight,
+                 f"data.mixture entry {path}")
+                for path, weight in parse_mixture(c.data.mixture)]
+    return [(PreparedDataset(c.data.path, "data.path"), 1.0, "data.path")]
+
+
+def open_all(c) -> tuple[list[tuple[PreparedDataset, float, str]], PreparedDataset | None]:
+    """The datasets of the config, checked to share one tokenizer that fits the model."""
+    components = _components(c)
+    val = PreparedDataset(c.data.val_path, "data.val_path") if c.data.val_path else None
+    everyone = [(ds, what) for ds, _, what in components] + ([(val, "data.val_path")]
+                                                             if val else [])
+    first, first_what = everyone[0]
+    for ds, what in everyone[1:]:
+        if ds.tokenizer_meta["fingerprint"] != first.tokenizer_meta["fingerprint"]:
+            raise DataError(f"{what}={ds.path} was prepared with tokenizer "
+                            f"{_about(ds.tokenizer_meta)}, {first_what}={first.path} with "
+                            f"{_about(first.tokenizer_meta)}; prepare them with one tokenizer")
+    vocab = first.tokenizer_meta["vocab_size"]
+    if vocab > c.model.vocab_size:
+        raise DataError(f"{first_what}={first.path}: its tokenizer has {vocab} ids, more than "
+                        f"model.vocab_size={c.model.vocab_size}; set model.vocab_size >= {vocab}")
+    return components, val
+
+
+def _about(meta: dict) -> str:
+    return f"{meta['kind']} ({meta['vocab_size']} ids, sha256 {meta['fingerprint'][:12]})"
+
+
+class PreparedWindows:
+    """Non-overlapping windows of seq_len + 1 tokens over tokens [start, end) of a dataset
+    (documents concatenated: data.packing='concat')."""
+
+    def __init__(self, dataset: PreparedDataset, start: int, end: int, seq_len: int,
+                 name: str):
+        if end - start < seq_len + 1:
+            raise DataError(f"{name} holds {end - start} tokens, fewer than one sequence of "
+                            f"model.seq_len+1={seq_len + 1}")
+        self.dataset, self.start, self.seq_len = dataset, start, seq_len
+        self.size = (end - start - 1) // seq_len
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        offset = self.start + (index % self.size) * self.seq_len
+        return self.dataset.read(offset, self.seq_len + 1)
+
+
+def _split_windows(ds: PreparedDataset, c, what: str) -> tuple[PreparedWindows,
+                                                                PreparedWindows]:
+    fraction = c.data.val_fraction
+    if ds.num_documents >= 2:
+        cut = ds.document(ds.split_point(fraction))[0]
+    else:
+        cut = int(ds.num_tokens * (1.0 - fraction))
+    seq = c.model.seq_len
+    return (PreparedWindows(ds, 0, cut, seq, f"the training split of {what}={ds.path}"),
+            PreparedWindows(ds, cut, ds.num_tokens, seq,
+                            f"the validation split of {what}={ds.path}"))
+
+
+class MixtureWindows:
+    """Windows of several sources drawn by weight; `grain_dataset(seed)` is the infinite,
+    shuffled training stream, and plain indexing the unshuffled mixture (validation)."""
+
+    def __init__(self, sources: list, weights: list[float]):
+        self.sources, self.weights = sources, weights
+        self._plain = self.grain_dataset(None)
+
+    def grain_dataset(self, seed: int | None) -> grain.MapDataset:
+        parts = []
+        for k, source in enumerate(self.sources):
+            ds = grain.MapDataset.source(source).repeat(None)
+            parts.append(ds if seed is None else ds.shuffle(seed=seed + k))
+        return grain.MapDataset.mix(parts, self.weights)
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.sources)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self._plain[index]
+
+
+def splits(c) -> tuple[object, object]:
+    """(train, validation) random-access windows for data.source='prepared'."""
+    check(c)
+    components, val_ds = open_all(c)
+    seq = c.model.seq_len
+    trains, vals = [], []
+    for ds, _, what in components:
+        if val_ds is None:
+            train, val = _split_windows(ds, c, what)
+            vals.append(val)
+        else:
+            train = PreparedWindows(ds, 0, ds.num_tokens, seq, f"{what}={ds.path}")
+        trains.append(train)
+    if val_ds is not None:
+        vals = [PreparedWindows(val_ds, 0, val_ds.num_tokens, seq,
+                                f"data.val_path={val_ds.path}")]
+    if len(trains) == 1:
+        return trains[0], vals[0]
+    weights = [w for _, w, _ in components]
+    return MixtureWindows(trains, weights), (vals[0] if len(vals) == 1
+                                             else MixtureWindows(vals, weights))
+
+
+def fingerprint(c) -> dict[str, dict]:
+    """What the run trains and validates on: {item: {fingerprint, about}}."""
+    components, val = open_all(c)
+    items = {}
+    for ds, _, what in components:
+        items[what] = fingerprints.item(
+            ds.fingerprint, f"{ds.path} ({ds.num_documents:,} documents, {ds.num_tokens:,} "
+                            f"tokens, sha256 {ds.fingerprint[:12]})")
+    if c.data.mixture:
+        weights = ",".join(f"{w:g}" for _, w, _ in components)
+        items["data.mixture weights"] = fingerprints.item(weights, weights)
+    if val is not None:
+        items["data.val_path"] = fingerprints.item(
+            val.fingerprint, f"{val.path} (sha256 {val.fingerprint[:12]})")
+    else:
+        items["data.val_fraction"] = fingerprints.value(c.data.val_fraction)
+    return items
+
+
+def tokenizer(c) -> tokenizers.Tokenizer:
+    """The tokenizer the datasets were prepared with (open_all checks they share one)."""
+    ds, _, what = _components(c)[0]
+    return tokenizers.load_tokenizer(ds.tokenizer_dir, what)

@@ -1,0 +1,267 @@
+"""jaxtrain prepare: inputs to token shards, deterministic, resumable, never half-readable."""
+
+import errno
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from jaxtrain.commands import prepare as command
+from jaxtrain.data import prepare as P
+from jaxtrain.data.dataset import PreparedDataset
+from jaxtrain.data.tokenizers import load_tokenizer
+from jaxtrain.errors import DataError
+
+
+def _texts(n: int = 24) -> list[str]:
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "λ", "naïve", "🙂", "def", "return", "x"]
+    return [" ".join(rng.choice(words, size=int(rng.integers(5, 400)))) + "\n"
+            for _ in range(n)]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """Text files (one document each) and a JSON Lines file, in a directory."""
+    root = tmp_path / "in"
+    (root / "text").mkdir(parents=True)
+    texts = _texts()
+    for i, text in enumerate(texts[:12]):
+        (root / "text" / f"{i:02d}.txt").write_text(text)
+    with open(root / "docs.jsonl", "w") as f:
+        for text in texts[12:]:
+            f.write(json.dumps({"text": text, "id": 1}) + "\n")
+    return root, texts
+
+
+def _request(inputs, out, **more) -> P.Request:
+    return P.Request(inputs=[str(i) for i in inputs], out=str(out),
+                     **{"tokenizer": "bytes", "progress": False, "processes": 1, **more})
+
+
+def _files(directory: pathlib.Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*"))
+            if p.is_file()}
+
+
+def _documents(path) -> list[bytes]:
+    ds = PreparedDataset(path)
+    return [ds.read(*ds.document(i)).astype(np.uint8).tobytes()
+            for i in range(ds.num_documents)]
+
+
+def test_same_inputs_same_bytes_however_many_processes(corpus, tmp_path):
+    root, texts = corpus
+    small = {"unit_bytes": 2000, "tokens_per_file": 3000}  # many units, several shards
+    one = P.prepare(_request([root / "text", root / "docs.jsonl"], tmp_path / "one", **small))
+    two = P.prepare(_request([root / "text", root / "docs.jsonl"], tmp_path / "two",
+                             processes=2, **small))
+    assert len(one["shards"]) > 2
+    assert _files(tmp_path / "one") == _files(tmp_path / "two")
+    assert one["fingerprint"] == two["fingerprint"]
+    # Every document comes back whole and in input order (files sorted, then JSON lines).
+    assert _documents(tmp_path / "one") == [t.encode() for t in texts]
+    assert one["num_documents"] == len(texts)
+    assert one["text_bytes"] == sum(len(t.encode()) for t in texts)
+
+
+def test_policy_adds_eos_between_documents_of_a_trained_bpe(corpus, tmp_path):
+    root, texts = corpus
+    manifest = P.prepare(_request([root / "text"], tmp_path / "out", tokenizer=None,
+                                  train_tokenizer=300))
+    ds = PreparedDataset(tmp_path / "out")
+    tokenizer = ds.tokenizer()
+    assert tokenizer.fingerprint() == manifest["tokenizer"]["fingerprint"]
+    assert manifest["policy"] == {"bos": False, "bos_id": None, "eos": True, "eos_id": 0}
+    assert manifest["dtype"] == "uint16"
+    for i in range(ds.num_documents):
+        ids = ds.read(*ds.document(i))
+        assert ids[-1] == tokenizer.eos_id and tokenizer.eos_id not in ids[:-1]
+        assert tokenizer.decode(ids[:-1]) == texts[i]
+
+
+def test_bad_records_are_skipped_counted_and_located(tmp_path):
+    lines = [json.dumps({"text": "good one"}), "{not json", json.dumps({"other": 1}),
+             json.dumps({"text": 3}), json.dumps({"text": ""}), "", json.dumps({"text": None}),
+             json.dumps({"text": "good two"})]
+    path = tmp_path / "bad.jsonl"
+    raw = ("\n".join(lines) + "\n").encode() + b'{"text": "caf\xe9 latin-1"}\n'
+    path.write_bytes(raw * 3)
+    manifest = P.prepare(_request([path], tmp_path / "out", unit_bytes=100,
+                                  max_bad_fraction=0.9))
+    report = manifest["report"]
+    skipped = {k: v["count"] for k, v in report["skipped"].items()}
+    assert skipped == {"malformed_json": 3, "missing_field": 6, "not_text": 3, "empty": 3}
+    # Line numbers count across the units a file was cut into (8 lines per copy + 1).
+    assert report["skipped"]["malformed_json"]["first"] == [f"{path}:2", f"{path}:11",
+                                                            f"{path}:20"]
+    assert report["skipped"]["missing_field"]["first"][:2] == [f"{path}:3", f"{path}:7"]
+    assert report["invalid_utf8_replaced"] == {"count": 3, "first": [
+        f"{path}:9", f"{path}:18", f"{path}:27"]}
+    assert report["records"] == 8 * 3 and report["documents"] == 9
+    assert _documents(tmp_path / "out")[:3] == [b"good one", b"good two",
+                                                "caf\ufffd latin-1".encode()]
+
+
+def test_too_many_bad_records_abort_with_the_first_lines(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join([json.dumps({"text": "ok"})] * 5 + ["{broken"] * 5) + "\n")
+    with pytest.raises(DataError, match=rf"5 of 10 records were unusable \(50.00%, over "
+                                        rf"--max-bad-fraction=0.1\).*first: {path}:6"):
+        P.prepare(_request([path], tmp_path / "out", max_bad_fraction=0.1))
+    assert not (tmp_path / "out").exists()
+    code = command.main([str(path), "--out", str(tmp_path / "out"), "--tokenizer", "bytes",
+                         "--no-progress", "--max-bad-fraction", "0.1"])
+    assert code == 2
+
+
+def test_parquet_and_saved_hugging_face_datasets(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    datasets = pytest.importorskip("datasets")
+    texts = _texts(10)
+    column = texts[:5] + [None] + texts[5:]
+    pq.write_table(pa.table({"body": column}), tmp_path / "t.parquet", row_group_size=3)
+    manifest = P.prepare(_request([tmp_path / "t.parquet"], tmp_path / "pq", field="body",
+                                  unit_bytes=200, max_bad_fraction=0.5))
+    assert _documents(tmp_path / "pq") == [t.encode() for t in texts]
+    assert manifest["report"]["skipped"]["missing_field"] == {
+        "count": 1, "first": [f"{tmp_path / 't.parquet'} row 6"]}
+    datasets.Dataset.from_dict({"body": texts}).save_to_disk(str(tmp_path / "hf"))
+    P.prepare(_request([tmp_path / "hf"], tmp_path / "hf_out", field="body", unit_bytes=500))
+    assert _documents(tmp_path / "hf_out") == [t.encode() for t in texts]
+    with pytest.raises(DataError, match="no column 'text' \\(--field\\); its columns are body"):
+        P.prepare(_request([tmp_path / "t.parquet"], tmp_path / "x"))
+
+
+def test_streamed_hugging_face_dataset(tmp_path):
+    pytest.importorskip("datasets")
+    texts = _texts(8)
+    (tmp_path / "stream").mkdir()
+    with open(tmp_path / "stream" / "part.jsonl", "w") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text}) + "\n")
+    request = _request([], tmp_path / "out", hf_dataset=str(tmp_path / "stream"),
+                       unit_bytes=300, processes=2)
+    P.prepare(request)
+    assert _documents(tmp_path / "out") == [t.encode() for t in texts]
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_interrupted_prepare_resumes_to_the_same_bytes(corpus, tmp_path, monkeypatch):
+    root, _ = corpus
+    small = {"unit_bytes": 1500, "tokens_per_file": 2500}
+    reference = P.prepare(_request([root], tmp_path / "ref", **small))
+    commit = P.ShardWriter.commit
+    calls = []
+
+    def crash_on_third(self, report):
+        calls.append(self.index)
+        if len(calls) == 3:
+            raise _Crash()
+        return commit(self, report)
+
+    monkeypatch.setattr(P.ShardWriter, "commit", crash_on_third)
+    with pytest.raises(_Crash):
+        P.prepare(_request([root], tmp_path / "out", **small))
+    with pytest.raises(DataError, match=r"is not a prepared dataset \(no manifest.json\); "
+                                        r".*out.partial holds an unfinished prepare"):
+        PreparedDataset(tmp_path / "out")
+    monkeypatch.setattr(P.ShardWriter, "commit", commit)
+    resumed = []
+    monkeypatch.setattr(P, "_work_unit", lambda unit, f=P._work_unit: resumed.append(unit)
+                        or f(unit))
+    P.prepare(_request([root], tmp_path / "out", **small))
+    assert _files(tmp_path / "out") == _files(tmp_path / "ref")
+    assert 0 < len(resumed) < len(P.make_plan(_request([root], tmp_path / "x",
+                                                       **small)).units)
+    # Once complete, the same command has nothing to do.
+    again = P.prepare(_request([root], tmp_path / "out", **small))
+    assert again == reference
+
+
+def test_out_of_disk_keeps_the_previous_dataset(corpus, tmp_path, monkeypatch):
+    root, _ = corpus
+    old = P.prepare(_request([root], tmp_path / "out"))
+    add = P.ShardWriter.add
+
+    def disk_full(self, unit_index, result):
+        if unit_index > 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return add(self, unit_index, result)
+
+    monkeypatch.setattr(P.ShardWriter, "add", disk_full)
+    with pytest.raises(DataError, match=r"out of disk space writing .*out.partial: the "
+                                        r"previous dataset at .*out is intact"):
+        P.prepare(_request([root], tmp_path / "out", unit_bytes=1000, eos="no"))
+    assert PreparedDataset(tmp_path / "out").fingerprint == old["fingerprint"]
+    assert not list((tmp_path / "out.partial").glob("*.tmp"))
+
+
+def test_shards_on_many_machines_merge_into_the_same_stream(corpus, tmp_path):
+    root, texts = corpus
+    for i in range(3):
+        P.prepare(_request([root], tmp_path / "many", shard=(i, 3), unit_bytes=1000))
+    assert command.main(["--merge", str(tmp_path / "many")]) == 0
+    P.prepare(_request([root], tmp_path / "single", unit_bytes=1000))
+    merged, single = PreparedDataset(tmp_path / "many"), PreparedDataset(tmp_path / "single")
+    assert merged.num_tokens == single.num_tokens
+    np.testing.assert_array_equal(merged.read(0, merged.num_tokens),
+                                  single.read(0, single.num_tokens))
+    assert _documents(tmp_path / "many") == _documents(tmp_path / "single")
+    assert merged.manifest["num_documents"] == len(texts)
+    assert merged.tokenizer().kind == "bytes"
+
+
+def test_merge_refuses_missing_or_mismatched_parts(corpus, tmp_path):
+    root, _ = corpus
+    P.prepare(_request([root], tmp_path / "m", shard=(0, 2)))
+    with pytest.raises(DataError, match="1 of 2 parts are not finished .first: "
+                                        "part-00001-of-00002"):
+        P.merge(tmp_path / "m")
+    P.prepare(_request([root], tmp_path / "tok", tokenizer=None, train_tokenizer=300,
+                       tokenizer_only=True))
+    P.prepare(_request([root], tmp_path / "m", shard=(1, 2), tokenizer=str(tmp_path / "tok")))
+    with pytest.raises(DataError, match="part 1 was prepared with tokenizer [0-9a-f]{12}, "
+                                        "part 0 with [0-9a-f]{12}"):
+        P.merge(tmp_path / "m")
+    assert not (tmp_path / "m" / "manifest.json").exists()
+
+
+def test_command_line_errors_are_one_line(corpus, tmp_path, capsys):
+    root, _ = corpus
+    cases = [([str(root)], "--out DIR is required"),
+             ([str(root), "--out", str(tmp_path / "o")], "give one of --tokenizer"),
+             ([str(tmp_path / "nothing"), "--out", str(tmp_path / "o"), "--tokenizer", "bytes"],
+              "no such file"),
+             ([str(root), "--out", str(root), "--tokenizer", "bytes"],
+              "exists and is not a prepared dataset"),
+             ([str(root), "--out", str(tmp_path / "o"), "--tokenizer", "bytes", "--shard",
+               "3/2"], "--shard=3/2 is invalid"),
+             ([str(root), "--out", str(tmp_path / "o"), "--tokenizer", "bytes", "--eos",
+               "yes"], "--eos=yes: the tokenizer (bytes (UTF-8, 256 ids)) has no EOS token")]
+    for argv, message in cases:
+        assert command.main(argv + ["--no-progress"]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert message in err[-1] and err[-1].startswith("jaxtrain: error: "), err
+
+
+def test_tokenizer_only_then_shared_by_every_part(corpus, tmp_path):
+    root, texts = corpus
+    assert command.main([str(root), "--out", str(tmp_path / "tok"), "--train-tokenizer", "300",
+                         "--tokenizer-only", "--no-progress"]) == 0
+    tokenizer = load_tokenizer(tmp_path / "tok")
+    assert 256 < tokenizer.vocab_size <= 300  # a tiny corpus has fewer merges to learn
+    for i in range(2):
+        assert command.main([str(root), "--out", str(tmp_path / "ds"), "--tokenizer",
+                             str(tmp_path / "tok"), "--shard", f"{i}/2", "--no-progress"]) == 0
+    P.merge(tmp_path / "ds")
+    ds = PreparedDataset(tmp_path / "ds")
+    assert ds.tokenizer_meta["fingerprint"] == tokenizer.fingerprint()
+    in_order = texts[12:] + texts[:12]  # the directory's files sorted: docs.jsonl, text/
+    for i in (0, 11, 12, 23):
+        assert tokenizer.decode(ds.read(*ds.document(i))[:-1]) == in_order[i]
