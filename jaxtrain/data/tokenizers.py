@@ -107,7 +107,11 @@ class Tokenizer(abc.ABC):
         that encode exactly as this tokenizer does (checked on a probe text)."""
         directory = pathlib.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        backend = self.to_hf()
+        try:
+            backend = self.to_hf()
+        except (ImportError, AttributeError) as e:  # converters of transformers 5
+            raise DataError(f"exporting a {self.kind} tokenizer needs transformers >= 5 "
+                            f"({e})") from None
         ours = self.encode(PROBE_TEXT)
         theirs = backend.encode(PROBE_TEXT, add_special_tokens=False).ids
         if ours != theirs:
