@@ -79,6 +79,18 @@ def test_policy_adds_eos_between_documents_of_a_trained_bpe(corpus, tmp_path):
         ids = ds.read(*ds.document(i))
         assert ids[-1] == tokenizer.eos_id and tokenizer.eos_id not in ids[:-1]
         assert tokenizer.decode(ids[:-1]) == texts[i]
+    # GPT-2 style, BOS = EOS: auto adds only the EOS; --bos yes adds both.
+    gpt2_style = tmp_path / "gpt2_style"
+    tokenizer.save(gpt2_style)
+    meta = json.loads((gpt2_style / "jaxtrain_tokenizer.json").read_text())
+    (gpt2_style / "jaxtrain_tokenizer.json").write_text(json.dumps({**meta, "bos_id": 0}))
+    auto = P.prepare(_request([root / "text"], tmp_path / "auto", tokenizer=str(gpt2_style)))
+    assert (auto["policy"]["bos"], auto["policy"]["eos"]) == (False, True)
+    both = P.prepare(_request([root / "text"], tmp_path / "both", tokenizer=str(gpt2_style),
+                              bos="yes"))
+    ids = PreparedDataset(tmp_path / "both").read(*PreparedDataset(tmp_path / "both")
+                                                  .document(0))
+    assert both["policy"]["bos"] and ids[0] == 0 and ids[-1] == 0
 
 
 def test_bad_records_are_skipped_counted_and_located(tmp_path):

@@ -126,7 +126,7 @@ def _slice_for_shard(inputs: list[readers.Input], i: int, n: int) -> list[int]:
     chosen, before = [], 0
     for index, item in enumerate(inputs):
         middle = (before + item.size / 2) / total
-        if int(middle * n) == i or (i == n - 1 and middle * n >= n):
+        if min(int(middle * n), n - 1) == i:
             chosen.append(index)
         before += item.size
     return chosen
@@ -447,7 +447,9 @@ def _results(plan: Plan, request: Request, start_unit: int, records_start: int,
                  in enumerate(_stream_batches(plan, request, records_start), start=start_unit))
     else:
         tasks = ((k, 0, _work_unit, plan.units[k]) for k in range(start_unit, len(plan.units)))
-    processes = request.processes or os.cpu_count() or 1
+    processes = request.processes or _cpus()
+    if not plan.streamed:
+        processes = min(processes, max(len(plan.units) - start_unit, 1))
     if processes == 1:
         previous = os.environ.get("TOKENIZERS_PARALLELISM")
         _init_worker(*worker_args)
@@ -473,6 +475,14 @@ def _results(plan: Plan, request: Request, start_unit: int, records_start: int,
         while pending:
             k0, r0, future = pending.popleft()
             yield k0, r0, future.result()
+
+
+def _cpus() -> int:
+    """CPUs this process may run on (a container's share, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 class _Progress:

@@ -40,6 +40,15 @@ class Input:
     size: int
 
 
+@dataclasses.dataclass
+class Options:
+    """How documents are read from the inputs."""
+
+    field: str = "text"
+    text_unit: str = "file"
+    split: str = "train"  # of a saved DatasetDict
+
+
 @dataclasses.dataclass(frozen=True)
 class Unit:
     """inputs[first:last], or the part [start, stop) of inputs[first] (bytes for line-based
@@ -175,13 +184,6 @@ class Tally:
 
     def bad(self) -> int:
         return sum(self.counts.get(k, 0) for k in BAD)
-
-
-@dataclasses.dataclass
-class Options:
-    field: str = "text"
-    text_unit: str = "file"
-    split: str = "train"  # of a saved DatasetDict
 
 
 def read_unit(unit: Unit, inputs: list[Input], options: Options, tally: Tally) -> list[str]:
