@@ -58,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
                      "(auto: when the tokenizer has one)")
     out.add_argument("--tokens-per-file", type=int, default=1 << 27,
                      help="close a shard after this many tokens (at a unit boundary)")
-    out.add_argument("--unit-bytes", type=int, default=4 << 20,
+    out.add_argument("--unit-bytes", type=int, default=1 << 20,
                      help="input bytes per unit of work (changing it changes shard bounds)")
     out.add_argument("--max-bad-fraction", type=float, default=0.01,
                      help="abort when more than this fraction of records are unusable")

@@ -63,7 +63,7 @@ class Request:
     processes: int = 0  # 0: one per CPU
     shard: tuple[int, int] | None = None
     tokens_per_file: int = 1 << 27
-    unit_bytes: int = 4 << 20
+    unit_bytes: int = 1 << 20
     max_bad_fraction: float = 0.01
     overwrite: bool = False
     progress: bool = True
