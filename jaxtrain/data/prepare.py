@@ -83,6 +83,7 @@ class Plan:
     out: pathlib.Path  # the dataset directory this prepare completes
     identity: dict  # what the output depends on; its hash names the plan
     streamed: bool = False
+    tokenizer: tokenizers_lib.Tokenizer | None = None  # given (None: to be trained)
 
     @property
     def plan_id(self) -> str:
@@ -155,11 +156,15 @@ def make_plan(r: Request) -> Plan:
         "hf": [r.hf_config, r.split] if r.hf_dataset else None,
         "field": r.field, "text_unit": r.text_unit, "bos": r.bos, "eos": r.eos,
         "tokens_per_file": r.tokens_per_file, "unit_bytes": r.unit_bytes,
-        "tokenizer": ({"train": r.train_tokenizer} if r.train_tokenizer is not None
-                      else {"spec": str(r.tokenizer)}),
         "shard": list(r.shard) if r.shard else None,
     }
-    return Plan(inputs, units, options, out, identity, streamed)
+    tokenizer = None
+    if r.train_tokenizer is not None:
+        identity["tokenizer"] = {"train": r.train_tokenizer}
+    else:  # what the tokenizer is, not where: a changed file at the same path is a new plan
+        tokenizer = tokenizers_lib.load_tokenizer(r.tokenizer)
+        identity["tokenizer"] = {"fingerprint": tokenizer.fingerprint()}
+    return Plan(inputs, units, options, out, identity, streamed, tokenizer)
 
 
 # --- tokenizing a unit (runs in the workers) -------------------------------------------------
@@ -387,7 +392,7 @@ def _tokenizer(plan: Plan, request: Request, directory: pathlib.Path) -> tokeniz
             length=None if plan.streamed else sum(u.last - u.first for u in plan.units),
             show_progress=request.progress)
     else:
-        tokenizer = tokenizers_lib.load_tokenizer(request.tokenizer)
+        tokenizer = plan.tokenizer
     tokenizer.save(directory)
     return tokenizer
 
