@@ -702,17 +702,8 @@ def merge(directory) -> dict:
                         f"(first: {missing[0]}); run their prepare first")
     manifests = [json.loads((directory / f"part-{i:05d}-of-{total:05d}" / fmt.MANIFEST)
                             .read_text()) for i in range(total)]
+    _check_parts(manifests)
     first = manifests[0]
-    for i, m in enumerate(manifests[1:], start=1):
-        if m["tokenizer"]["fingerprint"] != first["tokenizer"]["fingerprint"]:
-            raise DataError(f"--merge: part {i} was prepared with tokenizer "
-                            f"{m['tokenizer']['fingerprint'][:12]}, part 0 with "
-                            f"{first['tokenizer']['fingerprint'][:12]}; prepare every part "
-                            "with one --tokenizer")
-        for key in ("dtype", "policy", "options"):
-            if m[key] != first[key]:
-                raise DataError(f"--merge: part {i} has {key} {m[key]} but part 0 has "
-                                f"{first[key]}; prepare every part with the same options")
     shards = [{**s, "tokens": f"part-{i:05d}-of-{total:05d}/{s['tokens']}" if s["tokens"]
                else None, "index": f"part-{i:05d}-of-{total:05d}/{s['index']}" if s["index"]
                else None} for i, m in enumerate(manifests) for s in m["shards"]]
@@ -736,6 +727,20 @@ def merge(directory) -> dict:
     say(f"jaxtrain: merged {total} parts into {directory} ({merged['num_documents']:,} "
         f"documents, {merged['num_tokens']:,} tokens)")
     return merged
+
+
+def _check_parts(manifests: list[dict]) -> None:
+    first = manifests[0]
+    for i, m in enumerate(manifests[1:], start=1):
+        if m["tokenizer"]["fingerprint"] != first["tokenizer"]["fingerprint"]:
+            raise DataError(f"--merge: part {i} was prepared with tokenizer "
+                            f"{m['tokenizer']['fingerprint'][:12]}, part 0 with "
+                            f"{first['tokenizer']['fingerprint'][:12]}; prepare every part "
+                            "with one --tokenizer")
+        for key in ("dtype", "policy", "options"):
+            if m[key] != first[key]:
+                raise DataError(f"--merge: part {i} has {key} {m[key]} but part 0 has "
+                                f"{first[key]}; prepare every part with the same options")
 
 
 def _merge_reports(reports: list[dict]) -> dict:
