@@ -34,7 +34,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before tokenizers is imported 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from jaxtrain.data import prepare as prepare_lib  # noqa: E402
-from jaxtrain.data.sources import stdlib_files  # noqa: E402
+from jaxtrain.data.stdlib import stdlib_files  # noqa: E402
 from jaxtrain.data.tokenizers import HF_FILE, load_tokenizer  # noqa: E402
 
 

@@ -27,7 +27,9 @@ LAYERS = [
 # Function-level imports: third-party modules that are heavy and needed by one path only,
 # and, in commands, the package itself where jax must load after the command has set up
 # its process (train: the huge-pages re-exec; plan --compile: fake devices).
-LATE_THIRD_PARTY = ("matplotlib", "tensorboardX", "ml_dtypes", "jax.experimental")
+LATE_THIRD_PARTY = ("matplotlib", "tensorboardX", "ml_dtypes", "jax.experimental",
+                    # the [data] extra and transformers: optional, so imported where used
+                    "pyarrow", "datasets", "sentencepiece", "tiktoken", "transformers")
 LATE_ALLOWED_IN = ("commands.train", "commands.plan", "commands.common")
 
 

@@ -66,8 +66,8 @@ def _load(path):
 
 
 # Each shipped config on the device count it is written for.
-SHIPPED = {"tiny": 1, "bench_cpu": 1, "gpt2_124m": 8, "llama_1b": 1, "gpt13b": 64,
-           "gpt13b_pp": 16}
+SHIPPED = {"tiny": 1, "stdlib_bpe": 1, "bench_cpu": 1, "gpt2_124m": 8, "llama_1b": 1,
+           "gpt13b": 64, "gpt13b_pp": 16}
 
 
 @pytest.mark.parametrize("name,devices", SHIPPED.items())

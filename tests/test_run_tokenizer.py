@@ -13,7 +13,7 @@ from conftest import small_config
 from jaxtrain.data import prepare as P
 from jaxtrain.data import record
 from jaxtrain.data.dataset import PreparedDataset
-from jaxtrain.data.sources import DataError
+from jaxtrain.errors import DataError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORDS = ["alpha", "beta", "gamma", "delta", "return", "value", "print", "def", "class"]

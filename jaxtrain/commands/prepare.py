@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxtrain.data import prepare as prepare_lib
+from jaxtrain.data.stdlib import stdlib_files
 from jaxtrain.errors import DataError
 
 
@@ -76,10 +78,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    # Imported here so that --help and argument errors come before numpy and tokenizers load.
-    from jaxtrain.data import prepare as prepare_lib
-    from jaxtrain.data.sources import stdlib_files
-
     try:
         if args.merge:
             prepare_lib.merge(args.merge)

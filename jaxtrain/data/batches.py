@@ -8,7 +8,7 @@ run would have, with nothing to checkpoint but the step.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from collections.abc import Iterator
 
 import grain
 import jax

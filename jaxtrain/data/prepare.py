@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
+from tqdm import tqdm
 
 from jaxtrain.data import dataset as fmt
 from jaxtrain.data import readers
@@ -494,8 +495,6 @@ class _Progress:
     """A tqdm bar over input bytes (ETA) showing documents and tokens/s."""
 
     def __init__(self, plan: Plan, enabled: bool, done_bytes: int):
-        from tqdm import tqdm
-
         total = None if plan.streamed else sum(u.size for u in plan.units)
         self.bar = tqdm(total=total, initial=done_bytes, unit="B", unit_scale=True,
                         unit_divisor=1024, desc="prepare", disable=not enabled, file=sys.stderr,

@@ -37,7 +37,7 @@ def run_data(c) -> tuple[dict, tokenizers_lib.Tokenizer | None]:
         raise DataError(f"the data's tokenizer ({tokenizer.describe()}) has "
                         f"{tokenizer.vocab_size} ids, more than model.vocab_size="
                         f"{c.model.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
-    return SOURCES[c.data.source].fingerprint(c), tokenizer
+    return SOURCES[c.data.source].fingerprints(c), tokenizer
 
 
 def _changes(before: dict, now: dict) -> list[str]:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-import sysconfig
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from jaxtrain.data import fingerprints, prepared_source, tokenizers
+from jaxtrain.data.stdlib import stdlib_files
 from jaxtrain.errors import DataError, fail
 
 
@@ -49,18 +49,6 @@ class SyntheticWindows:
     def __getitem__(self, index: int) -> np.ndarray:
         rng = np.random.default_rng((self.seed, index))
         return rng.integers(0, self.vocab_size, self.seq_len + 1, dtype=np.int32)
-
-
-def stdlib_files() -> list[pathlib.Path]:
-    """The .py files of this interpreter's standard library, sorted by path. They differ
-    between Python versions (31.5 MB on 3.11, 31.7 MB on 3.12, 33.1 MB on 3.13), so a run
-    records their fingerprint (jaxtrain.data.record) and refuses to resume on other ones."""
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py")
-                   if "site-packages" not in p.parts and "dist-packages" not in p.parts)
-    if not files:
-        raise DataError(f"data.source='stdlib' found no .py files under {root}")
-    return files
 
 
 def stdlib_corpus() -> np.ndarray:
@@ -175,14 +163,21 @@ class DataSource:
     name: str
     doc: str
     splits: Callable  # config -> (train, validation) random-access windows of seq_len + 1
-    fingerprint: Callable  # config -> {item: {fingerprint, about}} (jaxtrain.data.record)
     check: Callable | None = None  # config -> None, raising ConfigError
     byte_level: bool = False  # a token is a byte: text prompts, bits per byte
     # The (train, validation) flat token arrays, for sources that have them (evaluation
     # reads consecutive windows of the validation tokens).
     tokens: Callable | None = None
+    # config -> {item: {fingerprint, about}}: what a run records and checks on resume
+    # (jaxtrain.data.record); None: only the source's name is recorded.
+    fingerprint: Callable | None = None
     tokenizer: Callable | None = None  # config -> Tokenizer | None (None: not known)
     validation_text: bool = True  # has held-out data to evaluate on
+
+    def fingerprints(self, c) -> dict:
+        if self.fingerprint is None:
+            return {"data.source": fingerprints.item(self.name, repr(self.name))}
+        return self.fingerprint(c)
 
     def validate(self, c) -> None:
         if self.check is not None:
@@ -191,13 +186,14 @@ class DataSource:
 
 SOURCES: dict[str, DataSource] = {s.name: s for s in (
     DataSource("stdlib", "the bytes of this Python's standard library sources",
-               _windows(_stdlib_tokens), _stdlib_fingerprint, _check_stdlib, byte_level=True,
-               tokens=_stdlib_tokens, tokenizer=lambda c: tokenizers.ByteTokenizer()),
+               _windows(_stdlib_tokens), _check_stdlib, byte_level=True, tokens=_stdlib_tokens,
+               fingerprint=_stdlib_fingerprint, tokenizer=lambda c: tokenizers.ByteTokenizer()),
     DataSource("bin", "nanoGPT-style flat uint16/uint32 token files", _windows(_bin_tokens),
-               _bin_fingerprint, _check_bin, tokens=_bin_tokens, tokenizer=_bin_tokenizer),
+               _check_bin, tokens=_bin_tokens, fingerprint=_bin_fingerprint,
+               tokenizer=_bin_tokenizer),
     DataSource("synthetic", "uniform random tokens, a function of (seed, index)",
-               _synthetic_splits, _synthetic_fingerprint, validation_text=False),
+               _synthetic_splits, fingerprint=_synthetic_fingerprint, validation_text=False),
     DataSource(prepared_source.NAME, "datasets made by `jaxtrain prepare`, alone or mixed "
-               "by weight (docs/data.md)", prepared_source.splits, prepared_source.fingerprint,
-               prepared_source.check, tokenizer=prepared_source.tokenizer),
+               "by weight (docs/data.md)", prepared_source.splits, prepared_source.check,
+               fingerprint=prepared_source.fingerprint, tokenizer=prepared_source.tokenizer),
 )}

@@ -24,6 +24,7 @@ import os
 import pathlib
 import re
 import shutil
+import tempfile
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -396,8 +397,6 @@ class TiktokenTokenizer(Tokenizer):
         return table
 
     def to_hf(self):
-        import tempfile
-
         from transformers.convert_slow_tokenizer import TikTokenConverter
 
         with tempfile.TemporaryDirectory() as tmp:
