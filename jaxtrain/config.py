@@ -50,7 +50,9 @@ def base_config() -> ml_collections.ConfigDict:
     # Used when mesh.pipeline > 1 (see docs/parallelism.md).
     c.pipeline = ml_collections.ConfigDict()
     c.pipeline.schedule = "gpipe"
-    c.pipeline.microbatches = 4  # per train step (per accumulation micro-batch)
+    # Pipeline micro-batches: the slices of each (accumulation) micro-batch that flow through
+    # the stages; not train.microbatches, which is gradient accumulation.
+    c.pipeline.microbatches = 4
     c.pipeline.repeats = 1  # layer chunks per stage; circular only
 
     c.model = ml_collections.ConfigDict()
@@ -72,6 +74,8 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.train = ml_collections.ConfigDict()
     c.train.global_batch = 8
+    # Gradient accumulation: the global batch is split into this many micro-batches, run one
+    # after another and their gradients summed (pipeline.microbatches is another thing).
     c.train.microbatches = 1
     c.train.precision = "float32"
     c.train.max_consecutive_bad_steps = 5  # non-finite steps in a row before the run stops
