@@ -17,6 +17,7 @@ of a broken state never pushes the last good one out.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import pathlib
 import threading
@@ -26,6 +27,7 @@ from typing import Callable
 import jax
 import orbax.checkpoint as ocp
 import xxhash
+from absl import logging as absl_logging
 from etils import epath
 from jax.experimental import multihost_utils
 
@@ -57,6 +59,21 @@ def tree_signature(tree) -> dict[tuple, tuple]:
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+@contextlib.contextmanager
+def _quiet(read_only: bool):
+    """Orbax warns that a read-only manager's directory "is read only": true and meant, and
+    it would turn generate's and eval's one-line errors into five lines."""
+    if not read_only:
+        yield
+        return
+    before = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    try:
+        yield
+    finally:
+        absl_logging.set_verbosity(before)
+
+
 class Checkpoints:
     """One directory of checkpoints (a tier) with its manifests beside it."""
 
@@ -75,13 +92,17 @@ class Checkpoints:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "jaxtrain-manifest")
         self._lock = threading.Lock()
         options = ocp.CheckpointManagerOptions(
+            # A reader's options are the ones orbax would force for read_only anyway, so it
+            # has nothing to warn about on the one-line error paths of generate/eval.
             max_to_keep=None, create=not read_only, read_only=read_only,
+            save_interval_steps=0 if read_only else 1,
             enable_async_checkpointing=True, cleanup_tmp_directories=not read_only,
             enable_background_delete=True,
             async_options=ocp.options.AsyncOptions(
                 post_finalization_callback=self._committed_async))
-        self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_names=("state", "config"))
+        with _quiet(read_only):
+            self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                                 item_names=("state", "config"))
         self.healthy = {s for s in self.steps() if self._manifest(s).get("healthy")}
         self._manifested = set(self.steps())  # steps committed before this run
 

@@ -48,6 +48,7 @@ GRID = {
 # claims: (hardware catalog entry, devices). tests/test_plan.py checks none OOMs there;
 # scripts/memory_check.py compares the estimate with XLA on them.
 SHIPPED_TARGETS = {"tiny.py": ("CPU-host", 1), "bench_cpu.py": ("CPU-host", 1),
+                   "stdlib_bpe.py": ("CPU-host", 1),
                    "gpt2_124m.py": ("A100-40GB", 8), "llama_1b.py": ("H100-SXM", 8),
                    "gpt13b.py": ("A100-80GB", 64), "gpt13b_pp.py": ("A100-80GB", 16)}
 
