@@ -20,11 +20,11 @@ from jaxtrain.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TASK = "items"  # the JSONL task's name: its file's stem
-ITEMS = [  # multiple choice, label 0 the right answer; a few bytes each
-    {"question": "def f(x):\n    return", "choices": [" x", " 1 +", " None"], "label": 0},
-    {"question": "import os\nimport", "choices": [" sys", " zzz", " re"], "label": 0},
-    {"question": "for i in", "choices": [" range(10):", " qq", " )("], "label": 0},
-    {"question": "class A:\n    def", "choices": [" __init__(self):", " 7", " +"], "label": 0},
+ITEMS = [  # multiple choice, label 0 the right answer; lm_eval adds the space before a choice
+    {"question": "def f(x):\n    return", "choices": ["x", "1 +", "None"], "label": 0},
+    {"question": "import os\nimport", "choices": ["sys", "zzz", "re"], "label": 0},
+    {"question": "for i in", "choices": ["range(10):", "qq", ")("], "label": 0},
+    {"question": "class A:\n    def", "choices": ["__init__(self):", "7", "+"], "label": 0},
 ]
 GENERATE_YAML = """task: gen
 dataset_path: json
@@ -155,6 +155,34 @@ def test_harness_loglikelihoods_are_the_models(task_run, task_files, tensor, dev
     accuracy = np.mean([np.argmax([resp[0][0] for resp in doc["resps"]]) == doc["doc"]["label"]
                         for doc in docs])
     assert results.scores[f"tasks/{TASK}/acc"] == pytest.approx(accuracy)
+
+
+@pytest.mark.slow
+def test_scorer_gives_one_devices_numbers_on_every_mesh(devices):
+    """Pipeline stages, fsdp × tensor with sequence parallelism, data × fsdp: the scores and
+    greedy continuations of one device (the loop scores on whatever mesh it trains on)."""
+    from jaxtrain.scoring import Scorer
+    from jaxtrain.train.setup import build
+
+    rng = np.random.default_rng(0)
+    pairs = [(rng.integers(0, 256, rng.integers(1, 30)).tolist(),
+              rng.integers(0, 256, rng.integers(1, 4)).tolist()) for _ in range(5)]
+    prompts = [context[:10] for context, _ in pairs[:3]]
+    overrides = {"model.init_std": 0.3, "train.global_batch": 8}
+    one = build(small_config("llama", **overrides), devices[:1])
+    params = one.init_state().params
+    reference = Scorer.from_setup(one, 4, params, progress=False)
+    want, continuations = reference.loglikelihoods(pairs), reference.generate(prompts, 4)
+    for mesh, count in (({"mesh.pipeline": 2, "pipeline.microbatches": 2}, 2),
+                        ({"mesh.fsdp": 2, "mesh.tensor": 2, "mesh.sequence_parallel": True}, 4),
+                        ({"mesh.data": 2, "mesh.fsdp": 2}, 4)):
+        setup = build(small_config("llama", **overrides, **mesh), devices[:count])
+        scorer = Scorer.from_setup(setup, 4, jax.device_put(params, setup.shardings.params),
+                                   progress=False)
+        got = scorer.loglikelihoods(pairs)
+        np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], rtol=1e-5)
+        assert [g[1] for g in got] == [w[1] for w in want], mesh
+        assert scorer.generate(prompts, 4) == continuations, mesh
 
 
 def _cli(*args) -> subprocess.CompletedProcess:
