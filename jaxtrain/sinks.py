@@ -15,7 +15,7 @@ import math
 import pathlib
 from typing import Callable, Protocol
 
-from jaxtrain.errors import fail
+from jaxtrain.errors import ConfigError, fail
 
 WANDB_RUN_FILE = "wandb_run.json"  # the W&B run this workdir logs to, for resuming it
 WANDB_MODES = ("online", "offline", "disabled")
@@ -68,11 +68,16 @@ class WandbSink:
         w = cfg.metrics.wandb
         stored = workdir / WANDB_RUN_FILE
         run_id = _stored_id(stored) if start_step > 0 else None
-        self.run = wandb.init(
-            project=w.project or None, entity=w.entity or None,
-            name=w.run_name or workdir.resolve().name, mode=w.mode, dir=str(workdir),
-            id=run_id, resume="allow",
-            config=cfg.to_dict(), allow_val_change=True)
+        try:
+            self.run = wandb.init(
+                project=w.project or None, entity=w.entity or None,
+                name=w.run_name or workdir.resolve().name, mode=w.mode, dir=str(workdir),
+                id=run_id, resume="allow", config=cfg.to_dict(), allow_val_change=True)
+        except wandb.errors.Error as e:  # no login, no network, a refused project, ...
+            message = (str(e).strip().splitlines() or [""])[0]
+            raise ConfigError(f"metrics.sinks={cfg.metrics.sinks!r}: W&B could not start a "
+                              f"run ({message}); `wandb login`, or set "
+                              "metrics.wandb.mode=offline") from None
         stored.write_text(json.dumps({"id": self.run.id, "project": w.project,
                                       "entity": w.entity}) + "\n")
 

@@ -99,10 +99,32 @@ def _by_step(rows) -> dict[int, dict]:
     return merged
 
 
-def _direct_logprob(model, context: list[int], continuation: list[int]):
-    """log P(continuation | context) and greedy-or-not from one unpadded forward pass."""
+def _direct_forward(graphdef):
+    if id(graphdef) not in _FORWARD:  # graph definitions do not hash
+        _FORWARD[id(graphdef)] = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))
+    return _FORWARD[id(graphdef)]
+
+
+_FORWARD: dict = {}
+
+
+def _direct_logprob(loaded, context: list[int], continuation: list[int]):
+    """log P(continuation | context) and greedy-or-not from one unpadded forward pass of the
+    model on one device (remembered: every mesh's test compares with the same numbers)."""
+    key = (str(loaded.setup.cfg.model), tuple(context), tuple(continuation))
+    if key not in _DIRECT:
+        _DIRECT[key] = _unpadded_logprob(loaded, context, continuation)
+    return _DIRECT[key]
+
+
+_DIRECT: dict = {}
+
+
+def _unpadded_logprob(loaded, context: list[int], continuation: list[int]):
     whole = (context + continuation)[-65:]
-    logits = model(jnp.asarray([whole[:-1]], jnp.int32))[0].astype(jnp.float32)
+    with jax.set_mesh(loaded.setup.mesh):
+        logits = _direct_forward(loaded.setup.graphdef)(
+            loaded.params, jnp.asarray([whole[:-1]], jnp.int32))[0].astype(jnp.float32)
     logprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     targets = whole[1:]
     span = range(len(targets) - len(continuation), len(targets))
@@ -134,23 +156,21 @@ def test_harness_loglikelihoods_are_the_models(task_run, task_files, tensor, dev
     scorer, _ = inference.task_scorer(task_run, tensor=tensor, batch=4, devices=devices)
     results = tasks.evaluate(scorer, ByteTokenizer(), log_samples=True)
     loaded = inference.load(task_run, devices=devices[:1])
-    with jax.set_mesh(loaded.setup.mesh):
-        model = nnx.merge(loaded.setup.graphdef, loaded.params)
-        docs = results.details["samples"][TASK]  # one per item: a request per choice
-        assert len(docs) == len(ITEMS)
-        for doc in docs:
-            for arguments, ((got, got_greedy),) in zip(doc["arguments"], doc["resps"]):
-                want, greedy = _direct_logprob(model, *_split_like_lm_eval(*arguments))
-                assert got == pytest.approx(want, rel=1e-5, abs=1e-5), arguments
-                assert got_greedy == greedy
-        windows_per_text = []
-        for doc in results.details["samples"]["roll"]:
-            tokens = list(doc["arguments"][0][0].encode())
-            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                tokens, prefix_token=ord("\n"), max_seq_len=64, context_len=1)]
-            want = sum(_direct_logprob(model, list(c), list(p))[0] for c, p in windows)
-            assert doc["resps"][0][0] == pytest.approx(want, rel=1e-5)
-            windows_per_text.append(len(windows))
+    docs = results.details["samples"][TASK]  # one per item: a request per choice
+    assert len(docs) == len(ITEMS)
+    for doc in docs:
+        for arguments, ((got, got_greedy),) in zip(doc["arguments"], doc["resps"]):
+            want, greedy = _direct_logprob(loaded, *_split_like_lm_eval(*arguments))
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-5), arguments
+            assert got_greedy == greedy
+    windows_per_text = []
+    for doc in results.details["samples"]["roll"]:
+        tokens = list(doc["arguments"][0][0].encode())
+        windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+            tokens, prefix_token=ord("\n"), max_seq_len=64, context_len=1)]
+        want = sum(_direct_logprob(loaded, list(c), list(p))[0] for c, p in windows)
+        assert doc["resps"][0][0] == pytest.approx(want, rel=1e-5)
+        windows_per_text.append(len(windows))
     assert sorted(windows_per_text) == [1, 2]  # the long text took two windows
     accuracy = np.mean([np.argmax([resp[0][0] for resp in doc["resps"]]) == doc["doc"]["label"]
                         for doc in docs])
@@ -344,6 +364,21 @@ def test_a_new_metric_sink_is_one_registry_entry(tmp_path, monkeypatch):
     assert written == [("open", 3), (4, {"loss": 1.5}), "closed"]
     assert _rows(tmp_path) == [{"step": 4, "loss": 1.5}]
     assert not (tmp_path / "tensorboard").exists()  # not among this run's sinks
+
+
+def test_wandb_that_cannot_start_is_a_one_line_config_error(tmp_path, monkeypatch):
+    import wandb
+
+    from jaxtrain.sinks import WandbSink
+
+    def refuse(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    cfg = small_config(**{"metrics.sinks": "jsonl,wandb"})
+    with pytest.raises(ConfigError, match=r"W&B could not start a run \(No API key .*"
+                                          "metrics.wandb.mode=offline$"):
+        WandbSink(tmp_path, cfg, 0)
 
 
 def test_a_new_task_backend_is_one_registry_entry(monkeypatch):

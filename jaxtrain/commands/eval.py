@@ -83,16 +83,16 @@ def _task_flags() -> dict:
 
 
 def _evaluate_tasks(f: dict) -> None:
-    """Loads the tasks, then the model (so a misspelt task fails before any compile),
-    evaluates, and writes the results."""
+    """Loads the tasks (a misspelt task fails first), then the model, evaluates, and writes
+    the results."""
     workdir = pathlib.Path(f["workdir"].value)
     backend = BACKENDS[f["backend"].value]
     backend.check("--backend")
-    step, cfg = inference.run_config(workdir)
-    tokenizer = run_tokenizer(cfg, workdir)
     spec = TaskSpec(tuple(f["tasks"].value), tuple(f["task_dir"].value or ()),
                     f["limit"].value, f["num_fewshot"].value, key="--tasks")
     tasks = backend.load(spec)
+    step, cfg = inference.run_config(workdir)
+    tokenizer = run_tokenizer(cfg, workdir)
     scorer, loaded = inference.task_scorer(workdir, data=f["devices"].value,
                                            fsdp=f["fsdp"].value, tensor=f["tensor"].value,
                                            batch=f["batch"].value)
