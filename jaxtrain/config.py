@@ -284,7 +284,7 @@ def _check_eval(c) -> None:
             fail(f"eval.{key}", e[key], f"must be >= {low}")
     if str(e.tasks).strip():
         BACKENDS[e.backend].check("eval.backend")
-        check_text(c, "eval.tasks")
+        check_text(c)
 
 
 def _check_batch(c, sizes: dict[str, int]) -> None:

@@ -149,7 +149,7 @@ def test_harness_loglikelihoods_are_the_models(task_run, task_files, tensor, dev
 
     from jaxtrain import inference
     from jaxtrain.tasks import BACKENDS, TaskSpec
-    from jaxtrain.tasks.text import ByteTokenizer
+    from jaxtrain.data.tokenizers import ByteTokenizer
 
     tasks = BACKENDS["lm_eval"].load(TaskSpec((str(task_files / f"{TASK}.jsonl"),
                                                str(task_files / "roll.yaml"))))
@@ -205,6 +205,54 @@ def test_scorer_gives_one_devices_numbers_on_every_mesh(devices):
         assert scorer.generate(prompts, 4) == continuations, mesh
 
 
+@pytest.mark.slow
+def test_a_runs_own_bpe_tokenizer_scores_tasks_in_the_loop_and_from_its_checkpoint(
+        tmp_path, devices):
+    """A run on a prepared dataset with a trained BPE: the loop scores with the tokenizer
+    that made its ids, `task_scorer` with the one stored in the workdir, and lm_eval's
+    log-likelihoods are the model's on that tokenizer's ids (lm_eval splits context and
+    continuation after encoding them together)."""
+    from jaxtrain import inference
+    from jaxtrain.data import prepare
+    from jaxtrain.tasks import BACKENDS, TaskSpec
+    from jaxtrain.tasks.text import run_tokenizer
+    from jaxtrain.train.loop import run
+
+    words = ["alpha", "beta", "gamma", "delta", "return", "value", "print", "def", "class"]
+    rng = np.random.default_rng(0)
+    (tmp_path / "in").mkdir()
+    for i in range(40):
+        (tmp_path / "in" / f"{i:03d}.txt").write_text(" ".join(rng.choice(words, 80)) + "\n")
+    prepare.prepare(prepare.Request(inputs=[str(tmp_path / "in")], out=str(tmp_path / "data"),
+                                    train_tokenizer=320, eos="no", progress=False, processes=1))
+    items = _write_lines(tmp_path / "bpe_items.jsonl", [
+        {"question": "def alpha", "choices": ["beta gamma", "return value"], "label": 0},
+        {"question": "print", "choices": ["delta", "class alpha beta"], "label": 1}])
+    cfg = small_config(**{"data.source": "prepared", "data.path": str(tmp_path / "data"),
+                          "model.vocab_size": 384, "steps": 4, "train.global_batch": 8,
+                          "eval_batches": 2, "data.val_fraction": 0.2,
+                          "eval.tasks": str(items), "eval.tasks_batch": 4})
+    run(cfg, tmp_path / "run", devices[:1])
+    in_loop = _by_step(_rows(tmp_path / "run"))[4]
+    tokenizer = run_tokenizer(None, tmp_path / "run")
+    assert tokenizer.kind != "bytes"
+    tasks = BACKENDS["lm_eval"].load(TaskSpec((str(items),)))
+    scorer, loaded = inference.task_scorer(tmp_path / "run", batch=4, devices=devices)
+    results = tasks.evaluate(scorer, tokenizer, log_samples=True)
+    assert results.scores == {k: v for k, v in in_loop.items() if k.startswith("tasks/")}
+    forward = _direct_forward(loaded.setup.graphdef)
+    for doc in results.details["samples"]["bpe_items"]:
+        for (context, continuation), ((got, _),) in zip(doc["arguments"], doc["resps"]):
+            whole = tokenizer.encode(context + continuation)
+            split = len(tokenizer.encode(context))
+            assert 0 < split < len(whole)
+            with jax.set_mesh(loaded.setup.mesh):
+                logits = forward(loaded.params, jnp.asarray([whole[:-1]], jnp.int32))[0]
+            logprobs = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+            want = sum(float(logprobs[p - 1, whole[p]]) for p in range(split, len(whole)))
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-5)
+
+
 def _cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "jaxtrain", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
@@ -218,7 +266,7 @@ def test_generate_until_is_greedy_jaxtrain_generate(task_run, task_files, device
 
     from jaxtrain import inference
     from jaxtrain.sampling import Sampling, make_generate
-    from jaxtrain.tasks.text import ByteTokenizer
+    from jaxtrain.data.tokenizers import ByteTokenizer
 
     lm = inference.task_model(task_run, batch=2, devices=devices)
     results = lm_eval.simple_evaluate(model=lm, tasks=[str(task_files / "gen.yaml")],
@@ -252,7 +300,7 @@ def test_task_scores_in_the_loop_reach_every_sink_and_the_report(task_run, task_
     from jaxtrain import inference
     from jaxtrain.commands import report
     from jaxtrain.tasks import BACKENDS, TaskSpec
-    from jaxtrain.tasks.text import ByteTokenizer
+    from jaxtrain.data.tokenizers import ByteTokenizer
 
     rows = _by_step(_rows(task_run))
     keys = (f"tasks/{TASK}/acc", f"tasks/{TASK}/acc_norm", "tasks/roll/word_perplexity",
@@ -328,7 +376,8 @@ def test_eval_command_scores_tasks_on_a_tensor_mesh(task_run, task_files):
     ({"metrics.sinks": "jsonl,wandb", "metrics.wandb.mode": "cloud"},
      "metrics.wandb.mode='cloud' is invalid: valid values are online, offline, disabled"),
     ({"eval.tasks": "hellaswag", "data.source": "synthetic"},
-     "eval.tasks needs the run's tokenizer"),
+     "eval.tasks='hellaswag' is invalid: tasks are text and data.source='synthetic' has no "
+     "tokenizer"),
     ({"eval.backend": "helm"}, "eval.backend='helm' is invalid: valid values are lm_eval"),
     ({"eval.tasks_every_steps": -1}, "eval.tasks_every_steps=-1 is invalid: must be >= 0"),
 ])
@@ -399,7 +448,7 @@ def test_a_new_task_backend_is_one_registry_entry(monkeypatch):
 
 def test_scores_flatten_and_generation_stops():
     from jaxtrain.tasks.harness import _cut, _sampling, flat_scores
-    from jaxtrain.tasks.text import ByteTokenizer
+    from jaxtrain.data.tokenizers import ByteTokenizer
 
     results = {"results": {"arc": {"alias": "arc", "acc,none": 0.5, "acc_stderr,none": 0.1,
                                    "exact_match,strict": 1.0, "sample_len": 4,

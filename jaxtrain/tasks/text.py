@@ -1,51 +1,46 @@
-"""The text side of a run for task evaluation: its tokenizer, and the token that stands for
-"no context" (a document boundary).
+"""The text side of a run for task evaluation: the tokenizer its ids belong to, and the
+token that stands for "no context" (a document boundary).
 
-Today a run's tokens are text only where its data source is byte-level (a token is a UTF-8
-byte: the built-in stdlib corpus). Runs that trained on token files carry no tokenizer yet
-(issue 16 stores one in the workdir); until then they cannot be evaluated on text tasks.
+The tokenizer travels with the run (data/record.py): a checkpoint is evaluated with
+WORKDIR/tokenizer (bytes for runs on the built-in corpus made before it was stored), the
+training loop with the tokenizer that made the ids it trains on (its data source's).
 """
 
 from __future__ import annotations
 
 import pathlib
-from typing import Sequence
 
+from jaxtrain.data import record
 from jaxtrain.data.sources import SOURCES
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import DataError, fail
 
 
-class ByteTokenizer:
-    """A token is a UTF-8 byte (vocabulary 256, no special tokens)."""
-
-    kind = "bytes"
-    vocab_size = 256
-    eos_id: int | None = None
-    bos_id: int | None = None
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-    def describe(self) -> str:
-        return "bytes (UTF-8, 256 ids)"
+def check_text(cfg) -> None:
+    """ConfigError for eval.tasks where the data source can have no tokenizer at all (the
+    tokenizer itself is loaded, and its absence reported, with the tasks)."""
+    if SOURCES[cfg.data.source].tokenizer is None:
+        fail("eval.tasks", cfg.eval.tasks, f"tasks are text and data.source="
+             f"{cfg.data.source!r} has no tokenizer; train on text (the stdlib or prepared "
+             "sources, or .bin files with data.tokenizer)")
 
 
-def check_text(cfg, key: str) -> None:
-    """ConfigError naming `key` when the run has no tokenizer to turn task text into ids."""
-    if not SOURCES[cfg.data.source].byte_level:
-        raise ConfigError(f"{key} needs the run's tokenizer, and data.source="
-                          f"{cfg.data.source!r} has none stored with the run (only "
-                          "byte-level runs, such as data.source='stdlib', have text today)")
+def data_tokenizer(cfg, key: str = "eval.tasks"):
+    """The tokenizer that made the ids a run trains on (for the training loop)."""
+    tokenizer = record.data_tokenizer(cfg)
+    if tokenizer is None:
+        raise DataError(f"{key} needs the tokenizer of the run's ids, and data.source="
+                        f"{cfg.data.source!r} names none (for .bin files, set data.tokenizer)")
+    return tokenizer
 
 
-def run_tokenizer(cfg, workdir: pathlib.Path | None = None) -> ByteTokenizer:
-    """The tokenizer a run's ids belong to."""
-    del workdir  # where issue 16 stores the run's tokenizer
-    check_text(cfg, "task evaluation")
-    return ByteTokenizer()
+def run_tokenizer(cfg, workdir: pathlib.Path):
+    """The tokenizer a run's checkpoints belong to (for evaluating a checkpoint)."""
+    tokenizer = record.run_tokenizer(workdir, cfg)
+    if tokenizer is None:
+        raise DataError(f"--workdir={workdir} has no tokenizer (WORKDIR/tokenizer): its ids "
+                        "cannot be turned into text; task evaluation needs one (a run on .bin "
+                        "files names it with data.tokenizer)")
+    return tokenizer
 
 
 def boundary_id(tokenizer) -> int:

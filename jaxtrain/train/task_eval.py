@@ -15,26 +15,32 @@ import jax
 
 from jaxtrain.scoring import Scorer
 from jaxtrain.tasks import BACKENDS, TaskSpec
-from jaxtrain.tasks.text import run_tokenizer
+from jaxtrain.tasks.text import data_tokenizer
 from jaxtrain.train.hooks import Hook, StepInfo, due
 
 RESULTS_DIR = "evals"
 
 
-def load_tasks(cfg):
-    """The run's eval.tasks, loaded by their backend; None when there are none."""
+def load_tasks(cfg) -> tuple | None:
+    """(the run's eval.tasks loaded by their backend, the tokenizer of the run's ids); None
+    when there are none. An unknown task or a run without a tokenizer fails here, before
+    anything compiles or is written."""
     spec = TaskSpec.from_config(cfg)
-    return BACKENDS[cfg.eval.backend].load(spec) if spec.tasks else None
+    if not spec.tasks:
+        return None
+    tokenizer = data_tokenizer(cfg)
+    return BACKENDS[cfg.eval.backend].load(spec), tokenizer
 
 
 class TaskEvaluator(Hook):
-    def __init__(self, tasks, setup, workdir: pathlib.Path, logger):
-        self.tasks, self.logger, self.workdir = tasks, logger, workdir
+    def __init__(self, loaded: tuple | None, setup, workdir: pathlib.Path, logger):
+        """loaded: load_tasks's (tasks, tokenizer), or None (then the hook does nothing)."""
+        self.tasks, self.tokenizer = loaded or (None, None)
+        self.logger, self.workdir = logger, workdir
         cfg = setup.cfg
         self.every = cfg.eval.tasks_every_steps
         self.scorer = Scorer.from_setup(setup, cfg.eval.tasks_batch,
                                         progress=jax.process_index() == 0)
-        self.tokenizer = run_tokenizer(cfg, workdir) if tasks is not None else None
 
     def after_step(self, info: StepInfo) -> None:
         if self.tasks is None or not due(info.step, self.every, info.last):
