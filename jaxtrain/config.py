@@ -24,6 +24,9 @@ from jaxtrain.models.families import FAMILIES
 from jaxtrain.models.remat import REMATS
 from jaxtrain.optim import SCHEDULES
 from jaxtrain.precision import PRECISIONS
+from jaxtrain.sinks import validate_sinks
+from jaxtrain.tasks import BACKENDS
+from jaxtrain.tasks.text import check_text
 
 __all__ = ["DEFAULT_RULES", "MESH_AXES", "ConfigError", "apply_overrides",
            "base_config", "dcn_shape", "load_config_file", "resolve_mesh_shape", "validate"]
@@ -124,6 +127,26 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.tokenizer = ""
     # Resume even though the data's fingerprint changed since the run started (data.json).
     c.data.allow_changed = False
+
+    # Downstream tasks during training (docs/evaluation.md): scored on the live parameters
+    # every tasks_every_steps and at the end, logged beside val_loss as tasks/TASK/METRIC.
+    c.eval = ml_collections.ConfigDict()
+    c.eval.tasks = ""  # comma-separated task names, task YAML or JSONL files; "": none
+    c.eval.tasks_every_steps = 0  # 0: only at the end of the run
+    c.eval.task_dir = ""  # comma-separated directories of task YAML files
+    c.eval.tasks_limit = 0  # documents per task; 0: all
+    c.eval.tasks_num_fewshot = -1  # -1: each task's own default
+    c.eval.tasks_batch = 8  # rows per scoring batch (rounded up to what the mesh splits)
+    c.eval.backend = "lm_eval"
+
+    # Where logged metrics go (jaxtrain/sinks.py); metrics.jsonl always.
+    c.metrics = ml_collections.ConfigDict()
+    c.metrics.sinks = "jsonl,tensorboard"  # add wandb for Weights & Biases
+    c.metrics.wandb = ml_collections.ConfigDict()
+    c.metrics.wandb.project = "jaxtrain"
+    c.metrics.wandb.entity = ""  # "": the account's default
+    c.metrics.wandb.run_name = ""  # "": the workdir's name
+    c.metrics.wandb.mode = "online"  # offline: no network (`wandb sync` later); disabled
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 0  # 0: only at the end of the run
@@ -251,6 +274,19 @@ def _check_model(c, platform: str | None) -> None:
         fail("model.remat", m.remat, problem)
 
 
+def _check_eval(c) -> None:
+    """Downstream tasks in the loop: only what is known before the tasks load (their names
+    are checked when the run loads them, still before anything compiles)."""
+    e = c.eval
+    for key, low in (("tasks_every_steps", 0), ("tasks_limit", 0), ("tasks_batch", 1),
+                     ("tasks_num_fewshot", -1)):
+        if e[key] < low:
+            fail(f"eval.{key}", e[key], f"must be >= {low}")
+    if str(e.tasks).strip():
+        BACKENDS[e.backend].check("eval.backend")
+        check_text(c)
+
+
 def _check_batch(c, sizes: dict[str, int]) -> None:
     t = c.train
     if t.microbatches < 1 or t.global_batch % t.microbatches:
@@ -278,9 +314,12 @@ def validate(c: ml_collections.ConfigDict, num_devices: int,
     _check_numbers(c)
     for key, registry in (("model.family", FAMILIES), ("model.attention", ("auto", *KERNELS)),
                           ("model.remat", REMATS), ("train.precision", PRECISIONS),
-                          ("optimizer.schedule", SCHEDULES), ("data.source", SOURCES)):
+                          ("optimizer.schedule", SCHEDULES), ("data.source", SOURCES),
+                          ("eval.backend", BACKENDS)):
         _choice(c, key, tuple(registry))
     _check_model(c, platform)
+    _check_eval(c)
+    validate_sinks(c)
     SOURCES[c.data.source].validate(c)
     sizes = resolve_mesh_shape(c.mesh, num_devices)
     validate_axes(c, sizes)

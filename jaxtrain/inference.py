@@ -26,6 +26,9 @@ from jaxtrain.data.batches import to_global
 from jaxtrain.data.sources import SOURCES, TokenWindows
 from jaxtrain.data.tokenizers import ByteTokenizer
 from jaxtrain.errors import CheckpointError, ConfigError, DataError
+from jaxtrain.scoring import Scorer
+from jaxtrain.tasks.harness import lm_class
+from jaxtrain.tasks.text import run_tokenizer
 from jaxtrain.train.setup import Setup, build
 from jaxtrain.train.state import abstract_model, param_axes
 from jaxtrain.train.step import loss_fn
@@ -96,6 +99,25 @@ def load(workdir, *, data: int = 1, fsdp: int = 1, tensor: int = 1, batch: int |
                                              quantization_lib.quantized_paths(axes_by_path))
     return LoadedModel(cfg=cfg, setup=setup, params=params, step=step,
                        quantization=quantization)
+
+
+def task_scorer(workdir, *, data: int = 1, fsdp: int = 1, tensor: int = 1, batch: int = 8,
+                devices: Sequence[jax.Device] | None = None,
+                progress: bool = True) -> tuple[Scorer, LoadedModel]:
+    """The newest checkpoint of a run as a scorer for task evaluation (jaxtrain/scoring.py)
+    on a data × fsdp × tensor mesh, `batch` rows per scoring batch."""
+    shards = data * fsdp
+    loaded = load(workdir, data=data, fsdp=fsdp, tensor=tensor, devices=devices,
+                  batch=-(-batch // shards) * shards)
+    return Scorer.from_setup(loaded.setup, batch, loaded.params, progress), loaded
+
+
+def task_model(workdir, **kwargs):
+    """The newest checkpoint of a run as an lm_eval model, with the run's tokenizer:
+    `lm_eval.simple_evaluate(model=inference.task_model(RUN, tensor=2), tasks=[...])`.
+    Takes task_scorer's keywords."""
+    scorer, loaded = task_scorer(workdir, **kwargs)
+    return lm_class()(scorer=scorer, tokenizer=run_tokenizer(loaded.cfg, workdir))
 
 
 def _quantization(workdir: pathlib.Path) -> dict | None:

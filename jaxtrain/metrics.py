@@ -1,8 +1,8 @@
-"""Model FLOPs, peak FLOP/s, and the writers: progress bar, metrics.jsonl, TensorBoard."""
+"""Model FLOPs, peak FLOP/s, and the writer of logged metrics: the progress bar and the
+run's metric sinks (sinks.py)."""
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 import sys
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import tqdm
 
-from jaxtrain import hardware
+from jaxtrain import hardware, sinks
 
 # Re-exported: the training loop and the scripts read model FLOPs from here.
 from jaxtrain.models.flops import attention_flops_per_token, flops_per_token, matmul_params  # noqa: F401
@@ -52,28 +52,28 @@ def peak_flops_per_device(precision: str) -> tuple[float, str]:
 
 
 class MetricsWriter:
-    """Writes logged metrics to metrics.jsonl, TensorBoard and the progress bar (process 0)."""
+    """Writes logged metrics to the run's sinks (sinks.py: metrics.jsonl, TensorBoard, W&B,
+    as metrics.sinks says) and the progress bar, on process 0."""
 
     def __init__(self, workdir: pathlib.Path, total_steps: int, start_step: int,
-                 enabled: bool = True):
+                 enabled: bool = True, cfg=None):
+        """cfg: the run's config, for metrics.sinks (None: metrics.jsonl and TensorBoard)."""
         self.enabled = enabled
         self.bar = None
+        self.sinks: list = []
         if not enabled:
             return
-        from tensorboardX import SummaryWriter  # heavy import, only where it writes
-        self.jsonl = open(workdir / "metrics.jsonl", "a", buffering=1)
-        self.tb = SummaryWriter(str(workdir / "tensorboard"))
+        names = sinks.sink_names(cfg) if cfg is not None else ("jsonl", "tensorboard")
+        self.sinks = sinks.open_sinks(workdir, cfg, start_step, names)
         self.bar = tqdm.tqdm(total=total_steps, initial=start_step, unit="step",
                              dynamic_ncols=True, mininterval=1.0)
 
     def write(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        row = {"step": int(step), **metrics}
-        self.jsonl.write(json.dumps(row) + "\n")
-        for key, value in row.items():
-            if key != "step" and math.isfinite(value):
-                self.tb.add_scalar(key, value, step)
+        row = {k: v for k, v in metrics.items() if k != "step"}
+        for sink in self.sinks:
+            sink.write(int(step), row)
         shown = {k: f"{row[k]:.4g}" for k in ("loss", "val_loss", "tokens_per_s", "mfu")
                  if k in row}
         self.bar.set_postfix(shown, refresh=False)
@@ -90,5 +90,5 @@ class MetricsWriter:
         if not self.enabled:
             return
         self.bar.close()
-        self.tb.close()
-        self.jsonl.close()
+        for sink in self.sinks:
+            sink.close()

@@ -15,12 +15,13 @@ LAYERS = [
     ("mesh",),
     ("parallel",),
     ("models",),
-    ("data", "optim", "checkpoint", "workdir", "metrics"),
+    ("data", "optim", "checkpoint", "workdir", "metrics", "sinks", "tasks"),
     ("config",),
     ("train.state", "train.step", "train.setup", "train.faults", "train.hooks",
      "train.profiling", "train.preemption", "train.goodput", "train.watchdog"),
+    ("sampling", "scoring"),  # decoding and scoring parameters, for the loop and commands
     ("train",),  # the loop and its hooks
-    ("inference", "sampling", "quantization", "hf", "plan"),
+    ("inference", "quantization", "hf", "plan"),
     ("commands", "main", "__main__"),
 ]
 
@@ -29,7 +30,9 @@ LAYERS = [
 # its process (train: the huge-pages re-exec; plan --compile: fake devices).
 LATE_THIRD_PARTY = ("matplotlib", "tensorboardX", "ml_dtypes", "jax.experimental",
                     # the [data] extra and transformers: optional, so imported where used
-                    "pyarrow", "datasets", "sentencepiece", "tiktoken", "transformers")
+                    "pyarrow", "datasets", "sentencepiece", "tiktoken", "transformers",
+                    # the [eval] and [wandb] extras
+                    "lm_eval", "wandb")
 LATE_ALLOWED_IN = ("commands.train", "commands.plan", "commands.common")
 
 

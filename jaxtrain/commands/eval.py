@@ -1,4 +1,7 @@
 """jaxtrain eval --workdir RUN [--data FILE] [--batches N] [--devices N]
+   jaxtrain eval --workdir RUN --tasks hellaswag,arc_easy,my_task.yaml,items.jsonl
+       [--task_dir DIR] [--limit N] [--num_fewshot K] [--batch ROWS]
+       [--devices N --fsdp N --tensor N] [--log_samples] [--out FILE]
 
 Loss, perplexity and bits per token/byte of a run's newest checkpoint (or a quantized model
 directory) as one JSON line: on the run's validation split by default, or on a token file
@@ -6,11 +9,18 @@ directory) as one JSON line: on the run's validation split by default, or on a t
 tokenizer). Bits per byte come from real byte counts: the UTF-8 bytes each evaluated target
 token stands for, by the run's tokenizer (WORKDIR/tokenizer); for a run without one, pass
 --bytes_per_token (the tokenizer's average on that text) to get them.
+
+With --tasks: downstream tasks through lm-evaluation-harness (docs/evaluation.md), scored
+on a data × fsdp × tensor mesh with the run's tokenizer: a table on stderr, the scores as
+one JSON line, lm_eval's full results in RUN/evals/ (or --out).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import pathlib
+import sys
 
 from absl import flags, logging
 
@@ -18,6 +28,9 @@ from jaxtrain import inference
 from jaxtrain.commands.common import run_absl
 from jaxtrain.data import record
 from jaxtrain.errors import DataError
+from jaxtrain.tasks import BACKENDS, TaskSpec
+from jaxtrain.tasks.text import run_tokenizer
+from jaxtrain.train.task_eval import RESULTS_DIR
 
 
 def _define_flags() -> dict:
@@ -33,6 +46,7 @@ def _define_flags() -> dict:
                                         "(data parallel)."),
         "bytes_per_token": flags.DEFINE_float("bytes_per_token", None, "For bits per byte of "
                                               "a model whose tokens are not bytes."),
+        **_task_flags(),
     }
     flags.mark_flags_as_required(["workdir"])
     return values
@@ -44,9 +58,63 @@ def target_bytes(tokenizer, windows, count: int) -> int:
     return int(sum(table[windows[i][1:]].sum() for i in range(count)))
 
 
+def _task_flags() -> dict:
+    return {
+        "tasks": flags.DEFINE_list("tasks", None, "Downstream tasks: lm_eval task names, task "
+                                   "YAML files, JSONL files of multiple-choice items."),
+        "task_dir": flags.DEFINE_list("task_dir", None, "Directories of task YAML files."),
+        "limit": flags.DEFINE_integer("limit", None, "Documents per task (default: all)."),
+        "num_fewshot": flags.DEFINE_integer("num_fewshot", None, "Few-shot examples (default: "
+                                            "each task's own)."),
+        "batch": flags.DEFINE_integer("batch", 8, "Rows per scoring batch.", lower_bound=1),
+        "fsdp": flags.DEFINE_integer("fsdp", 1, "Devices to shard the parameters over (with "
+                                     "--tasks).", lower_bound=1),
+        "tensor": flags.DEFINE_integer("tensor", 1, "Devices to split each layer over, tensor "
+                                       "parallel (with --tasks).", lower_bound=1),
+        "backend": flags.DEFINE_enum("backend", "lm_eval", list(BACKENDS), "Task evaluation "
+                                     "backend."),
+        "log_samples": flags.DEFINE_bool("log_samples", False, "Keep every request and "
+                                         "response in the results file."),
+        "bootstrap_iters": flags.DEFINE_integer("bootstrap_iters", 100_000, "Bootstrap "
+                                                "iterations for standard errors (0: none)."),
+        "out": flags.DEFINE_string("out", None, "The results file (default: "
+                                   f"RUN/{RESULTS_DIR}/tasks-stepN-TIME.json)."),
+    }
+
+
+def _evaluate_tasks(f: dict) -> None:
+    """Loads the tasks (a misspelt task fails first), then the model, evaluates, and writes
+    the results."""
+    workdir = pathlib.Path(f["workdir"].value)
+    backend = BACKENDS[f["backend"].value]
+    backend.check("--backend")
+    spec = TaskSpec(tuple(f["tasks"].value), tuple(f["task_dir"].value or ()),
+                    f["limit"].value, f["num_fewshot"].value, key="--tasks")
+    tasks = backend.load(spec)
+    step, cfg = inference.run_config(workdir)
+    tokenizer = run_tokenizer(cfg, workdir)
+    scorer, loaded = inference.task_scorer(workdir, data=f["devices"].value,
+                                           fsdp=f["fsdp"].value, tensor=f["tensor"].value,
+                                           batch=f["batch"].value)
+    results = tasks.evaluate(scorer, tokenizer, log_samples=f["log_samples"].value,
+                             bootstrap_iters=f["bootstrap_iters"].value)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = pathlib.Path(f["out"].value or workdir / RESULTS_DIR / f"tasks-step{step}-{stamp}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    about = {"workdir": str(workdir), "step": step, "tasks": list(spec.tasks),
+             "mesh": dict(scorer.mesh.shape), "batch": scorer.batch,
+             "tokenizer": tokenizer.describe(), "quantized": loaded.quantization is not None}
+    out.write_text(json.dumps({"jaxtrain": about, **results.details}, indent=2,
+                              default=tasks.json_default) + "\n")
+    print(tasks.table(results.details), file=sys.stderr)
+    print(json.dumps({**about, "scores": results.scores, "results": str(out)}))
+
+
 def _evaluate(f: dict, argv) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
+    if f["tasks"].value:
+        return _evaluate_tasks(f)
     workdir, data = f["workdir"].value, f["data"].value
     step, cfg = inference.run_config(workdir)
     tokenizer = record.run_tokenizer(workdir, cfg)

@@ -4,7 +4,8 @@
 
 Panels: loss and val_loss, tokens/s, MFU, the step time split into waiting for data and
 device work, goodput, and where the rest of the wall time went (start-up, checkpoints,
-evaluation, data, restarts, recomputed steps), from RUN/metrics.jsonl.
+evaluation, data, restarts, recomputed steps), and downstream task scores (eval.tasks)
+where the run has them, from RUN/metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from jaxtrain.commands.common import fail
 from jaxtrain.train.goodput import LOST
 from jaxtrain.workdir import read_metrics
 
+TASK_PREFIX = "tasks/"
+
 
 def load_rows(workdir: pathlib.Path) -> list[dict]:
     path = workdir / "metrics.jsonl"
@@ -29,6 +32,11 @@ def load_rows(workdir: pathlib.Path) -> list[dict]:
 def series(rows, key):
     points = [(r["step"], r[key]) for r in rows if key in r and math.isfinite(r[key])]
     return [p[0] for p in points], [p[1] for p in points]
+
+
+def task_keys(rows) -> list[str]:
+    """The downstream task scores a run logged (tasks/TASK/METRIC), in first-seen order."""
+    return list(dict.fromkeys(k for r in rows for k in r if k.startswith(TASK_PREFIX)))
 
 
 def summary(rows: list[dict]) -> str:
@@ -51,6 +59,9 @@ def summary(rows: list[dict]) -> str:
         best = min(val, key=lambda r: r["val_loss"])
         lines.append(f"val_loss: first {val[0]['val_loss']:.4f}, last {val[-1]['val_loss']:.4f}"
                      f", best {best['val_loss']:.4f} at step {best['step']}")
+    for key in task_keys(rows):
+        _, values = series(rows, key)
+        lines.append(f"{key[len(TASK_PREFIX):]}: first {values[0]:.4g}, last {values[-1]:.4g}")
     good = [r for r in rows if "goodput" in r]
     if good:
         last = good[-1]
@@ -66,9 +77,13 @@ def draw(rows: list[dict], out: pathlib.Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 2, figsize=(11, 10), constrained_layout=True)
+    tasks = task_keys(rows)
+    height = 4 if tasks else 3
+    fig, axes = plt.subplots(height, 2, figsize=(11, 10 * height / 3), constrained_layout=True)
     _draw_training(axes, rows)
     _draw_goodput(axes[2], rows)
+    if tasks:
+        _draw_tasks(axes[3], rows, tasks)
     for ax in axes.flat:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -110,6 +125,22 @@ def _draw_goodput(axes, rows: list[dict]) -> None:
                           labels=causes)
         axes[1].legend(loc="upper left", fontsize="small")
     axes[1].set_title("wall time lost, by cause (s)")
+
+
+def _draw_tasks(axes, rows: list[dict], keys: list[str]) -> None:
+    """Downstream task scores over the run: accuracies and the like in one panel, anything
+    outside [0, 1] (perplexities, bits) in the other."""
+    unit = [k for k in keys if all(0 <= v <= 1 for v in series(rows, k)[1])]
+    for ax, chosen, title in ((axes[0], unit, "downstream tasks"),
+                              (axes[1], [k for k in keys if k not in unit],
+                               "downstream tasks (other scales)")):
+        for key in chosen:
+            ax.plot(*series(rows, key), "o-", label=key[len(TASK_PREFIX):])
+        ax.set_title(title)
+        if chosen:
+            ax.legend(loc="best", fontsize="small")
+        elif ax is axes[1]:
+            ax.set_visible(False)
 
 
 def main(argv=None) -> None:

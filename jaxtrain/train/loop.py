@@ -35,6 +35,7 @@ from jaxtrain.train.preemption import StopRequest
 from jaxtrain.train.profiling import ProfileWindow
 from jaxtrain.train.setup import Setup, build
 from jaxtrain.train.step_log import StepLogger
+from jaxtrain.train.task_eval import TaskEvaluator, load_tasks
 from jaxtrain.train.watchdog import Watchdog
 from jaxtrain.workdir import WorkdirLock, keep_metrics_up_to, prepare_workdir, write_config
 
@@ -53,6 +54,7 @@ def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None,
     started = time.time() if started is None else started
     setup = build(cfg, devices)  # validates the config before anything else happens
     batches = make_batches(cfg)  # and the data
+    tasks = load_tasks(cfg)  # and the downstream tasks (eval.tasks)
     prepare_workdir(workdir)
     main_process = jax.process_index() == 0
     say = _say if main_process else _quiet
@@ -75,15 +77,16 @@ def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None,
                 write_config(workdir, cfg)
             goodput = Goodput(workdir, started, start, enabled=main_process)
             goodput.lose("checkpoint", restoring)
-            writer = MetricsWriter(workdir, cfg.steps, start, enabled=main_process)
-            return _train(setup, batches, state, start, restored, tiers, writer, goodput, stop)
+            writer = MetricsWriter(workdir, cfg.steps, start, enabled=main_process, cfg=cfg)
+            return _train(setup, batches, tasks, state, start, restored, tiers, writer,
+                          goodput, stop)
         finally:
             tiers.close()
             if writer is not None:
                 writer.close()
 
 
-def _train(setup: Setup, batches, state, start: int, restored: bool, tiers: Tiers,
+def _train(setup: Setup, batches, tasks, state, start: int, restored: bool, tiers: Tiers,
            writer: MetricsWriter, goodput: Goodput, stop: StopRequest) -> list[dict]:
     """Compiles, evaluates at step 0, and steps to cfg.steps through the hooks."""
     cfg, workdir = setup.cfg, tiers.durable.directory.parent
@@ -110,7 +113,8 @@ def _train(setup: Setup, batches, state, start: int, restored: bool, tiers: Tier
             hooks = [ProfileWindow(workdir, cfg.profile.start_step, cfg.profile.num_steps,
                                    writer.enabled, say=writer.print),
                      logger, BadStepGuard(cfg.train.max_consecutive_bad_steps), evaluator,
-                     checkpointer, StopOnRequest(stop)]
+                     TaskEvaluator(tasks, setup, workdir, logger), checkpointer,
+                     StopOnRequest(stop)]
             goodput.training_started()
             data = data_with_faults(batches.train_iter(start), cfg.debug, start)
             _steps(setup, state, train_step, data, start, hooks, logger, checkpointer,

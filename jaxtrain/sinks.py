@@ -1,0 +1,159 @@
+"""Where logged metrics go, one registry entry per name in `metrics.sinks`: metrics.jsonl
+(always: resume, `jaxtrain report` and the tests read it), TensorBoard, Weights & Biases.
+
+A sink is opened once per run on process 0 with the run's workdir, config and first step,
+receives every row the run logs (`write(step, row)`), and is closed at the end. Adding one
+(MLflow, a database) is one `MetricSink` entry here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import pathlib
+from typing import Callable, Protocol
+
+from jaxtrain.errors import ConfigError, fail
+
+WANDB_RUN_FILE = "wandb_run.json"  # the W&B run this workdir logs to, for resuming it
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+class Sink(Protocol):
+    def write(self, step: int, row: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """WORKDIR/metrics.jsonl: one JSON object per row, floats exactly as Python holds them."""
+
+    def __init__(self, workdir: pathlib.Path, cfg, start_step: int):
+        self.file = open(workdir / "metrics.jsonl", "a", buffering=1)
+
+    def write(self, step: int, row: dict) -> None:
+        self.file.write(json.dumps({"step": int(step), **row}) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardSink:
+    """WORKDIR/tensorboard: a scalar per key (non-finite values are left out)."""
+
+    def __init__(self, workdir: pathlib.Path, cfg, start_step: int):
+        from tensorboardX import SummaryWriter  # heavy import, only where it writes
+
+        self.writer = SummaryWriter(str(workdir / "tensorboard"))
+
+    def write(self, step: int, row: dict) -> None:
+        for key, value in row.items():
+            if math.isfinite(value):
+                self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """A Weights & Biases run in WORKDIR/wandb, with the run's config attached. Its id is kept
+    in WORKDIR/wandb_run.json, so a resumed run (start_step > 0) logs into the same W&B run;
+    a run that starts at step 0 starts a new one, as metrics.jsonl starts afresh."""
+
+    def __init__(self, workdir: pathlib.Path, cfg, start_step: int):
+        import wandb  # heavy, optional (the [wandb] extra)
+
+        w = cfg.metrics.wandb
+        stored = workdir / WANDB_RUN_FILE
+        run_id = _stored_id(stored) if start_step > 0 else None
+        try:
+            self.run = wandb.init(
+                project=w.project or None, entity=w.entity or None,
+                name=w.run_name or workdir.resolve().name, mode=w.mode, dir=str(workdir),
+                id=run_id, resume="allow", config=cfg.to_dict(), allow_val_change=True)
+        except wandb.errors.Error as e:  # no login, no network, a refused project, ...
+            message = (str(e).strip().splitlines() or [""])[0]
+            raise ConfigError(f"metrics.sinks={cfg.metrics.sinks!r}: W&B could not start a "
+                              f"run ({message}); `wandb login`, or set "
+                              "metrics.wandb.mode=offline") from None
+        stored.write_text(json.dumps({"id": self.run.id, "project": w.project,
+                                      "entity": w.entity}) + "\n")
+
+    def write(self, step: int, row: dict) -> None:
+        self.run.log(dict(row), step=int(step))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _stored_id(path: pathlib.Path) -> str | None:
+    try:
+        return json.loads(path.read_text())["id"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _check_wandb(c) -> None:
+    if importlib.util.find_spec("wandb") is None:
+        fail("metrics.sinks", c.metrics.sinks, "the wandb sink needs the wandb package: "
+             "pip install 'jaxtrain[wandb]'")
+    if c.metrics.wandb.mode not in WANDB_MODES:
+        fail("metrics.wandb.mode", c.metrics.wandb.mode,
+             f"valid values are {', '.join(WANDB_MODES)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricSink:
+    """One `metrics.sinks` name: what opens it, and its config checks."""
+
+    name: str
+    doc: str
+    open: Callable  # (workdir, config, start step) -> Sink
+    check: Callable | None = None  # config -> None, raising ConfigError
+
+    def validate(self, c) -> None:
+        if self.check is not None:
+            self.check(c)
+
+
+SINKS: dict[str, MetricSink] = {s.name: s for s in (
+    MetricSink("jsonl", "WORKDIR/metrics.jsonl (always on)", JsonlSink),
+    MetricSink("tensorboard", "WORKDIR/tensorboard event files", TensorBoardSink),
+    MetricSink("wandb", "Weights & Biases (metrics.wandb.*; offline mode needs no network)",
+               WandbSink, _check_wandb),
+)}
+REQUIRED_SINKS = ("jsonl",)
+
+
+def sink_names(c) -> tuple[str, ...]:
+    """metrics.sinks as names: 'jsonl, tensorboard' -> ('jsonl', 'tensorboard')."""
+    return tuple(dict.fromkeys(n.strip() for n in str(c.metrics.sinks).split(",") if n.strip()))
+
+
+def validate_sinks(c) -> None:
+    names = sink_names(c)
+    for name in names:
+        if name not in SINKS:
+            fail("metrics.sinks", c.metrics.sinks, f"{name!r} is no sink; valid values are "
+                 f"comma-separated names of {', '.join(SINKS)}")
+    for name in REQUIRED_SINKS:
+        if name not in names:
+            fail("metrics.sinks", c.metrics.sinks, f"must include {name} (resume and "
+                 "`jaxtrain report` read it)")
+    for name in names:
+        SINKS[name].validate(c)
+
+
+def open_sinks(workdir: pathlib.Path, cfg, start_step: int, names) -> list[Sink]:
+    """The sinks of `names`, opened (all or none: one that fails closes the others)."""
+    opened: list[Sink] = []
+    try:
+        for name in names:
+            opened.append(SINKS[name].open(workdir, cfg, start_step))
+    except BaseException:
+        for sink in opened:
+            sink.close()
+        raise
+    return opened

@@ -1,0 +1,44 @@
+"""Downstream-task evaluation backends, one registry entry per `eval.backend`.
+
+A backend loads a set of tasks once (names, task files, a per-task limit) and evaluates them
+with a scorer (jaxtrain/scoring.py: log-likelihoods and decoding on a mesh) and the run's
+tokenizer (tasks/text.py), returning flat scores for metrics.jsonl and its full results for
+a JSON file. The backend knows nothing of meshes or checkpoints, so the same loaded tasks
+serve `jaxtrain eval --tasks` on a checkpoint and the training loop on its live parameters
+(train/task_eval.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Callable
+
+from jaxtrain.errors import fail
+from jaxtrain.tasks import harness
+from jaxtrain.tasks.spec import TaskResults, TaskSpec, split_list
+
+__all__ = ["BACKENDS", "TaskBackend", "TaskResults", "TaskSpec", "split_list"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskBackend:
+    """One `eval.backend`: how it loads tasks, and the package it needs."""
+
+    name: str
+    doc: str
+    load: Callable  # TaskSpec -> an object with evaluate(scorer, tokenizer, ...) -> TaskResults
+    module: str  # the Python package it runs on
+    install: str  # how to get it
+
+    def check(self, key: str) -> None:
+        """ConfigError (one line, naming key) when the backend's package is missing."""
+        if importlib.util.find_spec(self.module) is None:
+            fail(key, self.name, f"needs the {self.module} package: {self.install}")
+
+
+BACKENDS: dict[str, TaskBackend] = {b.name: b for b in (
+    TaskBackend("lm_eval", "EleutherAI's lm-evaluation-harness: its task catalogue and any "
+                "local task YAML or JSONL file", harness.load, "lm_eval",
+                "pip install 'jaxtrain[eval]'"),
+)}
