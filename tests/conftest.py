@@ -1,12 +1,23 @@
 """Test setup: 8 fake CPU devices, configured before anything imports jax."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split()
      if not f.startswith("--xla_force_host_platform_device_count")]
     + ["--xla_force_host_platform_device_count=8"])
 os.environ["JAX_PLATFORMS"] = "cpu"
+# One persistent compilation cache for the session, inherited by the CLI subprocesses: a
+# resumed run, a relaunched rank or a second test on the same shapes reuses the executable
+# instead of compiling it again (most of this suite's time is XLA compiling). Fresh per
+# session, so no run of the suite depends on another's leftovers.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxtrain-test-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

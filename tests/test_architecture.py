@@ -181,6 +181,7 @@ def _entry_cases():
     }
 
 
+@pytest.mark.slow  # trains two steps per case: a compile each
 @pytest.mark.parametrize("case", ["remat", "attention", "precision", "data", "family"])
 def test_a_new_choice_is_one_registry_entry(case, monkeypatch, devices):
     """Adding a remat policy, an attention kernel, a precision, a data source or a model
