@@ -1,0 +1,303 @@
+"""Mixture of experts: the layer against a per-token numpy reference, both dispatch paths,
+the routing losses by hand, expert parallelism against one device, and decoding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import small_config
+from helpers import assert_params_close, train_steps
+from jaxtrain.config import ConfigError, validate
+from jaxtrain.metrics import flops_per_token, matmul_params
+from jaxtrain.models import ModelSpec
+from jaxtrain.models import moe as moe_lib
+from jaxtrain.train.setup import build
+
+MOE = {"model.moe.num_experts": 8, "model.moe.top_k": 2, "model.moe.expert_mlp_dim": 64}
+
+
+def moe_config(**overrides):
+    return small_config("llama", **{**MOE, **overrides})
+
+
+# ---------------------------------------------------------------------------------------
+# The layer against a reference written token by token in numpy.
+
+def _reference(x_TD, w_router, w_up, w_gate, w_down, k, capacity=None):
+    """Each token through its top-k experts in token order; an expert that has taken
+    `capacity` token×choice rows takes no more (those choices add nothing)."""
+    logits = x_TD @ w_router
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    taken = np.zeros(w_router.shape[1], int)
+    y = np.zeros_like(x_TD)
+    dropped = 0
+    for t, x in enumerate(x_TD):
+        top = np.argsort(-probs[t], kind="stable")[:k]
+        weights = probs[t, top] / probs[t, top].sum()
+        for e, w in zip(top, weights):
+            if capacity is not None and taken[e] >= capacity:
+                dropped += 1
+                continue
+            taken[e] += 1
+            gate = x @ w_gate[e]
+            y[t] += w * ((gate / (1 + np.exp(-gate)) * (x @ w_up[e])) @ w_down[e])
+    return y, dropped
+
+
+def _layer_inputs(e=8, d=16, f=24, b=2, length=12, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(b, length, d)).astype(np.float32)
+    weights = (rng.normal(size=(d, e)), rng.normal(size=(e, d, f)) / d ** 0.5,
+               rng.normal(size=(e, d, f)) / d ** 0.5, rng.normal(size=(e, f, d)) / f ** 0.5)
+    return x, tuple(w.astype(np.float32) for w in weights)
+
+
+def _spec(dispatch: str, capacity_factor: float = 1.25, e=8, k=2, d=16, f=24):
+    moe = moe_lib.MoeSpec(num_experts=e, top_k=k, expert_mlp_dim=f, dispatch=dispatch,
+                          capacity_factor=capacity_factor)
+    return ModelSpec("llama", d, 2, 2, 2, d // 2, f, 32, 12, moe=moe)
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_layer_equals_the_per_token_reference(dispatch):
+    x, weights = _layer_inputs()
+    spec = _spec(dispatch, capacity_factor=4.0)  # = E/k: room for every token
+    y, stats = jax.jit(lambda x, w: moe_lib.routed_experts(spec, x, w, True))(x, weights)
+    want, dropped = _reference(x.reshape(-1, 16), *weights, k=2)
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, 16), want, rtol=1e-4, atol=1e-5)
+    assert dropped == 0 and float(stats["dropped"].sum()) == 0
+    assert float(stats["load"].sum()) == 2 * 24  # every token×choice counted once
+
+
+def test_capacity_drops_the_late_tokens_and_counts_them():
+    x, weights = _layer_inputs()
+    spec = _spec("capacity", capacity_factor=0.5)
+    cap = spec.moe.capacity(24, True)
+    assert cap == 3  # ⌈0.5·24·2/8⌉ of each expert's 6 rows on average
+    y, stats = moe_lib.routed_experts(spec, x, weights, True)
+    want, dropped = _reference(x.reshape(-1, 16), *weights, k=2, capacity=cap)
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, 16), want, rtol=1e-4, atol=1e-5)
+    assert dropped > 0 and float(stats["dropped"].sum()) == dropped
+    # Decoding never drops: drop=False gives every expert room for all the tokens.
+    y_all, stats = moe_lib.routed_experts(spec, x, weights, False)
+    np.testing.assert_allclose(np.asarray(y_all).reshape(-1, 16),
+                               _reference(x.reshape(-1, 16), *weights, k=2)[0],
+                               rtol=1e-4, atol=1e-5)
+    assert float(stats["dropped"].sum()) == 0
+
+
+def test_routing_losses_by_hand():
+    rng = np.random.default_rng(3)
+    b, n, e, k, tokens = 4, 2, 4, 2, 4 * 8
+    load = rng.integers(0, 5, (b, n, e)).astype(np.float32)
+    prob = rng.random((b, n, e)).astype(np.float32)
+    z = rng.random((b, n)).astype(np.float32)
+    dropped = np.zeros((b, n), np.float32)
+    dropped[0, 1] = 3
+    moe = moe_lib.MoeSpec(num_experts=e, top_k=k, expert_mlp_dim=8, aux_loss_weight=0.5,
+                          z_loss_weight=0.25)
+    penalty, m = moe_lib.routing_losses(
+        {"load": load, "prob": prob, "z": z, "dropped": dropped}, moe, tokens)
+    f, p = load.sum(0) / tokens, prob.sum(0) / tokens
+    aux = np.mean([e / k * sum(f[i, j] * p[i, j] for j in range(e)) for i in range(n)])
+    zl = np.mean(z.sum(0) / tokens)
+    np.testing.assert_allclose(m["moe_aux_loss"], aux, rtol=1e-6)
+    np.testing.assert_allclose(m["moe_z_loss"], zl, rtol=1e-6)
+    np.testing.assert_allclose(penalty, 0.5 * aux + 0.25 * zl, rtol=1e-6)
+    per_layer = load.sum(0)
+    np.testing.assert_allclose(m["moe_load_max"],
+                               max(per_layer[i].max() / per_layer[i].mean() for i in range(n)))
+    np.testing.assert_allclose(m["moe_dropped_fraction"], 3 / (tokens * k * n))
+
+
+def test_balanced_routing_has_aux_loss_one():
+    e, k, tokens = 4, 2, 8
+    stats = {"load": np.full((1, 1, e), tokens * k / e, np.float32),
+             "prob": np.full((1, 1, e), tokens / e, np.float32),
+             "z": np.zeros((1, 1), np.float32), "dropped": np.zeros((1, 1), np.float32)}
+    moe = moe_lib.MoeSpec(num_experts=e, top_k=k, expert_mlp_dim=8)
+    _, m = moe_lib.routing_losses(stats, moe, tokens)
+    np.testing.assert_allclose(m["moe_aux_loss"], 1.0)
+    np.testing.assert_allclose(m["moe_load_max"], 1.0)
+
+
+def test_gathered_all_to_all_is_ragged_all_to_all(devices):
+    """The CPU stand-in, on the example of jax.lax.ragged_all_to_all's docstring."""
+    mesh = jax.make_mesh((2,), ("x",), devices=devices[:2],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    operand = jnp.asarray([[1, 2, 2], [3, 4, 0]], jnp.float32)[..., None]  # rows of width 1
+    args = [jnp.asarray(a, jnp.int32) for a in (
+        [[0, 1], [0, 1]], [[1, 2], [1, 1]], [[0, 0], [1, 2]], [[1, 1], [2, 1]])]
+
+    def body(op, in_off, send, out_off, recv):
+        out = moe_lib._gathered_all_to_all(op[0], jnp.zeros((4, 1)), in_off[0], send[0],
+                                           out_off[0], recv[0], "x")
+        return out[None, :, 0]
+
+    spec = jax.sharding.PartitionSpec("x")
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.shard_map(body, in_specs=(spec,) * 5, out_specs=spec))(operand, *args)
+    np.testing.assert_array_equal(got, [[1, 3, 0, 0], [2, 2, 4, 0]])
+
+
+# ---------------------------------------------------------------------------------------
+# In the model and the train step.
+
+def test_dense_layers_and_moe_layers_interleave():
+    cfg = moe_config(**{"model.num_layers": 4, "model.moe.every_n_layers": 2,
+                        "model.moe.shared_experts": 1})
+    setup = build(cfg, jax.devices()[:1])
+    params = setup.abstract_state().params
+    assert params["blocks"]["mlp"]["w_up"].shape == (2, 64, 128)  # layers 0 and 2: dense
+    assert params["moe_blocks"]["mlp"]["w_up"].shape == (2, 8, 64, 64)  # layers 1 and 3
+    assert params["moe_blocks"]["mlp"]["shared"]["w_up"].shape == (2, 64, 64)
+    # Active parameters only: the router, k of E experts and the shared one per MoE layer.
+    spec = setup.spec
+    dense = small_config("llama", **{"model.num_layers": 4})
+    dense_spec = build(dense, jax.devices()[:1]).spec
+    per_moe_layer = 64 * 8 + 3 * 3 * 64 * 64
+    assert matmul_params(spec) == (matmul_params(dense_spec) - 2 * 3 * 64 * 128
+                                   + 2 * per_moe_layer)
+    assert flops_per_token(spec) == 6 * matmul_params(spec) + (
+        flops_per_token(dense_spec) - 6 * matmul_params(dense_spec))
+
+
+def test_train_step_logs_routing_metrics(devices):
+    cfg = moe_config(**{"model.moe.dispatch": "capacity", "model.moe.capacity_factor": 0.5})
+    setup = build(cfg, devices[:1])
+    from jaxtrain.data.batches import make_batches, to_global
+
+    state = setup.init_state()
+    tokens = to_global(next(make_batches(cfg).train_iter(0)), setup.tokens_sharding)
+    with jax.set_mesh(setup.mesh):
+        val = setup.eval_step()(state.params, tokens)
+        _, metrics = setup.train_step()(state, tokens)  # donates the state
+    m = {k: float(v) for k, v in metrics.items()}
+    assert 0 < m["moe_dropped_fraction"] < 1
+    assert m["moe_load_max"] >= 1 >= m["moe_load_min"] >= 0
+    assert m["moe_aux_loss"] >= 1 - 1e-6 and m["moe_z_loss"] > 0
+    # `loss` is the cross entropy (the objective adds the weighted router losses), as the
+    # eval step reports it.
+    np.testing.assert_allclose(m["loss"], float(val), rtol=1e-6)
+
+
+def test_router_losses_reach_the_gradients(devices):
+    """A z-loss weight changes the router's gradient and nothing is lost on the way."""
+    base = moe_config(**{"model.moe.dispatch": "dropless", "model.moe.aux_loss_weight": 0.0,
+                         "model.moe.z_loss_weight": 0.0})
+    heavy = moe_config(**{"model.moe.dispatch": "dropless", "model.moe.aux_loss_weight": 0.0,
+                          "model.moe.z_loss_weight": 10.0})
+    _, a, _ = train_steps(base, devices[:1], steps=1)
+    _, b, _ = train_steps(heavy, devices[:1], steps=1)
+    ra, rb = a["moe_blocks"]["mlp"]["w_router"], b["moe_blocks"]["mlp"]["w_router"]
+    assert np.abs(ra - rb).max() > 1e-4
+    np.testing.assert_array_equal(a["moe_blocks"]["attn"]["w_q"], b["moe_blocks"]["attn"]["w_q"])
+
+
+def test_dropless_and_capacity_agree_when_nothing_drops(devices):
+    ref_losses, ref_params, _ = train_steps(moe_config(**{"model.moe.dispatch": "dropless"}),
+                                            devices[:1])
+    losses, params, _ = train_steps(moe_config(**{"model.moe.dispatch": "capacity",
+                                                  "model.moe.capacity_factor": 4.0}),
+                                    devices[:1])
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert_params_close(params, ref_params, rtol=1e-5)
+
+
+# Expert parallelism against one device, dropless (mesh-independent) and capacity with room
+# for every token (capacity is per device, so drops depend on the mesh).
+MESHES = {
+    "expert8": ({"mesh.expert": 8}, "dropless"),
+    "expert4_data2": ({"mesh.expert": 4, "mesh.data": 2}, "dropless"),
+    "expert2_fsdp2_tensor2": ({"mesh.expert": 2, "mesh.fsdp": 2, "mesh.tensor": 2}, "dropless"),
+    "expert2_fsdp2_tensor2_capacity": (
+        {"mesh.expert": 2, "mesh.fsdp": 2, "mesh.tensor": 2}, "capacity"),
+    "expert2_fsdp2_pipeline2_every2_shared": (
+        {"mesh.expert": 2, "mesh.fsdp": 2, "mesh.pipeline": 2}, "dropless"),
+}
+FAST = {"expert8"}
+_references = {}
+
+
+def _dispatch(name: str) -> dict:
+    return {"model.moe.dispatch": name, "model.moe.capacity_factor": 4.0}
+
+
+def _layout(case: str) -> dict:
+    if case.endswith("every2_shared"):
+        return {"model.num_layers": 4, "model.moe.every_n_layers": 2,
+                "model.moe.shared_experts": 1}
+    return {}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in FAST else pytest.mark.slow)
+                                  for c in MESHES])
+def test_expert_parallel_matches_single_device(case, devices):
+    mesh, dispatch = MESHES[case]
+    key = (dispatch, case.endswith("every2_shared"))
+    if key not in _references:
+        _references[key] = train_steps(moe_config(**_dispatch(dispatch), **_layout(case)),
+                                       devices[:1])
+    ref_losses, ref_params, _ = _references[key]
+    losses, params, state = train_steps(
+        moe_config(**_dispatch(dispatch), **_layout(case), **mesh), devices)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert losses[-1] < losses[0], "the steps must actually train"
+    assert_params_close(params, ref_params, rtol=1e-5)
+    # The experts are split over the expert axis, their model dimension over fsdp.
+    w_up = state.params["moe_blocks"]["mlp"]["w_up"]  # [layers, E, D, F]
+    shard = w_up.addressable_shards[0].data.shape
+    assert shard[1] == 8 // mesh["mesh.expert"]
+    assert shard[2] == 64 // mesh.get("mesh.fsdp", 1)
+
+
+def test_cached_decoding_gives_the_full_forward_logits(devices):
+    cfg = moe_config(**{"model.num_layers": 4, "model.moe.every_n_layers": 2,
+                        "model.moe.dispatch": "capacity", "train.global_batch": 1,
+                        "model.moe.capacity_factor": 4.0, "model.init_std": 0.3})
+    setup = build(cfg, devices[:1])
+    params = setup.init_state().params
+    tokens = jax.random.randint(jax.random.key(1), (1, 16), 0, 256)
+    with jax.set_mesh(setup.mesh):
+        full = jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(params, tokens)
+
+        @jax.jit
+        def cached(p, t):
+            model = nnx.merge(setup.graphdef, p)
+            cache = model.init_cache(1, 16)
+            prefill, cache = model.decode(t[:, :12], cache, jnp.int32(0))
+            steps = [prefill]
+            for i in range(12, 16):
+                logits, cache = model.decode(t[:, i:i + 1], cache, jnp.int32(i))
+                steps.append(logits)
+            return jnp.concatenate(steps, axis=1)
+
+        got = cached(params, tokens)
+    np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5 * float(jnp.abs(full).max()))
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"mesh.expert": 2, "model.moe.num_experts": 0}, "mesh.expert=2 is invalid"),
+    ({"mesh.expert": 8, "model.moe.num_experts": 4}, "model.moe.num_experts=4 is invalid"),
+    ({"model.moe.top_k": 9}, "model.moe.top_k=9 is invalid"),
+    ({"model.moe.every_n_layers": 3}, "model.moe.every_n_layers=3 is invalid"),
+    ({"model.family": "gpt2"}, "needs model.family='llama'"),
+    ({"model.moe.dispatch": "sparse"}, "model.moe.dispatch='sparse' is invalid"),
+    ({"model.moe.router_dtype": "float16"}, "model.moe.router_dtype='float16' is invalid"),
+    ({"model.moe.capacity_factor": 0.0}, "model.moe.capacity_factor=0.0 is invalid"),
+    ({"model.num_layers": 4, "model.moe.every_n_layers": 2, "mesh.pipeline": 4},
+     "the 2 groups of layers"),
+])
+def test_config_errors_name_the_key(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(moe_config(**overrides), 8)
+
+
+def test_dispatch_defaults_per_backend():
+    assert moe_lib.resolve_dispatch("auto", "cpu") == "capacity"
+    assert moe_lib.resolve_dispatch("auto", "gpu") == "capacity"
+    assert moe_lib.resolve_dispatch("auto", "tpu") == "dropless"
+    assert moe_lib.resolve_dispatch("dropless", "cpu") == "dropless"
