@@ -25,7 +25,7 @@ def moe_config(**overrides):
 # ---------------------------------------------------------------------------------------
 # The layer against a reference written token by token in numpy.
 
-def _reference(x_TD, w_router, w_up, w_gate, w_down, k, capacity=None):
+def _numpy_moe(x_TD, w_router, w_up, w_gate, w_down, k, capacity=None):
     """Each token through its top-k experts in token order; an expert that has taken
     `capacity` token×choice rows takes no more (those choices add nothing)."""
     logits = x_TD @ w_router
@@ -66,7 +66,7 @@ def test_layer_equals_the_per_token_reference(dispatch):
     x, weights = _layer_inputs()
     spec = _spec(dispatch, capacity_factor=4.0)  # = E/k: room for every token
     y, stats = jax.jit(lambda x, w: moe_lib.routed_experts(spec, x, w, True))(x, weights)
-    want, dropped = _reference(x.reshape(-1, 16), *weights, k=2)
+    want, dropped = _numpy_moe(x.reshape(-1, 16), *weights, k=2)
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 16), want, rtol=1e-4, atol=1e-5)
     assert dropped == 0 and float(stats["dropped"].sum()) == 0
     assert float(stats["load"].sum()) == 2 * 24  # every token×choice counted once
@@ -78,13 +78,13 @@ def test_capacity_drops_the_late_tokens_and_counts_them():
     cap = spec.moe.capacity(24, True)
     assert cap == 3  # ⌈0.5·24·2/8⌉ of each expert's 6 rows on average
     y, stats = moe_lib.routed_experts(spec, x, weights, True)
-    want, dropped = _reference(x.reshape(-1, 16), *weights, k=2, capacity=cap)
+    want, dropped = _numpy_moe(x.reshape(-1, 16), *weights, k=2, capacity=cap)
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 16), want, rtol=1e-4, atol=1e-5)
     assert dropped > 0 and float(stats["dropped"].sum()) == dropped
     # Decoding never drops: drop=False gives every expert room for all the tokens.
     y_all, stats = moe_lib.routed_experts(spec, x, weights, False)
     np.testing.assert_allclose(np.asarray(y_all).reshape(-1, 16),
-                               _reference(x.reshape(-1, 16), *weights, k=2)[0],
+                               _numpy_moe(x.reshape(-1, 16), *weights, k=2)[0],
                                rtol=1e-4, atol=1e-5)
     assert float(stats["dropped"].sum()) == 0
 
