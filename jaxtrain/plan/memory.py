@@ -48,6 +48,13 @@ TIED_TABLE_COPIES = 2.0
 # regrouped rows, the experts' output).
 MOE_ROW_COPIES_KEPT = 1.0
 MOE_ROW_COPIES = 4.0
+# What XLA holds per routed row is about 2.5× the kept copies above (no remat) and 2× the
+# working copies (a layer recomputed or run backward): the dispatch's gathers turn into
+# float32 scatter-adds in backward, and its masked and exchanged buffers and their
+# gradients live alongside. Fitted on tiny_moe, bench_cpu_moe, mixtral_8x7b and four MoE
+# grid layouts: 0.53–0.83 of XLA without them, 0.92–1.13 with them (docs/planner.md).
+MOE_ROW_FACTOR = 2.5
+MOE_WORKING_FACTOR = 2.0
 
 
 def value_bytes(spec: ModelSpec, backend: str = "accelerator") -> int:
@@ -153,6 +160,10 @@ def _moe_layer_delta(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     tokens = rows * spec.seq_len
     routed = routed_rows(spec, tokens, sizes)
     f_e, d = moe.expert_mlp_dim / t, spec.d_model
+    if saved == "all" and moe.dispatch == "dropless" and not moe.ragged_collectives:
+        # XLA:CPU expands ragged_dot into one masked dense matmul per (local) expert: while
+        # a layer runs, its hidden activations exist once per expert.
+        f_e *= moe.num_experts / sizes.get("expert", 1)
     dense_mlp = tokens * spec.mlp_dim / t * (2 if spec.gated_mlp else 1) * c
     if saved == "all":
         dense_mlp += tokens * spec.mlp_dim / t * c
@@ -161,9 +172,9 @@ def _moe_layer_delta(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     if saved == "dots":  # the named up/gate/down outputs
         experts = routed * (2 * f_e + d) * c
     elif saved == "kept":  # up, gate, their product, and the rows the up/gate read
-        experts = routed * (3 * f_e + MOE_ROW_COPIES_KEPT * d) * c
+        experts = MOE_ROW_FACTOR * routed * (3 * f_e + MOE_ROW_COPIES_KEPT * d) * c
     else:
-        experts = routed * (3 * f_e + MOE_ROW_COPIES * d) * c
+        experts = MOE_WORKING_FACTOR * routed * (3 * f_e + MOE_ROW_COPIES * d) * c
     shared = tokens * moe.shared_experts * f_e * (2 if saved != "all" else 3) * c
     router = tokens * moe.num_experts * 2 * F32  # logits and probabilities
     return experts + shared + router - dense_mlp
