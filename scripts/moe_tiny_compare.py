@@ -1,6 +1,6 @@
 """configs/tiny_moe.py against the dense model of the same active parameters, same steps.
 
-    python scripts/moe_tiny_compare.py [--steps 500] [--workdir /tmp/moe_compare] [--markdown]
+    python scripts/moe_tiny_compare.py [--steps 500] [--workdir /tmp/moe_compare] [--reuse]
 
 Trains both with `python -m jaxtrain.main` (one after the other, the same data order) and
 prints each evaluation's val_loss, the last logged train loss, total and active parameters,
@@ -23,7 +23,10 @@ VARIANTS = {"moe (8 experts × 256, top-2)": [],
             "dense (mlp 512, same active)": ["--config.model.moe.num_experts=0"]}
 
 
-def train(workdir: pathlib.Path, extra: list[str], steps: int) -> list[dict]:
+def train(workdir: pathlib.Path, extra: list[str], steps: int, reuse: bool) -> list[dict]:
+    metrics = workdir / "metrics.jsonl"
+    if reuse and metrics.exists():  # a finished run of the same command (WORKDIR/0, /1)
+        return [json.loads(line) for line in metrics.read_text().splitlines()]
     if workdir.exists():
         shutil.rmtree(workdir)
     subprocess.run([sys.executable, "-m", "jaxtrain.main", "--config",
@@ -55,11 +58,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--workdir", default="/tmp/moe_compare")
-    p.add_argument("--markdown", action="store_true")
+    p.add_argument("--reuse", action="store_true",
+                   help="report runs already in WORKDIR/0 (moe) and WORKDIR/1 (dense)")
     a = p.parse_args()
     rows = {}
     for i, (name, extra) in enumerate(VARIANTS.items()):
-        rows[name] = (train(pathlib.Path(a.workdir) / str(i), extra, a.steps), params(extra))
+        run = train(pathlib.Path(a.workdir) / str(i), extra, a.steps, a.reuse)
+        rows[name] = (run, params(extra))
     evals = sorted({r["step"] for rs, _ in rows.values() for r in rs if "val_loss" in r})
     print("| model | params (total / active matmul) | "
           + " | ".join(f"val loss @{s}" for s in evals) + " | last train loss |")
