@@ -304,7 +304,8 @@ def test_cached_decoding_gives_the_full_forward_logits(devices):
     ({"model.moe.dispatch": "sparse"}, "model.moe.dispatch='sparse' is invalid"),
     ({"model.moe.router_dtype": "float16"}, "model.moe.router_dtype='float16' is invalid"),
     ({"model.moe.capacity_factor": 0.0}, "model.moe.capacity_factor=0.0 is invalid"),
-    ({"model.num_layers": 4, "model.moe.every_n_layers": 2, "mesh.pipeline": 4},
+    ({"model.num_layers": 4, "model.moe.every_n_layers": 2, "mesh.pipeline": 4,
+      "mesh.data": 2},
      "the 2 groups of layers"),
 ])
 def test_config_errors_name_the_key(overrides, match):
@@ -349,14 +350,16 @@ def test_expert_axis_splits_the_experts_and_its_traffic():
     time = lambda s: timing.predict(cfg, s, hw, memory.param_shards(spec, s)["total"], {})  # noqa: E731
     assert time(sizes)["comm_s"]["expert"] > 0 == time(one)["comm_s"]["expert"]
     # Dropless across the expert axis provides for the worst case: every peer's rows.
-    assert memory.routed_rows(spec, 100, sizes) == 100 * 2 * 8
-    capacity = ModelSpec.from_config(moe_config(**{"model.moe.dispatch": "capacity"}))
-    assert memory.routed_rows(capacity, 100, sizes) == 100 * 1.25 * 2
+    dropless = ModelSpec.from_config(moe_config(**{"model.moe.dispatch": "dropless"}))
+    assert memory.routed_rows(dropless, 100, sizes) == 100 * 2 * 8
+    # Capacity buffers: capacity_factor·k rows per token (the CPU default).
+    assert spec.moe.dispatch == "capacity"
+    assert memory.routed_rows(spec, 100, sizes) == 100 * 1.25 * 2
 
 
 def test_search_considers_the_expert_axis():
     def experts(cfg):
-        return {o["mesh.expert"] for o, _ in candidates(cfg, 64, 8)}
+        return {o["mesh.expert"] for o, _ in candidates(cfg, 8, 8)}
 
-    assert experts(_mixtral()) == {1, 2, 4, 8}
-    assert experts(small_config("llama")) == {1}
+    assert experts(moe_config(**{"train.global_batch": 2})) == {1, 2, 4, 8}
+    assert experts(small_config("llama", **{"train.global_batch": 2})) == {1}
