@@ -69,7 +69,6 @@ def _spec(dispatch: str, capacity_factor: float = 1.25, e=8, k=2, d=16, f=24):
     return ModelSpec("llama", d, 2, 2, 2, d // 2, f, 32, 12, moe=moe)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
 def test_layer_equals_the_per_token_reference(dispatch):
     x, weights = _layer_inputs()
@@ -156,7 +155,6 @@ def test_gathered_all_to_all_is_ragged_all_to_all(devices):
 # ---------------------------------------------------------------------------------------
 # In the model and the train step.
 
-@pytest.mark.slow
 def test_dense_layers_and_moe_layers_interleave():
     cfg = moe_config(**{"model.num_layers": 4, "model.moe.every_n_layers": 2,
                         "model.moe.shared_experts": 1})
