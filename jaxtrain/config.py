@@ -20,6 +20,7 @@ from jaxtrain.errors import ConfigError, divisors, fail
 from jaxtrain.mesh import (AXES, DEFAULT_RULES, MESH_AXES, batch_shards, dcn_shape,
                            resolve_mesh_shape, validate_axes)
 from jaxtrain.models.attention import KERNELS, resolve_attention
+from jaxtrain.models import moe as moe_lib
 from jaxtrain.models.families import FAMILIES
 from jaxtrain.models.remat import REMATS
 from jaxtrain.optim import SCHEDULES
@@ -74,6 +75,21 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.rope_theta = 10000.0
     c.model.norm_eps = 1e-5
     c.model.init_std = 0.02
+    # Mixture of experts (models/moe.py, docs/parallelism.md); num_experts 0: a dense model.
+    c.model.moe = ml_collections.ConfigDict()
+    c.model.moe.num_experts = 0  # E routed experts per MoE layer (>= 2), llama family
+    c.model.moe.top_k = 2  # experts per token; their router probabilities renormalised
+    c.model.moe.expert_mlp_dim = 0  # each expert's SwiGLU width; 0: model.mlp_dim
+    c.model.moe.shared_experts = 0  # always-on experts of expert_mlp_dim (DeepSeek/Qwen)
+    c.model.moe.every_n_layers = 1  # layers n-1, 2n-1, ... are MoE, the rest dense
+    c.model.moe.router_dtype = "float32"  # the router's matmul (softmax is always float32)
+    c.model.moe.aux_loss_weight = 0.01  # load balancing: (E/k)·Σ f·P, 1.0 when balanced
+    c.model.moe.z_loss_weight = 0.001  # router z-loss: mean logsumexp(logits)²
+    # capacity dispatch: an expert takes at most ⌈capacity_factor·T·k/E⌉ of a device's T
+    # tokens, the rest are dropped (moe_dropped_fraction in metrics.jsonl).
+    c.model.moe.capacity_factor = 1.25
+    # auto: dropless on TPU (grouped matmuls), capacity on CPU and GPU; or either by name.
+    c.model.moe.dispatch = "auto"
 
     c.train = ml_collections.ConfigDict()
     c.train.global_batch = 8
@@ -272,6 +288,7 @@ def _check_model(c, platform: str | None) -> None:
         fail("model.attention", shown, problem)
     if problem := REMATS[m.remat].problem(platform):
         fail("model.remat", m.remat, problem)
+    moe_lib.check(c, platform)
 
 
 def _check_eval(c) -> None:

@@ -26,7 +26,7 @@ LogicalAxes = Sequence["str | None"]
 # with no usable rule is replicated. That is how 'embed' is fsdp-sharded in a weight but
 # replicated in an activation whose 'batch' already took fsdp.
 DEFAULT_RULES = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -37,6 +37,8 @@ DEFAULT_RULES = (
     # The stacked layers of the model, and the stage axis of the pipeline's buffers.
     ("layers", "pipeline"),
     ("stage", "pipeline"),
+    # The experts of an MoE layer (models/moe.py).
+    ("experts", "expert"),
 )
 
 
@@ -74,6 +76,13 @@ def _check_pipeline(c, stages: int) -> None:
              f"the circular schedule needs at least mesh.pipeline={stages} micro-batches")
     chunks = stages * pc.repeats
     layers = c.model.num_layers
+    if c.model.moe.num_experts and c.model.moe.every_n_layers > 1:
+        # The pipeline splits the groups of every_n_layers layers the model scans over.
+        groups = layers // c.model.moe.every_n_layers
+        if groups % chunks:
+            fail("model.moe.every_n_layers", c.model.moe.every_n_layers,
+                 f"the {groups} groups of layers (one MoE layer each) must divide into "
+                 f"mesh.pipeline×pipeline.repeats={stages}×{pc.repeats} equal stages")
     if layers % chunks:
         below, above = layers - layers % chunks, layers + chunks - layers % chunks
         options = [str(n) for n in (below, above) if n > 0]
@@ -82,6 +91,15 @@ def _check_pipeline(c, stages: int) -> None:
             else ""
         fail("model.num_layers", layers, f"must divide into mesh.pipeline×pipeline.repeats="
              f"{stages}×{pc.repeats} equal stages: use {' or '.join(options)}{hint}")
+
+
+def _check_expert(c, size: int) -> None:
+    experts = c.model.moe.num_experts
+    if size > 1 and not experts:
+        fail("mesh.expert", size, "shards the experts of an MoE model (model.moe.num_experts "
+             "is 0); use mesh.data to split the batch of a dense model")
+    if experts % size:
+        fail("model.moe.num_experts", experts, f"must be divisible by mesh.expert={size}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +124,8 @@ AXES: dict[str, MeshAxis] = {a.name: a for a in (
              _check_pipeline),
     MeshAxis("fsdp", "parameters, gradients and optimizer state sharded (ZeRO-3), batch "
              "split", _check_fsdp, batch=True),
+    MeshAxis("expert", "MoE experts sharded, tokens exchanged by all-to-all; the batch "
+             "split for the dense parts", _check_expert, batch=True),
     MeshAxis("tensor", "Megatron-style tensor parallelism over heads, MLP and vocab",
              _check_tensor, dcn="tensor parallelism needs fast links: keep it within a node "
              "(mesh.tensor) and put data, fsdp or pipeline across nodes"),

@@ -4,10 +4,12 @@
         "model.attention=xla" [--rounds 5]
 
 Each positional argument is one variant: comma-separated KEY=VALUE config overrides ("" is
-the config as it is). All variants are compiled first; then every round measures the
-same-process matmul peak and one step of each variant in turn, so that slow drift of a noisy
-machine hits every variant alike. Prints the median and minimum step time and the MFU of
-the median against the median peak (as scripts/bench.py defines MFU).
+the config as it is); `config=PATH` among them takes another config file as the base (an MoE
+against its dense counterpart: docs/benchmarks.md). All variants are compiled first; then
+every round measures the same-process matmul peak and one step of each variant in turn, so
+that slow drift of a noisy machine hits every variant alike. Prints the median and minimum
+step time and the MFU of the median against the median peak (as scripts/bench.py defines
+MFU: model FLOPs, an MoE's active ones only).
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def main() -> None:
     args = parser.parse_args()
     runs = []
     for text in args.variants:
-        cfg = apply_overrides(load_config_file(args.config), parse_overrides(text))
+        overrides = parse_overrides(text)
+        cfg = apply_overrides(load_config_file(overrides.pop("config", args.config)), overrides)
         setup = build(cfg, jax.devices()[:1])
         state = setup.init_state()
         tokens = to_global(next(make_batches(cfg).train_iter(0)), setup.tokens_sharding)

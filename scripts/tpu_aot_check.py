@@ -9,6 +9,11 @@ compile-only devices jit can compile for; nothing is allocated or run. Checked h
 * the splash attention kernel (jaxtrain/models/pallas_tpu.py), forward and gradient: causal
   grouped-query, sliding-window and multi-query, on one chip and sharded over the topology,
   and inside the llama_1b train step.
+* mixture of experts (jaxtrain/models/moe.py): configs/tiny_moe.py with the experts over the
+  topology's devices (`expert` axis), both dispatch paths (dropless: ragged_dot and
+  ragged_all_to_all, which XLA:CPU lacks; capacity: all-to-all); and configs/mixtral_8x7b.py
+  on its 64-chip target, whose compiled step must fit the chips' HBM:
+      python scripts/tpu_aot_check.py --topology v5p:4x4x4 --cases mixtral_8x7b
 
 * the planner's memory estimate against the compiled step of a published TPU run's layout
   (plan/published_runs.json, scaled as scripts/memory_check.py does): --plan RUN_IDS.
@@ -34,9 +39,12 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = ("tiny", "llama_1b", "splash", "llama_1b_splash")
-# Not run by default: llama_1b on one 16 GiB v5e chip, which neither variant fits.
-EXTRA_CASES = ("llama_1b_1chip",)
+CASES = ("tiny", "llama_1b", "splash", "llama_1b_splash", "moe_tiny")
+# Not run by default: llama_1b on one 16 GiB v5e chip, which neither variant fits; the
+# Mixtral-shaped pod config (64 chips: --topology v5p:4x4x4).
+EXTRA_CASES = ("llama_1b_1chip", "mixtral_8x7b")
+# HBM per chip, bytes (jaxtrain/plan/hardware.json), for the fits-or-not verdict.
+HBM = {"TPU v5": 95e9, "TPU v5 lite": 16e9, "TPU v6 lite": 32e9, "TPU v4": 32e9}
 
 
 def _accelerator_type(topology: str) -> str | None:
@@ -129,6 +137,8 @@ def train_case(name: str, config_file: str, overrides: dict, devices, offload: b
         "host_temp_bytes": m.host_temp_size_in_bytes,
         "peak_bytes": getattr(m, "peak_memory_in_bytes", None),
         "tpu_custom_calls": hlo.count('custom_call_target="tpu_custom_call"'),
+        "ragged_all_to_all": hlo.count("ragged-all-to-all"),
+        "all_to_all": hlo.count(" all-to-all("),
     }
 
 
@@ -179,8 +189,9 @@ def splash_case(name, b, length, heads, groups, head_dim, window, sharded, devic
 
     dt = jnp.bfloat16
     if sharded:
-        shape = {"data": 1, "pipeline": 1, "fsdp": len(devices), "tensor": 1}
-        mesh = Mesh(np.asarray(devices).reshape([shape[a] for a in MESH_AXES]), MESH_AXES)
+        shape = {"fsdp": len(devices)}
+        mesh = Mesh(np.asarray(devices).reshape([shape.get(a, 1) for a in MESH_AXES]),
+                    MESH_AXES)
         sharding = NamedSharding(mesh, P(("data", "fsdp")))
     else:
         mesh, sharding = None, SingleDeviceSharding(devices[0])
@@ -253,6 +264,31 @@ def jax_runtime_error():
     return jax.errors.JaxRuntimeError
 
 
+# ---------------------------------------------------------------- mixture of experts
+
+MOE_CASES = {
+    "moe_tiny": [("configs/tiny_moe.py", {"mesh.expert": -1, "mesh.data": 1,
+                                          "model.moe.dispatch": dispatch})
+                 for dispatch in ("dropless", "capacity")],
+    "mixtral_8x7b": [("configs/mixtral_8x7b.py", {})],
+}
+
+
+def moe_case(name: str, config_file: str, overrides: dict, devices) -> dict:
+    """The MoE train step compiled for the topology: memory, and the collectives that carry
+    the tokens to their experts."""
+    from jaxtrain.models.moe import resolve_dispatch
+
+    row = train_case(name, config_file, overrides, devices, offload=False)
+    row["dispatch"] = resolve_dispatch(overrides.get("model.moe.dispatch", "auto"), "tpu")
+    if "error" in row:
+        return row
+    hbm = next((v for k, v in sorted(HBM.items(), key=lambda kv: -len(kv[0]))
+                if devices[0].device_kind.startswith(k)), None)
+    peak = row["peak_bytes"] or row["argument_bytes"] + row["temp_bytes"]
+    return {**row, "hbm_bytes": hbm, "fits": hbm is not None and peak <= hbm}
+
+
 # ---------------------------------------------------------------- driver
 
 def run(args) -> dict:
@@ -267,7 +303,7 @@ def run(args) -> dict:
               "device_kind": devices[0].device_kind, "platform": devices[0].platform,
               "memories": sorted(m.kind for m in devices[0].addressable_memories()),
               "jax": jax.__version__, "libtpu": _libtpu_version(libtpu),
-              "train": [], "splash": [], "problems": [], "notes": []}
+              "train": [], "splash": [], "moe": [], "problems": [], "notes": []}
     if args.plan:
         result["plan"] = [plan_case(run_id, devices) for run_id in args.plan.split(",")]
         result["problems"] += [f"{r['case']}: {r.get('error') or 'estimate/XLA %.2f' % r['ratio']}"
@@ -283,7 +319,7 @@ def run(args) -> dict:
                                                          "model.attention": "splash"}),
              "llama_1b_1chip": ("configs/llama_1b.py", {"mesh.fsdp": 1, "mesh.data": 1,
                                                         "train.global_batch": 2})}
-    unknown = set(cases) - set(train) - {"splash"}
+    unknown = set(cases) - set(train) - {"splash"} - set(MOE_CASES)
     if unknown:
         raise SystemExit(f"unknown cases {sorted(unknown)}; known: {CASES + EXTRA_CASES}")
     for name in [c for c in cases if c in train]:
@@ -298,6 +334,17 @@ def run(args) -> dict:
         result["notes"] += notes
         if fn and not all(r.get("tpu_custom_calls", 1) for r in rows):
             result["problems"].append(f"{name}: no Mosaic kernel in the compiled step")
+    for name in [c for c in cases if c in MOE_CASES]:
+        for file, overrides in MOE_CASES[name]:
+            row = moe_case(name, file, overrides, devices)
+            result["moe"].append(row)
+            if "error" in row or not row["fits"]:
+                result["problems"].append(f"{name} {overrides}: does not compile or fit: "
+                                          f"{row.get('error', row.get('peak_bytes'))}")
+            elif row["dispatch"] == "dropless" and not row["ragged_all_to_all"]:
+                result["problems"].append(f"{name}: no ragged all-to-all in the dropless step")
+            elif row["dispatch"] == "capacity" and not row["all_to_all"]:
+                result["problems"].append(f"{name}: no all-to-all in the capacity step")
     if "splash" in cases:
         for spec in SPLASH_CASES:
             row = splash_case(*spec, devices)
@@ -359,6 +406,20 @@ def print_table(result: dict) -> None:
                   f"{mib(f['temp_bytes'])}, {mib(f['peak_bytes'] or 0)}, {f['compile_s']} | "
                   f"{g['tpu_custom_calls']}, {mib(g['temp_bytes'])}, "
                   f"{mib(g['peak_bytes'] or 0)}, {g['compile_s']} |")
+    if result["moe"]:
+        print("\nmixture of experts, train step per device (MiB):")
+        print("| case | dispatch | mesh | device args | device temp | device peak | HBM | "
+              "fits | ragged a2a / a2a | compile s |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in result["moe"]:
+            mesh = " ".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1)
+            if "error" in r:
+                print(f"| {r['case']} | | {mesh} | compile failed: {r['error'][:100]} ||||||")
+                continue
+            print(f"| {r['case']} | {r['dispatch']} | {mesh} | {mib(r['argument_bytes'])} | "
+                  f"{mib(r['temp_bytes'])} | {mib(r['peak_bytes'] or 0)} | "
+                  f"{mib(r['hbm_bytes'] or 0)} | {r['fits']} | {r['ragged_all_to_all']} / "
+                  f"{r['all_to_all']} | {r['compile_s']} |")
     for note in result["notes"]:
         print("note: " + note)
     print("\nproblems: " + ("; ".join(result["problems"]) or "none"))

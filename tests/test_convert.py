@@ -3,6 +3,7 @@
 torch and transformers come with the `test` extra and are imported inside the tests only.
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -18,6 +19,7 @@ from conftest import small_config
 from jaxtrain.config import ConfigError
 from jaxtrain.hf.load import import_hf
 from jaxtrain.hf.save import export_hf, load_for_export
+from jaxtrain.models import Transformer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-4  # max |Δ logit|, float32
@@ -272,3 +274,136 @@ def test_cli_errors_are_one_line_with_a_nonzero_exit(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == \
         f"jaxtrain: error: --from-hf={tmp_path / 'missing'}: no such directory"
+
+
+# ---------------------------------------------------------------------------------------
+# Mixtral: a llama with model.moe <-> MixtralForCausalLM.
+
+def _mixtral_config(**overrides):
+    return _config("llama", **{"model.moe.num_experts": 4, "model.moe.top_k": 2,
+                               "model.moe.expert_mlp_dim": 96, "model.moe.dispatch": "dropless",
+                               "model.rope_theta": 1e6, **overrides})
+
+
+def _hf_mixtral(cfg, seed: int = 0):
+    """A random transformers Mixtral of cfg's shape (norms around 1, router logits spread so
+    that top-2 choices are not decided by float noise)."""
+    import torch
+    import transformers
+
+    m = cfg.model
+    config = transformers.MixtralConfig(
+        hidden_size=m.d_model, num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads, intermediate_size=m.moe.expert_mlp_dim,
+        num_local_experts=m.moe.num_experts, num_experts_per_tok=m.moe.top_k,
+        vocab_size=m.vocab_size, max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta, bos_token_id=0, eos_token_id=0)
+    model = transformers.MixtralForCausalLM(config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.5 if "gate.weight" in name else 0.1)
+            if name.endswith("norm.weight"):
+                p.add_(1.0)
+    return model.eval()
+
+
+def test_mixtral_import_gives_the_logits_of_transformers(tmp_path, devices):
+    cfg = _mixtral_config()
+    model = _hf_mixtral(cfg)
+    model.save_pretrained(tmp_path / "hf", max_shard_size="60KB")
+    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    assert state.params["moe_blocks"]["mlp"]["w_up"].shape == (2, 4, 64, 96)
+    tokens = _tokens(cfg)
+    err = np.abs(_jax_logits(setup, state.params, tokens) - _hf_logits(model, tokens)).max()
+    assert err < TOLERANCE, err
+    # The capacity path with room for every token, on an expert-parallel mesh, too.
+    sharded = _mixtral_config(**{"model.moe.dispatch": "capacity",
+                                 "model.moe.capacity_factor": 2.0, "mesh.expert": 4,
+                                 "mesh.fsdp": 2})
+    setup, state = import_hf(sharded, tmp_path / "hf", tmp_path / "mesh", devices)
+    err = np.abs(_jax_logits(setup, state.params, tokens) - _hf_logits(model, tokens)).max()
+    assert err < TOLERANCE, err
+
+
+def test_mixtral_import_export_import_is_exact(tmp_path, devices):
+    from safetensors.numpy import load_file
+
+    cfg = _mixtral_config()
+    _hf_mixtral(cfg).save_pretrained(tmp_path / "hf")
+    _, first = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    export_hf(tmp_path / "run", tmp_path / "out", devices=devices[:1])
+    _, second = import_hf(cfg, tmp_path / "out", tmp_path / "again", devices[:1])
+    a, b = _numpy(first.params), _numpy(second.params)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert exported.keys() == original.keys()
+    assert all(np.array_equal(exported[k], original[k]) for k in original)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["model_type"], config["num_local_experts"], config["intermediate_size"]) \
+        == ("mixtral", 4, 96)
+
+
+def test_mixtral_greedy_generation_equals_transformers(tmp_path, devices):
+    import torch
+
+    from jaxtrain.sampling import Sampling, make_generate
+
+    cfg = _mixtral_config(**{"train.global_batch": 1})
+    model = _hf_mixtral(cfg, seed=2)
+    model.save_pretrained(tmp_path / "hf")
+    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    prompt = np.asarray([[5, 17, 42, 7, 99]], np.int64)
+    with torch.no_grad():
+        want = model.generate(torch.from_numpy(prompt), max_new_tokens=16, do_sample=False,
+                              pad_token_id=0, eos_token_id=None).numpy()[0, 5:]
+    with jax.set_mesh(setup.mesh):
+        generate = make_generate(setup.graphdef, Sampling(max_new_tokens=16), setup.spec.rules)
+        got = np.asarray(generate(state.params, prompt.astype(np.int32), jax.random.key(0)))[0]
+    np.testing.assert_array_equal(got, want)
+    assert len(set(got.tolist())) > 2
+
+
+def test_a_trained_moe_model_exports_to_transformers(tmp_path, devices):
+    import transformers
+
+    from jaxtrain.train.loop import run
+
+    cfg = _mixtral_config(**{"model.moe.dispatch": "capacity"})
+    run(cfg, tmp_path / "run", devices[:1])  # 3 steps from a fresh init
+    export_hf(tmp_path / "run", tmp_path / "out", devices=devices[:1])
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(model).__name__ == "MixtralForCausalLM"
+    setup, params, _ = load_for_export(tmp_path / "run", devices[:1])
+    tokens = _tokens(cfg)
+    # Compared without drops: the exported model is the same function as dropless routing.
+    spec = dataclasses.replace(setup.spec, moe=dataclasses.replace(setup.spec.moe,
+                                                                   dispatch="dropless"))
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(spec, rngs=nnx.Rngs(0))))
+    with jax.set_mesh(setup.mesh):
+        ours = np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens))
+    err = np.abs(ours - _hf_logits(model, tokens)).max()
+    assert err < TOLERANCE, err
+    # A model MoE only every other layer has no Mixtral form: a one-line error.
+    other = _mixtral_config(**{"model.moe.every_n_layers": 2, "model.num_layers": 2})
+    run(other, tmp_path / "run2", devices[:1])
+    with pytest.raises(ConfigError, match="every_n_layers=2"):
+        export_hf(tmp_path / "run2", tmp_path / "out2", devices=devices[:1])
+
+
+def test_mixtral_mismatches_are_named(tmp_path, devices):
+    cfg = _mixtral_config()
+    _hf_mixtral(cfg).save_pretrained(tmp_path / "hf")
+    wrong = _mixtral_config(**{"model.moe.num_experts": 8, "model.moe.top_k": 1})
+    with pytest.raises(ConfigError, match="model.moe.num_experts=8 but config.json "
+                                          "num_local_experts=4; model.moe.top_k=1"):
+        import_hf(wrong, tmp_path / "hf", tmp_path / "run", devices[:1])
+    with pytest.raises(ConfigError, match="has no experts"):
+        import_hf(_mixtral_config(), _llama_dir(tmp_path), tmp_path / "run2", devices[:1])
+
+
+def _llama_dir(tmp_path):
+    cfg = _config("llama", **{"model.mlp_dim": 96})
+    _hf_model(cfg).save_pretrained(tmp_path / "llama")
+    return tmp_path / "llama"

@@ -18,7 +18,7 @@ from jaxtrain.plan.compile_check import (
     load_config,
     single_granule,
 )
-from jaxtrain.plan.grid import GRID, SHIPPED_TARGETS, grid_config
+from jaxtrain.plan.grid import GRID, MOE_CASES, MOE_CONFIGS, SHIPPED_TARGETS, grid_config
 from jaxtrain.plan.planner import make_plan
 from jaxtrain.plan.search import search
 
@@ -46,7 +46,13 @@ def test_user_hardware_file_adds_an_entry(tmp_path):
     assert catalog.get("mycard", str(path)).memory_gb == 123
 
 
-@pytest.mark.parametrize("case", list(GRID))
+def _slow(names, slow) -> list:
+    """The names as parameters, those in `slow` marked slow (the MoE compiles: tens of
+    seconds each on 2 cores, over the fast tier's budget)."""
+    return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in names]
+
+
+@pytest.mark.parametrize("case", _slow(GRID, MOE_CASES))
 def test_memory_estimate_within_15_percent_of_xla(case, devices):
     cfg = grid_config(case)
     estimate = memory.estimate(cfg, validate(cfg, 8), backend="cpu")["total"]
@@ -136,7 +142,7 @@ def test_every_shipped_config_has_a_target():
 RATIO_BOUNDS = {"tiny.py": (0.75, 1.15), "llama_1b.py": (0.85, 1.22)}
 
 
-@pytest.mark.parametrize("name", sorted(TARGETS))
+@pytest.mark.parametrize("name", _slow(sorted(TARGETS), MOE_CONFIGS))
 def test_no_shipped_config_ooms_on_its_target(name):
     hardware, devices = TARGETS[name]
     hw = catalog.get(hardware)

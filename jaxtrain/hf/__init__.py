@@ -2,9 +2,15 @@
 checks, its tensors and its exported config.json (see jaxtrain/commands/convert.py)."""
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.hf import gpt2, llama
+from jaxtrain.hf import gpt2, llama, mixtral
 
-FAMILIES = {"gpt2": gpt2, "llama": llama}  # HF model_type (= jaxtrain model.family) -> module
+# HF model_type -> module; each module's FAMILY is the jaxtrain model.family it maps to.
+FAMILIES = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral}
+
+
+def module_for(spec):
+    """The HF module a model exports as: Mixtral for a llama with experts."""
+    return mixtral if spec.moe is not None else FAMILIES[spec.family]
 
 
 def family_of(hf: dict, where: str):

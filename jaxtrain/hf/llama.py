@@ -12,6 +12,7 @@ from __future__ import annotations
 from jaxtrain.hf.mapping import Checks, HFTensor, linear, one, split_heads
 
 ARCHITECTURE = "LlamaForCausalLM"
+FAMILY = "llama"  # the jaxtrain model.family it imports into
 
 
 def rope_theta(hf: dict) -> float:
@@ -22,6 +23,16 @@ def rope_theta(hf: dict) -> float:
 
 def check_config(hf: dict, m) -> list[str]:
     """Disagreements of a Llama config.json with cfg.model `m`, one message each."""
+    c = check_shared(hf, m)
+    c.equal("model.mlp_dim", m.mlp_dim, "intermediate_size", hf.get("intermediate_size", 11008))
+    if m.moe.num_experts:
+        c.problems.append(f"model.moe.num_experts={m.moe.num_experts} but a Llama checkpoint "
+                          "has no experts (MixtralForCausalLM has)")
+    return c.problems
+
+
+def check_shared(hf: dict, m) -> Checks:
+    """The checks of every Llama-like config.json (Llama, Mixtral): all but the MLP's."""
     c = Checks()
     d, heads = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
     c.equal("model.d_model", m.d_model, "hidden_size", d)
@@ -33,7 +44,6 @@ def check_config(hf: dict, m) -> list[str]:
     head_dim = hf.get("head_dim") or d // heads
     c.equal("model.head_dim", m.head_dim or m.d_model // m.num_heads,
             "head_dim" if hf.get("head_dim") else "hidden_size/num_attention_heads", head_dim)
-    c.equal("model.mlp_dim", m.mlp_dim, "intermediate_size", hf.get("intermediate_size", 11008))
     c.equal("model.vocab_size", m.vocab_size, "vocab_size", hf.get("vocab_size", 32000))
     c.equal("model.norm_eps", m.norm_eps, "rms_norm_eps", hf.get("rms_norm_eps", 1e-6))
     c.equal("model.rope_theta", m.rope_theta,
@@ -48,32 +58,42 @@ def check_config(hf: dict, m) -> list[str]:
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             c.refuse(key, hf[key], "jaxtrain's Llama has no biases")
-    return c.problems
+    return c
+
+
+LAYER = "model.layers.{i}."
 
 
 def tensors(spec, hf: dict | None = None) -> list[HFTensor]:
     """The checkpoint's tensors, in file order. On import (`hf` given) a tied head is read
     from the embedding table; on export the head is always written separately."""
-    d, h, g, k, f, v = (spec.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                        spec.mlp_dim, spec.vocab_size)
+    d, f = spec.d_model, spec.mlp_dim
+    mlp = [linear(f"{LAYER}mlp.gate_proj.weight", (f, d), ("blocks", "mlp", "w_gate")),
+           linear(f"{LAYER}mlp.up_proj.weight", (f, d), ("blocks", "mlp", "w_up")),
+           linear(f"{LAYER}mlp.down_proj.weight", (d, f), ("blocks", "mlp", "w_down"))]
+    return around_mlp(spec, hf, "blocks", mlp)
+
+
+def around_mlp(spec, hf: dict | None, blocks: str, mlp: list[HFTensor]) -> list[HFTensor]:
+    """A Llama-like checkpoint's tensors with the given feed-forward ones; the layers'
+    parameters live under `blocks` ('moe_blocks' for Mixtral)."""
+    d, h, g, k, v = spec.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim, \
+        spec.vocab_size
     tied = bool(hf and hf.get("tie_word_embeddings", False))
-    layer = "model.layers.{i}."
 
     def attn(name, path, heads, out=False):
-        return split_heads(f"{layer}self_attn.{name}.weight", ("blocks", "attn", path), d,
+        return split_heads(f"{LAYER}self_attn.{name}.weight", (blocks, "attn", path), d,
                            heads, k, transposed=True, out=out)
 
     return [
         one("model.embed_tokens.weight", (v, d), ("tok_embed",)),
-        one(f"{layer}input_layernorm.weight", (d,), ("blocks", "attn_norm", "scale")),
+        one(f"{LAYER}input_layernorm.weight", (d,), (blocks, "attn_norm", "scale")),
         attn("q_proj", "w_q", h),
         attn("k_proj", "w_k", g),
         attn("v_proj", "w_v", g),
         attn("o_proj", "w_o", h, out=True),
-        one(f"{layer}post_attention_layernorm.weight", (d,), ("blocks", "mlp_norm", "scale")),
-        linear(f"{layer}mlp.gate_proj.weight", (f, d), ("blocks", "mlp", "w_gate")),
-        linear(f"{layer}mlp.up_proj.weight", (f, d), ("blocks", "mlp", "w_up")),
-        linear(f"{layer}mlp.down_proj.weight", (d, f), ("blocks", "mlp", "w_down")),
+        one(f"{LAYER}post_attention_layernorm.weight", (d,), (blocks, "mlp_norm", "scale")),
+        *mlp,
         one("model.norm.weight", (d,), ("final_norm", "scale")),
         linear("model.embed_tokens.weight" if tied else "lm_head.weight", (v, d),
                ("lm_head",)),

@@ -46,9 +46,9 @@ def import_hf(cfg, hf_dir, workdir, devices: Sequence[jax.Device] | None = None
     hf = read_config(hf_dir)
     family = family_of(hf, f"{hf_dir / 'config.json'}")
     problems = []
-    if cfg.model.family != hf["model_type"]:
+    if cfg.model.family != family.FAMILY:
         problems.append(f"model.family={cfg.model.family!r} but config.json "
-                        f"model_type={hf['model_type']!r}")
+                        f"model_type={hf['model_type']!r} (jaxtrain family {family.FAMILY!r})")
     else:
         problems += family.check_config(hf, cfg.model)
     if 0 < cfg.model.sliding_window < cfg.model.seq_len:
@@ -69,10 +69,11 @@ def import_hf(cfg, hf_dir, workdir, devices: Sequence[jax.Device] | None = None
     with SafetensorsDir(hf_dir) as files:
         _check_tensors(files, tensors, layers, hf_dir)
         params = {}
-        work = sum(layers if path[0] == "blocks" else 1 for path in abstract)
+        work = sum(abstract[path].shape[0] if path[0] in ("blocks", "moe_blocks") else 1
+                   for path in abstract)
         with tqdm(total=work, desc="import", unit="tensor", file=sys.stderr) as bar:
             for path, target in abstract.items():
-                params[path] = _load(files, sources[path], target, layers, bar)
+                params[path] = _load(files, sources[path], target, bar)
     params = traverse_util.unflatten_dict(params)
     state = _fresh_state(setup, params)
     checkpoints = Checkpoints(checkpoints_dir, cfg.checkpoint.keep, cfg.checkpoint.keep_period,
@@ -99,8 +100,7 @@ def _sources(hf_tensors, abstract: dict) -> dict:
 def _check_tensors(files: SafetensorsDir, hf_tensors, layers: int, hf_dir) -> None:
     missing, wrong = [], []
     for tensor in hf_tensors:
-        for layer in range(layers) if tensor.per_layer else [None]:
-            name = tensor.named(layer)
+        for name, _, _ in tensor.names(layers):
             if files.resolve(name) is None:
                 missing.append(name)
             elif not tensor.shape_ok(files.shape(name)):
@@ -120,11 +120,17 @@ def _stacker(sharding: NamedSharding):
     return jax.jit(lambda *layers: jnp.stack(layers), out_shardings=sharding)
 
 
-def _load(files, source, target: jax.ShapeDtypeStruct, layers: int, bar) -> jax.Array:
+def _load(files, source, target: jax.ShapeDtypeStruct, bar) -> jax.Array:
     tensor, offset, part = source
 
     def read(layer=None) -> np.ndarray:
-        value = files.read(tensor.named(layer), tensor.axis, offset, offset + part.size)
+        if tensor.experts:  # this layer's experts, stacked
+            return np.stack([read_one(layer, e) for e in range(tensor.experts)])
+        return read_one(layer)
+
+    def read_one(layer, expert=None) -> np.ndarray:
+        value = files.read(tensor.named(layer, expert), tensor.axis, offset,
+                           offset + part.size)
         return np.asarray(part.to_jax(value), dtype=target.dtype)
 
     if not tensor.per_layer:
@@ -133,7 +139,7 @@ def _load(files, source, target: jax.ShapeDtypeStruct, layers: int, bar) -> jax.
         return value
     layer_sharding = NamedSharding(target.sharding.mesh, P(*target.sharding.spec[1:]))
     pieces = []
-    for layer in range(layers):
+    for layer in range(target.shape[0]):
         pieces.append(jax.device_put(read(layer), layer_sharding))
         bar.update(1)
     stacked = _stacker(target.sharding)(*pieces)

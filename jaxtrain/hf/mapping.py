@@ -36,18 +36,27 @@ class Part:
 class HFTensor:
     """One tensor of the HF checkpoint: its parts laid side by side along `axis`."""
 
-    name: str  # '{i}' stands for the layer index in per-layer tensors
+    name: str  # '{i}' stands for the layer index in per-layer tensors, '{e}' for the expert
     shape: tuple[int, ...]  # as exported
     parts: tuple[Part, ...]
     axis: int = 0
     longer_ok: bool = False  # on import the tensor may extend past the parts along `axis`
+    # One HF tensor per expert ('{e}' in the name), stacked [layers, experts, ...] in jaxtrain.
+    experts: int = 0
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.name
 
-    def named(self, layer: int | None) -> str:
-        return self.name.format(i=layer) if self.per_layer else self.name
+    def named(self, layer: int | None, expert: int | None = None) -> str:
+        return self.name.format(i=layer, e=expert) if self.per_layer else self.name
+
+    def names(self, layers: int) -> list[tuple[str, int | None, int | None]]:
+        """(name, layer, expert) of every HF tensor this one stands for."""
+        if not self.per_layer:
+            return [(self.name, None, None)]
+        return [(self.named(i, e), i, e) for i in range(layers)
+                for e in (range(self.experts) if self.experts else [None])]
 
     def shape_ok(self, shape: tuple[int, ...]) -> bool:
         if len(shape) != len(self.shape):

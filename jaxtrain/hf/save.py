@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from jaxtrain import inference
 from jaxtrain.errors import ConfigError
-from jaxtrain.hf import FAMILIES
+from jaxtrain.hf import module_for
 from jaxtrain.hf.files import ShardWriter, parse_size
 from jaxtrain.train.setup import Setup
 
@@ -57,27 +57,34 @@ def export_hf(workdir, out_dir, max_shard_size: str | int = "2GB", dtype: str = 
     if 0 < spec.sliding_window < spec.seq_len:
         raise ConfigError(f"model.sliding_window={spec.sliding_window} cannot be exported: "
                           f"HF {spec.family} attends to every earlier token")
-    family = FAMILIES[spec.family]
+    if spec.moe is not None and (spec.moe.every_n_layers != 1 or spec.moe.shared_experts):
+        raise ConfigError("an MoE model exports as MixtralForCausalLM, whose layers are all "
+                          "MoE without shared experts: model.moe.every_n_layers="
+                          f"{spec.moe.every_n_layers}, shared_experts="
+                          f"{spec.moe.shared_experts} cannot be exported")
+    family = module_for(spec)
     hf_config = {**family.export_config(spec), "torch_dtype": dtype}
     flat = traverse_util.flatten_dict(params)
     tensors = family.tensors(spec)
     first = next(i for i, t in enumerate(tensors) if t.per_layer)
     layered = [t for t in tensors if t.per_layer]
-    order = ([(t, None) for t in tensors[:first]]
-             + [(t, i) for i in range(spec.num_layers) for t in layered]
-             + [(t, None) for t in tensors[first:] if not t.per_layer])
+    order = ([(t, None, None) for t in tensors[:first]]
+             + [(t, i, e) for i in range(spec.num_layers) for t in layered
+                for e in (range(t.experts) if t.experts else [None])]
+             + [(t, None, None) for t in tensors[first:] if not t.per_layer])
 
-    def fetch(path, layer) -> np.ndarray:
+    def fetch(path, layer, expert) -> np.ndarray:
         value = flat[path] if layer is None else flat[path][layer]
-        return np.asarray(jax.device_get(value))
+        return np.asarray(jax.device_get(value if expert is None else value[expert]))
 
     out_dir.mkdir(parents=True, exist_ok=True)
     writer = ShardWriter(out_dir, max_bytes)
-    for tensor, layer in tqdm(order, desc="export", unit="tensor", file=sys.stderr):
-        pieces = [part.to_hf(fetch(part.path, layer)) for part in tensor.parts]
+    for tensor, layer, expert in tqdm(order, desc="export", unit="tensor", file=sys.stderr):
+        pieces = [part.to_hf(fetch(part.path, layer, expert)) for part in tensor.parts]
         value = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=tensor.axis)
-        assert value.shape == tensor.shape, (tensor.named(layer), value.shape, tensor.shape)
-        writer.add(tensor.named(layer), value.astype(DTYPES[dtype]))
+        name = tensor.named(layer, expert)
+        assert value.shape == tensor.shape, (name, value.shape, tensor.shape)
+        writer.add(name, value.astype(DTYPES[dtype]))
     files = writer.close()
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     print(f"jaxtrain: exported step {step} of {workdir} ({spec.family} {spec.num_layers}x"

@@ -8,11 +8,15 @@ from jaxtrain.models.transformer import ModelSpec
 
 
 def matmul_params(spec: ModelSpec) -> int:
-    """Weights that take part in matmuls: attention, MLP and the output head."""
+    """Weights that take part in a token's matmuls: attention, MLP and the output head; in
+    MoE layers only the active ones (router, top-k and shared experts)."""
     d, h, g, k, f = spec.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.mlp_dim
     attention = d * h * k * 2 + d * g * k * 2
     mlp = d * f * (3 if spec.gated_mlp else 2)
-    return spec.num_layers * (attention + mlp) + d * spec.vocab_size
+    moe_layers = 0 if spec.moe is None else spec.moe.layers(spec.num_layers)
+    moe = 0 if spec.moe is None else moe_layers * spec.moe.active_matmul_params(d)
+    return (spec.num_layers * attention + (spec.num_layers - moe_layers) * mlp + moe
+            + d * spec.vocab_size)
 
 
 def flops_per_token(spec: ModelSpec) -> float:

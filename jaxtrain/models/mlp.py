@@ -28,9 +28,10 @@ def _activation_and_down(spec, h_BLF, gate_BLF, b_up_F, w_down_FD):
 
 
 class Mlp(nnx.Module):
-    def __init__(self, spec, *, rngs: nnx.Rngs):
+    def __init__(self, spec, *, rngs: nnx.Rngs, width: int | None = None):
+        """width: the hidden dimension (default model.mlp_dim; MoE shared experts differ)."""
         self.spec = spec
-        d, f, dt = spec.d_model, spec.mlp_dim, spec.param_dtype
+        d, f, dt = spec.d_model, width or spec.mlp_dim, spec.param_dtype
         out_std = spec.init_std / (2 * spec.num_layers) ** 0.5
         self.w_up = param(rngs, (d, f), ("embed", "mlp"), spec.init_std, dt)
         self.w_down = param(rngs, (f, d), ("mlp", "embed"), out_std, dt)

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxtrain.mesh import active_rules, constrain
@@ -14,6 +15,7 @@ from jaxtrain.models.attention import Attention, resolve_attention
 from jaxtrain.models.families import FAMILIES, Family
 from jaxtrain.models.layers import Norm, param
 from jaxtrain.models.mlp import Mlp
+from jaxtrain.models.moe import STAT_NAMES, MoeMlp, MoeSpec, routing_losses
 from jaxtrain.models.remat import REMATS
 from jaxtrain.parallel.pipeline import PipelineSpec, pipeline
 from jaxtrain.precision import PRECISIONS
@@ -43,6 +45,7 @@ class ModelSpec:
     rules: tuple = ()
     pipeline: PipelineSpec | None = None  # None: no pipeline axis
     fp8: bool = False  # the blocks' weight matmuls take fp8 operands (models/fp8.py)
+    moe: MoeSpec | None = None  # mixture-of-experts layers (models/moe.py); None: dense
 
     @classmethod
     def from_config(cls, cfg, pipeline_stages: int = 1, platform: str = "cpu") -> "ModelSpec":
@@ -66,7 +69,7 @@ class ModelSpec:
             init_std=m.init_std, compute_dtype=precision.compute_dtype,
             rules=active_rules(tuple(tuple(r) for r in cfg.mesh.rules),
                                cfg.mesh.sequence_parallel),
-            pipeline=pipeline, fp8=precision.fp8_matmuls)
+            pipeline=pipeline, fp8=precision.fp8_matmuls, moe=MoeSpec.from_config(m, platform))
 
     @property
     def family_entry(self) -> Family:
@@ -87,7 +90,10 @@ class Block(nnx.Module):
         self.attn_norm = Norm(spec.d_model, **norm)
         self.attn = Attention(spec, rngs=rngs)
         self.mlp_norm = Norm(spec.d_model, **norm)
-        self.mlp = Mlp(spec, rngs=rngs)
+        self.mlp = self._make_mlp(spec, rngs)
+
+    def _make_mlp(self, spec: ModelSpec, rngs: nnx.Rngs):
+        return Mlp(spec, rngs=rngs)
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         q_BLHK, k_BLGK, v_BLGK = self._norm_then(
@@ -117,6 +123,34 @@ class Block(nnx.Module):
         return self._mlp_residual(x_BTD + y_BTD), cache
 
 
+class MoeBlock(Block):
+    """A block whose feed-forward is a mixture of experts: __call__ returns (x, the layer's
+    per-row routing stats)."""
+
+    def _make_mlp(self, spec: ModelSpec, rngs: nnx.Rngs):
+        return MoeMlp(spec, rngs=rngs)
+
+    def _mlp_residual(self, x_BLD, drop: bool = True):
+        rules = self.spec.rules
+        x_BLD = constrain(x_BLD, ("batch", "sequence", "embed"), rules)
+        y_BLD, stats = self.mlp(self.mlp_norm(x_BLD), drop)
+        return constrain(x_BLD + y_BLD, ("batch", "sequence", "embed"), rules), stats
+
+    def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):
+        """As Block.decode; no expert drops a token while generating."""
+        y_BTD, cache = self.attn.decode(self.attn_norm(x_BTD), cache, start)
+        return self._mlp_residual(x_BTD + y_BTD, drop=False)[0], cache
+
+
+def _stack(block_cls, spec: ModelSpec, keys: jax.Array):
+    """Layers created with nnx.vmap: one stacked parameter per weight, axis `layers` first."""
+    blocks = nnx.vmap(lambda key: block_cls(spec, rngs=nnx.Rngs(key)))(keys)
+    for _, var in nnx.iter_graph(blocks):
+        if isinstance(var, nnx.Variable):
+            var.set_metadata("axes", ("layers",) + var.get_metadata()["axes"])
+    return blocks
+
+
 class Transformer(nnx.Module):
     def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
         self.spec = spec
@@ -125,10 +159,13 @@ class Transformer(nnx.Module):
         if not spec.rope:
             self.pos_embed = param(rngs, (spec.seq_len, d), (None, "embed"), spec.init_std, dt)
         keys = jax.random.split(rngs.params(), spec.num_layers)
-        self.blocks = nnx.vmap(lambda key: Block(spec, rngs=nnx.Rngs(key)))(keys)
-        for _, var in nnx.iter_graph(self.blocks):
-            if isinstance(var, nnx.Variable):
-                var.set_metadata("axes", ("layers",) + var.get_metadata()["axes"])
+        if spec.moe is None:
+            self.blocks = _stack(Block, spec, keys)
+        else:  # dense layers under `blocks`, MoE layers (every n-th) under `moe_blocks`
+            moe_layer = (np.arange(spec.num_layers) + 1) % spec.moe.every_n_layers == 0
+            if not moe_layer.all():
+                self.blocks = _stack(Block, spec, keys[np.flatnonzero(~moe_layer)])
+            self.moe_blocks = _stack(MoeBlock, spec, keys[np.flatnonzero(moe_layer)])
         self.final_norm = Norm(d, rms=spec.rms_norm, eps=spec.norm_eps, dtype=dt, rngs=rngs)
         if not spec.tied_embeddings:
             self.lm_head = param(rngs, (d, v), ("embed", "vocab"), spec.init_std, dt)
@@ -147,9 +184,24 @@ class Transformer(nnx.Module):
 
     def features(self, tokens_BL: jax.Array) -> jax.Array:
         """The final-normed hidden states that the output head reads."""
+        return self.features_and_aux(tokens_BL)[0]
+
+    def features_and_aux(self, tokens_BL: jax.Array):
+        """(features, the weighted auxiliary loss of the MoE routers or None, routing
+        metrics: {} for a dense model)."""
         spec = self.spec
         x_BLD = self._embed(tokens_BL)
+        penalty, metrics = None, {}
+        if spec.moe is None:
+            x_BLD = self._dense_layers(x_BLD)
+        else:
+            x_BLD, stats = self._moe_layers(x_BLD)
+            penalty, metrics = routing_losses(stats, spec.moe, tokens_BL.size)
+        return (constrain(self.final_norm(x_BLD), ("batch", "length", "embed"), spec.rules),
+                penalty, metrics)
 
+    def _dense_layers(self, x_BLD: jax.Array) -> jax.Array:
+        spec = self.spec
         graphdef, stacked = nnx.split(self.blocks)
 
         def layer(x_BLD, layer_state):
@@ -165,7 +217,47 @@ class Transformer(nnx.Module):
                 return jax.lax.scan(layer, x_BLD, chunk)[0]
 
             x_BLD = pipeline(stage, stacked, x_BLD, spec.pipeline, spec.rules)
-        return constrain(self.final_norm(x_BLD), ("batch", "length", "embed"), spec.rules)
+        return x_BLD
+
+    def _moe_layers(self, x_BLD: jax.Array):
+        """The layers scanned in groups of model.moe.every_n_layers: n−1 dense layers, then
+        an MoE layer (one scan step per group keeps the scan, and the pipeline splits the
+        groups). Routing stats ride with the rows in the carry, [B, MoE layers, ...]."""
+        spec = self.spec
+        n, groups = spec.moe.every_n_layers, spec.moe.layers(spec.num_layers)
+        moe_def, moe_state = nnx.split(self.moe_blocks)
+        xs = {"moe": moe_state, "index": jnp.arange(groups)}
+        if n > 1:
+            dense_def, dense_state = nnx.split(self.blocks)
+            xs["dense"] = jax.tree.map(lambda a: a.reshape(groups, n - 1, *a.shape[1:]),
+                                       dense_state)
+        policy = REMATS[spec.remat].policy
+
+        def remat(f):
+            return f if policy is None else jax.checkpoint(f, policy=policy, prevent_cse=False)
+
+        dense_layer = remat(lambda x, state: (nnx.merge(dense_def, state)(x), None))
+        moe_layer = remat(lambda x, state: nnx.merge(moe_def, state)(x))
+
+        def group(carry, xs):
+            x_BLD, stats = carry
+            if n > 1:
+                x_BLD = jax.lax.scan(dense_layer, x_BLD, xs["dense"])[0]
+            x_BLD, new = moe_layer(x_BLD, xs["moe"])
+            slot_N = jax.nn.one_hot(xs["index"], groups, dtype=jnp.float32)
+            stats = {k: acc + jnp.expand_dims(new[k], 1)
+                     * slot_N.reshape((1, groups) + (1,) * (new[k].ndim - 1))
+                     for k, acc in stats.items()}
+            return (x_BLD, stats), None
+
+        b, e = x_BLD.shape[0], spec.moe.num_experts
+        shapes = {k: (b, groups, e) if k in ("load", "prob") else (b, groups) for k in STAT_NAMES}
+        stats = {k: constrain(jnp.zeros(shape, jnp.float32), ("batch",) + (None,) * (len(shape) - 1),
+                              spec.rules) for k, shape in shapes.items()}
+        if spec.pipeline is None:
+            return jax.lax.scan(group, (x_BLD, stats), xs)[0]
+        return pipeline(lambda chunk, carry: jax.lax.scan(group, carry, chunk)[0], xs,
+                        (x_BLD, stats), spec.pipeline, spec.rules)
 
     def head(self) -> jax.Array:
         """The output projection [D, V]: the embedding table transposed when tied."""
@@ -195,6 +287,10 @@ class Transformer(nnx.Module):
         """Logits of T new tokens at positions [start, start+T), reading and extending the
         kv cache of the earlier ones (prefill: start 0, T = prompt; then T = 1 per token)."""
         x_BTD = self._embed(tokens_BT, start)
+        if self.spec.moe is not None:
+            x_BTD, cache = self._moe_decode(x_BTD, cache, start)
+            logits_BTV = self.final_norm(x_BTD) @ self.head()
+            return constrain(logits_BTV, ("batch", "length", "vocab"), self.spec.rules), cache
         graphdef, stacked = nnx.split(self.blocks)
 
         def layer(x_BTD, layer_state_and_cache):
@@ -205,3 +301,33 @@ class Transformer(nnx.Module):
         logits_BTV = self.final_norm(x_BTD) @ self.head()
         return constrain(logits_BTV, ("batch", "length", "vocab"), self.spec.rules), cache
 
+
+    def _moe_decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):
+        """decode's layers in the groups of _moe_layers; the cache stays [layers, ...]."""
+        spec = self.spec
+        n, groups = spec.moe.every_n_layers, spec.moe.layers(spec.num_layers)
+        moe_def, moe_state = nnx.split(self.moe_blocks)
+        dense_def, dense_state = nnx.split(self.blocks) if n > 1 else (None, None)
+        by_group = jax.tree.map(lambda c: c.reshape(groups, n, *c.shape[1:]), cache)
+        if n > 1:
+            dense_state = jax.tree.map(lambda a: a.reshape(groups, n - 1, *a.shape[1:]),
+                                       dense_state)
+
+        def dense_layer(x_BTD, state_and_cache):
+            state, layer_cache = state_and_cache
+            return nnx.merge(dense_def, state).decode(x_BTD, layer_cache, start)
+
+        def group(x_BTD, xs):
+            moe, dense, group_cache = xs
+            caches = []
+            if n > 1:
+                x_BTD, dense_cache = jax.lax.scan(
+                    dense_layer, x_BTD, (dense, jax.tree.map(lambda c: c[:n - 1], group_cache)))
+                caches.append(dense_cache)
+            x_BTD, moe_cache = nnx.merge(moe_def, moe).decode(
+                x_BTD, jax.tree.map(lambda c: c[n - 1], group_cache), start)
+            caches.append(jax.tree.map(lambda c: c[None], moe_cache))
+            return x_BTD, jax.tree.map(lambda *c: jnp.concatenate(c), *caches)
+
+        x_BTD, by_group = jax.lax.scan(group, x_BTD, (moe_state, dense_state, by_group))
+        return x_BTD, jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), by_group)

@@ -53,56 +53,64 @@ def microbatches_for_bubble(stages: int, repeats: int, target: float = 0.1) -> i
     return m
 
 
-def pipeline(stage_fn: Callable, stacked, x_BLD: jax.Array, spec: PipelineSpec,
-             rules) -> jax.Array:
+def pipeline(stage_fn: Callable, stacked, x, spec: PipelineSpec, rules):
     """Runs x through all layers of `stacked` (leaves [L, ...]) on the pipeline schedule.
 
-    stage_fn(chunk, x_BLD) applies one chunk of Lc stacked layers (leaves [Lc, ...]).
+    x: the activations x_BLD, or a pytree whose first leaf is x_BLD and whose other leaves
+    are per-row values [B, ...] that travel with their rows (MoE routing stats).
+    stage_fn(chunk, x) applies one chunk of Lc stacked layers (leaves [Lc, ...]).
     """
     p, v, m = spec.stages, spec.repeats, spec.microbatches
-    b, length, d = x_BLD.shape
+    tmap = jax.tree.map
+    b = jax.tree.leaves(x)[0].shape[0]
     mb = b // m
     layers = jax.tree.leaves(stacked)[0].shape[0]
     chunk = layers // (p * v)
     # [L, ...] -> [v, p, Lc, ...]; for GPipe (v = 1) this is a free reshape of the stored
     # pipeline-sharded layout, for circular a relayout of the weights (see docs).
-    chunks = jax.tree.map(lambda a: a.reshape(v, p, chunk, *a.shape[1:]), stacked)
+    chunks = tmap(lambda a: a.reshape(v, p, chunk, *a.shape[1:]), stacked)
     # Micro-batch i takes rows i, i+m, ...: no data moves between devices to split the batch.
-    inputs_MBLD = x_BLD.reshape(mb, m, length, d).swapaxes(0, 1)
-    buffer_axes = ("stage", "batch", "sequence", "embed")
+    inputs_M = tmap(lambda a: a.reshape(mb, m, *a.shape[1:]).swapaxes(0, 1), x)
+
+    def constrain_buffer(buffer):
+        leaves, treedef = jax.tree.flatten(buffer)
+        axes = [("stage", "batch", "sequence", "embed")] + [
+            ("stage", "batch") + (None,) * (a.ndim - 2) for a in leaves[1:]]
+        return treedef.unflatten([constrain(a, ax, rules) for a, ax in zip(leaves, axes)])
 
     run_stages = jax.vmap(stage_fn, in_axes=(0, 0), spmd_axis_name="pipeline")
     stage_ids = jnp.arange(p)
 
     def iteration(carry, t):
-        buffer_PBLD, stored_MBLD = carry
+        buffer_P, stored_M = carry
         # Stage 0's input: micro-batch t % m, fresh on its first repeat, else stored.
         i, r = t % m, t // m
-        first = inputs_MBLD[i] if v == 1 else jnp.where(r == 0, inputs_MBLD[i], stored_MBLD[i])
-        buffer_PBLD = buffer_PBLD.at[0].set(first)
-        buffer_PBLD = constrain(buffer_PBLD, buffer_axes, rules)
+        first = tmap(lambda a: a[i], inputs_M) if v == 1 else tmap(
+            lambda a, s: jnp.where(r == 0, a[i], s[i]), inputs_M, stored_M)
+        buffer_P = constrain_buffer(tmap(lambda a, f: a.at[0].set(f), buffer_P, first))
         # Every stage runs the chunk of the repeat its micro-batch is on.
         repeat_P = jnp.clip((t - stage_ids) // m, 0, v - 1)
-        params = jax.tree.map(lambda a: jax.vmap(lambda a_v, r_: a_v[r_], in_axes=(1, 0))(
-            a, repeat_P), chunks) if v > 1 else jax.tree.map(lambda a: a[0], chunks)
-        out_PBLD = run_stages(params, buffer_PBLD)
+        params = tmap(lambda a: jax.vmap(lambda a_v, r_: a_v[r_], in_axes=(1, 0))(
+            a, repeat_P), chunks) if v > 1 else tmap(lambda a: a[0], chunks)
+        out_P = run_stages(params, buffer_P)
         # The last stage finished micro-batch k = t - (p-1) of repeat k // m: emitted as this
         # iteration's output (not carried, which would keep a copy per iteration for the
         # backward pass), and stored for its next repeat in the circular schedule.
-        last = out_PBLD[p - 1]
+        last = tmap(lambda a: a[p - 1], out_P)
         if v > 1:
             k = t - (p - 1)
             done_i, valid = k % m, (k >= 0) & (k < (v - 1) * m)
-            stored_MBLD = stored_MBLD.at[done_i].set(
-                jnp.where(valid, last, stored_MBLD[done_i]))
+            stored_M = tmap(lambda s, a: s.at[done_i].set(jnp.where(valid, a, s[done_i])),
+                            stored_M, last)
         # Shift to the next stage: a collective-permute over the pipeline axis.
-        buffer_PBLD = jnp.roll(out_PBLD, 1, axis=0)
-        return (buffer_PBLD, stored_MBLD), last
+        buffer_P = tmap(lambda a: jnp.roll(a, 1, axis=0), out_P)
+        return (buffer_P, stored_M), last
 
-    zeros = jnp.zeros((p, mb, length, d), x_BLD.dtype)
+    zeros = tmap(lambda a: jnp.zeros((p, mb, *a.shape[1:]), a.dtype), x)
     # Only the circular schedule needs to store micro-batches between repeats.
-    stored = jnp.zeros_like(inputs_MBLD) if v > 1 else jnp.zeros((m, 0, length, d), x_BLD.dtype)
-    _, emitted_TBLD = jax.lax.scan(iteration, (zeros, stored), jnp.arange(spec.iterations))
+    stored = tmap(jnp.zeros_like, inputs_M) if v > 1 else tmap(
+        lambda a: jnp.zeros((m, 0, *a.shape[1:]), a.dtype), x)
+    _, emitted_T = jax.lax.scan(iteration, (zeros, stored), jnp.arange(spec.iterations))
     # Micro-batch i's last repeat leaves the last stage at iteration (v-1)·m + i + p - 1.
-    outputs_MBLD = emitted_TBLD[(v - 1) * m + p - 1:]
-    return outputs_MBLD.swapaxes(0, 1).reshape(b, length, d)
+    return tmap(lambda e: e[(v - 1) * m + p - 1:].swapaxes(0, 1).reshape(b, *e.shape[2:]),
+                emitted_T)

@@ -13,6 +13,8 @@ SIZES = {
     "L": (256, 4, 8, 0, 1024, 2048, 128),
 }
 
+_MOE = {"model.moe.num_experts": 8, "model.moe.top_k": 2, "model.moe.expert_mlp_dim": 256}
+
 # name -> (family, size, batch, {dotted overrides})
 GRID = {
     "S gpt2 data=8": ("gpt2", "S", 32, {"mesh.data": 8}),
@@ -41,7 +43,14 @@ GRID = {
     "L gpt2 data=2 tensor=4 sp save_dots": ("gpt2", "L", 16, {
         "mesh.data": 2, "mesh.tensor": 4, "mesh.sequence_parallel": True,
         "model.remat": "save_dots"}),
+    # Mixture of experts (8 experts of width 256, top-2), both dispatch paths.
+    "M llama moe expert=8 capacity": ("llama", "M", 32, {**_MOE, "mesh.expert": 8,
+                                                         "model.moe.dispatch": "capacity"}),
+    "M llama moe expert=4 data=2 dropless full": ("llama", "M", 32, {
+        **_MOE, "mesh.expert": 4, "mesh.data": 2, "model.moe.dispatch": "dropless",
+        "model.remat": "full"}),
 }
+MOE_CASES = tuple(name for name, case in GRID.items() if "model.moe.num_experts" in case[3])
 
 
 # Each shipped config (configs/) on the target its docstring names, the smallest device it
@@ -50,7 +59,10 @@ GRID = {
 SHIPPED_TARGETS = {"tiny.py": ("CPU-host", 1), "bench_cpu.py": ("CPU-host", 1),
                    "stdlib_bpe.py": ("CPU-host", 1),
                    "gpt2_124m.py": ("A100-40GB", 8), "llama_1b.py": ("H100-SXM", 8),
-                   "gpt13b.py": ("A100-80GB", 64), "gpt13b_pp.py": ("A100-80GB", 16)}
+                   "gpt13b.py": ("A100-80GB", 64), "gpt13b_pp.py": ("A100-80GB", 16),
+                   "tiny_moe.py": ("CPU-host", 1), "bench_cpu_moe.py": ("CPU-host", 1),
+                   "mixtral_8x7b.py": ("TPU-v5p", 64)}
+MOE_CONFIGS = ("tiny_moe.py", "bench_cpu_moe.py", "mixtral_8x7b.py")
 
 
 def grid_config(name: str):

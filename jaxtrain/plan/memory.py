@@ -14,7 +14,7 @@ import math
 import jax
 from flax import nnx
 
-from jaxtrain.mesh import logical_to_spec
+from jaxtrain.mesh import batch_shards, logical_to_spec
 from jaxtrain.models import ModelSpec, Transformer
 from jaxtrain.models.attention import KERNELS
 from jaxtrain.models.head_loss import chunk_size
@@ -43,6 +43,18 @@ LOGIT_F32 = 1.0
 # and extra float32 [V, D] copies of a tied embedding table whose gradient (the gather's
 # and the head's, summed) XLA forms unsharded when the table is sharded.
 TIED_TABLE_COPIES = 2.0
+# Copies of the routed rows ([R, D]) an MoE layer holds: kept for backward (the rows the
+# experts read), and while it runs (gathered rows, the exchanged buffers in and out, the
+# regrouped rows, the experts' output).
+MOE_ROW_COPIES_KEPT = 1.0
+MOE_ROW_COPIES = 4.0
+# What XLA holds per routed row is about 2.5× the kept copies above (no remat) and 2× the
+# working copies (a layer recomputed or run backward): the dispatch's gathers turn into
+# float32 scatter-adds in backward, and its masked and exchanged buffers and their
+# gradients live alongside. Fitted on tiny_moe, bench_cpu_moe, mixtral_8x7b and four MoE
+# grid layouts: 0.53–0.83 of XLA without them, 0.92–1.13 with them (docs/planner.md).
+MOE_ROW_FACTOR = 2.5
+MOE_WORKING_FACTOR = 2.0
 
 
 def value_bytes(spec: ModelSpec, backend: str = "accelerator") -> int:
@@ -124,6 +136,50 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     return dots + stream + act + scores
 
 
+def routed_rows(spec: ModelSpec, tokens: float, sizes: dict[str, int]) -> float:
+    """Token×choice rows one device runs through its experts in one MoE layer: the capacity
+    buffers (capacity_factor·T·k, whatever routes there), k per token dropless, and with
+    dropless expert parallelism the worst-case buffer every device provides (all rows of
+    all expert-axis peers: expert·T·k, models/moe.py _dropless_exchanged)."""
+    moe = spec.moe
+    per_token = min(moe.num_experts, moe.capacity_factor * moe.top_k) \
+        if moe.dispatch == "capacity" else moe.top_k
+    if moe.dispatch == "dropless" and sizes.get("expert", 1) > 1:
+        per_token *= sizes["expert"]
+    return tokens * per_token
+
+
+def _moe_layer_delta(spec: ModelSpec, rows: float, sizes: dict, saved: str,
+                     c: int) -> float:
+    """What an MoE layer adds over a dense one (_layer_activations) for `rows` sequences:
+    its experts' activations less the dense MLP's, plus shared experts, router and the
+    dispatch buffers. Counted per routed row R (routed_rows): the expert matmuls' outputs
+    (up, gate: R·2F/t), SiLU(gate)·up (R·F/t) and the rows themselves (R·D) around the
+    exchange, in and out."""
+    moe, t = spec.moe, sizes["tensor"]
+    tokens = rows * spec.seq_len
+    routed = routed_rows(spec, tokens, sizes)
+    f_e, d = moe.expert_mlp_dim / t, spec.d_model
+    if saved == "all" and moe.dispatch == "dropless" and not moe.ragged_collectives:
+        # XLA:CPU expands ragged_dot into one masked dense matmul per (local) expert: while
+        # a layer runs, its hidden activations exist once per expert.
+        f_e *= moe.num_experts / sizes.get("expert", 1)
+    dense_mlp = tokens * spec.mlp_dim / t * (2 if spec.gated_mlp else 1) * c
+    if saved == "all":
+        dense_mlp += tokens * spec.mlp_dim / t * c
+    if saved == "input":
+        return 0.0
+    if saved == "dots":  # the named up/gate/down outputs
+        experts = routed * (2 * f_e + d) * c
+    elif saved == "kept":  # up, gate, their product, and the rows the up/gate read
+        experts = MOE_ROW_FACTOR * routed * (3 * f_e + MOE_ROW_COPIES_KEPT * d) * c
+    else:
+        experts = MOE_WORKING_FACTOR * routed * (3 * f_e + MOE_ROW_COPIES * d) * c
+    shared = tokens * moe.shared_experts * f_e * (2 if saved != "all" else 3) * c
+    router = tokens * moe.num_experts * 2 * F32  # logits and probabilities
+    return experts + shared + router - dense_mlp
+
+
 def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
              platform: str | None = None) -> dict[str, float]:
     """Per-device bytes by part, and 'total'. sizes: mesh axis sizes from config.validate.
@@ -138,9 +194,18 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
     shards = param_shards(spec, sizes)
     c = value_bytes(spec, backend)
     micro = cfg.train.microbatches
-    rows = cfg.train.global_batch // micro // (sizes["data"] * sizes["fsdp"])
+    rows = cfg.train.global_batch // micro // batch_shards(sizes)
     p = sizes["pipeline"]
     layers_here = spec.num_layers // p
+    moe_layers_here = 0 if spec.moe is None else spec.moe.layers(spec.num_layers) // p
+
+    def per_layer(rows: float, saved: str) -> float:
+        """Bytes of the device's layers for `rows` sequences, averaged over its layers."""
+        dense = _layer_activations(spec, rows, sizes, saved, c)
+        if not moe_layers_here:
+            return dense
+        return dense + moe_layers_here / layers_here * _moe_layer_delta(spec, rows, sizes,
+                                                                         saved, c)
 
     params = shards["total"] * F32  # float32 master weights, whatever train.precision
     opt = 2 * shards["total"] * F32  # Adam mu and nu mirror the params
@@ -158,7 +223,7 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
         # micro-batch: (v·m + p − 1) iterations of L/(p·v) layers, bubble iterations included.
         per_micro = rows // m
         iterations = v * m + p - 1
-        kept = iterations * (layers_here / v) * _layer_activations(spec, per_micro, sizes, saved, c)
+        kept = iterations * (layers_here / v) * per_layer(per_micro, saved)
         working_rows = per_micro
         # The loop's buffers: the stage buffer (p micro-batches), the last stage's output of
         # every iteration, and (circular only) the micro-batches stored between repeats.
@@ -170,18 +235,19 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
             # of their gradients, in float32.
             kept += 2 * shards["layer"] * layers_here * F32
     else:
-        kept = layers_here * _layer_activations(spec, rows, sizes, saved, c)
+        kept = layers_here * per_layer(rows, saved)
         working_rows = rows
     # While one layer runs backward its full set of activations exists (recomputed under
     # remat) together with its gathered weights and their gradients.
     # Backward walks the layer's ops in reverse, freeing as it goes: about half of that set
     # is alive at its peak. save_dots recomputes only what it did not save.
     one_layer = _layer_activations(spec, working_rows, sizes, "all", c)
+    if moe_layers_here:  # the working set is that of the larger, MoE, layer
+        one_layer += _moe_layer_delta(spec, working_rows, sizes, "all", c)
     if saved == "input":
         working = FULL_WORKING * one_layer
     elif saved == "dots":
-        working = DOTS_WORKING * (
-            one_layer - _layer_activations(spec, working_rows, sizes, "dots", c))
+        working = DOTS_WORKING * (one_layer - per_layer(working_rows, "dots"))
     else:
         working = 0.0
     rows_per_chunk = KERNELS[spec.attention].query_chunk
@@ -200,8 +266,7 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
     # logits, their exponent and the compute-dtype logit gradient for a chunk, the stacked
     # input gradient, and the gathered head with its float32 gradient.
     global_rows = cfg.train.global_batch // micro
-    chunk_tokens = chunk_size(spec.seq_len, global_rows) * global_rows / (
-        sizes["data"] * sizes["fsdp"])
+    chunk_tokens = chunk_size(spec.seq_len, global_rows) * global_rows / batch_shards(sizes)
     vocab_local = spec.vocab_size / sizes["tensor"]
     logits = chunk_tokens * vocab_local * (LOGIT_F32 * F32 + c) + \
         rows * spec.seq_len * spec.d_model * c

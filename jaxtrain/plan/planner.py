@@ -22,7 +22,7 @@ def make_plan(cfg, hw, devices: int, tokens: float | None = None, hours: float |
     time = timing.predict(cfg, sizes, hw, shards["total"], dcn_shape(cfg.mesh))
     usable = hw.memory_bytes * usable_fraction
     plan = {"config": cfg.name, "hardware": hw.name, "devices": devices, "mesh": sizes,
-            "params": shards["count"],
+            "params": shards["count"], "active_params": active_params(cfg, shards["count"]),
             "memory": {"total_bytes_per_device": mem["total"],
                        "parts": {k: v for k, v in mem.items() if k != "total"},
                        "device_bytes": hw.memory_bytes, "usable_bytes": usable,
@@ -41,6 +41,16 @@ def make_plan(cfg, hw, devices: int, tokens: float | None = None, hours: float |
     return plan
 
 
+def active_params(cfg, total: int) -> int:
+    """Parameters a token uses: all, less the experts it is not routed to (MoE)."""
+    moe = cfg.model.moe
+    if not moe.num_experts:
+        return total
+    per_expert = 3 * cfg.model.d_model * (moe.expert_mlp_dim or cfg.model.mlp_dim)
+    layers = cfg.model.num_layers // moe.every_n_layers
+    return total - layers * (moe.num_experts - moe.top_k) * per_expert
+
+
 def _gb(b: float) -> str:
     return f"{b / 1e9:,.2f} GB"
 
@@ -52,8 +62,10 @@ def _usd(x) -> str:
 def format_plan(plan: dict) -> str:
     m, t = plan["memory"], plan["time"]
     mesh = " ".join(f"{k}={v}" for k, v in plan["mesh"].items() if v > 1) or "1 device"
+    active = "" if plan["active_params"] == plan["params"] else \
+        f" ({plan['active_params'] / 1e9:.2f}B active per token)"
     lines = [f"{plan['config']} on {plan['devices']} × {plan['hardware']} ({mesh}), "
-             f"{plan['params'] / 1e9:.2f}B params",
+             f"{plan['params'] / 1e9:.2f}B params{active}",
              "memory per device (estimate):"]
     for name, value in m["parts"].items():
         lines.append(f"  {name:<14} {_gb(value):>12}")

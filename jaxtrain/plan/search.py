@@ -20,11 +20,15 @@ SEARCH_REMATS = ("none", "full", "save_dots")
 
 def candidates(cfg, devices: int, devices_per_node: int):
     """(overrides, config) for every layout worth trying. Tensor parallelism stays inside a
-    node; pipelines use GPipe with enough micro-batches for a bubble near 10%."""
-    for tensor, pipeline in itertools.product(divisor_list(devices), (1, 2, 4, 8)):
-        if tensor > min(devices_per_node, 8) or devices % (tensor * pipeline):
+    node; pipelines use GPipe with enough micro-batches for a bubble near 10%; an MoE model
+    also tries its experts over an `expert` axis (a divisor of model.moe.num_experts)."""
+    experts = cfg.model.moe.num_experts
+    expert_sizes = [e for e in divisor_list(experts) if e <= devices] if experts else [1]
+    for tensor, pipeline, expert in itertools.product(divisor_list(devices), (1, 2, 4, 8),
+                                                      expert_sizes):
+        if tensor > min(devices_per_node, 8) or devices % (tensor * pipeline * expert):
             continue
-        rest = devices // (tensor * pipeline)
+        rest = devices // (tensor * pipeline * expert)
         for fsdp in divisor_list(rest):
             batch = cfg.train.global_batch
             for remat, micro in itertools.product(SEARCH_REMATS, divisor_list(batch)):
@@ -32,9 +36,10 @@ def candidates(cfg, devices: int, devices_per_node: int):
                     continue
                 overrides = {"mesh.data": rest // fsdp, "mesh.fsdp": fsdp,
                              "mesh.tensor": tensor, "mesh.pipeline": pipeline,
+                             "mesh.expert": expert,
                              "mesh.sequence_parallel": tensor > 1,
                              "model.remat": remat, "train.microbatches": micro}
-                for axis in ("data", "fsdp", "tensor", "pipeline"):
+                for axis in ("data", "fsdp", "tensor", "pipeline", "expert"):
                     overrides[f"mesh.dcn_{axis}"] = 1
                 if pipeline > 1:
                     overrides.update({"pipeline.schedule": "gpipe", "pipeline.repeats": 1,

@@ -22,13 +22,14 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+from jaxtrain.mesh import batch_shards
 from jaxtrain.models import ModelSpec
 from jaxtrain.models.attention import KERNELS
 from jaxtrain.models.flops import attention_flops_per_token, flops_per_token, matmul_params
 from jaxtrain.models.remat import REMATS
 from jaxtrain.parallel.pipeline import bubble_fraction
 from jaxtrain.plan import calibration as calibration_lib
-from jaxtrain.plan.memory import value_bytes
+from jaxtrain.plan.memory import routed_rows, value_bytes
 
 F32 = 4
 
@@ -51,6 +52,14 @@ def step_flops(spec: ModelSpec, tokens: int) -> dict[str, float]:
     hw_attention = attention * (1 + redo_attention / 3)
     if KERNELS[spec.attention].full_scores:
         hw_attention *= 2  # the full s×s scores, masked afterwards
+    if spec.moe is not None:
+        # The experts compute every row of their buffers: capacity_factor·k per token
+        # (padding included) where the model counts k; dropless, exactly k.
+        moe = spec.moe
+        extra = routed_rows(spec, tokens, {}) / tokens / moe.top_k - 1
+        expert_flops = 6.0 * 3 * spec.d_model * moe.expert_mlp_dim * moe.top_k * tokens
+        hw_weights += extra * expert_flops * moe.layers(spec.num_layers) * (
+            1 + redo_weights / 3)
     return {"model": model, "hardware": hw_weights + hw_attention,
             "weights": hw_weights, "attention": hw_attention}
 
@@ -111,6 +120,26 @@ def _tensor(x: Ctx) -> Traffic:
     return Traffic(n * 2 * _ring(t) * x.activation, n if t > 1 else 0)
 
 
+def _expert(x: Ctx) -> Traffic:
+    """Per MoE layer and pass, the routed rows go to their experts and back (two
+    all-to-alls; the rows staying on the device do not move); and, once a step, the
+    gradients of the parameters the expert axis replicates (all but the experts: it splits
+    the batch for them) are all-reduced over it."""
+    e, moe = x.sizes["expert"], x.spec.moe
+    if e == 1 or moe is None:
+        return Traffic(0.0, 0)
+    p, t, f = x.sizes["pipeline"], x.sizes["tensor"], x.sizes["fsdp"]
+    layers = moe.layers(x.spec.num_layers) // p
+    rows = routed_rows(x.spec, x.rows * x.spec.seq_len, {}) if moe.dispatch == "capacity" \
+        else x.rows * x.spec.seq_len * moe.top_k  # ragged: only the rows routed
+    n = x.micro * layers * x.passes * 2
+    exchange = n * _ring(e) * rows * x.spec.d_model * x.c
+    experts_here = layers * moe.num_experts / e * 3 * x.spec.d_model * moe.expert_mlp_dim \
+        / (f * t)
+    shared = 2 * _ring(e) * max(0.0, x.param_elems - experts_here) * F32
+    return Traffic(exchange + shared, n + 1)
+
+
 def _pipeline(x: Ctx) -> Traffic:
     if x.sizes["pipeline"] == 1:
         return Traffic(0.0, 0)
@@ -131,6 +160,8 @@ class Axis:
 # node. A new mesh axis (expert, context) is a new entry here, at its place in that order.
 AXES: dict[str, Axis] = {
     "tensor": Axis(_tensor, hidden=False),
+    # The all-to-alls sit between a layer's router and its experts: on the critical path.
+    "expert": Axis(_expert, hidden=False),
     "fsdp": Axis(_fsdp, hidden=True),
     "pipeline": Axis(_pipeline, hidden=False),
     "data": Axis(_data, hidden=True),
@@ -152,18 +183,19 @@ def axis_links(sizes: dict[str, int], hw, dcn: dict[str, int]) -> dict[str, str]
 def step_features(cfg, sizes: dict[str, int], hw, param_elems: int,
                   dcn: dict[str, int]) -> dict:
     """Everything step_time needs, counted from the config (nothing fitted)."""
-    spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"])
+    spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"],
+                                 platform=hw.kind if hw.kind in ("gpu", "tpu") else "cpu")
     n = math.prod(sizes.values())
     tokens = cfg.train.global_batch * cfg.model.seq_len
     flops = step_flops(spec, tokens)
     c = value_bytes(spec)
     recompute = REMATS[spec.remat].recomputes == "forward"
     micro = cfg.train.microbatches
-    rows = cfg.train.global_batch // micro // (sizes["data"] * sizes["fsdp"])
+    rows = cfg.train.global_batch // micro // batch_shards(sizes)
     ctx = Ctx(spec, sizes, micro, rows, c, param_elems, 3 if recompute else 2)
     # Roofline: each matmul streams its weights (compute dtype) once per pass and its
     # activations; memory-bound when tokens per device are few.
-    tokens_dev = tokens / (sizes["data"] * sizes["fsdp"])
+    tokens_dev = tokens / batch_shards(sizes)
     weight_traffic = (ctx.passes + 1) * micro * param_elems * sizes["fsdp"] * c
     act_traffic = (ctx.passes + 1) * tokens_dev / sizes["pipeline"] * spec.num_layers * \
         spec.d_model * 12 * c / sizes["tensor"]

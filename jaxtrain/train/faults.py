@@ -14,8 +14,8 @@ def poisoned(loss: Callable, first: int, count: int) -> Callable:
     """loss, but NaN at steps [first, first + count)."""
 
     def poisoned_loss(params, tokens_BT, step):
-        value = loss(params, tokens_BT, step)
-        return value * jnp.where((step >= first) & (step < first + count), jnp.nan, 1.0)
+        value, metrics = loss(params, tokens_BT, step)
+        return value * jnp.where((step >= first) & (step < first + count), jnp.nan, 1.0), metrics
 
     return poisoned_loss
 

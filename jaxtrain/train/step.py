@@ -30,10 +30,26 @@ def loss_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT: jax.Array) -> jax.A
                               vocab_major)
 
 
+def objective_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT: jax.Array
+                 ) -> tuple[jax.Array, dict]:
+    """(what training minimises, metrics of the forward pass): the cross entropy, plus for
+    an MoE model its routers' weighted auxiliary losses, with the cross entropy as `loss`
+    and the routing metrics (models/moe.py routing_losses) among the metrics."""
+    inputs_BL, targets_BL = tokens_BT[:, :-1], tokens_BT[:, 1:]
+    model = nnx.merge(graphdef, params)
+    head, vocab_major = model.head_as_stored()
+    features, penalty, metrics = model.features_and_aux(inputs_BL)
+    loss = head_cross_entropy(features, head, targets_BL, model.spec.rules, vocab_major)
+    if penalty is None:
+        return loss, metrics
+    return loss + penalty, {"loss": loss, **metrics}
+
+
 def model_loss(graphdef: nnx.GraphDef) -> Callable:
-    """loss(params, tokens_BT, step) of the model graphdef describes, the form the train step
-    differentiates (the step is for wrappers such as train/faults.py)."""
-    return lambda params, tokens_BT, step: loss_fn(params, graphdef, tokens_BT)
+    """loss(params, tokens_BT, step) -> (objective, metrics) of the model graphdef describes,
+    the form the train step differentiates (the step is for wrappers such as
+    train/faults.py)."""
+    return lambda params, tokens_BT, step: objective_fn(params, graphdef, tokens_BT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,15 +69,16 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
                     ) -> Callable:
     """The pure step: (state, tokens_BT) -> (state, metrics).
 
-    loss(params, tokens_BT, step) -> mean loss. With a LossScale in the state (float16) the
+    loss(params, tokens_BT, step) -> (mean loss, metrics of the forward pass, which join
+    the step's; a `loss` among them replaces the objective as the logged loss). With a LossScale in the state (float16) the
     loss is scaled before differentiation and the gradients unscaled after."""
     microbatches = options.microbatches
 
     def objective(params, tokens_BT, step, scale):
-        value = loss(params, tokens_BT, step)
-        return value if scale is None else value * scale
+        value, metrics = loss(params, tokens_BT, step)
+        return (value if scale is None else value * scale), metrics
 
-    grad_fn = jax.value_and_grad(objective)
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
 
     def scaled_loss_and_grads(params, tokens_BT, step, scale):
         if microbatches == 1:
@@ -74,16 +91,17 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
             micro_MBT, logical_to_spec((None, "batch", None), rules))
 
         def accumulate(carry, tokens):
-            value, grads = grad_fn(params, tokens, step, scale)
-            return jax.tree.map(jnp.add, carry, (value, grads)), None
+            return jax.tree.map(jnp.add, carry, grad_fn(params, tokens, step, scale)), None
 
-        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        (value, grads), _ = jax.lax.scan(accumulate, zeros, micro_MBT)
-        return jax.tree.map(lambda x: x / microbatches, (value, grads))
+        shapes = jax.eval_shape(grad_fn, params, micro_MBT[0], step, scale)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        totals, _ = jax.lax.scan(accumulate, zeros, micro_MBT)
+        return jax.tree.map(lambda x: x / microbatches, totals)
 
     def train_step(state: TrainState, tokens_BT: jax.Array) -> tuple[TrainState, dict]:
         scale = None if state.loss_scale is None else state.loss_scale.scale
-        value, grads = scaled_loss_and_grads(state.params, tokens_BT, state.step, scale)
+        (value, forward), grads = scaled_loss_and_grads(state.params, tokens_BT, state.step,
+                                                        scale)
         loss_scale, extra = state.loss_scale, {}
         if scale is not None:
             value, grads = jax.tree.map(lambda x: x / scale, (value, grads))
@@ -98,7 +116,8 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
         skipped, in_a_row = skipped_steps(opt_state)
         metrics = {"loss": value, "grad_norm": optax.tree.norm(grads),
                    "learning_rate": schedule(state.step), "skipped_steps": skipped,
-                   "bad_steps_in_a_row": in_a_row, **extra, **dict(options.constants)}
+                   "bad_steps_in_a_row": in_a_row, **forward, **extra,
+                   **dict(options.constants)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                           loss_scale=loss_scale), metrics
 
