@@ -22,7 +22,7 @@ import json
 import pathlib
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import orbax.checkpoint as ocp

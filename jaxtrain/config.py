@@ -17,10 +17,17 @@ import ml_collections
 
 from jaxtrain.data.sources import SOURCES
 from jaxtrain.errors import ConfigError, divisors, fail
-from jaxtrain.mesh import (AXES, DEFAULT_RULES, MESH_AXES, batch_shards, dcn_shape,
-                           resolve_mesh_shape, validate_axes)
-from jaxtrain.models.attention import KERNELS, resolve_attention
+from jaxtrain.mesh import (
+    AXES,
+    DEFAULT_RULES,
+    MESH_AXES,
+    batch_shards,
+    dcn_shape,
+    resolve_mesh_shape,
+    validate_axes,
+)
 from jaxtrain.models import moe as moe_lib
+from jaxtrain.models.attention import KERNELS, resolve_attention
 from jaxtrain.models.families import FAMILIES
 from jaxtrain.models.remat import REMATS
 from jaxtrain.optim import SCHEDULES

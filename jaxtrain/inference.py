@@ -13,7 +13,7 @@ import dataclasses
 import json
 import math
 import pathlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import ml_collections

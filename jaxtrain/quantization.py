@@ -10,7 +10,8 @@ import pathlib
 import jax
 import jax.numpy as jnp
 from flax import traverse_util
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxtrain.data.batches import to_global
 from jaxtrain.models.int8 import Int8Weight, contraction_axes, quantize

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +57,7 @@ class Scorer:
 
     @classmethod
     def from_setup(cls, setup, batch: int, params: dict | None = None,
-                   progress: bool = True) -> "Scorer":
+                   progress: bool = True) -> Scorer:
         """A scorer on a train.setup.Setup's mesh; `batch` is rounded up to what the mesh
         and the pipeline schedule can split."""
         spec, sizes = setup.spec, dict(setup.mesh.shape)
@@ -70,7 +70,7 @@ class Scorer:
         return cls(setup.graphdef, setup.mesh, spec.rules, spec.seq_len,
                    -(-batch // multiple) * multiple, seq_multiple, params, progress)
 
-    def bind(self, params: dict) -> "Scorer":
+    def bind(self, params: dict) -> Scorer:
         self.params = params
         return self
 

@@ -13,7 +13,8 @@ import importlib.util
 import json
 import math
 import pathlib
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from jaxtrain.errors import ConfigError, fail
 

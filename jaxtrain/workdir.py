@@ -73,7 +73,7 @@ class WorkdirLock:
         self.handle.close()
         self.handle = None
 
-    def __enter__(self) -> "WorkdirLock":
+    def __enter__(self) -> WorkdirLock:
         self.acquire()
         return self
 

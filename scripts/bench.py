@@ -64,11 +64,10 @@ def saved_activation_bytes(setup, state, tokens) -> int:
 
 def bench(cfg, steps: int) -> dict:
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
     from jaxtrain.data.batches import make_batches, to_global
-    import jax.numpy as jnp
-
     from jaxtrain.metrics import flops_per_token, measure_matmul_peak, peak_flops_per_device
     from jaxtrain.plan.compile_check import compile_step, memory_figures
     from jaxtrain.train.setup import build

@@ -20,8 +20,8 @@ import transformers
 from flax import nnx
 
 from jaxtrain.config import base_config
-from jaxtrain.hf.save import load_for_export
 from jaxtrain.data.batches import make_batches
+from jaxtrain.hf.save import load_for_export
 
 
 def _loss(logits: np.ndarray, targets: np.ndarray) -> float:

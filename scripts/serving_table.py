@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import inference
-from jaxtrain.quantization import directory_bytes
 from jaxtrain.commands.quantize import quantize_run
+from jaxtrain.quantization import directory_bytes
 from jaxtrain.sampling import Sampling, make_generate
 
 

@@ -182,7 +182,8 @@ def splash_case(name, b, length, heads, groups, head_dim, window, sharded, devic
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+    from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+    from jax.sharding import PartitionSpec as P
 
     from jaxtrain.config import MESH_AXES
     from jaxtrain.models.pallas_tpu import splash_attention
@@ -306,9 +307,9 @@ def run(args) -> dict:
               "train": [], "splash": [], "moe": [], "problems": [], "notes": []}
     if args.plan:
         result["plan"] = [plan_case(run_id, devices) for run_id in args.plan.split(",")]
-        result["problems"] += [f"{r['case']}: {r.get('error') or 'estimate/XLA %.2f' % r['ratio']}"
-                               for r in result["plan"]
-                               if "error" in r or not 0.85 <= r["ratio"] <= 1.15]
+        result["problems"] += [
+            f"{r['case']}: " + (r.get("error") or f"estimate/XLA {r['ratio']:.2f}")
+            for r in result["plan"] if "error" in r or not 0.85 <= r["ratio"] <= 1.15]
         return result
     cases = args.cases.split(",")
     # 'auto' picks splash on TPU; the plain llama_1b case keeps the chunked kernel to compare.

@@ -190,6 +190,7 @@ def test_a_new_choice_is_one_registry_entry(case, monkeypatch, devices):
 
     from conftest import small_config
     from helpers import train_steps
+
     from jaxtrain.config import validate
     from jaxtrain.errors import ConfigError
 

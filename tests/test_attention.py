@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain.models.attention import KERNELS
-from jaxtrain.models.attention import resolve_attention
+from jaxtrain.models.attention import KERNELS, resolve_attention
 
 
 def _inputs(b, length, heads, groups, head_dim, seed=0):
@@ -103,11 +102,12 @@ def test_auto_picks_per_backend():
     assert resolve_attention("pallas", "bfloat16", "gpu") == "pallas"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _llama_loss_and_grads(remat: str):
     """Loss and gradients of the small Llama under a remat policy (cached: 'none' is every
     policy's reference)."""
     from conftest import small_config
+
     from jaxtrain.data.batches import make_batches
     from jaxtrain.train.setup import build
     from jaxtrain.train.step import loss_fn
@@ -132,6 +132,7 @@ def test_remat_policies_give_the_loss_and_grads_of_none(remat, devices):
 
 def test_offload_dots_is_refused_on_cpu(devices):
     from conftest import small_config
+
     from jaxtrain.config import ConfigError
     from jaxtrain.train.setup import build
 

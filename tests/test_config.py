@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import small_config
+
 from jaxtrain.config import ConfigError, load_config_file, validate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -13,9 +13,9 @@ import sys
 import jax
 import numpy as np
 import pytest
+from conftest import small_config
 from flax import nnx, traverse_util
 
-from conftest import small_config
 from jaxtrain.config import ConfigError
 from jaxtrain.hf.load import import_hf
 from jaxtrain.hf.save import export_hf, load_for_export

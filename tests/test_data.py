@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from conftest import small_config
+
 from jaxtrain.data import DataError, make_batches
 from jaxtrain.data.sources import stdlib_corpus
 

@@ -3,8 +3,8 @@
 import json
 
 import pytest
-
 from conftest import small_config
+
 from jaxtrain.commands import report
 from jaxtrain.train.loop import run
 
@@ -45,8 +45,8 @@ def test_report_draws_a_png_and_summarises(profiled_run, capsys):
     png = (workdir / "report.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     assert "steps logged: 4, last step 8" in out
-    val = [json.loads(l)["val_loss"] for l in (workdir / "metrics.jsonl").read_text().splitlines()
-           if "val_loss" in l]
+    val = [json.loads(row)["val_loss"]
+           for row in (workdir / "metrics.jsonl").read_text().splitlines() if "val_loss" in row]
     assert f"val_loss: first {val[0]:.4f}, last {val[-1]:.4f}" in out
 
 
@@ -64,8 +64,8 @@ def test_report_on_a_missing_run_is_a_clear_error(tmp_path, capsys):
 def test_mfu_peak_comes_from_the_hardware_catalog(device_kind, entry, monkeypatch):
     import jax
 
-    from jaxtrain import metrics
     from jaxtrain import hardware as catalog
+    from jaxtrain import metrics
 
     fake = type("Device", (), {"platform": "gpu", "device_kind": device_kind})()
     monkeypatch.setattr(jax, "local_devices", lambda: [fake])

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import small_config
 from flax import nnx
 
-from conftest import small_config
 from jaxtrain.config import load_config_file
 from jaxtrain.sampling import Sampling, make_generate, pick
 from jaxtrain.train.setup import build

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-
 from conftest import small_config
+from flax import nnx
 from helpers import assert_params_close, train_steps
+
 from jaxtrain import hardware as catalog
 from jaxtrain.config import ConfigError, validate
 from jaxtrain.metrics import flops_per_token, matmul_params

@@ -2,9 +2,9 @@
 
 import jax
 import numpy as np
-
 from conftest import small_config
 from helpers import train_steps
+
 from jaxtrain.optim import adam_moments
 
 

@@ -5,10 +5,10 @@ real parameter tree, and logical_to_spec on hand-written cases."""
 import jax
 import numpy as np
 import pytest
+from conftest import small_config
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
-from conftest import small_config
 from jaxtrain.data.batches import make_batches, to_global
 from jaxtrain.mesh import DEFAULT_RULES, active_rules, logical_to_spec
 from jaxtrain.train.setup import build

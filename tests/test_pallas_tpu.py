@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import MESH_AXES
 from jaxtrain.models.attention import xla_attention
@@ -107,6 +108,7 @@ def test_in_the_model_on_a_pipeline_fsdp_tensor_mesh(devices):
     """model.attention='splash' (what 'pallas' and 'auto' resolve to on TPU), windowed, on a
     pipeline×fsdp×tensor mesh: the loss and gradients of the reference kernel."""
     from conftest import small_config
+
     from jaxtrain.data.batches import make_batches, to_global
     from jaxtrain.train.setup import build
     from jaxtrain.train.step import loss_fn

@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
-
 from conftest import small_config
 from helpers import assert_params_close, train_steps
+
 from jaxtrain.optim import adam_moments
 
 MESHES = {

@@ -3,9 +3,9 @@
 import jax
 import numpy as np
 import pytest
-
 from conftest import small_config
 from helpers import assert_params_close, train_steps
+
 from jaxtrain.parallel.pipeline import bubble_fraction, microbatches_for_bubble
 from jaxtrain.plan.hlo import collective_bytes
 from jaxtrain.train.setup import build

@@ -3,8 +3,8 @@
 import jax
 import numpy as np
 import pytest
-
 from conftest import small_config
+
 from jaxtrain.data.batches import make_batches, to_global
 from jaxtrain.train.setup import build
 

@@ -15,8 +15,8 @@ import time
 import jax
 import numpy as np
 import pytest
-
 from conftest import small_config
+
 from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.commands import report
 from jaxtrain.data import make_batches

@@ -14,9 +14,9 @@ import time
 import jax
 import numpy as np
 import pytest
-
 from conftest import small_config
 from helpers import train_steps
+
 from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.commands import report
 from jaxtrain.config import ConfigError, apply_overrides, load_config_file

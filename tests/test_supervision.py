@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import small_config
+
 from jaxtrain.train.goodput import Goodput
 from jaxtrain.train.loop import run
 from jaxtrain.train.watchdog import HUNG

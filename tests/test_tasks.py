@@ -148,8 +148,8 @@ def test_harness_loglikelihoods_are_the_models(task_run, task_files, tensor, dev
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
     from jaxtrain import inference
-    from jaxtrain.tasks import BACKENDS, TaskSpec
     from jaxtrain.data.tokenizers import ByteTokenizer
+    from jaxtrain.tasks import BACKENDS, TaskSpec
 
     tasks = BACKENDS["lm_eval"].load(TaskSpec((str(task_files / f"{TASK}.jsonl"),
                                                str(task_files / "roll.yaml"))))
@@ -265,8 +265,8 @@ def test_generate_until_is_greedy_jaxtrain_generate(task_run, task_files, device
     from lm_eval.tasks import TaskManager
 
     from jaxtrain import inference
-    from jaxtrain.sampling import Sampling, make_generate
     from jaxtrain.data.tokenizers import ByteTokenizer
+    from jaxtrain.sampling import Sampling, make_generate
 
     lm = inference.task_model(task_run, batch=2, devices=devices)
     results = lm_eval.simple_evaluate(model=lm, tasks=[str(task_files / "gen.yaml")],
@@ -299,8 +299,8 @@ def test_task_scores_in_the_loop_reach_every_sink_and_the_report(task_run, task_
 
     from jaxtrain import inference
     from jaxtrain.commands import report
-    from jaxtrain.tasks import BACKENDS, TaskSpec
     from jaxtrain.data.tokenizers import ByteTokenizer
+    from jaxtrain.tasks import BACKENDS, TaskSpec
 
     rows = _by_step(_rows(task_run))
     keys = (f"tasks/{TASK}/acc", f"tasks/{TASK}/acc_norm", "tasks/roll/word_perplexity",
@@ -447,8 +447,8 @@ def test_a_new_task_backend_is_one_registry_entry(monkeypatch):
 
 
 def test_scores_flatten_and_generation_stops():
-    from jaxtrain.tasks.harness import _cut, _sampling, flat_scores
     from jaxtrain.data.tokenizers import ByteTokenizer
+    from jaxtrain.tasks.harness import _cut, _sampling, flat_scores
 
     results = {"results": {"arc": {"alias": "arc", "acc,none": 0.5, "acc_stderr,none": 0.1,
                                    "exact_match,strict": 1.0, "sample_len": 4,

@@ -9,8 +9,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import small_config
+
 from jaxtrain.train.loop import run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import pathlib
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from absl import app, flags
 

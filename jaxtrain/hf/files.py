@@ -61,7 +61,7 @@ class SafetensorsDir:
             if not (directory / name).is_file():
                 raise ConfigError(f"{directory / name} is missing (listed in {INDEX})")
 
-    def __enter__(self) -> "SafetensorsDir":
+    def __enter__(self) -> SafetensorsDir:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,17 +1,18 @@
-"""Import: a Hugging Face directory -> a step-0 jaxtrain checkpoint (jaxtrain/commands/convert.py)."""
+"""Import: a Hugging Face directory -> a step-0 jaxtrain checkpoint (commands/convert.py)."""
 
 from __future__ import annotations
 
 import functools
 import pathlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from jaxtrain.checkpoint import Checkpoints

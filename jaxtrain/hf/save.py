@@ -1,11 +1,11 @@
-"""Export: the newest checkpoint of a run -> a Hugging Face directory (jaxtrain/commands/convert.py)."""
+"""Export: the newest checkpoint of a run -> a Hugging Face directory (commands/convert.py)."""
 
 from __future__ import annotations
 
 import json
 import pathlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

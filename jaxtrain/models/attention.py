@@ -9,12 +9,11 @@ sliding_window).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.mesh import constrain
@@ -172,7 +171,8 @@ class Attention(nnx.Module):
     def __init__(self, spec, *, rngs: nnx.Rngs):
         self.spec = spec
         d, h, g, k = spec.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim
-        std, out_std, dt = spec.init_std, spec.init_std / (2 * spec.num_layers) ** 0.5, spec.param_dtype
+        std, dt = spec.init_std, spec.param_dtype
+        out_std = spec.init_std / (2 * spec.num_layers) ** 0.5
         self.w_q = param(rngs, (d, h, k), ("embed", "heads", "kv"), std, dt)
         self.w_k = param(rngs, (d, g, k), ("embed", "kv_heads", "kv"), std, dt)
         self.w_v = param(rngs, (d, g, k), ("embed", "kv_heads", "kv"), std, dt)

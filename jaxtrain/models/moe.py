@@ -89,7 +89,7 @@ class MoeSpec:
     ragged_collectives: bool = False  # ragged_all_to_all exists (GPU/TPU), else emulated
 
     @classmethod
-    def from_config(cls, m, platform: str) -> "MoeSpec | None":
+    def from_config(cls, m, platform: str) -> MoeSpec | None:
         moe = m.moe
         if not moe.num_experts:
             return None

@@ -24,7 +24,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.mesh import DEFAULT_RULES, logical_to_spec
 
-
 LANES = 128  # the kernel's kv block (and its compute slice) must be a multiple of this
 
 

@@ -7,7 +7,7 @@ recomputed), where it can run, and what the planner models it as.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 

@@ -48,7 +48,7 @@ class ModelSpec:
     moe: MoeSpec | None = None  # mixture-of-experts layers (models/moe.py); None: dense
 
     @classmethod
-    def from_config(cls, cfg, pipeline_stages: int = 1, platform: str = "cpu") -> "ModelSpec":
+    def from_config(cls, cfg, pipeline_stages: int = 1, platform: str = "cpu") -> ModelSpec:
         """pipeline_stages: the resolved size of the mesh's pipeline axis; platform: the
         devices' platform, which model.attention='auto' picks for."""
         m = cfg.model
@@ -252,8 +252,9 @@ class Transformer(nnx.Module):
 
         b, e = x_BLD.shape[0], spec.moe.num_experts
         shapes = {k: (b, groups, e) if k in ("load", "prob") else (b, groups) for k in STAT_NAMES}
-        stats = {k: constrain(jnp.zeros(shape, jnp.float32), ("batch",) + (None,) * (len(shape) - 1),
-                              spec.rules) for k, shape in shapes.items()}
+        stats = {k: constrain(jnp.zeros(shape, jnp.float32),
+                              ("batch",) + (None,) * (len(shape) - 1), spec.rules)
+                 for k, shape in shapes.items()}
         if spec.pipeline is None:
             return jax.lax.scan(group, (x_BLD, stats), xs)[0]
         return pipeline(lambda chunk, carry: jax.lax.scan(group, carry, chunk)[0], xs,

@@ -18,7 +18,7 @@ leaving the last stage is stored until stage 0 is free for it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import Callable
+from collections.abc import Callable
 
 from jaxtrain.errors import fail
 from jaxtrain.tasks import harness

@@ -25,7 +25,7 @@ SAMPLING_SEED = 1234  # lm_eval's default seed; used where a task asks for sampl
 SKIPPED_FIELDS = ("alias", "name", "sample_len")
 
 
-def load(spec: TaskSpec) -> "HarnessTasks":
+def load(spec: TaskSpec) -> HarnessTasks:
     """The tasks of `spec`, loaded (their documents read); DataError (one line) for a task
     no index knows or whose data cannot be read."""
     from lm_eval.tasks import TaskManager

@@ -17,7 +17,7 @@ class TaskSpec:
     key: str = "eval.tasks"  # the config key or flag the tasks came from, for errors
 
     @classmethod
-    def from_config(cls, cfg) -> "TaskSpec":
+    def from_config(cls, cfg) -> TaskSpec:
         e = cfg.eval
         return cls(split_list(e.tasks), split_list(e.task_dir), e.tasks_limit or None,
                    None if e.tasks_num_fewshot < 0 else e.tasks_num_fewshot)

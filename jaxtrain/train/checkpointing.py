@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import pathlib
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 

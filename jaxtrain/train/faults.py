@@ -5,7 +5,7 @@ pipeline that hangs at a chosen step (for the hang watchdog)."""
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import jax.numpy as jnp
 

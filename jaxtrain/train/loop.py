@@ -14,7 +14,7 @@ import contextlib
 import pathlib
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np

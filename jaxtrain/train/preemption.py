@@ -22,7 +22,7 @@ class StopRequest:
         self.signals = signals
         self._installed_here = False
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         self._installed_here = self.signals.install()
         self.signals.multi_process = jax.process_count() > 1
         return self

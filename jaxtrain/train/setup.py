@@ -7,7 +7,7 @@ mesh and its jitted step are put together the same way everywhere.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import optax
@@ -21,8 +21,14 @@ from jaxtrain.optim import make_optimizer
 from jaxtrain.precision import PRECISIONS
 from jaxtrain.train import state as state_lib
 from jaxtrain.train.faults import loss_with_faults
-from jaxtrain.train.step import (StepOptions, batch_sharding, jit_eval_step, jit_train_step,
-                                 make_train_step, model_loss)
+from jaxtrain.train.step import (
+    StepOptions,
+    batch_sharding,
+    jit_eval_step,
+    jit_train_step,
+    make_train_step,
+    model_loss,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct, traverse_util
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxtrain.mesh import named_sharding
 from jaxtrain.models import ModelSpec, Transformer
@@ -24,7 +25,7 @@ class LossScale:
     scale: jax.Array  # float32
     good_steps: jax.Array  # int32, finite steps since the last change
 
-    def update(self, finite: jax.Array, period: int) -> "LossScale":
+    def update(self, finite: jax.Array, period: int) -> LossScale:
         good = jnp.where(finite, self.good_steps + 1, 0)
         grow = good >= period
         scale = jnp.where(finite, jnp.where(grow, self.scale * 2, self.scale), self.scale / 2)
@@ -47,7 +48,7 @@ class TrainState:
         return tree
 
     @classmethod
-    def from_tree(cls, tree: dict) -> "TrainState":
+    def from_tree(cls, tree: dict) -> TrainState:
         return cls(**tree)
 
 

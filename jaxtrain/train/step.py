@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -70,8 +71,9 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
     """The pure step: (state, tokens_BT) -> (state, metrics).
 
     loss(params, tokens_BT, step) -> (mean loss, metrics of the forward pass, which join
-    the step's; a `loss` among them replaces the objective as the logged loss). With a LossScale in the state (float16) the
-    loss is scaled before differentiation and the gradients unscaled after."""
+    the step's; a `loss` among them replaces the objective as the logged loss). With a
+    LossScale in the state (float16) the loss is scaled before differentiation and the
+    gradients unscaled after."""
     microbatches = options.microbatches
 
     def objective(params, tokens_BT, step, scale):

@@ -26,7 +26,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = None
 
-    def __enter__(self) -> "Watchdog":
+    def __enter__(self) -> Watchdog:
         if self.timeout_s > 0:
             self._thread = threading.Thread(target=self._watch, name="jaxtrain-watchdog",
                                             daemon=True)
