@@ -60,7 +60,7 @@ class ModelSpec:
             head_dim=m.head_dim or m.d_model // m.num_heads, mlp_dim=m.mlp_dim,
             vocab_size=m.vocab_size, seq_len=m.seq_len,
             attention=resolve_attention(m.attention, cfg.train.precision, platform, m.seq_len,
-                                        m.sliding_window),
+                                        m.sliding_window, cfg.data.packing == "documents"),
             sliding_window=m.sliding_window,
             remat=m.remat, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
             init_std=m.init_std, compute_dtype=precision.compute_dtype,
@@ -89,10 +89,12 @@ class Block(nnx.Module):
         self.mlp_norm = Norm(spec.d_model, **norm)
         self.mlp = Mlp(spec, rngs=rngs)
 
-    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+    def __call__(self, x_BLD: jax.Array, segments_BL=None, positions_BL=None) -> jax.Array:
+        """segments_BL, positions_BL: packed documents' ids and restarted positions
+        (models/attention.py); None: one document per row."""
         q_BLHK, k_BLGK, v_BLGK = self._norm_then(
-            lambda x: self.attn.qkv(self.attn_norm(x)))(x_BLD)
-        x_BLD = x_BLD + self.attn.attend(q_BLHK, k_BLGK, v_BLGK)
+            lambda x: self.attn.qkv(self.attn_norm(x), positions_BL))(x_BLD)
+        x_BLD = x_BLD + self.attn.attend(q_BLHK, k_BLGK, v_BLGK, segments_BL)
         return self._mlp_residual(x_BLD)
 
     def _norm_then(self, norm_and_project):
@@ -133,38 +135,45 @@ class Transformer(nnx.Module):
         if not spec.tied_embeddings:
             self.lm_head = param(rngs, (d, v), ("embed", "vocab"), spec.init_std, dt)
 
-    def _embed(self, tokens_BL: jax.Array, start=0) -> jax.Array:
+    def _embed(self, tokens_BL: jax.Array, start=0, positions_BL=None) -> jax.Array:
         spec, dt = self.spec, self.spec.compute_dtype
         # Gather from a table sharded only by vocab (an FSDP all-gather of its embed dim, as
         # for any weight): each device looks up its vocab range, then one sum combines them.
         table_VD = constrain(self.tok_embed[...].astype(dt), ("vocab", None), spec.rules)
         x_BLD = jnp.take(table_VD, tokens_BL, axis=0)
         if not spec.rope:
-            positions_LD = jax.lax.dynamic_slice_in_dim(self.pos_embed[...], start,
-                                                        tokens_BL.shape[1])
+            if positions_BL is None:
+                positions_LD = jax.lax.dynamic_slice_in_dim(self.pos_embed[...], start,
+                                                            tokens_BL.shape[1])
+            else:  # packed documents: each row's own (restarted) positions
+                positions_LD = jnp.take(self.pos_embed[...], positions_BL, axis=0)
             x_BLD = x_BLD + positions_LD.astype(dt)
         return constrain(x_BLD, ("batch", "sequence", "embed"), spec.rules)
 
-    def features(self, tokens_BL: jax.Array) -> jax.Array:
-        """The final-normed hidden states that the output head reads."""
+    def features(self, tokens_BL: jax.Array, segments_BL=None, positions_BL=None
+                 ) -> jax.Array:
+        """The final-normed hidden states that the output head reads. segments_BL and
+        positions_BL: packed documents (int32 [B, L]: each position's document, 0 for
+        padding, and its position within it); None: one document per row."""
         spec = self.spec
-        x_BLD = self._embed(tokens_BL)
-
+        x_BLD = self._embed(tokens_BL, positions_BL=positions_BL)
         graphdef, stacked = nnx.split(self.blocks)
-
-        def layer(x_BLD, layer_state):
-            return nnx.merge(graphdef, layer_state)(x_BLD), None
-
         policy = REMATS[spec.remat].policy
-        if policy is not None:
-            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        if spec.pipeline is None:
-            x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
-        else:
-            def stage(chunk, x_BLD):
-                return jax.lax.scan(layer, x_BLD, chunk)[0]
 
-            x_BLD = pipeline(stage, stacked, x_BLD, spec.pipeline, spec.rules)
+        def layers(chunk, x_BLD, documents):
+            def layer(x_BLD, layer_state):
+                return nnx.merge(graphdef, layer_state)(x_BLD, *(documents or ())), None
+
+            if policy is not None:
+                layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+            return jax.lax.scan(layer, x_BLD, chunk)[0]
+
+        documents = (segments_BL, positions_BL)
+        if spec.pipeline is None:
+            x_BLD = layers(stacked, x_BLD, documents)
+        else:  # the ids travel with their micro-batch through the stages
+            x_BLD = pipeline(layers, stacked, x_BLD, spec.pipeline, spec.rules,
+                             documents if segments_BL is not None else None)
         return constrain(self.final_norm(x_BLD), ("batch", "length", "embed"), spec.rules)
 
     def head(self) -> jax.Array:
@@ -179,8 +188,9 @@ class Transformer(nnx.Module):
             return self.tok_embed[...].astype(self.spec.compute_dtype), True
         return self.lm_head[...].astype(self.spec.compute_dtype), False
 
-    def __call__(self, tokens_BL: jax.Array) -> jax.Array:
-        logits_BLV = self.features(tokens_BL) @ self.head()
+    def __call__(self, tokens_BL: jax.Array, segments_BL=None, positions_BL=None
+                 ) -> jax.Array:
+        logits_BLV = self.features(tokens_BL, segments_BL, positions_BL) @ self.head()
         return constrain(logits_BLV, ("batch", "length", "vocab"), self.spec.rules)
 
     def init_cache(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:

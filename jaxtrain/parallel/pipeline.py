@@ -54,10 +54,14 @@ def microbatches_for_bubble(stages: int, repeats: int, target: float = 0.1) -> i
 
 
 def pipeline(stage_fn: Callable, stacked, x_BLD: jax.Array, spec: PipelineSpec,
-             rules) -> jax.Array:
+             rules, side=None) -> jax.Array:
     """Runs x through all layers of `stacked` (leaves [L, ...]) on the pipeline schedule.
 
-    stage_fn(chunk, x_BLD) applies one chunk of Lc stacked layers (leaves [Lc, ...]).
+    stage_fn(chunk, x_BLD, side_BL) applies one chunk of Lc stacked layers (leaves
+    [Lc, ...]); side: per-row inputs every layer reads (a pytree of [B, ...] arrays, e.g.
+    packed documents' segment ids and positions, or None), of which each stage gets its
+    micro-batch's rows: micro-batch i is on stage s at iterations r·m + i + s, so stage s
+    takes rows of micro-batch (t − s) mod m, gathered where they lie rather than carried.
     """
     p, v, m = spec.stages, spec.repeats, spec.microbatches
     b, length, d = x_BLD.shape
@@ -69,9 +73,10 @@ def pipeline(stage_fn: Callable, stacked, x_BLD: jax.Array, spec: PipelineSpec,
     chunks = jax.tree.map(lambda a: a.reshape(v, p, chunk, *a.shape[1:]), stacked)
     # Micro-batch i takes rows i, i+m, ...: no data moves between devices to split the batch.
     inputs_MBLD = x_BLD.reshape(mb, m, length, d).swapaxes(0, 1)
+    side_MB = jax.tree.map(lambda a: a.reshape(mb, m, *a.shape[1:]).swapaxes(0, 1), side)
     buffer_axes = ("stage", "batch", "sequence", "embed")
 
-    run_stages = jax.vmap(stage_fn, in_axes=(0, 0), spmd_axis_name="pipeline")
+    run_stages = jax.vmap(stage_fn, in_axes=(0, 0, 0), spmd_axis_name="pipeline")
     stage_ids = jnp.arange(p)
 
     def iteration(carry, t):
@@ -85,7 +90,10 @@ def pipeline(stage_fn: Callable, stacked, x_BLD: jax.Array, spec: PipelineSpec,
         repeat_P = jnp.clip((t - stage_ids) // m, 0, v - 1)
         params = jax.tree.map(lambda a: jax.vmap(lambda a_v, r_: a_v[r_], in_axes=(1, 0))(
             a, repeat_P), chunks) if v > 1 else jax.tree.map(lambda a: a[0], chunks)
-        out_PBLD = run_stages(params, buffer_PBLD)
+        side_PB = jax.tree.map(lambda a: constrain(
+            a[(t - stage_ids) % m], ("stage", "batch") + (None,) * (a.ndim - 2), rules),
+            side_MB)
+        out_PBLD = run_stages(params, buffer_PBLD, side_PB)
         # The last stage finished micro-batch k = t - (p-1) of repeat k // m: emitted as this
         # iteration's output (not carried, which would keep a copy per iteration for the
         # backward pass), and stored for its next repeat in the circular schedule.

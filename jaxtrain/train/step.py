@@ -11,23 +11,50 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from jaxtrain.data.packing import Packed
 from jaxtrain.mesh import logical_to_spec
 from jaxtrain.models.head_loss import head_cross_entropy
 from jaxtrain.optim import skipped_steps
 from jaxtrain.train.state import TrainState
 
 
-def loss_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT: jax.Array) -> jax.Array:
-    """Mean next-token cross entropy; tokens_BT holds seq_len + 1 tokens per row.
+def counted_targets(segments_BT: jax.Array) -> jax.Array:
+    """Bool [B, T-1]: the targets of packed rows that count: the slot before is of the same
+    document, and it is no padding (data/packing.py)."""
+    return (segments_BT[:, 1:] == segments_BT[:, :-1]) & (segments_BT[:, 1:] != 0)
+
+
+def trained_tokens(batch) -> jax.Array | None:
+    """The input tokens of a batch that are no padding (what MFU counts); None for plain
+    windows, which have none."""
+    if not isinstance(batch, Packed):
+        return None
+    return (batch.segments[:, :-1] != 0).sum(dtype=jnp.int32)
+
+
+def loss_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT) -> jax.Array:
+    """Mean next-token cross entropy; tokens_BT holds seq_len + 1 tokens per row, or is a
+    Packed batch of documents (mean over its counted targets).
 
     Equals softmax cross entropy of model(inputs) logits, but the head and the loss run fused
     over sequence chunks (models/head_loss.py) so the B·L·V logits never exist at once.
     """
+    if isinstance(tokens_BT, Packed):
+        return _packed_loss(params, graphdef, tokens_BT)
     inputs_BL, targets_BL = tokens_BT[:, :-1], tokens_BT[:, 1:]
     model = nnx.merge(graphdef, params)
     head, vocab_major = model.head_as_stored()
     return head_cross_entropy(model.features(inputs_BL), head, targets_BL, model.spec.rules,
                               vocab_major)
+
+
+def _packed_loss(params: dict, graphdef: nnx.GraphDef, batch: Packed) -> jax.Array:
+    model = nnx.merge(graphdef, params)
+    head, vocab_major = model.head_as_stored()
+    x_BLD = model.features(batch.tokens[:, :-1], batch.segments[:, :-1],
+                           batch.positions[:, :-1])
+    return head_cross_entropy(x_BLD, head, batch.tokens[:, 1:], model.spec.rules,
+                              vocab_major, counted_targets(batch.segments))
 
 
 def model_loss(graphdef: nnx.GraphDef) -> Callable:
@@ -63,22 +90,34 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
 
     grad_fn = jax.value_and_grad(objective)
 
-    def scaled_loss_and_grads(params, tokens_BT, step, scale):
-        if microbatches == 1:
-            return grad_fn(params, tokens_BT, step, scale)
+    def split(tokens_BT):
         b, t = tokens_BT.shape
         # Micro-batch i takes rows i, i+m, i+2m, ...: each device's contiguous block of rows
         # holds its share of every micro-batch, so splitting moves no data between devices.
         micro_MBT = tokens_BT.reshape(b // microbatches, microbatches, t).swapaxes(0, 1)
-        micro_MBT = jax.lax.with_sharding_constraint(
+        return jax.lax.with_sharding_constraint(
             micro_MBT, logical_to_spec((None, "batch", None), rules))
 
-        def accumulate(carry, tokens):
+    def scaled_loss_and_grads(params, tokens_BT, step, scale):
+        if microbatches == 1:
+            return grad_fn(params, tokens_BT, step, scale)
+        micro_MBT = jax.tree.map(split, tokens_BT)
+        # Packed rows: each micro-batch's mean weighted by its share of the counted targets,
+        # so that the sum is the mean over the whole batch's.
+        shares_M = _target_shares(micro_MBT.segments) if isinstance(tokens_BT, Packed) \
+            else None
+
+        def accumulate(carry, xs):
+            tokens, share = xs
             value, grads = grad_fn(params, tokens, step, scale)
+            if share is not None:
+                value, grads = jax.tree.map(lambda x: x * share, (value, grads))
             return jax.tree.map(jnp.add, carry, (value, grads)), None
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        (value, grads), _ = jax.lax.scan(accumulate, zeros, micro_MBT)
+        (value, grads), _ = jax.lax.scan(accumulate, zeros, (micro_MBT, shares_M))
+        if shares_M is not None:
+            return value, grads
         return jax.tree.map(lambda x: x / microbatches, (value, grads))
 
     def train_step(state: TrainState, tokens_BT: jax.Array) -> tuple[TrainState, dict]:
@@ -99,15 +138,24 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
         metrics = {"loss": value, "grad_norm": optax.tree.norm(grads),
                    "learning_rate": schedule(state.step), "skipped_steps": skipped,
                    "bad_steps_in_a_row": in_a_row, **extra, **dict(options.constants)}
+        if (tokens := trained_tokens(tokens_BT)) is not None:
+            metrics["trained_tokens"] = tokens
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                           loss_scale=loss_scale), metrics
 
     return train_step
 
 
+def _target_shares(segments_MBT: jax.Array) -> jax.Array:
+    """[M]: each micro-batch's counted targets over the whole batch's."""
+    counts_M = jax.vmap(lambda s: counted_targets(s).sum(dtype=jnp.float32))(segments_MBT)
+    return counts_M / jnp.maximum(counts_M.sum(), 1.0)
+
+
 def jit_train_step(train_step: Callable, shardings: TrainState,
                    batch_sharding: NamedSharding) -> Callable:
-    """Explicit in/out shardings; the old state is donated so its buffers are reused."""
+    """Explicit in/out shardings; the old state is donated so its buffers are reused. The
+    batch sharding applies to every array of a Packed batch (a pytree prefix)."""
     return jax.jit(train_step, in_shardings=(shardings, batch_sharding),
                    out_shardings=(shardings, None), donate_argnums=0)
 
