@@ -56,6 +56,12 @@ class Packed(NamedTuple):
     positions: np.ndarray
 
 
+def counted_targets(segments_xT):
+    """Bool [..., T-1]: the targets of packed rows that count: the slot before is of the same
+    document, and it is no padding. numpy or jax arrays alike."""
+    return (segments_xT[..., 1:] == segments_xT[..., :-1]) & (segments_xT[..., 1:] != 0)
+
+
 def window_tokens(seq_len: int, rows: int = ROWS_PER_WINDOW) -> int:
     """Dataset tokens per window such that its pieces always fit its rows.
 

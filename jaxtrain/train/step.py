@@ -11,17 +11,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxtrain.data.packing import Packed
+from jaxtrain.data.packing import Packed, counted_targets
 from jaxtrain.mesh import logical_to_spec
 from jaxtrain.models.head_loss import head_cross_entropy
 from jaxtrain.optim import skipped_steps
 from jaxtrain.train.state import TrainState
-
-
-def counted_targets(segments_BT: jax.Array) -> jax.Array:
-    """Bool [B, T-1]: the targets of packed rows that count: the slot before is of the same
-    document, and it is no padding (data/packing.py)."""
-    return (segments_BT[:, 1:] == segments_BT[:, :-1]) & (segments_BT[:, 1:] != 0)
 
 
 def trained_tokens(batch) -> jax.Array | None:
