@@ -172,7 +172,9 @@ class Transformer(nnx.Module):
         if spec.pipeline is None:
             x_BLD = layers(stacked, x_BLD, documents)
         else:  # the ids travel with their micro-batch through the stages
-            x_BLD = pipeline(layers, stacked, x_BLD, spec.pipeline, spec.rules,
+            x_BLD = pipeline(layers if segments_BL is not None
+                             else lambda chunk, x: layers(chunk, x, None),
+                             stacked, x_BLD, spec.pipeline, spec.rules,
                              documents if segments_BL is not None else None)
         return constrain(self.final_norm(x_BLD), ("batch", "length", "embed"), spec.rules)
 

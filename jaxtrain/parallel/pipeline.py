@@ -76,7 +76,9 @@ def pipeline(stage_fn: Callable, stacked, x_BLD: jax.Array, spec: PipelineSpec,
     side_MB = jax.tree.map(lambda a: a.reshape(mb, m, *a.shape[1:]).swapaxes(0, 1), side)
     buffer_axes = ("stage", "batch", "sequence", "embed")
 
-    run_stages = jax.vmap(stage_fn, in_axes=(0, 0, 0), spmd_axis_name="pipeline")
+    # Without side inputs stage_fn takes (chunk, x_BLD) only.
+    run_stages = jax.vmap(stage_fn if side is not None else lambda c, x, _: stage_fn(c, x),
+                          in_axes=(0, 0, 0), spmd_axis_name="pipeline")
     stage_ids = jnp.arange(p)
 
     def iteration(carry, t):
