@@ -15,6 +15,7 @@ import pathlib
 
 import ml_collections
 
+from jaxtrain.data.packing import PACKINGS
 from jaxtrain.data.sources import SOURCES
 from jaxtrain.errors import ConfigError, divisors, fail
 from jaxtrain.mesh import (
@@ -141,6 +142,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.dtype = "uint16"  # token width of .bin files
     c.data.val_fraction = 0.05  # held-out tail (prepared: at a document boundary)
     c.data.prefetch = 2
+    # concat: rows are windows of the concatenated documents; documents: whole documents
+    # packed into rows, attention and positions kept within each (docs/data.md).
+    c.data.packing = "concat"
     # prepared: several datasets drawn by weight, "DIR:WEIGHT,DIR:WEIGHT" (instead of path).
     c.data.mixture = ""
     # prepared: validate on this prepared dataset instead of a held-out tail.
@@ -250,6 +254,8 @@ def _check_numbers(c) -> None:
             fail(f"model.{key}", m[key], "must be >= 1")
     if m.sliding_window < 0:
         fail("model.sliding_window", m.sliding_window, "must be 0 (off) or a window >= 1")
+    if c.data.packing == "documents" and m.seq_len < 2:
+        fail("model.seq_len", m.seq_len, "data.packing='documents' needs >= 2")
     if not 0.0 < c.data.val_fraction < 1.0:
         fail("data.val_fraction", c.data.val_fraction, "must be between 0 and 1")
     if c.optimizer.lr <= 0:
@@ -287,10 +293,11 @@ def _check_model(c, platform: str | None) -> None:
         fail("model.num_heads", heads, f"must divide model.d_model={m.d_model} "
              "(or set model.head_dim)")
     FAMILIES[m.family].check(m.head_dim or m.d_model // heads)
+    documents = c.data.packing == "documents"
     kernel = resolve_attention(m.attention, c.train.precision, platform or "", m.seq_len,
-                               m.sliding_window)
+                               m.sliding_window, documents)
     if problem := KERNELS[kernel].problem(c.train.precision, platform, m.seq_len,
-                                          m.sliding_window):
+                                          m.sliding_window, documents):
         shown = m.attention if m.attention == kernel else f"{m.attention} ({kernel} here)"
         fail("model.attention", shown, problem)
     if problem := REMATS[m.remat].problem(platform):
@@ -339,7 +346,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int,
     for key, registry in (("model.family", FAMILIES), ("model.attention", ("auto", *KERNELS)),
                           ("model.remat", REMATS), ("train.precision", PRECISIONS),
                           ("optimizer.schedule", SCHEDULES), ("data.source", SOURCES),
-                          ("eval.backend", BACKENDS)):
+                          ("eval.backend", BACKENDS), ("data.packing", PACKINGS)):
         _choice(c, key, tuple(registry))
     _check_model(c, platform)
     _check_eval(c)

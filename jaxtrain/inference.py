@@ -23,6 +23,7 @@ from jaxtrain import quantization as quantization_lib
 from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.config import base_config
 from jaxtrain.data.batches import to_global
+from jaxtrain.data.packing import Packed, counted_targets
 from jaxtrain.data.sources import SOURCES, TokenWindows
 from jaxtrain.data.tokenizers import ByteTokenizer
 from jaxtrain.errors import CheckpointError, ConfigError, DataError
@@ -199,14 +200,20 @@ def evaluation_windows(cfg, data: str | None, tokenizer=None):
 
 
 def evaluate(loaded, windows, batches: int) -> dict:
-    """Mean next-token loss over `batches` batches of consecutive windows."""
+    """Mean next-token loss over `batches` batches of consecutive windows (or packed rows:
+    over their counted targets, each batch weighted by its count)."""
     setup, rows = loaded.setup, loaded.cfg.train.global_batch
     eval_step = loaded.loss_step()
-    losses = []
+    losses, counts = [], []
     with jax.set_mesh(setup.mesh):
         for b in range(batches):
-            batch = np.stack([windows[b * rows + i] for i in range(rows)])
+            batch = jax.tree.map(lambda *r: np.stack(r),
+                                 *[windows[b * rows + i] for i in range(rows)])
+            counts.append(int(counted_targets(batch.segments).sum())
+                          if isinstance(batch, Packed) else rows * loaded.cfg.model.seq_len)
             losses.append(eval_step(loaded.params, to_global(batch, setup.tokens_sharding)))
-    loss = float(np.mean(jax.device_get(losses)))
+    losses = jax.device_get(losses)
+    loss = float(np.average(losses, weights=counts) if isinstance(batch, Packed)
+                 else np.mean(losses))
     return {"loss": loss, "perplexity": math.exp(loss), "bits_per_token": loss / math.log(2),
-            "tokens": batches * rows * loaded.cfg.model.seq_len}
+            "tokens": int(sum(counts))}

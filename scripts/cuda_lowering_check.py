@@ -5,6 +5,7 @@ callbacks: there should be none), and the matmuls' operand types (a 16-bit polic
 run no float32×float32 matmul of model width; fp8 should run f8 matmuls).
 
     python scripts/cuda_lowering_check.py [--json] [--kernels cudnn,pallas] [--precisions fp8]
+        [--packing documents]
 
 Lowered with `jit(...).trace(...).lower(lowering_platforms=("cuda",))`: the same lowering
 jax.export(platforms=("cuda",)) performs, without export's refusal of custom calls that
@@ -76,8 +77,7 @@ def lower_for_cuda(kernel: str, precision: str, overrides: dict | None = None) -
     spec = dataclasses.replace(setup.spec, attention=kernel)
     setup = dataclasses.replace(setup, spec=spec,
                                 graphdef=nnx.graphdef(state_lib.abstract_model(spec)))
-    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), "int32",
-                                  sharding=setup.tokens_sharding)
+    tokens = setup.abstract_batch()  # a Packed batch with data.packing='documents'
     state = setup.abstract_state()
     with _gpu_stubs(kernel), jax.set_mesh(setup.mesh):
         traced = setup.train_step().trace(state, tokens)
@@ -125,13 +125,16 @@ def problems(row: dict) -> list[str]:
     return out
 
 
-def run(kernels, precisions) -> list[dict]:
+def run(kernels, precisions, packing: str = "concat") -> list[dict]:
     rows = []
+    overrides = ({} if packing == "concat" else
+                 {"data.packing": packing, "data.source": "synthetic"})
     for kernel in kernels:
         for precision in precisions:
-            row = {"kernel": kernel, "precision": precision}
+            row = {"kernel": kernel, "precision": precision, "packing": packing}
             try:
-                row.update(inspect(lower_for_cuda(kernel, precision), SMALL["model.d_model"]))
+                row.update(inspect(lower_for_cuda(kernel, precision, overrides),
+                                   SMALL["model.d_model"]))
                 row["problems"] = problems(row)
             except Exception as e:  # noqa: BLE001 - a refusal is a finding too
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
@@ -145,9 +148,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", default=",".join(KERNELS))
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
+    parser.add_argument("--packing", default="concat", choices=("concat", "documents"),
+                        help="documents: the document-mask paths (segment ids)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    rows = run(args.kernels.split(","), args.precisions.split(","))
+    rows = run(args.kernels.split(","), args.precisions.split(","), args.packing)
     if args.json:
         print(json.dumps(rows))
     else:

@@ -87,7 +87,6 @@ def _shard_bytes(sds) -> int:
 def train_case(name: str, config_file: str, overrides: dict, devices, offload: bool) -> dict:
     """Compiles the train step of a config for the topology; returns its memory figures."""
     import jax
-    import numpy as np
 
     from jaxtrain.config import apply_overrides, load_config_file
     from jaxtrain.train.setup import build
@@ -95,8 +94,7 @@ def train_case(name: str, config_file: str, overrides: dict, devices, offload: b
     cfg = apply_overrides(load_config_file(os.path.join(ROOT, config_file)),
                           {**overrides, "optimizer.offload_to_host": offload})
     setup = build(cfg, devices)
-    tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1),
-                                  np.int32, sharding=setup.tokens_sharding)
+    tokens = setup.abstract_batch()
     # Outside set_mesh: under a mesh of compile-only devices, the eager jax.random.key
     # inside abstract_state would be dispatched to them and fail.
     state = setup.abstract_state()

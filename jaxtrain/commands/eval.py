@@ -27,6 +27,7 @@ from absl import flags, logging
 from jaxtrain import inference
 from jaxtrain.commands.common import run_absl
 from jaxtrain.data import record
+from jaxtrain.data.packing import Packed, counted_targets
 from jaxtrain.errors import DataError
 from jaxtrain.tasks import BACKENDS, TaskSpec
 from jaxtrain.tasks.text import run_tokenizer
@@ -53,9 +54,17 @@ def _define_flags() -> dict:
 
 
 def target_bytes(tokenizer, windows, count: int) -> int:
-    """UTF-8 bytes of the text the target tokens of the first `count` windows stand for."""
+    """UTF-8 bytes of the text the target tokens of the first `count` windows stand for
+    (packed rows: their counted targets)."""
     table = tokenizer.token_bytes()
-    return int(sum(table[windows[i][1:]].sum() for i in range(count)))
+    total = 0
+    for i in range(count):
+        row = windows[i]
+        if isinstance(row, Packed):
+            total += int(table[row.tokens[1:][counted_targets(row.segments)]].sum())
+        else:
+            total += int(table[row[1:]].sum())
+    return total
 
 
 def _task_flags() -> dict:

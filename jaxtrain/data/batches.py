@@ -45,7 +45,7 @@ class Batches:
         options = grain.ReadOptions(num_threads=2, prefetch_buffer_size=self.prefetch)
         return iter(ds.to_iter_dataset(options))
 
-    def val_batches(self) -> list[np.ndarray]:
+    def val_batches(self) -> list:
         count, index = jax.process_count(), jax.process_index()
         ds = self._dataset(self.val_source, None)
         ds = ds.batch(self.local_batch, drop_remainder=True)[index::count]
@@ -70,5 +70,8 @@ def make_batches(cfg) -> Batches:
                    cfg.eval_batches)
 
 
-def to_global(local_batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    return jax.make_array_from_process_local_data(sharding, local_batch)
+def to_global(local_batch, sharding: NamedSharding):
+    """This process's rows -> global arrays: a token array, or each array of a Packed batch
+    (jaxtrain.data.packing), all sharded alike."""
+    return jax.tree.map(lambda rows: jax.make_array_from_process_local_data(sharding, rows),
+                        local_batch)

@@ -134,6 +134,24 @@ class PreparedDataset:
         start, length = self._shard_index(k)[i - int(self.doc_starts[k])]
         return int(self.shard_starts[k]) + int(start), int(length)
 
+    def documents_in(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """(first token, length) int64 of the documents overlapping tokens [lo, hi), in
+        order, read from the index alone (binary searches, then a slice per shard)."""
+        starts, lengths = [], []
+        k = max(int(np.searchsorted(self.shard_starts, lo, side="right")) - 1, 0)
+        while k < len(self.shards) and self.shard_starts[k] < hi:
+            base, index = int(self.shard_starts[k]), self._shard_index(k)
+            first = max(int(np.searchsorted(index[:, 0], lo - base, side="right")) - 1, 0)
+            last = int(np.searchsorted(index[:, 0], hi - base, side="left"))
+            rows = np.asarray(index[first:last], dtype=np.int64)
+            keep = rows[:, 0] + rows[:, 1] + base > lo
+            starts.append(rows[keep, 0] + base)
+            lengths.append(rows[keep, 1])
+            k += 1
+        if not starts:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.concatenate(starts), np.concatenate(lengths)
+
     def split_point(self, val_fraction: float) -> int:
         """The first document of a held-out tail holding about val_fraction of the tokens."""
         target = self.num_tokens * (1.0 - val_fraction)

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxtrain.data import fingerprints, tokenizers
 from jaxtrain.data.dataset import PreparedDataset
+from jaxtrain.data.packing import PackedDocuments
 from jaxtrain.errors import ConfigError, DataError
 
 NAME = "prepared"
@@ -108,17 +109,21 @@ class PreparedWindows:
         return self.dataset.read(offset, self.seq_len + 1)
 
 
-def _split_windows(ds: PreparedDataset, c, what: str) -> tuple[PreparedWindows,
-                                                                PreparedWindows]:
+def _rows(c, ds: PreparedDataset, start: int, end: int, name: str):
+    """The rows of tokens [start, end) of ds as data.packing says: windows of the
+    concatenated documents, or documents packed into rows (jaxtrain.data.packing)."""
+    kind = PackedDocuments if c.data.packing == "documents" else PreparedWindows
+    return kind(ds, start, end, c.model.seq_len, name)
+
+
+def _split_windows(ds: PreparedDataset, c, what: str) -> tuple[object, object]:
     fraction = c.data.val_fraction
     if ds.num_documents >= 2:
         cut = ds.document(ds.split_point(fraction))[0]
     else:
         cut = int(ds.num_tokens * (1.0 - fraction))
-    seq = c.model.seq_len
-    return (PreparedWindows(ds, 0, cut, seq, f"the training split of {what}={ds.path}"),
-            PreparedWindows(ds, cut, ds.num_tokens, seq,
-                            f"the validation split of {what}={ds.path}"))
+    return (_rows(c, ds, 0, cut, f"the training split of {what}={ds.path}"),
+            _rows(c, ds, cut, ds.num_tokens, f"the validation split of {what}={ds.path}"))
 
 
 class MixtureWindows:
@@ -144,21 +149,19 @@ class MixtureWindows:
 
 
 def splits(c) -> tuple[object, object]:
-    """(train, validation) random-access windows for data.source='prepared'."""
+    """(train, validation) random-access rows for data.source='prepared'."""
     check(c)
     components, val_ds = open_all(c)
-    seq = c.model.seq_len
     trains, vals = [], []
     for ds, _, what in components:
         if val_ds is None:
             train, val = _split_windows(ds, c, what)
             vals.append(val)
         else:
-            train = PreparedWindows(ds, 0, ds.num_tokens, seq, f"{what}={ds.path}")
+            train = _rows(c, ds, 0, ds.num_tokens, f"{what}={ds.path}")
         trains.append(train)
     if val_ds is not None:
-        vals = [PreparedWindows(val_ds, 0, val_ds.num_tokens, seq,
-                                f"data.val_path={val_ds.path}")]
+        vals = [_rows(c, val_ds, 0, val_ds.num_tokens, f"data.val_path={val_ds.path}")]
     if len(trains) == 1:
         return trains[0], vals[0]
     weights = [w for _, w, _ in components]

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxtrain.data import fingerprints, prepared_source, tokenizers
+from jaxtrain.data.packing import SyntheticDocuments
 from jaxtrain.data.stdlib import stdlib_files
 from jaxtrain.errors import DataError, fail
 
@@ -115,8 +116,9 @@ def _windows(tokens_of: Callable) -> Callable:
 
 def _synthetic_splits(c):
     seq, vocab = c.model.seq_len, c.model.vocab_size
-    return (SyntheticWindows(vocab, seq, c.seed),
-            SyntheticWindows(vocab, seq, c.seed + 1, size=c.eval_batches * c.train.global_batch))
+    rows = SyntheticDocuments if c.data.packing == "documents" else SyntheticWindows
+    return (rows(vocab, seq, c.seed),
+            rows(vocab, seq, c.seed + 1, size=c.eval_batches * c.train.global_batch))
 
 
 def _check_stdlib(c) -> None:
@@ -173,13 +175,20 @@ class DataSource:
     fingerprint: Callable | None = None
     tokenizer: Callable | None = None  # config -> Tokenizer | None (None: not known)
     validation_text: bool = True  # has held-out data to evaluate on
+    documents: bool = False  # knows its documents: data.packing='documents' can pack them
 
     def fingerprints(self, c) -> dict:
-        if self.fingerprint is None:
-            return {"data.source": fingerprints.item(self.name, repr(self.name))}
-        return self.fingerprint(c)
+        items = ({"data.source": fingerprints.item(self.name, repr(self.name))}
+                 if self.fingerprint is None else self.fingerprint(c))
+        if c.data.packing != "concat":  # absent for concat: records made before packing
+            items["data.packing"] = fingerprints.value(c.data.packing)
+        return items
 
     def validate(self, c) -> None:
+        if c.data.packing == "documents" and not self.documents:
+            fail("data.packing", "documents", f"data.source={self.name!r} has no document "
+                 "index; use data.source='prepared' (jaxtrain prepare --stdlib makes one of "
+                 "the built-in corpus) or 'synthetic'")
         if self.check is not None:
             self.check(c)
 
@@ -192,8 +201,10 @@ SOURCES: dict[str, DataSource] = {s.name: s for s in (
                _check_bin, tokens=_bin_tokens, fingerprint=_bin_fingerprint,
                tokenizer=_bin_tokenizer),
     DataSource("synthetic", "uniform random tokens, a function of (seed, index)",
-               _synthetic_splits, fingerprint=_synthetic_fingerprint, validation_text=False),
+               _synthetic_splits, fingerprint=_synthetic_fingerprint, validation_text=False,
+               documents=True),
     DataSource(prepared_source.NAME, "datasets made by `jaxtrain prepare`, alone or mixed "
                "by weight (docs/data.md)", prepared_source.splits, prepared_source.check,
-               fingerprint=prepared_source.fingerprint, tokenizer=prepared_source.tokenizer),
+               fingerprint=prepared_source.fingerprint, tokenizer=prepared_source.tokenizer,
+               documents=True),
 )}

@@ -1,9 +1,23 @@
-"""Causal self-attention with grouped-query heads and an optional sliding window.
+"""Causal self-attention with grouped-query heads, an optional sliding window and optional
+document masks.
 
-The attention kernel is a plain function (q, k, v, window) -> out chosen by name, so faster
-implementations plug in without touching the module. window=None: full causal attention;
-window=W: query position i sees keys (i - W, i] (W keys including itself, as Mistral's
-sliding_window).
+The attention kernel is a plain function (q, k, v, window, segments) -> out chosen by name,
+so faster implementations plug in without touching the module. window=None: full causal
+attention; window=W: query position i sees keys (i - W, i] (W keys including itself, as
+Mistral's sliding_window).
+
+Document masks (data.packing='documents', docs/data.md): `segments_BL` is an int32 [B, L]
+array, the document of each position of a packed row (1, 2, ... in row order; 0 for the
+padding at the row's end, which is one more segment and attends only to itself). A query
+sees a key only when both hold the same id, on top of the causal (and window) mask; None is
+one document per row, the plain causal kernel, unchanged. The ids of a document are one
+contiguous run (cuDNN's packed layout relies on it; the other kernels compare ids). Kernels
+take one array because this is self-attention: queries and keys have the same positions.
+A kernel that tiles the sequence over devices (context parallelism) slices it like the
+queries for the query side and passes the key side's slice with the keys it holds, as
+splash's `SegmentIds(q, kv)` and the chunked kernel's per-chunk `_segment_bias` do.
+Positions restart at each document (`positions_BL`, for RoPE and learned positions); the
+model reads them, the kernels never do.
 """
 
 from __future__ import annotations
@@ -18,6 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.mesh import constrain
 from jaxtrain.models.chunked_attention import chunked_attention
+from jaxtrain.models.cudnn_attention import cudnn_attention
 from jaxtrain.models.layers import dense, param, rope
 from jaxtrain.models.pallas_tpu import splash_attention
 
@@ -30,16 +45,25 @@ def causal_mask(query_pos, key_pos, window: int | None):
     return visible
 
 
-def cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T, window: int | None):
+def same_document(q_segments_BT, kv_segments_BM):
+    """Bool [B, T, M]: whether each query and key are of one document."""
+    return q_segments_BT[:, :, None] == kv_segments_BM[:, None, :]
+
+
+def cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T, window: int | None,
+                     segments_BL=None):
     """T queries at positions_T against M keys at positions 0..M-1: full score matrix, mask,
     float32 softmax. When decoding, the keys are a cache whose slots past each query's
-    position are unwritten; the causal mask hides them."""
+    position are unwritten; the causal mask hides them. segments_BL (self-attention, T = M):
+    the document masks of the module docstring."""
     b, t, heads, head_dim = q_BTHK.shape
     groups = k_BMGK.shape[2]
     q_BTGRK = q_BTHK.reshape(b, t, groups, heads // groups, head_dim)
     scores_BGRTM = jnp.einsum("btgrk,bmgk->bgrtm", q_BTGRK, k_BMGK,
                               preferred_element_type=jnp.float32)
     visible_TM = causal_mask(positions_T, jnp.arange(k_BMGK.shape[1]), window)
+    if segments_BL is not None:
+        visible_TM = (visible_TM & same_document(segments_BL, segments_BL))[:, None, None]
     scores_BGRTM = jnp.where(visible_TM, scores_BGRTM, jnp.finfo(jnp.float32).min)
     probs_BGRTM = jax.nn.softmax(scores_BGRTM, axis=-1).astype(v_BMGK.dtype)
     out_BTGRK = jnp.einsum("bgrtm,bmgk->btgrk", probs_BGRTM, v_BMGK)
@@ -47,22 +71,16 @@ def cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T, window: int | None):
 
 
 def xla_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
-                  window: int | None = None) -> jax.Array:
+                  window: int | None = None, segments_BL=None) -> jax.Array:
     """Reference causal attention."""
-    return cached_attention(q_BLHK, k_BMGK, v_BMGK, jnp.arange(q_BLHK.shape[1]), window)
-
-
-def cudnn_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
-                    window: int | None = None) -> jax.Array:
-    """cuDNN's fused flash attention (NVIDIA GPUs, bf16/fp16); q arrives pre-scaled."""
-    return jax.nn.dot_product_attention(
-        q_BLHK, k_BMGK, v_BMGK, scale=1.0, is_causal=True, implementation="cudnn",
-        local_window_size=None if window is None else (window - 1, 0))
+    return cached_attention(q_BLHK, k_BMGK, v_BMGK, jnp.arange(q_BLHK.shape[1]), window,
+                            segments_BL)
 
 
 def pallas_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
-                     window: int | None = None) -> jax.Array:
+                     window: int | None = None, segments_BL=None) -> jax.Array:
     """jax's Pallas flash-attention kernel for GPUs (Triton); interpreted on CPU, for tests.
+    It takes segment ids ([B, L], compared per block) for document masks.
 
     The kernel wants as many kv heads as query heads, so grouped kv heads are repeated. It
     has no sliding window (train/setup.py refuses that combination before compiling).
@@ -78,7 +96,7 @@ def pallas_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
     block = next(b for b in (128, 64, 32, 16, 8, 4, 2, 1) if length % b == 0)
     blocks = pallas_gpu.BlockSizes(block_q=block, block_k=block, block_q_dkv=block,
                                    block_kv_dkv=block, block_q_dq=block, block_kv_dq=block)
-    return pallas_gpu.mha(q_BLHK, k_BMGK, v_BMGK, None, sm_scale=1.0, causal=True,
+    return pallas_gpu.mha(q_BLHK, k_BMGK, v_BMGK, segments_BL, sm_scale=1.0, causal=True,
                           block_sizes=blocks, interpret=jax.default_backend() == "cpu")
 
 
@@ -88,12 +106,13 @@ class AttentionKernel:
     before anything compiles) and what the planner needs to know about it."""
 
     name: str
-    fn: Callable  # (q_BLHK scaled, k_BMGK, v_BMGK, window) -> out_BLHK, causal
+    fn: Callable  # (q_BLHK scaled, k_BMGK, v_BMGK, window, segments_BL) -> out_BLHK, causal
     doc: str
     platforms: tuple[str, ...]  # where it runs
     interpreted: tuple[str, ...] = ()  # of those, where it runs in an interpreter (tests)
     float32: bool = True  # runs in float32 (else 16-bit compute only)
     window: bool = True  # takes a sliding window
+    segments: bool = True  # takes document masks (segment ids), for data.packing=documents
     seq_multiple: int = 1  # the sequence length must be a multiple of this
     auto_on: str | None = None  # 'auto' picks it first on this platform, where it applies
     # Planner: the whole L×L score matrix exists (and, without remat, is kept for the
@@ -104,13 +123,17 @@ class AttentionKernel:
     query_chunk: int = 0
     sharded_by_rules: bool = False  # a custom call that shards itself by the logical rules
 
-    def __call__(self, q_BLHK, k_BMGK, v_BMGK, window: int | None = None, rules=None):
+    def __call__(self, q_BLHK, k_BMGK, v_BMGK, window: int | None = None, rules=None,
+                 segments_BL=None):
+        if segments_BL is not None and not self.segments:
+            raise ValueError(f"the {self.name} attention kernel takes no document masks")
+        extra = {} if segments_BL is None else {"segments_BL": segments_BL}
         if self.sharded_by_rules:
-            return self.fn(q_BLHK, k_BMGK, v_BMGK, window, rules=rules)
-        return self.fn(q_BLHK, k_BMGK, v_BMGK, window)
+            extra["rules"] = rules
+        return self.fn(q_BLHK, k_BMGK, v_BMGK, window, **extra)
 
     def problem(self, precision: str, platform: str | None, seq_len: int,
-                window: int) -> str | None:
+                window: int, documents: bool = False) -> str | None:
         """Why this kernel cannot run this config (None: it can); platform None: unknown
         yet (the planner), so only the platform-independent checks apply."""
         if platform is not None and platform not in self.platforms:
@@ -121,6 +144,10 @@ class AttentionKernel:
                     "for float32")
         if window and not self.window:
             return f"it has no sliding window (model.sliding_window={window}); use cudnn or chunked"
+        if documents and not self.segments:
+            return ("it cannot mask attention at document boundaries (data.packing="
+                    "'documents'); use " + ", ".join(k.name for k in KERNELS.values()
+                                                     if k.segments))
         if seq_len % self.seq_multiple:
             return (f"it tiles the sequence in blocks of {self.seq_multiple}: model.seq_len="
                     f"{seq_len} is not a multiple")
@@ -147,7 +174,7 @@ KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
 
 
 def resolve_attention(name: str, precision: str, platform: str, seq_len: int = 128,
-                      window: int = 0) -> str:
+                      window: int = 0, documents: bool = False) -> str:
     """The kernel `model.attention` names on this platform: 'auto' is the first kernel
     whose auto_on is the platform and that can run the config, else chunked; 'pallas' on
     a TPU is the splash kernel."""
@@ -157,7 +184,7 @@ def resolve_attention(name: str, precision: str, platform: str, seq_len: int = 1
         return name
     for kernel in KERNELS.values():
         if kernel.auto_on == platform and not kernel.problem(precision, platform, seq_len,
-                                                              window):
+                                                              window, documents):
             return kernel.name
     return "chunked"
 
@@ -196,7 +223,8 @@ class Attention(nnx.Module):
 
     def qkv(self, x_BLD, positions_L=None):
         """Projected q (scaled by 1/√head_dim), k and v of the normed input; positions_L
-        for rotary embeddings (default 0..L-1)."""
+        ([L], or [B, L] restarting at each document) for rotary embeddings (default
+        0..L-1)."""
         spec = self.spec
         q_BLHK = self._project(x_BLD, "q", ("heads", "kv"))
         k_BLGK = self._project(x_BLD, "k", ("kv_heads", "kv"))
@@ -216,14 +244,16 @@ class Attention(nnx.Module):
             y_BLD = y_BLD + self.b_o[...].astype(spec.compute_dtype)
         return checkpoint_name(y_BLD, "out_proj")
 
-    def __call__(self, x_BLD: jax.Array) -> jax.Array:
-        return self.attend(*self.qkv(x_BLD))
+    def __call__(self, x_BLD: jax.Array, segments_BL=None, positions_BL=None) -> jax.Array:
+        return self.attend(*self.qkv(x_BLD, positions_BL), segments_BL)
 
-    def attend(self, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array) -> jax.Array:
-        """The attention kernel and the output projection, from projected q, k, v."""
+    def attend(self, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
+               segments_BL=None) -> jax.Array:
+        """The attention kernel and the output projection, from projected q, k, v;
+        segments_BL: document masks (the module docstring), None for none."""
         kernel = KERNELS[self.spec.attention]
         out_BLHK = kernel(q_BLHK, k_BLGK, v_BLGK, self.spec.sliding_window or None,
-                          rules=self.spec.rules)
+                          rules=self.spec.rules, segments_BL=segments_BL)
         return self._output(out_BLHK)
 
     def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):

@@ -13,6 +13,12 @@ the keys from its first row's window start, so the work grows as L·W rather tha
 
 GQA: the R = H/G query heads sharing a kv head are folded into the query rows, so each chunk
 is one batched matmul over (batch, kv group) and K/V are read once per group.
+
+Document masks (segment ids, models/attention.py): each chunk adds a second bias, −1e30
+where the query's and the key's ids differ ([B, 1, rows, keys], from the chunk's query ids
+and its key range's ids), in the forward pass and again where the backward pass recomputes
+the probabilities. The key blocks skipped stay the causal ones: which blocks a document
+boundary empties is data, and a static loop cannot skip them.
 """
 
 from __future__ import annotations
@@ -70,10 +76,22 @@ def _unrows(x_BGQK, r: int):
     return x_BGQK.reshape(b, g, r, rows // r, *x_BGQK.shape[3:])
 
 
-def _scores(q_BGQK, k_BGMK, start: int, end: int, r: int, window: int | None):
-    s_BGQM = jnp.einsum("bgqk,bgmk->bgqm", q_BGQK, k_BGMK[:, :, _key_start(start, window):end],
+def _scores(q_BGQK, k_BGMK, start: int, end: int, r: int, window: int | None, segments_BL):
+    lo = _key_start(start, window)
+    s_BGQM = jnp.einsum("bgqk,bgmk->bgqm", q_BGQK, k_BGMK[:, :, lo:end],
                         preferred_element_type=jnp.float32)
-    return s_BGQM + _mask_bias(start, end, r, window)
+    s_BGQM = s_BGQM + _mask_bias(start, end, r, window)
+    if segments_BL is not None:
+        s_BGQM = s_BGQM + _segment_bias(segments_BL, start, end, lo, r)
+    return s_BGQM
+
+
+def _segment_bias(segments_BL, start: int, end: int, lo: int, repeats: int):
+    """[B, 1, rows, keys]: 0 where query row j (position start + j % rows) and key lo + m
+    are of one document, else −1e30 (rows as _rows folds them: heads outer)."""
+    q_BQ = jnp.tile(segments_BL[:, start:end], (1, repeats))
+    same_BQM = q_BQ[:, :, None] == segments_BL[:, None, lo:end]
+    return jnp.where(same_BQM, 0.0, _MASKED).astype(jnp.float32)[:, None]
 
 
 def _mask_bias(start: int, end: int, repeats: int, window: int | None) -> np.ndarray:
@@ -83,7 +101,7 @@ def _mask_bias(start: int, end: int, repeats: int, window: int | None) -> np.nda
     return np.where(_causal_mask(start, end, repeats, window), 0.0, _MASKED).astype(np.float32)
 
 
-def _forward(q_BLHK, k_BMGK, v_BMGK, block: int, window: int | None):
+def _forward(q_BLHK, k_BMGK, v_BMGK, segments_BL, block: int, window: int | None):
     groups = k_BMGK.shape[2]
     r = q_BLHK.shape[2] // groups
     q_BGRLK = _to_groups(q_BLHK, groups)
@@ -91,7 +109,8 @@ def _forward(q_BLHK, k_BMGK, v_BMGK, block: int, window: int | None):
     outs, lses = [], []
     for start, end in _chunks(q_BLHK.shape[1], block):
         lo = _key_start(start, window)
-        s_BGQM = _scores(_rows(q_BGRLK, start, end), k_BGMK, start, end, r, window)
+        s_BGQM = _scores(_rows(q_BGRLK, start, end), k_BGMK, start, end, r, window,
+                         segments_BL)
         max_BGQ = s_BGQM.max(-1, keepdims=True)
         p_BGQM = jnp.exp(s_BGQM - max_BGQ)
         sum_BGQ = p_BGQM.sum(-1, keepdims=True)
@@ -102,15 +121,15 @@ def _forward(q_BLHK, k_BMGK, v_BMGK, block: int, window: int | None):
     return _from_groups(jnp.concatenate(outs, axis=3)), jnp.concatenate(lses, axis=3)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _attention(q_BLHK, k_BMGK, v_BMGK, block, window):
-    return _forward(q_BLHK, k_BMGK, v_BMGK, block, window)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q_BLHK, k_BMGK, v_BMGK, segments_BL, block, window):
+    return _forward(q_BLHK, k_BMGK, v_BMGK, segments_BL, block, window)[0]
 
 
-def _attention_fwd(q_BLHK, k_BMGK, v_BMGK, block, window):
-    out_BLHK, lse_BGRL = _forward(q_BLHK, k_BMGK, v_BMGK, block, window)
+def _attention_fwd(q_BLHK, k_BMGK, v_BMGK, segments_BL, block, window):
+    out_BLHK, lse_BGRL = _forward(q_BLHK, k_BMGK, v_BMGK, segments_BL, block, window)
     # The output as returned: the output projection keeps this same array for its backward.
-    return out_BLHK, (q_BLHK, k_BMGK, v_BMGK, out_BLHK, lse_BGRL)
+    return out_BLHK, (q_BLHK, k_BMGK, v_BMGK, segments_BL, out_BLHK, lse_BGRL)
 
 
 def _transposed_matmul(a_BGNX, b_BGNY):
@@ -122,7 +141,7 @@ def _transposed_matmul(a_BGNX, b_BGNY):
 
 
 def _attention_bwd(block, window, residuals, dout_BLHK):
-    q_BLHK, k_BMGK, v_BMGK, out_BLHK, lse_BGRL = residuals
+    q_BLHK, k_BMGK, v_BMGK, segments_BL, out_BLHK, lse_BGRL = residuals
     b, length, heads, _ = q_BLHK.shape
     groups = k_BMGK.shape[2]
     r = heads // groups
@@ -147,7 +166,11 @@ def _attention_bwd(block, window, residuals, dout_BLHK):
         k_chunk_BGMK, v_chunk_BGMK = k_BGMK[:, :, lo:end], v_BGMK[:, :, lo:end]
         sT_BGMQ = jnp.einsum("bgmk,bgqk->bgmq", k_chunk_BGMK, q_BGQK,
                              preferred_element_type=jnp.float32)
-        pT_BGMQ = jnp.exp(sT_BGMQ + _mask_bias(start, end, r, window).T - lse_BG1Q)
+        sT_BGMQ = sT_BGMQ + _mask_bias(start, end, r, window).T
+        if segments_BL is not None:
+            sT_BGMQ = sT_BGMQ + jnp.swapaxes(_segment_bias(segments_BL, start, end, lo, r),
+                                             -1, -2)
+        pT_BGMQ = jnp.exp(sT_BGMQ - lse_BG1Q)
         dpT_BGMQ = jnp.einsum("bgmk,bgqk->bgmq", v_chunk_BGMK, do_BGQK,
                               preferred_element_type=jnp.float32)
         dsT_BGMQ = pT_BGMQ * (dpT_BGMQ - delta_BG1Q)
@@ -158,13 +181,14 @@ def _attention_bwd(block, window, residuals, dout_BLHK):
         dqs.append(_unrows(_transposed_matmul(dsT_BGMQ, k_chunk_BGMK), r))
     dq_BLHK = _from_groups(jnp.concatenate(dqs, axis=3)).astype(q_BLHK.dtype)
     return (dq_BLHK, dk_BGMK.transpose(0, 2, 1, 3).astype(k_BMGK.dtype),
-            dv_BGMK.transpose(0, 2, 1, 3).astype(v_BMGK.dtype))
+            dv_BGMK.transpose(0, 2, 1, 3).astype(v_BMGK.dtype), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def chunked_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
-                      window: int | None = None, block: int = 128) -> jax.Array:
+                      window: int | None = None, segments_BL=None,
+                      block: int = 128) -> jax.Array:
     """Causal GQA attention, same contract as attention.xla_attention (q already scaled)."""
-    return _attention(q_BLHK, k_BMGK, v_BMGK, block, window)
+    return _attention(q_BLHK, k_BMGK, v_BMGK, segments_BL, block, window)

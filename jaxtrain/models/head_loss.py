@@ -7,6 +7,10 @@ the mean loss is the last op of the step, each chunk's logit gradient (softmax â
 formed right away and pushed through the head's two backward matmuls: no logits outlive
 their chunk and the head costs exactly its three counted matmuls. The incoming cotangent (1
 under value_and_grad) only rescales the saved gradients.
+
+With `weights_BL` (packed documents: which targets count, docs/data.md) the loss is the mean
+over the counted targets only; the others (padding, and the first token of each document,
+which has no context) add nothing to the loss or to any gradient.
 """
 
 from __future__ import annotations
@@ -41,31 +45,38 @@ def _head_axes(vocab_major: bool) -> str:
     return "vd" if vocab_major else "dv"
 
 
-def _chunk_loss(x_BCD, head, targets_BC, rules, with_grads: bool, vocab_major: bool):
+def _chunk_loss(x_BCD, head, targets_BC, weights_BC, rules, with_grads: bool,
+                vocab_major: bool):
     head_axes = _head_axes(vocab_major)
     logits_BCV = jnp.einsum(f"bcd,{head_axes}->bcv", x_BCD, head).astype(jnp.float32)
     logits_BCV = constrain(logits_BCV, ("batch", "length", "vocab"), rules)
     lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
     target_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
-    loss = (lse_BC - target_BC).sum()
+    loss_BC = lse_BC - target_BC
+    if weights_BC is not None:  # a select, not a product: nothing uncounted can leak in
+        loss_BC = jnp.where(weights_BC, loss_BC, 0.0)
+    loss = loss_BC.sum()
     if not with_grads:
         return loss, None
     onehot_BCV = jnp.arange(logits_BCV.shape[-1]) == targets_BC[..., None]
-    dlogits_BCV = (jnp.exp(logits_BCV - lse_BC[..., None]) - onehot_BCV).astype(x_BCD.dtype)
-    return loss, dlogits_BCV
+    dlogits_BCV = jnp.exp(logits_BCV - lse_BC[..., None]) - onehot_BCV
+    if weights_BC is not None:
+        dlogits_BCV = jnp.where(weights_BC[..., None], dlogits_BCV, 0.0)
+    return loss, dlogits_BCV.astype(x_BCD.dtype)
 
 
-def _run(x_BLD, head, targets_BL, rules, with_grads: bool, vocab_major: bool):
+def _run(x_BLD, head, targets_BL, weights_BL, rules, with_grads: bool, vocab_major: bool):
     """(summed loss, dx unscaled, dhead unscaled); the grads are None without with_grads."""
     head_axes = _head_axes(vocab_major)
     chunk = chunk_size(x_BLD.shape[1], x_BLD.shape[0])
-    xs = (_split(x_BLD, chunk), _split(targets_BL, chunk))
+    xs = (_split(x_BLD, chunk), _split(targets_BL, chunk),
+          None if weights_BL is None else _split(weights_BL, chunk))
 
     def body(carry, xs_chunk):
         loss, dhead_DV = carry
-        x_BCD, targets_BC = xs_chunk
-        chunk_loss, dlogits_BCV = _chunk_loss(x_BCD, head, targets_BC, rules, with_grads,
-                                              vocab_major)
+        x_BCD, targets_BC, weights_BC = xs_chunk
+        chunk_loss, dlogits_BCV = _chunk_loss(x_BCD, head, targets_BC, weights_BC, rules,
+                                              with_grads, vocab_major)
         if not with_grads:
             return (loss + chunk_loss, dhead_DV), None
         dx_BCD = jnp.einsum(f"bcv,{head_axes}->bcd", dlogits_BCV, head)
@@ -83,27 +94,38 @@ def _run(x_BLD, head, targets_BL, rules, with_grads: bool, vocab_major: bool):
     return loss, dx_BLD, dhead_DV.T if vocab_major else dhead_DV
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _mean_loss(x_BLD, head, targets_BL, rules, vocab_major):
-    return _run(x_BLD, head, targets_BL, rules, False, vocab_major)[0] / targets_BL.size
+def _count(targets_BL, weights_BL):
+    """What the summed loss is divided by: every target, or the counted ones (at least 1)."""
+    if weights_BL is None:
+        return targets_BL.size
+    return jnp.maximum(weights_BL.sum(dtype=jnp.float32), 1.0)
 
 
-def _mean_loss_fwd(x_BLD, head, targets_BL, rules, vocab_major):
-    loss, dx_BLD, dhead = _run(x_BLD, head, targets_BL, rules, True, vocab_major)
-    return loss / targets_BL.size, (dx_BLD, dhead)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _mean_loss(x_BLD, head, targets_BL, weights_BL, rules, vocab_major):
+    loss = _run(x_BLD, head, targets_BL, weights_BL, rules, False, vocab_major)[0]
+    return loss / _count(targets_BL, weights_BL)
+
+
+def _mean_loss_fwd(x_BLD, head, targets_BL, weights_BL, rules, vocab_major):
+    loss, dx_BLD, dhead = _run(x_BLD, head, targets_BL, weights_BL, rules, True, vocab_major)
+    count = _count(targets_BL, weights_BL)
+    return loss / count, (dx_BLD, dhead, None if weights_BL is None else count)
 
 
 def _mean_loss_bwd(rules, vocab_major, residuals, g):
-    dx_BLD, dhead = residuals
-    scale = g / (dx_BLD.shape[0] * dx_BLD.shape[1])
-    return (dx_BLD * scale.astype(dx_BLD.dtype), dhead * scale.astype(dhead.dtype), None)
+    dx_BLD, dhead, count = residuals
+    scale = g / (dx_BLD.shape[0] * dx_BLD.shape[1] if count is None else count)
+    return (dx_BLD * scale.astype(dx_BLD.dtype), dhead * scale.astype(dhead.dtype), None,
+            None)
 
 
 _mean_loss.defvjp(_mean_loss_fwd, _mean_loss_bwd)
 
 
 def head_cross_entropy(x_BLD: jax.Array, head: jax.Array, targets_BL: jax.Array,
-                       rules=(), vocab_major: bool = False) -> jax.Array:
+                       rules=(), vocab_major: bool = False, weights_BL=None) -> jax.Array:
     """mean(softmax_cross_entropy(x @ head, targets)) without materialising all logits.
-    head: [D, V], or [V, D] with vocab_major (a tied embedding table)."""
-    return _mean_loss(x_BLD, head, targets_BL, rules, vocab_major)
+    head: [D, V], or [V, D] with vocab_major (a tied embedding table). weights_BL (bool):
+    which targets count; the mean is over those (None: all)."""
+    return _mean_loss(x_BLD, head, targets_BL, weights_BL, rules, vocab_major)

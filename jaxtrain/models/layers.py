@@ -167,13 +167,16 @@ _weight_matmul.defvjp(_weight_matmul_fwd, _weight_matmul_bwd)
 
 def rope(x_BLHK: jax.Array, theta: float, positions_L: jax.Array | None = None) -> jax.Array:
     """Rotary position embedding, rotating the two halves of each head (Llama/HF layout).
-    positions_L: each row's position (default 0..L-1; decoding passes its offset)."""
+    positions_L: each position's index (default 0..L-1; decoding passes its offset), or
+    [B, L] per row (packed documents restart at 0 at each document)."""
     length, head_dim = x_BLHK.shape[1], x_BLHK.shape[-1]
     if positions_L is None:
         positions_L = jnp.arange(length)
     freq_K = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angle_LK = positions_L.astype(jnp.float32)[:, None] * freq_K[None, :]
-    sin, cos = jnp.sin(angle_LK)[None, :, None, :], jnp.cos(angle_LK)[None, :, None, :]
+    angle_xLK = positions_L.astype(jnp.float32)[..., None] * freq_K
+    if angle_xLK.ndim == 2:
+        angle_xLK = angle_xLK[None]
+    sin, cos = jnp.sin(angle_xLK)[:, :, None, :], jnp.cos(angle_xLK)[:, :, None, :]
     x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BLHK.dtype)

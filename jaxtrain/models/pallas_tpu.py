@@ -10,6 +10,10 @@ sharded batch or heads it runs in a shard_map over them (as models/attention.py 
 them: the `batch` and `heads`/`kv_heads` logical axes), each device computing its own
 examples and heads with no communication.
 
+Document masks: segment ids [B, L] (models/attention.py) become the kernel's
+`SegmentIds(q, kv)` per example (both the row's ids: self-attention), and-ed with the causal
+mask inside the kernel.
+
 Off TPU the kernel runs in Pallas's interpreter (slow; for tests at tiny shapes).
 """
 
@@ -64,8 +68,8 @@ def _kernel(heads: int, q_len: int, kv_len: int, mqa: bool, window: int | None,
                 interpret=interpret)
 
 
-def _local(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array, window: int | None,
-           block: int, interpret) -> jax.Array:
+def _local(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array, segments_BL,
+           window: int | None, block: int, interpret) -> jax.Array:
     """Attention of unsharded (or per-device) arrays; interpret=None: compiled when lowered
     for TPU, interpreted on other platforms."""
     if interpret is None:
@@ -73,8 +77,10 @@ def _local(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array, window: int 
         # process whose default backend is CPU.
         compiled = functools.partial(_local, window=window, block=block, interpret=False)
         interpreted = functools.partial(_local, window=window, block=block, interpret=True)
-        return jax.lax.platform_dependent(q_BLHK, k_BMGK, v_BMGK, tpu=compiled,
+        return jax.lax.platform_dependent(q_BLHK, k_BMGK, v_BMGK, segments_BL, tpu=compiled,
                                           default=interpreted)
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
     heads, groups = q_BLHK.shape[2], k_BMGK.shape[2]
     mqa = groups == 1
     kernel = _kernel(heads, q_BLHK.shape[1], k_BMGK.shape[1], mqa, window, block, interpret)
@@ -83,14 +89,19 @@ def _local(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array, window: int 
         k_BxK, v_BxK = k_BMGK[:, :, 0], v_BMGK[:, :, 0]
     else:
         k_BxK, v_BxK = k_BMGK.transpose(0, 2, 1, 3), v_BMGK.transpose(0, 2, 1, 3)
-    out_BHLK = jax.vmap(kernel)(q_BHLK, k_BxK, v_BxK)
+    if segments_BL is None:
+        out_BHLK = jax.vmap(kernel)(q_BHLK, k_BxK, v_BxK)
+    else:
+        out_BHLK = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=splash.SegmentIds(
+            ids, ids)))(q_BHLK, k_BxK, v_BxK, segments_BL)
     return out_BHLK.transpose(0, 2, 1, 3).astype(q_BLHK.dtype)
 
 
 def splash_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
-                     window: int | None = None, *, rules=None, block: int = 512,
-                     interpret=None) -> jax.Array:
-    """Causal (optionally sliding-window) grouped-query attention by the splash kernel.
+                     window: int | None = None, segments_BL=None, *, rules=None,
+                     block: int = 512, interpret=None) -> jax.Array:
+    """Causal (optionally sliding-window) grouped-query attention by the splash kernel;
+    segments_BL: document masks (None: none).
 
     rules: the logical-axis rules the activations were constrained with (default
     config.DEFAULT_RULES); they say how batch and heads are split over the current mesh.
@@ -105,7 +116,7 @@ def splash_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
         raise ValueError(f"{heads} query heads cannot be grouped over {groups} kv heads")
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or math.prod(mesh.axis_sizes) == 1:
-        return _local(q_BLHK, k_BMGK, v_BMGK, window, block, interpret)
+        return _local(q_BLHK, k_BMGK, v_BMGK, segments_BL, window, block, interpret)
     rules = DEFAULT_RULES if rules is None else rules
     q_spec = logical_to_spec(("batch", "length", "heads", "kv"), rules)
     kv_spec = logical_to_spec(("batch", "length", "kv_heads", "kv"), rules)
@@ -116,11 +127,13 @@ def splash_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
         k_BMGK = jnp.repeat(k_BMGK, heads // groups, axis=2)
         v_BMGK = jnp.repeat(v_BMGK, heads // groups, axis=2)
         kv_spec = q_spec
+    # The ids travel with their examples: batch split like the queries', length whole.
+    ids_spec = None if segments_BL is None else P(q_spec[0], None)
     run = jax.shard_map(functools.partial(_local, window=window, block=block,
                                           interpret=interpret),
-                        mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                        check_vma=False)
-    return run(q_BLHK, k_BMGK, v_BMGK)
+                        mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, ids_spec),
+                        out_specs=q_spec, check_vma=False)
+    return run(q_BLHK, k_BMGK, v_BMGK, segments_BL)
 
 
 def _fit(spec: P, shape, mesh) -> P:

@@ -63,7 +63,7 @@ class ModelSpec:
             head_dim=m.head_dim or m.d_model // m.num_heads, mlp_dim=m.mlp_dim,
             vocab_size=m.vocab_size, seq_len=m.seq_len,
             attention=resolve_attention(m.attention, cfg.train.precision, platform, m.seq_len,
-                                        m.sliding_window),
+                                        m.sliding_window, cfg.data.packing == "documents"),
             sliding_window=m.sliding_window,
             remat=m.remat, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
             init_std=m.init_std, compute_dtype=precision.compute_dtype,
@@ -95,10 +95,12 @@ class Block(nnx.Module):
     def _make_mlp(self, spec: ModelSpec, rngs: nnx.Rngs):
         return Mlp(spec, rngs=rngs)
 
-    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+    def __call__(self, x_BLD: jax.Array, segments_BL=None, positions_BL=None) -> jax.Array:
+        """segments_BL, positions_BL: packed documents' ids and restarted positions
+        (models/attention.py); None: one document per row."""
         q_BLHK, k_BLGK, v_BLGK = self._norm_then(
-            lambda x: self.attn.qkv(self.attn_norm(x)))(x_BLD)
-        x_BLD = x_BLD + self.attn.attend(q_BLHK, k_BLGK, v_BLGK)
+            lambda x: self.attn.qkv(self.attn_norm(x), positions_BL))(x_BLD)
+        x_BLD = x_BLD + self.attn.attend(q_BLHK, k_BLGK, v_BLGK, segments_BL)
         return self._mlp_residual(x_BLD)
 
     def _norm_then(self, norm_and_project):
@@ -170,56 +172,63 @@ class Transformer(nnx.Module):
         if not spec.tied_embeddings:
             self.lm_head = param(rngs, (d, v), ("embed", "vocab"), spec.init_std, dt)
 
-    def _embed(self, tokens_BL: jax.Array, start=0) -> jax.Array:
+    def _embed(self, tokens_BL: jax.Array, start=0, positions_BL=None) -> jax.Array:
         spec, dt = self.spec, self.spec.compute_dtype
         # Gather from a table sharded only by vocab (an FSDP all-gather of its embed dim, as
         # for any weight): each device looks up its vocab range, then one sum combines them.
         table_VD = constrain(self.tok_embed[...].astype(dt), ("vocab", None), spec.rules)
         x_BLD = jnp.take(table_VD, tokens_BL, axis=0)
         if not spec.rope:
-            positions_LD = jax.lax.dynamic_slice_in_dim(self.pos_embed[...], start,
-                                                        tokens_BL.shape[1])
+            if positions_BL is None:
+                positions_LD = jax.lax.dynamic_slice_in_dim(self.pos_embed[...], start,
+                                                            tokens_BL.shape[1])
+            else:  # packed documents: each row's own (restarted) positions
+                positions_LD = jnp.take(self.pos_embed[...], positions_BL, axis=0)
             x_BLD = x_BLD + positions_LD.astype(dt)
         return constrain(x_BLD, ("batch", "sequence", "embed"), spec.rules)
 
-    def features(self, tokens_BL: jax.Array) -> jax.Array:
+    def features(self, tokens_BL: jax.Array, segments_BL=None, positions_BL=None
+                 ) -> jax.Array:
         """The final-normed hidden states that the output head reads."""
-        return self.features_and_aux(tokens_BL)[0]
+        return self.features_and_aux(tokens_BL, segments_BL, positions_BL)[0]
 
-    def features_and_aux(self, tokens_BL: jax.Array):
+    def features_and_aux(self, tokens_BL: jax.Array, segments_BL=None, positions_BL=None):
         """(features, the weighted auxiliary loss of the MoE routers or None, routing
-        metrics: {} for a dense model)."""
+        metrics: {} for a dense model). segments_BL and positions_BL: packed documents
+        (int32 [B, L]: each position's document, 0 for padding, and its position within
+        it); None: one document per row."""
         spec = self.spec
-        x_BLD = self._embed(tokens_BL)
+        x_BLD = self._embed(tokens_BL, positions_BL=positions_BL)
+        documents = None if segments_BL is None else (segments_BL, positions_BL)
         penalty, metrics = None, {}
         if spec.moe is None:
-            x_BLD = self._dense_layers(x_BLD)
+            x_BLD = self._dense_layers(x_BLD, documents)
         else:
-            x_BLD, stats = self._moe_layers(x_BLD)
+            x_BLD, stats = self._moe_layers(x_BLD, documents)
             penalty, metrics = routing_losses(stats, spec.moe, tokens_BL.size)
         return (constrain(self.final_norm(x_BLD), ("batch", "length", "embed"), spec.rules),
                 penalty, metrics)
 
-    def _dense_layers(self, x_BLD: jax.Array) -> jax.Array:
+    def _remat(self, f):
+        policy = REMATS[self.spec.remat].policy
+        return f if policy is None else jax.checkpoint(f, policy=policy, prevent_cse=False)
+
+    def _dense_layers(self, x_BLD: jax.Array, documents) -> jax.Array:
+        """documents: (segments_BL, positions_BL) of packed rows, or None; under the
+        pipeline they travel with their micro-batch through the stages."""
         spec = self.spec
         graphdef, stacked = nnx.split(self.blocks)
 
-        def layer(x_BLD, layer_state):
-            return nnx.merge(graphdef, layer_state)(x_BLD), None
+        def layers(chunk, x_BLD, documents=None):
+            layer = self._remat(lambda x, state: (
+                nnx.merge(graphdef, state)(x, *(documents or ())), None))
+            return jax.lax.scan(layer, x_BLD, chunk)[0]
 
-        policy = REMATS[spec.remat].policy
-        if policy is not None:
-            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
         if spec.pipeline is None:
-            x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
-        else:
-            def stage(chunk, x_BLD):
-                return jax.lax.scan(layer, x_BLD, chunk)[0]
+            return layers(stacked, x_BLD, documents)
+        return pipeline(layers, stacked, x_BLD, spec.pipeline, spec.rules, documents)
 
-            x_BLD = pipeline(stage, stacked, x_BLD, spec.pipeline, spec.rules)
-        return x_BLD
-
-    def _moe_layers(self, x_BLD: jax.Array):
+    def _moe_layers(self, x_BLD: jax.Array, documents):
         """The layers scanned in groups of model.moe.every_n_layers: n−1 dense layers, then
         an MoE layer (one scan step per group keeps the scan, and the pipeline splits the
         groups). Routing stats ride with the rows in the carry, [B, MoE layers, ...]."""
@@ -231,24 +240,25 @@ class Transformer(nnx.Module):
             dense_def, dense_state = nnx.split(self.blocks)
             xs["dense"] = jax.tree.map(lambda a: a.reshape(groups, n - 1, *a.shape[1:]),
                                        dense_state)
-        policy = REMATS[spec.remat].policy
 
-        def remat(f):
-            return f if policy is None else jax.checkpoint(f, policy=policy, prevent_cse=False)
+        def run_groups(chunk, carry, documents=None):
+            extra = documents or ()
+            dense_layer = self._remat(
+                lambda x, state: (nnx.merge(dense_def, state)(x, *extra), None))
+            moe_layer = self._remat(lambda x, state: nnx.merge(moe_def, state)(x, *extra))
 
-        dense_layer = remat(lambda x, state: (nnx.merge(dense_def, state)(x), None))
-        moe_layer = remat(lambda x, state: nnx.merge(moe_def, state)(x))
+            def group(carry, xs):
+                x_BLD, stats = carry
+                if n > 1:
+                    x_BLD = jax.lax.scan(dense_layer, x_BLD, xs["dense"])[0]
+                x_BLD, new = moe_layer(x_BLD, xs["moe"])
+                slot_N = jax.nn.one_hot(xs["index"], groups, dtype=jnp.float32)
+                stats = {k: acc + jnp.expand_dims(new[k], 1)
+                         * slot_N.reshape((1, groups) + (1,) * (new[k].ndim - 1))
+                         for k, acc in stats.items()}
+                return (x_BLD, stats), None
 
-        def group(carry, xs):
-            x_BLD, stats = carry
-            if n > 1:
-                x_BLD = jax.lax.scan(dense_layer, x_BLD, xs["dense"])[0]
-            x_BLD, new = moe_layer(x_BLD, xs["moe"])
-            slot_N = jax.nn.one_hot(xs["index"], groups, dtype=jnp.float32)
-            stats = {k: acc + jnp.expand_dims(new[k], 1)
-                     * slot_N.reshape((1, groups) + (1,) * (new[k].ndim - 1))
-                     for k, acc in stats.items()}
-            return (x_BLD, stats), None
+            return jax.lax.scan(group, carry, chunk)[0]
 
         b, e = x_BLD.shape[0], spec.moe.num_experts
         shapes = {k: (b, groups, e) if k in ("load", "prob") else (b, groups) for k in STAT_NAMES}
@@ -256,9 +266,8 @@ class Transformer(nnx.Module):
                               ("batch",) + (None,) * (len(shape) - 1), spec.rules)
                  for k, shape in shapes.items()}
         if spec.pipeline is None:
-            return jax.lax.scan(group, (x_BLD, stats), xs)[0]
-        return pipeline(lambda chunk, carry: jax.lax.scan(group, carry, chunk)[0], xs,
-                        (x_BLD, stats), spec.pipeline, spec.rules)
+            return run_groups(xs, (x_BLD, stats), documents)
+        return pipeline(run_groups, xs, (x_BLD, stats), spec.pipeline, spec.rules, documents)
 
     def head(self) -> jax.Array:
         """The output projection [D, V]: the embedding table transposed when tied."""
@@ -272,8 +281,9 @@ class Transformer(nnx.Module):
             return self.tok_embed[...].astype(self.spec.compute_dtype), True
         return self.lm_head[...].astype(self.spec.compute_dtype), False
 
-    def __call__(self, tokens_BL: jax.Array) -> jax.Array:
-        logits_BLV = self.features(tokens_BL) @ self.head()
+    def __call__(self, tokens_BL: jax.Array, segments_BL=None, positions_BL=None
+                 ) -> jax.Array:
+        logits_BLV = self.features(tokens_BL, segments_BL, positions_BL) @ self.head()
         return constrain(logits_BLV, ("batch", "length", "vocab"), self.spec.rules)
 
     def init_cache(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:

@@ -53,12 +53,17 @@ def microbatches_for_bubble(stages: int, repeats: int, target: float = 0.1) -> i
     return m
 
 
-def pipeline(stage_fn: Callable, stacked, x, spec: PipelineSpec, rules):
+def pipeline(stage_fn: Callable, stacked, x, spec: PipelineSpec, rules, side=None):
     """Runs x through all layers of `stacked` (leaves [L, ...]) on the pipeline schedule.
 
     x: the activations x_BLD, or a pytree whose first leaf is x_BLD and whose other leaves
     are per-row values [B, ...] that travel with their rows (MoE routing stats).
-    stage_fn(chunk, x) applies one chunk of Lc stacked layers (leaves [Lc, ...]).
+    stage_fn(chunk, x[, side]) applies one chunk of Lc stacked layers (leaves [Lc, ...]);
+    side: per-row inputs every layer reads (a pytree of [B, ...] arrays, e.g. packed
+    documents' segment ids and positions; None: stage_fn takes (chunk, x) only), of which
+    each stage gets its micro-batch's rows: micro-batch i is on stage s at iterations
+    r·m + i + s, so stage s takes rows of micro-batch (t − s) mod m, gathered where they lie
+    rather than carried.
     """
     p, v, m = spec.stages, spec.repeats, spec.microbatches
     tmap = jax.tree.map
@@ -71,6 +76,7 @@ def pipeline(stage_fn: Callable, stacked, x, spec: PipelineSpec, rules):
     chunks = tmap(lambda a: a.reshape(v, p, chunk, *a.shape[1:]), stacked)
     # Micro-batch i takes rows i, i+m, ...: no data moves between devices to split the batch.
     inputs_M = tmap(lambda a: a.reshape(mb, m, *a.shape[1:]).swapaxes(0, 1), x)
+    side_M = tmap(lambda a: a.reshape(mb, m, *a.shape[1:]).swapaxes(0, 1), side)
 
     def constrain_buffer(buffer):
         leaves, treedef = jax.tree.flatten(buffer)
@@ -78,7 +84,9 @@ def pipeline(stage_fn: Callable, stacked, x, spec: PipelineSpec, rules):
             ("stage", "batch") + (None,) * (a.ndim - 2) for a in leaves[1:]]
         return treedef.unflatten([constrain(a, ax, rules) for a, ax in zip(leaves, axes)])
 
-    run_stages = jax.vmap(stage_fn, in_axes=(0, 0), spmd_axis_name="pipeline")
+    # Without side inputs stage_fn takes (chunk, x) only.
+    run_stages = jax.vmap(stage_fn if side is not None else lambda c, x, _: stage_fn(c, x),
+                          in_axes=(0, 0, 0), spmd_axis_name="pipeline")
     stage_ids = jnp.arange(p)
 
     def iteration(carry, t):
@@ -92,7 +100,10 @@ def pipeline(stage_fn: Callable, stacked, x, spec: PipelineSpec, rules):
         repeat_P = jnp.clip((t - stage_ids) // m, 0, v - 1)
         params = tmap(lambda a: jax.vmap(lambda a_v, r_: a_v[r_], in_axes=(1, 0))(
             a, repeat_P), chunks) if v > 1 else tmap(lambda a: a[0], chunks)
-        out_P = run_stages(params, buffer_P)
+        side_P = tmap(lambda a: constrain(
+            a[(t - stage_ids) % m], ("stage", "batch") + (None,) * (a.ndim - 2), rules),
+            side_M)
+        out_P = run_stages(params, buffer_P, side_P)
         # The last stage finished micro-batch k = t - (p-1) of repeat k // m: emitted as this
         # iteration's output (not carried, which would keep a copy per iteration for the
         # backward pass), and stored for its next repeat in the circular schedule.

@@ -17,7 +17,6 @@ import sys
 
 import jax
 import ml_collections
-import numpy as np
 
 from jaxtrain.config import MESH_AXES, apply_overrides, load_config_file, resolve_mesh_shape
 from jaxtrain.plan import published
@@ -28,10 +27,8 @@ from jaxtrain.train.setup import build
 def compile_step(setup, state=None, tokens=None):
     """The setup's train step, lowered and compiled for its mesh. state and tokens default to
     abstract ones (ShapeDtypeStructs with shardings: nothing is allocated)."""
-    cfg = setup.cfg
     if tokens is None:
-        tokens = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1),
-                                      np.int32, sharding=setup.tokens_sharding)
+        tokens = setup.abstract_batch()
     if state is None:
         # Outside set_mesh: with compile-only (TPU topology) devices, the eager random key
         # inside abstract_state would otherwise be dispatched to them and fail.

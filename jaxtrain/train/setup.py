@@ -10,11 +10,13 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxtrain.config import validate
+from jaxtrain.data.packing import Packed
 from jaxtrain.mesh import dcn_shape, make_mesh
 from jaxtrain.models import ModelSpec
 from jaxtrain.optim import make_optimizer
@@ -64,6 +66,13 @@ class Setup:
         loss = loss_with_faults(model_loss(self.graphdef), cfg.debug)
         step = make_train_step(loss, self.optimizer, self.schedule, self.spec.rules, options)
         return jit_train_step(step, self.shardings, self.tokens_sharding)
+
+    def abstract_batch(self):
+        """Shapes, dtype and sharding of one global batch: a token array [B, seq_len + 1],
+        or a Packed batch of three (data.packing='documents')."""
+        rows = jax.ShapeDtypeStruct((self.cfg.train.global_batch, self.cfg.model.seq_len + 1),
+                                    jnp.int32, sharding=self.tokens_sharding)
+        return Packed(rows, rows, rows) if self.cfg.data.packing == "documents" else rows
 
     def eval_step(self) -> Callable:
         return jit_eval_step(self.graphdef, self.shardings.params, self.tokens_sharding)

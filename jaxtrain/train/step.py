@@ -12,38 +12,57 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from jaxtrain.data.packing import Packed, counted_targets
 from jaxtrain.mesh import logical_to_spec
 from jaxtrain.models.head_loss import head_cross_entropy
 from jaxtrain.optim import skipped_steps
 from jaxtrain.train.state import TrainState
 
 
-def loss_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT: jax.Array) -> jax.Array:
-    """Mean next-token cross entropy; tokens_BT holds seq_len + 1 tokens per row.
+def trained_tokens(batch) -> jax.Array | None:
+    """The input tokens of a batch that are no padding (what MFU counts); None for plain
+    windows, which have none."""
+    if not isinstance(batch, Packed):
+        return None
+    return (batch.segments[:, :-1] != 0).sum(dtype=jnp.int32)
+
+
+def loss_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT) -> jax.Array:
+    """Mean next-token cross entropy; tokens_BT holds seq_len + 1 tokens per row, or is a
+    Packed batch of documents (mean over its counted targets).
 
     Equals softmax cross entropy of model(inputs) logits, but the head and the loss run fused
     over sequence chunks (models/head_loss.py) so the B·L·V logits never exist at once.
     """
-    inputs_BL, targets_BL = tokens_BT[:, :-1], tokens_BT[:, 1:]
-    model = nnx.merge(graphdef, params)
-    head, vocab_major = model.head_as_stored()
-    return head_cross_entropy(model.features(inputs_BL), head, targets_BL, model.spec.rules,
-                              vocab_major)
+    return _forward(params, graphdef, tokens_BT)[0]
 
 
-def objective_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT: jax.Array
-                 ) -> tuple[jax.Array, dict]:
+def objective_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT) -> tuple[jax.Array, dict]:
     """(what training minimises, metrics of the forward pass): the cross entropy, plus for
     an MoE model its routers' weighted auxiliary losses, with the cross entropy as `loss`
     and the routing metrics (models/moe.py routing_losses) among the metrics."""
-    inputs_BL, targets_BL = tokens_BT[:, :-1], tokens_BT[:, 1:]
-    model = nnx.merge(graphdef, params)
-    head, vocab_major = model.head_as_stored()
-    features, penalty, metrics = model.features_and_aux(inputs_BL)
-    loss = head_cross_entropy(features, head, targets_BL, model.spec.rules, vocab_major)
+    loss, penalty, metrics = _forward(params, graphdef, tokens_BT)
     if penalty is None:
         return loss, metrics
     return loss + penalty, {"loss": loss, **metrics}
+
+
+def _forward(params: dict, graphdef: nnx.GraphDef, tokens_BT):
+    """(cross entropy, the MoE routers' weighted auxiliary loss or None, routing metrics)
+    of a batch: seq_len + 1 tokens per row, or Packed documents (the mean over its counted
+    targets)."""
+    model = nnx.merge(graphdef, params)
+    head, vocab_major = model.head_as_stored()
+    if isinstance(tokens_BT, Packed):
+        tokens, documents = tokens_BT.tokens, (tokens_BT.segments[:, :-1],
+                                              tokens_BT.positions[:, :-1])
+        counted_BL = counted_targets(tokens_BT.segments)
+    else:
+        tokens, documents, counted_BL = tokens_BT, (), None
+    features, penalty, metrics = model.features_and_aux(tokens[:, :-1], *documents)
+    loss = head_cross_entropy(features, head, tokens[:, 1:], model.spec.rules, vocab_major,
+                              counted_BL)
+    return loss, penalty, metrics
 
 
 def model_loss(graphdef: nnx.GraphDef) -> Callable:
@@ -82,22 +101,36 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
 
-    def scaled_loss_and_grads(params, tokens_BT, step, scale):
-        if microbatches == 1:
-            return grad_fn(params, tokens_BT, step, scale)
+    def split(tokens_BT):
         b, t = tokens_BT.shape
         # Micro-batch i takes rows i, i+m, i+2m, ...: each device's contiguous block of rows
         # holds its share of every micro-batch, so splitting moves no data between devices.
         micro_MBT = tokens_BT.reshape(b // microbatches, microbatches, t).swapaxes(0, 1)
-        micro_MBT = jax.lax.with_sharding_constraint(
+        return jax.lax.with_sharding_constraint(
             micro_MBT, logical_to_spec((None, "batch", None), rules))
 
-        def accumulate(carry, tokens):
-            return jax.tree.map(jnp.add, carry, grad_fn(params, tokens, step, scale)), None
+    def scaled_loss_and_grads(params, tokens_BT, step, scale):
+        if microbatches == 1:
+            return grad_fn(params, tokens_BT, step, scale)
+        micro_MBT = jax.tree.map(split, tokens_BT)
+        # Packed rows: each micro-batch's mean weighted by its share of the counted targets,
+        # so that the sum is the mean over the whole batch's.
+        shares_M = _target_shares(micro_MBT.segments) if isinstance(tokens_BT, Packed) \
+            else None
 
-        shapes = jax.eval_shape(grad_fn, params, micro_MBT[0], step, scale)
+        def accumulate(carry, xs):
+            tokens, share = xs
+            out = grad_fn(params, tokens, step, scale)
+            if share is not None:
+                out = jax.tree.map(lambda x: x * share, out)
+            return jax.tree.map(jnp.add, carry, out), None
+
+        first = jax.tree.map(lambda a: a[0], micro_MBT)
+        shapes = jax.eval_shape(grad_fn, params, first, step, scale)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        totals, _ = jax.lax.scan(accumulate, zeros, micro_MBT)
+        totals, _ = jax.lax.scan(accumulate, zeros, (micro_MBT, shares_M))
+        if shares_M is not None:
+            return totals
         return jax.tree.map(lambda x: x / microbatches, totals)
 
     def train_step(state: TrainState, tokens_BT: jax.Array) -> tuple[TrainState, dict]:
@@ -120,15 +153,24 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
                    "learning_rate": schedule(state.step), "skipped_steps": skipped,
                    "bad_steps_in_a_row": in_a_row, **forward, **extra,
                    **dict(options.constants)}
+        if (tokens := trained_tokens(tokens_BT)) is not None:
+            metrics["trained_tokens"] = tokens
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                           loss_scale=loss_scale), metrics
 
     return train_step
 
 
+def _target_shares(segments_MBT: jax.Array) -> jax.Array:
+    """[M]: each micro-batch's counted targets over the whole batch's."""
+    counts_M = jax.vmap(lambda s: counted_targets(s).sum(dtype=jnp.float32))(segments_MBT)
+    return counts_M / jnp.maximum(counts_M.sum(), 1.0)
+
+
 def jit_train_step(train_step: Callable, shardings: TrainState,
                    batch_sharding: NamedSharding) -> Callable:
-    """Explicit in/out shardings; the old state is donated so its buffers are reused."""
+    """Explicit in/out shardings; the old state is donated so its buffers are reused. The
+    batch sharding applies to every array of a Packed batch (a pytree prefix)."""
     return jax.jit(train_step, in_shardings=(shardings, batch_sharding),
                    out_shardings=(shardings, None), donate_argnums=0)
 

@@ -1,5 +1,9 @@
 """Logged steps: metrics fetched one step late, so the device never waits for the host, and
-the wall time between fetches turned into step time, tokens/s and MFU."""
+the wall time between fetches turned into step time, tokens/s and MFU.
+
+With packed documents each step reports the tokens it trained (`trained_tokens`: inputs that
+are no padding); tokens/s and MFU count those, summed over every step of the interval (the
+steps' counts stay on the device until the row is written)."""
 
 from __future__ import annotations
 
@@ -26,7 +30,9 @@ class StepLogger(Hook):
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.mfu_floor = mfu_floor
         self.data = DataClock()
-        self.pending = None  # (step, device metrics, extra host values) not yet written
+        # (step, device metrics, extra host values, trained-token counts) not yet written
+        self.pending = None
+        self.counts: list = []  # this interval's per-step trained tokens, on the device
         self.rows: list[dict] = []
         self.warned: set[str] = set()
         self.excluded = 0.0
@@ -54,8 +60,11 @@ class StepLogger(Hook):
 
     def after_step(self, info: StepInfo) -> None:
         self.flush()
+        if "trained_tokens" in info.metrics:
+            self.counts.append(info.metrics["trained_tokens"])
         if due(info.step, self.every, info.last):
-            self.pending = (info.step, info.metrics, {})
+            self.pending = (info.step, info.metrics, {}, self.counts or None)
+            self.counts = []
         self.writer.advance(1)
 
     def attach(self, step: int, values: dict) -> None:
@@ -68,7 +77,7 @@ class StepLogger(Hook):
     def flush(self) -> None:
         if self.pending is None:
             return
-        step, metrics, extra = self.pending
+        step, metrics, extra, counts = self.pending
         self.pending = None
         row = {"step": step, **{k: _number(v) for k, v in jax.device_get(metrics).items()}}
         now = time.perf_counter()
@@ -78,7 +87,10 @@ class StepLogger(Hook):
         row["step_time_s"] = step_time
         row["data_wait_s"] = min(self.data.take() / steps, step_time)
         row["device_time_s"] = step_time - row["data_wait_s"]
-        row["tokens_per_s"] = self.tokens_per_step / step_time
+        if counts is None:
+            row["tokens_per_s"] = self.tokens_per_step / step_time
+        else:  # packed documents: the tokens trained, padding left out
+            row["tokens_per_s"] = float(np.sum(jax.device_get(counts))) / (step_time * steps)
         row["mfu"] = self.flops_per_token * row["tokens_per_s"] / self.peak_flops
         row.update(extra)
         if self.goodput is not None:

@@ -1,0 +1,107 @@
+"""Document masks in every attention kernel (models/attention.py KERNELS): a packed row's
+outputs and gradients equal those of each of its documents run alone through a plain causal
+float32 reference. splash and pallas run in Pallas's interpreter; cuDNN has no CPU form, so
+its packed layout (the offsets and lengths it is given) is checked here and the kernel on a
+GPU (scripts/attention_check.py)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtrain.models.attention import KERNELS
+from jaxtrain.models.chunked_attention import chunked_attention
+from jaxtrain.models.cudnn_attention import max_segments, packed_layout
+
+
+def alone(q_BLHK, k_BLGK, v_BLGK, segments_BL):
+    """Float32 attention where a query sees the keys before it in its own run of equal ids
+    (a mask built in numpy from the ids): each document as if run alone."""
+    heads = q_BLHK.shape[2]
+    k_BLHK = jnp.repeat(k_BLGK, heads // k_BLGK.shape[2], axis=2)
+    v_BLHK = jnp.repeat(v_BLGK, heads // v_BLGK.shape[2], axis=2)
+    ids = np.asarray(segments_BL)
+    run_BL = np.cumsum(np.concatenate([np.ones_like(ids[:, :1]), ids[:, 1:] != ids[:, :-1]],
+                                      axis=1), axis=1)
+    length = ids.shape[1]
+    visible_BLM = (run_BL[:, :, None] == run_BL[:, None, :]) & np.tril(
+        np.ones((length, length), bool))
+    scores_BHLM = jnp.einsum("blhk,bmhk->bhlm", q_BLHK, k_BLHK)
+    probs_BHLM = jax.nn.softmax(jnp.where(visible_BLM[:, None], scores_BHLM, -jnp.inf), -1)
+    return jnp.einsum("bhlm,bmhk->blhk", probs_BHLM, v_BLHK)
+
+
+def segments(length: int, lengths_per_row) -> np.ndarray:
+    """Rows of documents of the given lengths (ids 1, 2, ...), padding (0) after them."""
+    out = np.zeros((len(lengths_per_row), length), np.int32)
+    for row, lengths in zip(out, lengths_per_row):
+        at = 0
+        for k, n in enumerate(lengths, start=1):
+            row[at:at + n] = k
+            at += n
+    return out
+
+
+def inputs(b, length, heads, groups, head_dim=16, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (b, length, heads, head_dim)) * head_dim ** -0.5
+    k = jax.random.normal(keys[1], (b, length, groups, head_dim))
+    v = jax.random.normal(keys[2], (b, length, groups, head_dim))
+    return q, k, v, jax.random.normal(keys[3], (b, length, heads, head_dim))
+
+
+def out_and_grads(fn, q, k, v, cotangent):
+    def f(q, k, v):
+        return fn(q, k, v)
+
+    def loss(q, k, v):
+        return jnp.vdot(f(q, k, v), cotangent)
+
+    return jax.jit(f)(q, k, v), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+
+# Kernel -> (length, documents per row, a keyword for a small block). Documents cross the
+# chunked kernel's 16-row chunks and the Pallas kernels' blocks; a 2-token document, one
+# longer than a block, and padding at a row's end.
+CASES = {
+    "xla": (32, [[5, 2, 20], [32]], {}),
+    "chunked": (64, [[5, 2, 30, 20], [17, 40]], {"block": 16}),
+    "pallas": (64, [[5, 2, 30, 20], [17, 40]], {}),
+    "splash": (128, [[5, 2, 70, 40], [17, 100]], {}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_masks_documents(name):
+    length, docs, extra = CASES[name]
+    q, k, v, cotangent = inputs(len(docs), length, 4, 2)
+    ids = jnp.asarray(segments(length, docs))
+    kernel = KERNELS[name]
+    fn = (functools.partial(chunked_attention, **extra) if extra else kernel.fn)
+    got, got_grads = out_and_grads(lambda q, k, v: fn(q, k, v, None, segments_BL=ids),
+                                   q, k, v, cotangent)
+    want, want_grads = out_and_grads(lambda q, k, v: alone(q, k, v, ids), q, k, v, cotangent)
+    tol = 2e-2 if name == "splash" else 2e-5  # splash: bf16-ish accumulation in interpret
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, atol=tol, rtol=tol)
+
+
+def test_every_kernel_is_covered():
+    """A new kernel in the registry gets a document-mask case here (cuDNN: its layout)."""
+    assert set(KERNELS) == {*CASES, "cudnn"}
+    assert all(k.segments for k in KERNELS.values())
+
+
+def test_cudnn_packed_layout():
+    ids = jnp.asarray(segments(16, [[5, 2, 7], [16], [2, 2, 2, 2, 2, 2, 2, 2]]))
+    offsets, lengths = packed_layout(ids, max_segments(16))
+    assert offsets.shape == (3, 10) and lengths.shape == (3, 9)
+    np.testing.assert_array_equal(lengths[0], [5, 2, 7, 2] + [-1] * 5)
+    np.testing.assert_array_equal(offsets[0], [0, 5, 7, 14] + [-1] * 6)
+    np.testing.assert_array_equal(lengths[1], [16] + [-1] * 8)
+    np.testing.assert_array_equal(lengths[2], [2] * 8 + [-1])
+    np.testing.assert_array_equal(offsets[2], list(range(0, 16, 2)) + [-1, -1])
