@@ -21,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     ({"mesh.data": 1, "mesh.tensor": 8, "model.family": "llama", "model.num_kv_heads": 4}, 8,
      "model.num_kv_heads=4 is invalid: must be divisible by mesh.tensor=8"),
     ({"mesh.data": 8, "train.global_batch": 12}, 8,
-     "train.global_batch=12 is invalid: each of the 1 micro-batches (12 sequences) must divide by mesh.data×mesh.fsdp=8"),
+     "train.global_batch=12 is invalid: each of the 1 micro-batches (12 sequences) must divide by mesh.data×mesh.fsdp×mesh.expert=8"),
     ({"train.microbatches": 3}, 1, "train.microbatches=3 is invalid: must divide train.global_batch=16"),
     ({"mesh.fsdp": 8, "mesh.data": 1, "model.d_model": 60, "model.num_heads": 6}, 8,
      "model.d_model=60 is invalid: must be divisible by mesh.fsdp=8"),
@@ -47,7 +47,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
      "chunk per stage"),
     ({"mesh.pipeline": 2, "mesh.data": 4, "pipeline.microbatches": 4, "train.global_batch": 8}, 8,
      "train.global_batch=8 is invalid: each of the 1 micro-batches (8 sequences) must divide "
-     "by mesh.data×mesh.fsdp×pipeline.microbatches=16"),
+     "by mesh.data×mesh.fsdp×mesh.expert×pipeline.microbatches=16"),
 ])
 def test_config_errors_name_the_key(overrides, devices, message):
     with pytest.raises(ConfigError) as error:
@@ -58,7 +58,7 @@ def test_config_errors_name_the_key(overrides, devices, message):
 
 def test_minus_one_fills_the_rest():
     sizes = validate(small_config(**{"mesh.data": -1, "mesh.tensor": 2}), 8)
-    assert sizes == {"data": 4, "pipeline": 1, "fsdp": 1, "tensor": 2}
+    assert sizes == {"data": 4, "pipeline": 1, "fsdp": 1, "tensor": 2, "expert": 1}
 
 
 def _load(path):
@@ -67,7 +67,7 @@ def _load(path):
 
 # Each shipped config on the device count it is written for.
 SHIPPED = {"tiny": 1, "stdlib_bpe": 1, "bench_cpu": 1, "gpt2_124m": 8, "llama_1b": 1,
-           "gpt13b": 64, "gpt13b_pp": 16}
+           "gpt13b": 64, "gpt13b_pp": 16, "tiny_moe": 1, "bench_cpu_moe": 1, "mixtral_8x7b": 64}
 
 
 @pytest.mark.parametrize("name,devices", SHIPPED.items())

@@ -71,11 +71,12 @@ def test_one_adamw_step_equals_the_update_by_hand(family, devices):
     (("embed", "heads", "kv"), False, P("fsdp", "tensor", None)),
     (("layers", "embed", "mlp"), False, P("pipeline", "fsdp", "tensor")),
     (("vocab", "embed"), False, P("tensor", "fsdp")),
-    # Activations: batch takes data and fsdp, so embed (which wants fsdp) is replicated.
-    (("batch", "length", "embed"), False, P(("data", "fsdp"), None, None)),
+    # Activations: batch takes data, fsdp and expert, so embed (which wants fsdp) is
+    # replicated.
+    (("batch", "length", "embed"), False, P(("data", "fsdp", "expert"), None, None)),
     # The residual stream's length goes over tensor only with sequence parallelism.
-    (("batch", "sequence", "embed"), False, P(("data", "fsdp"), None, None)),
-    (("batch", "sequence", "embed"), True, P(("data", "fsdp"), "tensor", None)),
+    (("batch", "sequence", "embed"), False, P(("data", "fsdp", "expert"), None, None)),
+    (("batch", "sequence", "embed"), True, P(("data", "fsdp", "expert"), "tensor", None)),
     # heads took tensor: mlp, which wants it too, is replicated; unknown names replicated.
     (("heads", "mlp"), False, P("tensor", None)),
     ((None, "nonsense"), False, P(None, None)),

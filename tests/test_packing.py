@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
-
 from conftest import small_config
+from flax import nnx
 from helpers import assert_params_close, train_steps
+
 from jaxtrain.config import validate
 from jaxtrain.data import prepare as P
 from jaxtrain.data.batches import make_batches

@@ -4,12 +4,14 @@ in one or two tiers (a durable directory, and optionally a fast local one saved 
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
 import time
 from collections.abc import Callable
 
 import jax
+import ml_collections
 
 from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.errors import CheckpointError, ConfigError
@@ -29,6 +31,8 @@ def _changed_keys(cfg, saved: dict) -> list[str]:
     changed = []
     for section in STATE_SECTIONS:
         for name, now in cfg[section].items():
+            if isinstance(now, ml_collections.ConfigDict):  # a nested section, as saved
+                now = json.loads(json.dumps(now.to_dict()))
             before = saved.get(section, {}).get(name, now)
             if isinstance(now, float) or isinstance(before, float):
                 same = math.isclose(float(before), float(now)) if \
