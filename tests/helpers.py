@@ -34,3 +34,29 @@ def assert_params_close(a, b, rtol=1e-5):
     for (path, x), y in zip(flat_a, flat_b):
         err = np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-12)
         assert err <= rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e} > {rtol}"
+
+
+def assert_cached_decoding_matches_full_forward(setup, params, prefill: int = 12,
+                                                length: int = 16):
+    """The kv-cached decode (a prefill of `prefill` tokens, then one token at a time) gives
+    the full forward's logits of `length` random tokens."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    tokens = jax.random.randint(jax.random.key(1), (1, length), 0, 256)
+    with jax.set_mesh(setup.mesh):
+        full = jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(params, tokens)
+
+        @jax.jit
+        def cached(p, t):
+            model = nnx.merge(setup.graphdef, p)
+            cache = model.init_cache(1, length)
+            logits, cache = model.decode(t[:, :prefill], cache, jnp.int32(0))
+            steps = [logits]
+            for i in range(prefill, length):
+                logits, cache = model.decode(t[:, i:i + 1], cache, jnp.int32(i))
+                steps.append(logits)
+            return jnp.concatenate(steps, axis=1)
+
+        got = cached(params, tokens)
+    np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5 * float(jnp.abs(full).max()))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import small_config
 from flax import nnx
+from helpers import assert_cached_decoding_matches_full_forward
 
 from jaxtrain.config import load_config_file
 from jaxtrain.sampling import Sampling, make_generate, pick
@@ -34,23 +35,7 @@ CASES = [("gpt2", 1, {}), ("llama", 1, {"model.sliding_window": 8}), ("llama", 4
 @pytest.mark.parametrize("family,tensor,overrides", CASES)
 def test_cached_decoding_gives_the_full_forward_logits(family, tensor, overrides, devices):
     setup, params = _model(family, devices, tensor, **overrides)
-    tokens = jax.random.randint(jax.random.key(1), (1, 16), 0, 256)
-    with jax.set_mesh(setup.mesh):
-        full = jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(params, tokens)
-
-        @jax.jit
-        def cached(p, t):
-            model = nnx.merge(setup.graphdef, p)
-            cache = model.init_cache(1, 16)
-            prefill, cache = model.decode(t[:, :12], cache, jnp.int32(0))
-            steps = [prefill]
-            for i in range(12, 16):  # then one token at a time
-                logits, cache = model.decode(t[:, i:i + 1], cache, jnp.int32(i))
-                steps.append(logits)
-            return jnp.concatenate(steps, axis=1)
-
-        got = cached(params, tokens)
-    np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5 * float(jnp.abs(full).max()))
+    assert_cached_decoding_matches_full_forward(setup, params)
 
 
 @pytest.mark.parametrize("family,tensor", [("gpt2", 1), ("llama", 4)])

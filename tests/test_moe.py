@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import small_config
-from flax import nnx
-from helpers import assert_params_close, train_steps
+from helpers import assert_cached_decoding_matches_full_forward, assert_params_close, train_steps
 
 from jaxtrain import hardware as catalog
 from jaxtrain.config import ConfigError, validate
@@ -278,23 +277,7 @@ def test_cached_decoding_gives_the_full_forward_logits(devices):
                         "model.moe.capacity_factor": 4.0, "model.init_std": 0.3})
     setup = build(cfg, devices[:1])
     params = setup.init_state().params
-    tokens = jax.random.randint(jax.random.key(1), (1, 16), 0, 256)
-    with jax.set_mesh(setup.mesh):
-        full = jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(params, tokens)
-
-        @jax.jit
-        def cached(p, t):
-            model = nnx.merge(setup.graphdef, p)
-            cache = model.init_cache(1, 16)
-            prefill, cache = model.decode(t[:, :12], cache, jnp.int32(0))
-            steps = [prefill]
-            for i in range(12, 16):
-                logits, cache = model.decode(t[:, i:i + 1], cache, jnp.int32(i))
-                steps.append(logits)
-            return jnp.concatenate(steps, axis=1)
-
-        got = cached(params, tokens)
-    np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5 * float(jnp.abs(full).max()))
+    assert_cached_decoding_matches_full_forward(setup, params)
 
 
 @pytest.mark.parametrize("overrides,match", [
