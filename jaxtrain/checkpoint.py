@@ -104,7 +104,9 @@ class Checkpoints:
             self.manager = ocp.CheckpointManager(self.directory, options=options,
                                                  item_names=("state", "config"))
         self.healthy = {s for s in self.steps() if self._manifest(s).get("healthy")}
-        self._manifested = set(self.steps())  # steps committed before this run
+        # Steps committed before this run with their manifest; one that has none (a crash
+        # between orbax's commit and our checksums) gets it with the next manifest pass.
+        self._manifested = {s for s in self.steps() if self._manifest_path(s).exists()}
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -214,7 +216,14 @@ class Checkpoints:
                 check_config(step, saved, self.mismatch(step, target))
                 try:
                     return step, self.restore(step, target)
-                except Exception as e:  # noqa: BLE001 - files verified or not, it is unreadable
+                except Exception as e:  # noqa: BLE001 - see below
+                    if verify and self._checksummed(step):
+                        # Every byte is as written: the failure is not the checkpoint's
+                        # (memory, I/O, a bug), so it stays where it is.
+                        raise CheckpointError(
+                            f"checkpoint step {step} in {self.directory} passed its checksums "
+                            f"but could not be restored ({_first_line(e)}); nothing was "
+                            "moved") from e
                     problem = f"it cannot be restored ({_first_line(e)})"
             moved = self.set_aside(step)
             self.log(f"jaxtrain: checkpoint step {step} in {self.directory} is damaged: "
@@ -278,6 +287,7 @@ class Checkpoints:
             multihost_utils.sync_global_devices(f"jaxtrain_set_aside_{step}")
         self.manager.reload()
         self.healthy.discard(step)
+        self._manifested.discard(step)  # the run saves this step again: a new manifest
         return aside
 
     # Manifests: relative path -> [size, xxh3] of every file of a committed step.
@@ -294,6 +304,10 @@ class Checkpoints:
         if manifest.get("format") != 2:  # before checksums: {path: size}
             manifest = {"files": {k: [v, None] for k, v in manifest.items()}}
         return manifest
+
+    def _checksummed(self, step: int) -> bool:
+        files = self._manifest(step).get("files", {})
+        return bool(files) and all(digest for _, digest in files.values())
 
     def verify(self, step: int, checksums: bool = True) -> str | None:
         """What is wrong with a step's files (None: nothing, or no manifest yet: orbax's

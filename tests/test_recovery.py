@@ -20,7 +20,7 @@ from conftest import small_config
 from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.commands import report
 from jaxtrain.data import make_batches
-from jaxtrain.errors import ConfigError, DataError
+from jaxtrain.errors import CheckpointError, ConfigError, DataError
 from jaxtrain.train.loop import run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -80,7 +80,10 @@ def test_the_stop_message_comes_after_the_commit_even_with_two_ctrl_c(tmp_path):
     cli = Cli(tmp_path, "--config.steps=2000", "--config.checkpoint.every_steps=0")
     cli.wait_for(r"loss=")  # training: a logged step
     cli.process.send_signal(signal.SIGINT)
-    time.sleep(0.05)
+    # Python runs a handler once for signals that arrive before the main thread gets to it
+    # (a step can hold it for seconds on a loaded machine), so the second Ctrl-C is sent
+    # once the first one has been taken.
+    cli.wait_for(r"stopping at the end of this step")
     cli.process.send_signal(signal.SIGINT)  # a double Ctrl-C keeps the checkpoint
     stopped = int(cli.wait_for(r"stopped at step (\d+) on SIGINT; the checkpoint is durable")[1])
     cli.process.kill()  # kill -9 as soon as the message appears
@@ -173,7 +176,7 @@ def _flip_4kb(directory):
 
 
 def test_every_checkpoint_is_checksummed_and_same_size_corruption_falls_back(
-        tmp_path, devices, capfd):
+        tmp_path, devices, capfd, monkeypatch):
     cfg = small_config(**{"steps": 6, "checkpoint.every_steps": 2})
     whole = run(cfg, tmp_path, devices[:1])
     for step in (2, 4, 6):  # the async saves too
@@ -181,6 +184,9 @@ def test_every_checkpoint_is_checksummed_and_same_size_corruption_falls_back(
         assert manifest["format"] == 2 and manifest["healthy"] is True
         assert manifest["files"] and all(digest for _, digest in manifest["files"].values())
     victim = _flip_4kb(tmp_path / "checkpoints" / "6")
+    # As if the run had died between orbax's commit of step 4 and its checksums: the next
+    # run gives step 4 its manifest.
+    (tmp_path / "checkpoint_manifests" / "4.json").unlink()
     capfd.readouterr()
     resumed = run(cfg, tmp_path, devices[:1])
     err = capfd.readouterr().err
@@ -188,6 +194,18 @@ def test_every_checkpoint_is_checksummed_and_same_size_corruption_falls_back(
                      r"changed \(checksum \w+, recorded \w+\); moved to", err), err
     assert [r["step"] for r in resumed] == [5, 6]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[4:]]
+    for step in (4, 6):  # 6: saved again after its damaged copy was set aside
+        manifest = json.loads((tmp_path / "checkpoint_manifests" / f"{step}.json").read_text())
+        assert manifest["files"] and all(digest for _, digest in manifest["files"].values())
+    # A checkpoint whose every byte passed its checksums but that fails to restore (memory,
+    # I/O) is not damage: a one-line error, and nothing is moved.
+    def broken(self, step, target):
+        raise MemoryError("out of memory")
+    monkeypatch.setattr(Checkpoints, "restore", broken)
+    with pytest.raises(CheckpointError, match="passed its checksums but could not be "
+                       r"restored \(MemoryError: out of memory\); nothing was moved"):
+        run(small_config(**{"steps": 8, "checkpoint.every_steps": 2}), tmp_path, devices[:1])
+    assert _committed(tmp_path) == [2, 4, 6]
 
 
 def test_a_checkpoint_of_a_broken_run_never_pushes_the_last_good_one_out(tmp_path, devices):
@@ -215,7 +233,10 @@ def test_one_line_errors_and_nothing_to_do(tmp_path, devices, capfd):
             (["eval", f"--workdir={tmp_path / 'none'}"], "holds no checkpoints/ directory"),
             (["generate", f"--workdir={tmp_path / 'none'}", "--prompt=x"], "holds no checkpoints/"),
             (["quantize", f"--workdir={tmp_path / 'none'}", f"--out={tmp_path / 'q'}"],
-             "holds no checkpoints/")]:
+             "holds no checkpoints/"),
+            # prepare returns its code (not sys.exit): the dispatcher must pass it on.
+            (["prepare", str(tmp_path / "none.txt"), "--train-tokenizer=300",
+              f"--out={tmp_path / 'p'}"], "none.txt: no such file")]:
         result = cli(*args)
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2, (args, result.stderr[-2000:])

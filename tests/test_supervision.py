@@ -15,6 +15,7 @@ from conftest import small_config
 
 from jaxtrain.train.goodput import Goodput
 from jaxtrain.train.loop import run
+from jaxtrain.train.preemption import StopRequest
 from jaxtrain.train.watchdog import HUNG
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -54,6 +55,18 @@ def test_the_local_tier_resumes_a_run_on_another_mesh(tmp_path, devices, capfd):
     assert "resuming at step 8" in capfd.readouterr().err
     assert [r["step"] for r in resumed] == [9]
     np.testing.assert_allclose(resumed[0]["loss"], whole[-1]["loss"], rtol=0, atol=1e-5)
+
+
+def test_a_stop_on_a_local_tier_step_still_saves_it_durably(tmp_path, devices, monkeypatch):
+    # A stop request after step 2, which the local tier has just saved: the durable tier
+    # must get its own copy before "the checkpoint is durable" is said.
+    monkeypatch.setattr(StopRequest, "should_stop", lambda self, step: step >= 2)
+    cfg = small_config(**{"steps": 9, "checkpoint.every_steps": 6,
+                          "checkpoint.local_dir": str(tmp_path / "local"),
+                          "checkpoint.local_every_steps": 2})
+    run(cfg, tmp_path / "run", devices[:1])
+    durable = [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()]
+    assert durable == ["2"], durable
 
 
 def test_goodput_charges_recomputed_steps_and_the_gap_to_a_restart(tmp_path):

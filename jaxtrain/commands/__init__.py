@@ -45,4 +45,6 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)
         sys.exit(2)
     module = importlib.import_module(f"jaxtrain.commands.{COMMANDS[name][0]}")
-    module.main(rest)
+    # A command either exits itself or returns its exit code (prepare: 2 for bad input, 130
+    # when interrupted); a scheduler reads that code, so it must reach the process.
+    sys.exit(module.main(rest) or 0)

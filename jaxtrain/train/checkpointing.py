@@ -132,7 +132,9 @@ class Checkpointer(Hook):
 
     def __init__(self, tiers: Tiers, cfg, logger, restored_step: int, stop=None):
         self.tiers, self.cfg, self.logger, self.stop = tiers, cfg, logger, stop
-        self.saved = {restored_step}
+        # Steps saved, per tier: a stop on a step the local tier just took still owes the
+        # durable tier its copy.
+        self.saved = {id(tier): {restored_step} for tier in tiers.all}
         self.unjudged: list[tuple[Checkpoints, int]] = []  # saved, health not yet seen
         self.previous: StepInfo | None = None
 
@@ -152,10 +154,10 @@ class Checkpointer(Hook):
             tier.wait()
 
     def save(self, step: int, state: TrainState, tier: Checkpoints | None = None) -> None:
-        if step in self.saved:  # e.g. a stop request right after a periodic checkpoint
-            return
         tier = tier or self.tiers.durable
-        self.saved.add(step)
+        if step in self.saved[id(tier)]:  # e.g. a stop request right after a periodic save
+            return
+        self.saved[id(tier)].add(step)
         self.logger.flush()  # the rows up to this step are written before it is saved
         with self.logger.outside_steps("checkpoint"):
             tier.save(step, state.tree(), self.cfg.to_dict())
@@ -167,7 +169,8 @@ class Checkpointer(Hook):
             self.stop.saving(step)
         self.save(step, state)
         with self.logger.outside_steps("checkpoint"):
-            self.tiers.durable.wait()
+            for tier in self.tiers.all:  # a local save of this step may still be in flight
+                tier.wait()
         if self.stop is not None:
             self.stop.saving(None)
 
