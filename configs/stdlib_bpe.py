@@ -27,5 +27,8 @@ def get_config():
     c.optimizer.warmup_steps = 30
     c.data.source = "prepared"
     c.data.path = "data/stdlib_bpe"
+    # Each file one document, packed into rows with a document mask: no token attends
+    # across a file boundary, and positions restart at each file.
+    c.data.packing = "documents"
     c.checkpoint.every_steps = 100
     return c
