@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import stat
 import subprocess
 import sys
 
@@ -154,6 +155,10 @@ def test_a_trained_model_exports_to_transformers(family, tmp_path, devices):
     files = export_hf(tmp_path / "run", tmp_path / "out", max_shard_size="40KB",
                       devices=devices[:1])
     assert "model.safetensors.index.json" in files and len(files) > 3
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in files:  # readable like any file this process makes (safetensors: 0600)
+        assert stat.S_IMODE((tmp_path / "out" / name).stat().st_mode) == 0o666 & ~umask, name
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     setup, params, step = load_for_export(tmp_path / "run", devices[:1])
     assert step == 3
