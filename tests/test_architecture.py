@@ -11,7 +11,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxtrain"
 
 # Lowest first. A module may import its own layer and the ones below, never one above.
 LAYERS = [
-    ("errors", "precision", "hostmem", "hardware", "distributed", "signals"),
+    ("errors", "precision", "hostmem", "hardware", "distributed", "signals", "xla_flags"),
     ("mesh",),
     ("parallel",),
     ("models",),

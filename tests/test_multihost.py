@@ -12,6 +12,8 @@ import time
 import numpy as np
 import pytest
 
+from jaxtrain.xla_flags import with_device_count
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config", "configs/tiny.py", "--config.log_every_steps=1",
         "--config.model.num_layers=2", "--config.train.global_batch=16"]
@@ -151,7 +153,7 @@ def test_without_a_launcher_a_rank_whose_peer_died_exits_in_bounded_time(tmp_pat
                            "s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"],
                           capture_output=True, text=True).stdout.strip()
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+               XLA_FLAGS=with_device_count(4))
     ranks = [subprocess.Popen(
         [sys.executable, "-m", "jaxtrain.main", *TINY, *MESH, "--config.steps=100000",
          "--config.distributed.heartbeat_timeout_s=10", f"--workdir={tmp_path}",

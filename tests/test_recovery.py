@@ -22,6 +22,7 @@ from jaxtrain.commands import report
 from jaxtrain.data import make_batches
 from jaxtrain.errors import CheckpointError, ConfigError, DataError
 from jaxtrain.train.loop import run
+from jaxtrain.xla_flags import with_device_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config", "configs/tiny.py", "--config.model.d_model=64",
@@ -34,7 +35,7 @@ class Cli:
     """`python -m jaxtrain.main` on the tiny model, its stderr collected as it comes."""
 
     def __init__(self, workdir, *args):
-        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        env = dict(os.environ, XLA_FLAGS=with_device_count(1),
                    PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "jaxtrain.main", *TINY, *args, f"--workdir={workdir}"],

@@ -23,6 +23,7 @@ from jaxtrain.config import ConfigError, apply_overrides, load_config_file
 from jaxtrain.optim import skipped_steps
 from jaxtrain.train.loop import TrainingStopped, run
 from jaxtrain.train.setup import build
+from jaxtrain.xla_flags import with_device_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # A quick run of the tiny config through the CLI: 24 steps, checkpoints every 6.
@@ -40,7 +41,7 @@ def _cli_config():
 
 
 def _start(workdir):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, XLA_FLAGS=with_device_count(1))
     return subprocess.Popen([sys.executable, "-m", "jaxtrain.main", "--config",
                              "configs/tiny.py", *CLI_OVERRIDES, f"--workdir={workdir}"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE,

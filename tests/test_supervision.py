@@ -17,13 +17,14 @@ from jaxtrain.train.goodput import Goodput
 from jaxtrain.train.loop import run
 from jaxtrain.train.preemption import StopRequest
 from jaxtrain.train.watchdog import HUNG
+from jaxtrain.xla_flags import with_device_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
 def test_a_hung_step_dumps_every_stack_and_exits_with_the_hung_code(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, XLA_FLAGS=with_device_count(1))
     began = time.time()
     result = subprocess.run(
         [sys.executable, "-m", "jaxtrain.main", "--config", "configs/tiny.py",

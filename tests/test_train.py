@@ -12,6 +12,7 @@ import pytest
 from conftest import small_config
 
 from jaxtrain.train.loop import run
+from jaxtrain.xla_flags import with_device_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -50,7 +51,7 @@ def test_resume_continues_the_same_run(tmp_path, devices):
 
 
 def _cli_losses(workdir, device_count, *overrides):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={device_count}")
+    env = dict(os.environ, XLA_FLAGS=with_device_count(device_count))
     subprocess.run([sys.executable, "-m", "jaxtrain.main", "--config", "configs/tiny.py",
                     "--config.steps=3", "--config.log_every_steps=1", f"--workdir={workdir}",
                     *overrides], cwd=ROOT, env=env, check=True, timeout=600,

@@ -23,6 +23,8 @@ import sys
 import threading
 import time
 
+from jaxtrain.xla_flags import with_device_count
+
 GRACE_S = 10  # between SIGTERM and SIGKILL for the surviving ranks
 NOT_RETRIED = (2, 3)  # config/input error; the run stopped itself (non-finite steps)
 
@@ -49,7 +51,7 @@ class Job:
     def __init__(self, processes: int, devices_per_process: int, main_args: list[str]):
         port = _free_port()
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+                   XLA_FLAGS=with_device_count(devices_per_process))
         self.ranks = []
         for rank in range(processes):
             cmd = [sys.executable, "-m", "jaxtrain.main", *main_args,

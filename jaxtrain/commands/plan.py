@@ -17,6 +17,7 @@ from ml_collections import config_flags
 from jaxtrain.commands.common import fail as _fail
 from jaxtrain.commands.common import run_absl
 from jaxtrain.hardware import slice_devices  # no jax: safe before the fake devices are set
+from jaxtrain.xla_flags import with_device_count
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file from configs/.",
                                           lock_config=True)
@@ -134,10 +135,7 @@ def _fake_devices_before_jax(argv: list[str]) -> None:
             name = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
             devices = slice_devices(name)
     if devices:
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
-        os.environ["XLA_FLAGS"] = " ".join(
-            flags + [f"--xla_force_host_platform_device_count={devices}"])
+        os.environ["XLA_FLAGS"] = with_device_count(int(devices))
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 

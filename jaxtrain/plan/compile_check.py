@@ -22,6 +22,7 @@ from jaxtrain.config import MESH_AXES, apply_overrides, load_config_file, resolv
 from jaxtrain.plan import published
 from jaxtrain.plan.hlo import collective_bytes
 from jaxtrain.train.setup import build
+from jaxtrain.xla_flags import with_device_count
 
 
 def compile_step(setup, state=None, tokens=None):
@@ -76,7 +77,7 @@ def compile_in_subprocess(config_file: str, overrides: dict, devices: int,
     """compiled_memory on `devices` fake CPU devices, in a fresh Python process.
     config_file: a path, or 'published:RUN_ID' (load_config)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+               XLA_FLAGS=with_device_count(devices))
     argv = [sys.executable, "-m", "jaxtrain.plan.compile_check", "--devices", str(devices),
             "--config", config_file] + [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
@@ -102,10 +103,7 @@ def _main(argv) -> None:
     overrides = dict(a.split("=", 1) for a in argv[argv.index("--config") + 2:])
     overrides = {k: json.loads(v) for k, v in overrides.items()}
     # Read when the CPU backend starts (the first jax.devices()), not at import.
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    os.environ["XLA_FLAGS"] = " ".join(
-        flags + [f"--xla_force_host_platform_device_count={devices}"])
+    os.environ["XLA_FLAGS"] = with_device_count(devices)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     result = compiled_memory(load_config(config_file, overrides), jax.devices()[:devices])
     print(json.dumps(result))
