@@ -377,6 +377,13 @@ def test_a_trained_moe_model_exports_to_transformers(tmp_path, devices):
 
     cfg = _mixtral_config(**{"model.moe.dispatch": "capacity"})
     run(cfg, tmp_path / "run", devices[:1])  # 3 steps from a fresh init
+    # The routing metrics reach metrics.jsonl, each step (the loop's rows, as written).
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    trained = [r for r in rows if "loss" in r]
+    assert len(trained) == 3 and all(
+        {"moe_aux_loss", "moe_z_loss", "moe_load_max", "moe_load_min",
+         "moe_dropped_fraction"} <= r.keys() for r in trained)
+    assert all(r["moe_load_max"] >= r["moe_load_min"] >= 0.0 for r in trained)
     export_hf(tmp_path / "run", tmp_path / "out", devices=devices[:1])
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(model).__name__ == "MixtralForCausalLM"
