@@ -104,9 +104,7 @@ class Checkpoints:
             self.manager = ocp.CheckpointManager(self.directory, options=options,
                                                  item_names=("state", "config"))
         self.healthy = {s for s in self.steps() if self._manifest(s).get("healthy")}
-        # Steps committed before this run with their manifest; one that has none (a crash
-        # between orbax's commit and our checksums) gets it with the next manifest pass.
-        self._manifested = {s for s in self.steps() if self._manifest_path(s).exists()}
+        self._manifested = set(self.steps())  # committed before this run
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -154,6 +152,16 @@ class Checkpoints:
                 self._manifested.add(step)
                 if self.on_commit is not None:
                     self.on_commit(step)
+
+    def _manifest_the_unmanifested(self) -> None:
+        """Once a run goes on from here: committed steps without a manifest (a crash between
+        orbax's commit and our checksums) get theirs, off the training thread. Not before:
+        a run refused for its config writes nothing."""
+        missing = {s for s in self.steps() if not self._manifest_path(s).exists()}
+        if missing and self.primary:
+            with self._lock:
+                self._manifested -= missing
+            self._executor.submit(self._write_manifests)
 
     def _write_manifest(self, step: int, manifest: dict) -> None:
         path = self._manifest_path(step)
@@ -215,7 +223,9 @@ class Checkpoints:
             if problem is None:
                 check_config(step, saved, self.mismatch(step, target))
                 try:
-                    return step, self.restore(step, target)
+                    restored = self.restore(step, target)
+                    self._manifest_the_unmanifested()
+                    return step, restored
                 except Exception as e:  # noqa: BLE001 - see below
                     if verify and self._checksummed(step):
                         # Every byte is as written: the failure is not the checkpoint's
