@@ -28,6 +28,7 @@ from jaxtrain.mesh import (
     validate_axes,
 )
 from jaxtrain.models import moe as moe_lib
+from jaxtrain.models import rope as rope_lib
 from jaxtrain.models.attention import KERNELS, resolve_attention
 from jaxtrain.models.families import FAMILIES
 from jaxtrain.models.remat import REMATS
@@ -81,6 +82,18 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.sliding_window = 0  # 0: full causal attention; W: each token sees its last W
     c.model.remat = "none"
     c.model.rope_theta = 10000.0
+    # RoPE scaling for context extension (models/rope.py has every field's meaning); the
+    # names are transformers' rope_parameters keys, so HF import/export maps them 1:1.
+    c.model.rope_scaling = ml_collections.ConfigDict()
+    c.model.rope_scaling.type = "none"  # none | llama3 | yarn
+    c.model.rope_scaling.factor = 8.0
+    c.model.rope_scaling.original_max_position_embeddings = 8192
+    c.model.rope_scaling.low_freq_factor = 1.0  # llama3
+    c.model.rope_scaling.high_freq_factor = 4.0  # llama3
+    c.model.rope_scaling.beta_fast = 32.0  # yarn
+    c.model.rope_scaling.beta_slow = 1.0  # yarn
+    c.model.rope_scaling.attention_factor = 0.0  # yarn; 0: 0.1·ln(factor) + 1
+    c.model.rope_scaling.truncate = True  # yarn
     c.model.norm_eps = 1e-5
     c.model.init_std = 0.02
     # Mixture of experts (models/moe.py, docs/parallelism.md); num_experts 0: a dense model.
@@ -293,6 +306,10 @@ def _check_model(c, platform: str | None) -> None:
         fail("model.num_heads", heads, f"must divide model.d_model={m.d_model} "
              "(or set model.head_dim)")
     FAMILIES[m.family].check(m.head_dim or m.d_model // heads)
+    rope_lib.check(m.rope_scaling)
+    if m.rope_scaling.type != "none" and not FAMILIES[m.family].rope:
+        fail("model.rope_scaling.type", m.rope_scaling.type, f"model.family={m.family!r} has "
+             "learned positions, no RoPE: use none")
     documents = c.data.packing == "documents"
     kernel = resolve_attention(m.attention, c.train.precision, platform or "", m.seq_len,
                                m.sliding_window, documents)

@@ -33,8 +33,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtrain.mesh import constrain
 from jaxtrain.models.chunked_attention import chunked_attention
 from jaxtrain.models.cudnn_attention import cudnn_attention
-from jaxtrain.models.layers import dense, param, rope
+from jaxtrain.models.layers import dense, param
 from jaxtrain.models.pallas_tpu import splash_attention
+from jaxtrain.models.rope import rope
 
 
 def causal_mask(query_pos, key_pos, window: int | None):
@@ -230,8 +231,8 @@ class Attention(nnx.Module):
         k_BLGK = self._project(x_BLD, "k", ("kv_heads", "kv"))
         v_BLGK = self._project(x_BLD, "v", ("kv_heads", "kv"))
         if spec.rope:
-            q_BLHK = rope(q_BLHK, spec.rope_theta, positions_L)
-            k_BLGK = rope(k_BLGK, spec.rope_theta, positions_L)
+            q_BLHK = rope(q_BLHK, spec.rope_theta, positions_L, spec.rope_scaling)
+            k_BLGK = rope(k_BLGK, spec.rope_theta, positions_L, spec.rope_scaling)
         q_BLHK = q_BLHK * jnp.asarray(spec.head_dim ** -0.5, q_BLHK.dtype)
         return q_BLHK, k_BLGK, v_BLGK
 

@@ -17,6 +17,7 @@ from jaxtrain.models.layers import Norm, param
 from jaxtrain.models.mlp import Mlp
 from jaxtrain.models.moe import STAT_NAMES, MoeMlp, MoeSpec, routing_losses
 from jaxtrain.models.remat import REMATS
+from jaxtrain.models.rope import RopeScaling
 from jaxtrain.parallel.pipeline import PipelineSpec, pipeline
 from jaxtrain.precision import PRECISIONS
 
@@ -38,6 +39,7 @@ class ModelSpec:
     sliding_window: int = 0  # 0: full causal attention; W: each query sees its last W keys
     remat: str = "none"
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE (models/rope.py)
     norm_eps: float = 1e-5
     init_std: float = 0.02
     param_dtype: Any = jnp.float32
@@ -65,7 +67,8 @@ class ModelSpec:
             attention=resolve_attention(m.attention, cfg.train.precision, platform, m.seq_len,
                                         m.sliding_window, cfg.data.packing == "documents"),
             sliding_window=m.sliding_window,
-            remat=m.remat, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+            remat=m.remat, rope_theta=m.rope_theta, rope_scaling=_rope_scaling(m),
+            norm_eps=m.norm_eps,
             init_std=m.init_std, compute_dtype=precision.compute_dtype,
             rules=active_rules(tuple(tuple(r) for r in cfg.mesh.rules),
                                cfg.mesh.sequence_parallel),
@@ -81,6 +84,10 @@ class ModelSpec:
     tied_embeddings = property(lambda self: self.family_entry.tied_embeddings)
     gated_mlp = property(lambda self: self.family_entry.gated_mlp)
     rms_norm = property(lambda self: self.family_entry.norm == "rms")
+
+
+def _rope_scaling(m) -> RopeScaling | None:
+    return None if m.rope_scaling.type == "none" else RopeScaling.from_config(m.rope_scaling)
 
 
 class Block(nnx.Module):
