@@ -33,6 +33,7 @@ from jaxtrain.models.attention import KERNELS, resolve_attention
 from jaxtrain.models.families import FAMILIES
 from jaxtrain.models.remat import REMATS
 from jaxtrain.optim import SCHEDULES
+from jaxtrain.parallel.context import VARIANTS as CONTEXT_VARIANTS
 from jaxtrain.precision import PRECISIONS
 from jaxtrain.sinks import validate_sinks
 from jaxtrain.tasks import BACKENDS
@@ -55,6 +56,9 @@ def base_config() -> ml_collections.ConfigDict:
     for axis in AXES:  # mesh.NAME: size within a node or slice; -1: the rest of the devices
         c.mesh[axis] = -1 if axis == "data" else 1
     c.mesh.sequence_parallel = False
+    # mesh.context > 1: each device holds 2 chunks of the row, i and 2C-1-i, so that causal
+    # attention work is equal on every device (parallel/context.py); False: a plain split.
+    c.mesh.context_load_balance = True
     # Sizes across the slow links between hosts/slices (DCN); the plain sizes are within one.
     for axis in AXES:
         c.mesh[f"dcn_{axis}"] = 1
@@ -80,6 +84,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.seq_len = 128
     c.model.attention = "auto"  # cudnn on NVIDIA GPUs in bf16/fp16, else chunked
     c.model.sliding_window = 0  # 0: full causal attention; W: each token sees its last W
+    # mesh.context > 1: how K/V reach every device (models/context_attention.py): allgather
+    # (one all-gather per layer), ring (ppermute hops), auto (allgather under GQA, else ring).
+    c.model.context_attention = "auto"
     c.model.remat = "none"
     c.model.rope_theta = 10000.0
     # RoPE scaling for context extension (models/rope.py has every field's meaning); the
@@ -363,7 +370,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int,
     for key, registry in (("model.family", FAMILIES), ("model.attention", ("auto", *KERNELS)),
                           ("model.remat", REMATS), ("train.precision", PRECISIONS),
                           ("optimizer.schedule", SCHEDULES), ("data.source", SOURCES),
-                          ("eval.backend", BACKENDS), ("data.packing", PACKINGS)):
+                          ("eval.backend", BACKENDS), ("data.packing", PACKINGS),
+                          ("model.context_attention", CONTEXT_VARIANTS)):
         _choice(c, key, tuple(registry))
     _check_model(c, platform)
     _check_eval(c)

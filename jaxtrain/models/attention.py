@@ -32,6 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.mesh import constrain
 from jaxtrain.models.chunked_attention import chunked_attention
+from jaxtrain.models.context_attention import context_attention
 from jaxtrain.models.cudnn_attention import cudnn_attention
 from jaxtrain.models.layers import dense, param
 from jaxtrain.models.pallas_tpu import splash_attention
@@ -252,9 +253,13 @@ class Attention(nnx.Module):
                segments_BL=None) -> jax.Array:
         """The attention kernel and the output projection, from projected q, k, v;
         segments_BL: document masks (the module docstring), None for none."""
-        kernel = KERNELS[self.spec.attention]
-        out_BLHK = kernel(q_BLHK, k_BLGK, v_BLGK, self.spec.sliding_window or None,
-                          rules=self.spec.rules, segments_BL=segments_BL)
+        spec, window = self.spec, self.spec.sliding_window or None
+        if spec.context is not None:  # the sequence is split: the kernel passes K/V around
+            out_BLHK = context_attention(q_BLHK, k_BLGK, v_BLGK, window, segments_BL,
+                                         spec.context, spec.rules)
+        else:
+            out_BLHK = KERNELS[spec.attention](q_BLHK, k_BLGK, v_BLGK, window,
+                                               rules=spec.rules, segments_BL=segments_BL)
         return self._output(out_BLHK)
 
     def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):
