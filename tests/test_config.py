@@ -58,7 +58,7 @@ def test_config_errors_name_the_key(overrides, devices, message):
 
 def test_minus_one_fills_the_rest():
     sizes = validate(small_config(**{"mesh.data": -1, "mesh.tensor": 2}), 8)
-    assert sizes == {"data": 4, "pipeline": 1, "fsdp": 1, "tensor": 2, "expert": 1}
+    assert sizes == {"data": 4, "pipeline": 1, "fsdp": 1, "tensor": 2, "expert": 1, "context": 1}
 
 
 def _load(path):
@@ -98,7 +98,7 @@ def test_cli_reports_config_error_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("arg,message", [
     ("--config.model.heads=4", "jaxtrain: error: --config.model.heads: there is no key "
-     "'heads' under model; valid: attention, d_model, family,"),
+     "'heads' under model; valid: attention, context_attention, d_model,"),
     ("--config.steps=ten", "jaxtrain: error: flag --config.steps=ten: invalid literal for "
      "int()"),
 ])
