@@ -37,7 +37,8 @@ LAYOUTS = {
 }
 # One compile each (≈5-7 s on an idle 2-core machine, 2-3× that under load): the fast tier
 # keeps one per reference, both variants and both layouts between them.
-SLOW = {"cp4_plain_ring", "cp8_ring", "cp2_dp2_tp2", "cp2_dp2_tp2_documents_window_plain"}
+SLOW = {"cp4_plain_ring", "cp8_ring", "cp2_dp2_tp2", "cp4_documents_window",
+        "cp2_dp2_tp2_documents_window_plain"}
 
 
 def _config(reference: str, **overrides):

@@ -123,6 +123,11 @@ def dense(spec, equation: str, x: jax.Array, w) -> jax.Array:
         return w.einsum(equation, x, spec.compute_dtype)
     if spec.fp8:
         return fp8_einsum(equation, x, w, spec.compute_dtype)
+    if getattr(spec, "context", None) is not None:
+        # The sequence is sharded (context parallelism): flattening [B, L] into one token
+        # axis would merge a replicated and a sharded dimension, which XLA can only do by
+        # all-gathering the activations; the einsum keeps both axes.
+        return jnp.einsum(equation, x, w.astype(spec.compute_dtype))
     return _weight_matmul(x, w.astype(spec.compute_dtype), equation)
 
 
