@@ -150,3 +150,29 @@ def test_context_config_errors_are_one_line(overrides, message):
     with pytest.raises(ConfigError) as e:
         validate(small_config("llama", **{"mesh.data": -1, **overrides}), 8)
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_the_planner_counts_the_context_axis():
+    """Activations fall with the context size, the K/V exchange is context's traffic, and
+    --search tries context for long rows (configs/llama_1b_32k.py on one H100 node)."""
+    from jaxtrain import hardware
+    from jaxtrain.config import apply_overrides, load_config_file
+    from jaxtrain.plan import memory
+    from jaxtrain.plan.planner import make_plan
+    from jaxtrain.plan.search import candidates
+
+    def config(**overrides):
+        return apply_overrides(load_config_file("configs/llama_1b_32k.py"), overrides)
+
+    def activations(cfg):
+        return memory.estimate(cfg, validate(cfg, 8))["activations"]
+
+    cfg = config()
+    assert activations(cfg) < activations(config(**{"mesh.context": 2, "mesh.data": 4}))
+    hw = hardware.get("H100-SXM")
+    plan = make_plan(cfg, hw, 8, tokens=1e9)
+    assert plan["memory"]["fits"] and plan["time"]["comm_bytes"]["context"] > 0
+    tried = {o["mesh.context"] for o, _ in candidates(cfg, 8, 8)}
+    assert tried == {1, 2, 4, 8}
+    assert {o["mesh.context"] for o, _ in candidates(config(**{"model.seq_len": 4096}), 8,
+                                                     8)} == {1}
