@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.config import ConfigError, validate
 from jaxtrain.mesh import make_mesh
 from jaxtrain.models.attention import xla_attention
-from jaxtrain.models.context_attention import context_attention
+from jaxtrain.models.context_attention import computed_scores, context_attention
 from jaxtrain.parallel.context import ContextSpec, causal_pairs, imbalance
 
 # Two references, one compile each: llama (RoPE) on plain rows; gpt2 (learned positions) on
@@ -129,6 +129,14 @@ def test_zigzag_balances_the_causal_work():
     # A window W ≪ L caps almost every query at W keys: either layout is nearly balanced.
     assert imbalance(8, 4096, True, window=512) < 0.07
     assert imbalance(8, 4096, False, window=512) < 0.07
+    # What the kernel computes (whole run pairs, skipping the hidden ones): equal on every
+    # device under zig-zag; the plain split's last device computes C times the first's.
+    for c in (2, 4, 8):
+        assert len(set(computed_scores(ContextSpec(c, "ring", True), 1024).tolist())) == 1
+        plain = computed_scores(ContextSpec(c, "ring", False), 1024)
+        assert plain[-1] == c * plain[0]
+    windowed = computed_scores(ContextSpec(8, "ring", True), 4096, window=512)
+    assert windowed.max() / windowed.mean() < 1.1
     # Each device's slots: chunks i and 2C−1−i.
     assert ContextSpec(2, "ring", True).slot_positions(8).tolist() == [[0, 1, 6, 7],
                                                                        [2, 3, 4, 5]]

@@ -34,6 +34,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.mesh import logical_to_spec
@@ -136,6 +137,21 @@ class _Runs:
                                    k_pos)
             out.append(acc)
         return out
+
+
+def computed_scores(spec: ContextSpec, length: int, window: int | None = None) -> np.ndarray:
+    """[C]: the query×key scores each device's kernel computes per row and head (the run
+    pairs `_any_visible` keeps, masked parts included): the work the step waits on."""
+    positions_CT = spec.slot_positions(length)
+    runs_CRT = np.stack(np.split(positions_CT, spec.chunks_per_device, axis=1), axis=1)
+    work = np.zeros(spec.size, np.int64)
+    for i in range(spec.size):
+        for j in range(spec.size):
+            for q in runs_CRT[i]:
+                for k in runs_CRT[j]:
+                    if _any_visible(q, k, window):
+                        work[i] += len(q) * len(k)
+    return work
 
 
 def _any_visible(q_pos, k_pos, window):
