@@ -54,52 +54,39 @@ def context_attention(q_BLHK, k_BLGK, v_BLGK, window: int | None, segments_BL,
         raise ValueError(f"context attention needs the `length` rule on `{AXIS}`; the rules "
                          f"give {q_spec}")
     ids_spec = None if segments_BL is None else P(q_spec[0], AXIS)
-    run = jax.shard_map(lambda q, k, v, ids: _attend(q, k, v, ids, spec, window),
-                        in_specs=(q_spec, kv_spec, kv_spec, ids_spec), out_specs=q_spec,
-                        check_vma=False)
+    body = functools.partial(_local, spec=spec, window=window,
+                             positions_CT=spec.slot_positions(q_BLHK.shape[1]))
+    run = jax.shard_map(body, in_specs=(q_spec, kv_spec, kv_spec, ids_spec),
+                        out_specs=q_spec, check_vma=False)
     return run(q_BLHK, k_BLGK, v_BLGK, segments_BL)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attend(q_BTHK, k_BTGK, v_BTGK, segments_BT, spec: ContextSpec, window):
-    return _attend_fwd(q_BTHK, k_BTGK, v_BTGK, segments_BT, spec, window)[0]
-
-
-def _table(spec: ContextSpec, t: int):
-    """(the [C, T] row positions of every device's slots, this device's index)."""
-    return jnp.asarray(spec.slot_positions(t * spec.size)), jax.lax.axis_index(AXIS)
-
-
-def _attend_fwd(q_BTHK, k_BTGK, v_BTGK, segments_BT, spec: ContextSpec, window):
+def _local(q_BTHK, k_BTGK, v_BTGK, segments_BT, *, spec: ContextSpec, window, positions_CT):
+    """One device: its queries against every key block of the row."""
     groups = k_BTGK.shape[2]
     b, t, heads, head_dim = q_BTHK.shape
     q_BTGRK = q_BTHK.reshape(b, t, groups, heads // groups, head_dim)
-    table_CT, me = _table(spec, t)
+    table_CT = jnp.asarray(positions_CT)
+    me = jax.lax.axis_index(AXIS)
     queries = _Runs(q_BTGRK, segments_BT, table_CT[me], spec.chunks_per_device)
     block = (k_BTGK, v_BTGK, segments_BT)
     accs = queries.fold(queries.empty(), block, table_CT[me], window)
     visit = _allgather if spec.variant == "allgather" else _ring
     accs = visit(queries, accs, block, table_CT, me, spec.size, window)
     out_BGRTK = jnp.concatenate([o / denom[..., None] for o, _, denom in accs], axis=3)
-    out_BTHK = out_BGRTK.transpose(0, 3, 1, 2, 4).reshape(q_BTHK.shape).astype(q_BTHK.dtype)
-    lse_BGRT = jnp.concatenate([m + jnp.log(denom) for _, m, denom in accs], axis=3)
-    return out_BTHK, (q_BTHK, k_BTGK, v_BTGK, segments_BT, out_BTHK, lse_BGRT)
+    return out_BGRTK.transpose(0, 3, 1, 2, 4).reshape(q_BTHK.shape).astype(q_BTHK.dtype)
 
 
 def _ring(queries, accs, block, table_CT, me, size: int, window):
     """Blocks 1..C−1 hops away, each passed on by one ppermute."""
+    shift = [(j, (j + 1) % size) for j in range(size)]
+
     def hop(carry, s):
         accs, block = carry
-        block = _pass_on(block, size)
+        block = jax.tree.map(lambda x: jax.lax.ppermute(x, AXIS, shift), block)
         return (queries.fold(accs, block, table_CT[(me - s) % size], window), block), None
 
     return jax.lax.scan(hop, (accs, block), jnp.arange(1, size))[0][0]
-
-
-def _pass_on(tree, size: int):
-    """Every device's arrays to the next device of the ring."""
-    shift = [(j, (j + 1) % size) for j in range(size)]
-    return jax.tree.map(lambda x: jax.lax.ppermute(x, AXIS, shift), tree)
 
 
 def _allgather(queries, accs, block, table_CT, me, size: int, window):
@@ -112,127 +99,6 @@ def _allgather(queries, accs, block, table_CT, me, size: int, window):
                             window), None
 
     return jax.lax.scan(visit, accs, jnp.arange(1, size))[0]
-
-
-def _attend_bwd(spec: ContextSpec, window, residuals, dout_BTHK):
-    """The flash-attention backward, block by block in the forward's order: each visited
-    K/V block's probabilities are recomputed from the saved logsumexp; dQ accumulates on
-    the device, dK/dV of a block travel with it (ring: around the ring and one hop home;
-    allgather: summed back to their owners by one reduce-scatter)."""
-    q_BTHK, k_BTGK, v_BTGK, segments_BT, out_BTHK, lse_BGRT = residuals
-    b, t, heads, head_dim = q_BTHK.shape
-    groups = k_BTGK.shape[2]
-    shape = (b, t, groups, heads // groups, head_dim)
-    do_BTGRK = dout_BTHK.reshape(shape).astype(jnp.float32)
-    delta_BGRT = jnp.einsum("btgrk,btgrk->bgrt", do_BTGRK,
-                            out_BTHK.reshape(shape).astype(jnp.float32))
-    table_CT, me = _table(spec, t)
-    grads = _Grads(q_BTHK.reshape(shape), do_BTGRK, lse_BGRT, delta_BGRT, segments_BT,
-                   table_CT[me], spec.chunks_per_device, window)
-    block = (k_BTGK, v_BTGK, segments_BT)
-    dq, dk_BTGK, dv_BTGK = grads.of_block(grads.zero_dq(), block, table_CT[me])
-    size = spec.size
-    if spec.variant == "ring":
-        def hop(carry, s):
-            dq, block, dk, dv = carry
-            block, dk, dv = _pass_on((block, dk, dv), size)
-            dq, dk_s, dv_s = grads.of_block(dq, block, table_CT[(me - s) % size])
-            return (dq, block, dk + dk_s, dv + dv_s), None
-
-        (dq, _, dk_BTGK, dv_BTGK), _ = jax.lax.scan(
-            hop, (dq, block, dk_BTGK, dv_BTGK), jnp.arange(1, size))
-        dk_BTGK, dv_BTGK = _pass_on((dk_BTGK, dv_BTGK), size)  # home: the block's owner
-    else:
-        gathered = jax.tree.map(lambda x: jax.lax.all_gather(x, AXIS, axis=0), block)
-        dk_CBTGK = jnp.zeros((size,) + k_BTGK.shape, jnp.float32).at[me].set(dk_BTGK)
-        dv_CBTGK = jnp.zeros((size,) + v_BTGK.shape, jnp.float32).at[me].set(dv_BTGK)
-
-        def visit(carry, s):
-            dq, dk_all, dv_all = carry
-            j = (me - s) % size
-            dq, dk_j, dv_j = grads.of_block(dq, jax.tree.map(lambda x: x[j], gathered),
-                                            table_CT[j])
-            return (dq, dk_all.at[j].add(dk_j), dv_all.at[j].add(dv_j)), None
-
-        (dq, dk_CBTGK, dv_CBTGK), _ = jax.lax.scan(
-            visit, (dq, dk_CBTGK, dv_CBTGK), jnp.arange(1, size))
-        dk_BTGK, dv_BTGK = (jax.lax.psum_scatter(x, AXIS, scatter_dimension=0)
-                            for x in (dk_CBTGK, dv_CBTGK))
-    dq_BTHK = jnp.concatenate(dq, axis=1).reshape(q_BTHK.shape).astype(q_BTHK.dtype)
-    return dq_BTHK, dk_BTGK.astype(k_BTGK.dtype), dv_BTGK.astype(v_BTGK.dtype), None
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
-
-
-class _Grads:
-    """The backward pass's per-run view of a device's queries (as _Runs is the forward's):
-    q, dO, logsumexp, delta = rowsum(dO∘O), ids and positions of each run."""
-
-    def __init__(self, q_BTGRK, do_BTGRK, lse_BGRT, delta_BGRT, segments_BT, positions_T,
-                 runs: int, window):
-        self.runs, self.window = runs, window
-        self.q = jnp.split(q_BTGRK, runs, axis=1)
-        self.do = jnp.split(do_BTGRK, runs, axis=1)
-        self.lse = jnp.split(lse_BGRT, runs, axis=3)
-        self.delta = jnp.split(delta_BGRT, runs, axis=3)
-        self.segments = _split_or_none(segments_BT, runs)
-        self.positions = jnp.split(positions_T, runs)
-
-    def zero_dq(self):
-        return [jnp.zeros(q.shape, jnp.float32) for q in self.q]
-
-    def of_block(self, dq, block, positions_T):
-        """(dq with the block's share added, the block's dK, dV), run pair by run pair;
-        pairs the mask hides entirely are skipped, as in the forward."""
-        k_BTGK, v_BTGK, segments_BT = block
-        keys = list(zip(jnp.split(k_BTGK, self.runs, axis=1),
-                        jnp.split(v_BTGK, self.runs, axis=1),
-                        _split_or_none(segments_BT, self.runs), jnp.split(positions_T, self.runs)))
-        dk = [jnp.zeros(k.shape, jnp.float32) for k, *_ in keys]
-        dv = [jnp.zeros(v.shape, jnp.float32) for _, v, *_ in keys]
-        pair = functools.partial(_pair_grads, window=self.window)
-        dq = list(dq)
-        for a, query in enumerate(zip(self.q, self.do, self.lse, self.delta, self.segments,
-                                      self.positions)):
-            for c, key in enumerate(keys):
-                zeros = (jnp.zeros_like(dq[a]), dk[c], dv[c])
-                add_q, add_k, add_v = jax.lax.cond(
-                    _any_visible(query[5], key[3], self.window), pair,
-                    lambda *_, zeros=zeros: jax.tree.map(jnp.zeros_like, zeros), query, key)
-                dq[a], dk[c], dv[c] = dq[a] + add_q, dk[c] + add_k, dv[c] + add_v
-        return dq, jnp.concatenate(dk, axis=1), jnp.concatenate(dv, axis=1)
-
-
-def _split_or_none(x, runs: int):
-    return [None] * runs if x is None else jnp.split(x, runs, axis=1)
-
-
-def _visible(q_pos_T, k_pos_M, q_ids_BT, k_ids_BM, window):
-    """Bool, broadcastable to [B, G, R, T, M]: causal, window and document masks."""
-    visible_TM = k_pos_M[None, :] <= q_pos_T[:, None]
-    if window is not None:
-        visible_TM &= k_pos_M[None, :] > q_pos_T[:, None] - window
-    visible = visible_TM[None, None, None]
-    if q_ids_BT is not None:
-        visible = visible & (q_ids_BT[:, :, None] == k_ids_BM[:, None, :])[:, None, None]
-    return visible
-
-
-def _pair_grads(query, key, *, window):
-    """One (query run, key run) pair's share of dQ, dK, dV (float32)."""
-    q_BTGRK, do_BTGRK, lse_BGRT, delta_BGRT, q_ids_BT, q_pos_T = query
-    k_BMGK, v_BMGK, k_ids_BM, k_pos_M = key
-    s_BGRTM = jnp.einsum("btgrk,bmgk->bgrtm", q_BTGRK, k_BMGK,
-                         preferred_element_type=jnp.float32)
-    visible = _visible(q_pos_T, k_pos_M, q_ids_BT, k_ids_BM, window)
-    p_BGRTM = jnp.where(visible, jnp.exp(s_BGRTM - lse_BGRT[..., None]), 0.0)
-    dp_BGRTM = jnp.einsum("btgrk,bmgk->bgrtm", do_BTGRK, v_BMGK.astype(jnp.float32))
-    ds_BGRTM = p_BGRTM * (dp_BGRTM - delta_BGRT[..., None])
-    dq = jnp.einsum("bgrtm,bmgk->btgrk", ds_BGRTM, k_BMGK.astype(jnp.float32))
-    dk = jnp.einsum("bgrtm,btgrk->bmgk", ds_BGRTM, q_BTGRK.astype(jnp.float32))
-    dv = jnp.einsum("bgrtm,btgrk->bmgk", p_BGRTM, do_BTGRK)
-    return dq, dk, dv
 
 
 class _Runs:
@@ -261,7 +127,8 @@ class _Runs:
                    jnp.split(segments_BT, self.runs, axis=1),
                    jnp.split(positions_T, self.runs))
         keys = list(keys)
-        update = functools.partial(_update, window=window)
+        # Rematerialised in the backward pass, so no block's scores are ever kept.
+        update = jax.checkpoint(functools.partial(_update, window=window))
         out = []
         for acc, q, q_ids, q_pos in zip(accs, self.q, self.segments, self.positions):
             for k, v, k_ids, k_pos in keys:
@@ -300,9 +167,15 @@ def _update(acc, q_BTGRK, k_BMGK, v_BMGK, q_ids_BT, k_ids_BM, q_pos_T, k_pos_M, 
     o_BGRTK, m_BGRT, l_BGRT = acc
     s_BGRTM = jnp.einsum("btgrk,bmgk->bgrtm", q_BTGRK, k_BMGK,
                          preferred_element_type=jnp.float32)
-    visible = _visible(q_pos_T, k_pos_M, q_ids_BT, k_ids_BM, window)
+    visible_TM = k_pos_M[None, :] <= q_pos_T[:, None]
+    if window is not None:
+        visible_TM &= k_pos_M[None, :] > q_pos_T[:, None] - window
+    visible = visible_TM[None, None, None]
+    if q_ids_BT is not None:
+        visible = visible & (q_ids_BT[:, :, None] == k_ids_BM[:, None, :])[:, None, None]
     s_BGRTM = jnp.where(visible, s_BGRTM, _MASKED)
-    m_new = jnp.maximum(m_BGRT, s_BGRTM.max(-1))
+    # The output does not depend on the running max, only its float range does.
+    m_new = jax.lax.stop_gradient(jnp.maximum(m_BGRT, s_BGRTM.max(-1)))
     p_BGRTM = jnp.where(visible, jnp.exp(s_BGRTM - m_new[..., None]), 0.0)
     scale = jnp.exp(m_BGRT - m_new)
     pv_BGRTK = jnp.einsum("bgrtm,bmgk->bgrtk", p_BGRTM.astype(v_BMGK.dtype), v_BMGK,
