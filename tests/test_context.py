@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ConfigError, validate
 from jaxtrain.mesh import make_mesh
+from jaxtrain.models import context_attention as context_attention_lib
 from jaxtrain.models.attention import xla_attention
 from jaxtrain.models.context_attention import computed_scores, context_attention
 from jaxtrain.parallel.context import ContextSpec, causal_pairs, imbalance
@@ -81,10 +82,12 @@ def _documents(rng, b, length):
     return ids
 
 
-def test_ring_and_allgather_equal_the_reference_kernel(devices):
+def test_ring_and_allgather_equal_the_reference_kernel(devices, monkeypatch):
     """Outputs and gradients of both variants, in both layouts, under a sliding window and
     document masks, against the unsharded reference in row order; the ring's K/V move by
-    collective-permute, the other's by all-gather."""
+    collective-permute, the other's by all-gather. Query tiles of 2 rows, so that runs are
+    tiled as at long lengths (the training tests run untiled)."""
+    monkeypatch.setattr(context_attention_lib, "QUERY_BLOCK", 2)
     b, length, heads, groups, head_dim, window, c = 2, 32, 4, 2, 8, 11, 4
     rng = np.random.default_rng(0)
     q, k, v, dout = (rng.normal(size=(b, length, n, head_dim)).astype(np.float32)

@@ -101,33 +101,42 @@ def _allgather(queries, accs, block, table_CT, me, size: int, window):
     return jax.lax.scan(visit, accs, jnp.arange(1, size))[0]
 
 
+QUERY_BLOCK = 512  # query rows per score tile: [rows, key run] float32 per (batch, head)
+
+
+def _pieces(length: int) -> int:
+    """Equal pieces of at most QUERY_BLOCK rows that a run of `length` queries is cut into."""
+    return next(n for n in range(1, length + 1)
+                if length % n == 0 and length // n <= QUERY_BLOCK)
+
+
 class _Runs:
-    """A device's queries as their contiguous runs of positions (1, or 2 when zig-zag),
-    each with its own online-softmax accumulator (o, m, l)."""
+    """A device's queries as their contiguous runs of positions (1, or 2 when zig-zag), each
+    cut into tiles of ≤ QUERY_BLOCK rows with their own online-softmax accumulator (o, m,
+    l): the scores of a tile against a key run are the largest array the kernel makes."""
 
     def __init__(self, q_BTGRK, segments_BT, positions_T, runs: int):
-        self.runs = runs
-        self.q = jnp.split(q_BTGRK, runs, axis=1)
-        self.segments = [None] * runs if segments_BT is None else \
-            jnp.split(segments_BT, runs, axis=1)
-        self.positions = jnp.split(positions_T, runs)
+        self.runs = runs  # key runs per block: the same contiguous runs
+        tiles = runs * _pieces(q_BTGRK.shape[1] // runs)
+        self.q = jnp.split(q_BTGRK, tiles, axis=1)
+        self.segments = _split_or_none(segments_BT, tiles)
+        self.positions = jnp.split(positions_T, tiles)
 
     def empty(self):
         b, t, g, r, k = self.q[0].shape
         return [(jnp.zeros((b, g, r, t, k), jnp.float32),
                  jnp.full((b, g, r, t), _MASKED, jnp.float32),
-                 jnp.zeros((b, g, r, t), jnp.float32)) for _ in range(self.runs)]
+                 jnp.zeros((b, g, r, t), jnp.float32)) for _ in self.q]
 
     def fold(self, accs, block, positions_T, window):
         """accs with one key block (its k, v, segment ids and row positions) folded in,
-        run by run; pairs of runs the causal window hides entirely are skipped."""
+        tile by key run; pairs the causal window hides entirely are skipped."""
         k_BTGK, v_BTGK, segments_BT = block
-        keys = zip(jnp.split(k_BTGK, self.runs, axis=1), jnp.split(v_BTGK, self.runs, axis=1),
-                   [None] * self.runs if segments_BT is None else
-                   jnp.split(segments_BT, self.runs, axis=1),
-                   jnp.split(positions_T, self.runs))
-        keys = list(keys)
-        # Rematerialised in the backward pass, so no block's scores are ever kept.
+        keys = list(zip(jnp.split(k_BTGK, self.runs, axis=1),
+                        jnp.split(v_BTGK, self.runs, axis=1),
+                        _split_or_none(segments_BT, self.runs),
+                        jnp.split(positions_T, self.runs)))
+        # Rematerialised in the backward pass, so no tile's scores are ever kept.
         update = jax.checkpoint(functools.partial(_update, window=window))
         out = []
         for acc, q, q_ids, q_pos in zip(accs, self.q, self.segments, self.positions):
@@ -139,16 +148,22 @@ class _Runs:
         return out
 
 
+def _split_or_none(x, parts: int):
+    return [None] * parts if x is None else jnp.split(x, parts, axis=1)
+
+
 def computed_scores(spec: ContextSpec, length: int, window: int | None = None) -> np.ndarray:
-    """[C]: the query×key scores each device's kernel computes per row and head (the run
-    pairs `_any_visible` keeps, masked parts included): the work the step waits on."""
+    """[C]: the query×key scores each device's kernel computes per row and head (the
+    (query tile, key run) pairs `_any_visible` keeps, masked parts included): the work the
+    step waits on."""
     positions_CT = spec.slot_positions(length)
-    runs_CRT = np.stack(np.split(positions_CT, spec.chunks_per_device, axis=1), axis=1)
+    runs = spec.chunks_per_device
+    tiles = runs * _pieces(positions_CT.shape[1] // runs)
     work = np.zeros(spec.size, np.int64)
     for i in range(spec.size):
         for j in range(spec.size):
-            for q in runs_CRT[i]:
-                for k in runs_CRT[j]:
+            for q in np.split(positions_CT[i], tiles):
+                for k in np.split(positions_CT[j], runs):
                     if _any_visible(q, k, window):
                         work[i] += len(q) * len(k)
     return work
