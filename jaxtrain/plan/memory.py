@@ -17,6 +17,7 @@ from flax import nnx
 from jaxtrain.mesh import batch_shards, logical_to_spec
 from jaxtrain.models import ModelSpec, Transformer
 from jaxtrain.models.attention import KERNELS
+from jaxtrain.models.context_attention import QUERY_BLOCK
 from jaxtrain.models.head_loss import chunk_size
 from jaxtrain.models.remat import REMATS
 
@@ -270,10 +271,11 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
     rows_per_chunk = KERNELS[spec.attention].query_chunk
     cp = sizes.get("context", 1)
     if spec.context is not None:
-        # One (query run, key run) pair's float32 scores and probabilities at a time, and
-        # their gradients while it is recomputed.
+        # One (query tile, key run) pair's float32 scores and probabilities at a time,
+        # and their gradients while it is recomputed (models/context_attention.py).
         run = spec.seq_len / cp / spec.context.chunks_per_device
-        working += 4 * working_rows * spec.num_heads / sizes["tensor"] * run * run * F32
+        tile = min(run, QUERY_BLOCK)
+        working += 4 * working_rows * spec.num_heads / sizes["tensor"] * tile * run * F32
     elif rows_per_chunk:
         # The chunked kernel (forward, and the backward that recomputes it) forms one query
         # chunk against its key prefix at a time: float32 probabilities and their gradient;
