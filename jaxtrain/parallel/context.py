@@ -39,6 +39,9 @@ class ContextSpec:
     variant: str  # allgather | ring (resolved from auto)
     load_balance: bool
 
+    def describe(self) -> str:
+        return f"{self.variant} K/V, {'zig-zag' if self.load_balance else 'plain split'}"
+
     @property
     def chunks_per_device(self) -> int:
         """Contiguous runs of positions per device: two (early, late) when balanced."""
