@@ -30,7 +30,10 @@ LAYOUTS = {
     "cp4_plain_ring": ("llama", {"mesh.context": 4, "mesh.context_load_balance": False,
                                  "model.context_attention": "ring"}),
     "cp8_ring": ("llama", {"mesh.context": 8, "model.context_attention": "ring"}),
-    "cp2_dp2_tp2": ("llama", {"mesh.context": 2, "mesh.data": 2, "mesh.tensor": 2}),
+    # Under sequence parallelism the residual stream splits over context × tensor.
+    "cp2_dp2_tp2_sp": ("llama", {"mesh.context": 2, "mesh.data": 2, "mesh.tensor": 2,
+                                 "mesh.sequence_parallel": True}),
+    "cp2_fsdp4": ("llama", {"mesh.context": 2, "mesh.fsdp": 4}),
     "cp4_documents_window": ("gpt2_documents_window", {"mesh.context": 4}),  # auto: ring
     "cp2_dp2_tp2_documents_window_plain": ("gpt2_documents_window", {
         "mesh.context": 2, "mesh.data": 2, "mesh.tensor": 2,
@@ -38,7 +41,7 @@ LAYOUTS = {
 }
 # One compile each (≈5-7 s on an idle 2-core machine, 2-3× that under load): the fast tier
 # keeps one per reference, both variants and both layouts between them.
-SLOW = {"cp4_plain_ring", "cp8_ring", "cp2_dp2_tp2", "cp4_documents_window",
+SLOW = {"cp4_plain_ring", "cp8_ring", "cp2_dp2_tp2_sp", "cp2_fsdp4", "cp4_documents_window",
         "cp2_dp2_tp2_documents_window_plain"}
 
 
@@ -65,7 +68,7 @@ def test_context_parallel_training_matches_one_device(layout, references, device
     reference, overrides = LAYOUTS[layout]
     ref_losses, ref_params, _ = references(reference)
     cfg = _config(reference, **overrides)
-    n = cfg.mesh.context * cfg.mesh.data * cfg.mesh.tensor
+    n = cfg.mesh.context * cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.fsdp
     losses, params, _ = train_steps(cfg, devices[:n], steps=2)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     assert losses[-1] < losses[0], "the steps must actually train"
@@ -175,11 +178,13 @@ def test_the_planner_counts_the_context_axis():
     def config(**overrides):
         return apply_overrides(load_config_file("configs/llama_1b_32k.py"), overrides)
 
-    def activations(cfg):
-        return memory.estimate(cfg, validate(cfg, 8))["activations"]
+    def activations(cfg, devices):
+        return memory.estimate(cfg, validate(cfg, devices))["activations"]
 
+    # The same rows per device, each split over more devices.
     cfg = config()
-    assert activations(cfg) < activations(config(**{"mesh.context": 2, "mesh.data": 4}))
+    assert activations(cfg, 8) < activations(config(**{"mesh.context": 4}), 4) \
+        < activations(config(**{"mesh.context": 2}), 2)
     hw = hardware.get("H100-SXM")
     plan = make_plan(cfg, hw, 8, tokens=1e9)
     assert plan["memory"]["fits"] and plan["time"]["comm_bytes"]["context"] > 0
