@@ -127,6 +127,11 @@ def _check_context(c, size: int) -> None:
     if c.mesh.pipeline != 1 or c.mesh.dcn_pipeline != 1:
         fail("mesh.pipeline", c.mesh.pipeline, f"mesh.context={size} does not run under a "
              "pipeline yet; use mesh.pipeline=1")
+    if c.model.moe.num_experts:
+        # Its routing statistics are per row, summed inside its shard_map: a row split over
+        # context would report one device's share.
+        fail("model.moe.num_experts", c.model.moe.num_experts, f"MoE layers do not run "
+             f"under mesh.context={size} yet; use 0 (dense) or mesh.context=1")
     if str(c.eval.tasks).strip():
         fail("eval.tasks", c.eval.tasks, f"task scoring does not run on a mesh with "
              f"mesh.context={size}; score checkpoints with `jaxtrain eval --tasks`")

@@ -157,6 +157,8 @@ def test_zigzag_balances_the_causal_work():
      "model.attention='pallas' is invalid: mesh.context=2 runs the context-parallel"),
     ({"mesh.context": 2, "mesh.pipeline": 2},
      "mesh.pipeline=2 is invalid: mesh.context=2 does not run under a pipeline"),
+    ({"mesh.context": 2, "model.moe.num_experts": 4},
+     "model.moe.num_experts=4 is invalid: MoE layers do not run under mesh.context=2"),
     ({"model.context_attention": "rings"},
      "model.context_attention='rings' is invalid: valid values are auto, allgather, ring"),
 ])
