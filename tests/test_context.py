@@ -33,7 +33,6 @@ LAYOUTS = {
     # Under sequence parallelism the residual stream splits over context × tensor.
     "cp2_dp2_tp2_sp": ("llama", {"mesh.context": 2, "mesh.data": 2, "mesh.tensor": 2,
                                  "mesh.sequence_parallel": True}),
-    "cp2_fsdp4": ("llama", {"mesh.context": 2, "mesh.fsdp": 4}),
     "cp4_documents_window": ("gpt2_documents_window", {"mesh.context": 4}),  # auto: ring
     "cp2_dp2_tp2_documents_window_plain": ("gpt2_documents_window", {
         "mesh.context": 2, "mesh.data": 2, "mesh.tensor": 2,
@@ -41,7 +40,7 @@ LAYOUTS = {
 }
 # One compile each (≈5-7 s on an idle 2-core machine, 2-3× that under load): the fast tier
 # keeps one per reference, both variants and both layouts between them.
-SLOW = {"cp4_plain_ring", "cp8_ring", "cp2_dp2_tp2_sp", "cp2_fsdp4", "cp4_documents_window",
+SLOW = {"cp4_plain_ring", "cp8_ring", "cp2_dp2_tp2_sp", "cp4_documents_window",
         "cp2_dp2_tp2_documents_window_plain"}
 
 
