@@ -28,10 +28,12 @@ from jaxtrain.mesh import (
     validate_axes,
 )
 from jaxtrain.models import moe as moe_lib
+from jaxtrain.models import rope as rope_lib
 from jaxtrain.models.attention import KERNELS, resolve_attention
 from jaxtrain.models.families import FAMILIES
 from jaxtrain.models.remat import REMATS
 from jaxtrain.optim import SCHEDULES
+from jaxtrain.parallel.context import VARIANTS as CONTEXT_VARIANTS
 from jaxtrain.precision import PRECISIONS
 from jaxtrain.sinks import validate_sinks
 from jaxtrain.tasks import BACKENDS
@@ -54,6 +56,9 @@ def base_config() -> ml_collections.ConfigDict:
     for axis in AXES:  # mesh.NAME: size within a node or slice; -1: the rest of the devices
         c.mesh[axis] = -1 if axis == "data" else 1
     c.mesh.sequence_parallel = False
+    # mesh.context > 1: each device holds 2 chunks of the row, i and 2C-1-i, so that causal
+    # attention work is equal on every device (parallel/context.py); False: a plain split.
+    c.mesh.context_load_balance = True
     # Sizes across the slow links between hosts/slices (DCN); the plain sizes are within one.
     for axis in AXES:
         c.mesh[f"dcn_{axis}"] = 1
@@ -79,8 +84,23 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.seq_len = 128
     c.model.attention = "auto"  # cudnn on NVIDIA GPUs in bf16/fp16, else chunked
     c.model.sliding_window = 0  # 0: full causal attention; W: each token sees its last W
+    # mesh.context > 1: how K/V reach every device (models/context_attention.py): allgather
+    # (one all-gather per layer), ring (ppermute hops), auto (allgather under GQA, else ring).
+    c.model.context_attention = "auto"
     c.model.remat = "none"
     c.model.rope_theta = 10000.0
+    # RoPE scaling for context extension (models/rope.py has every field's meaning); the
+    # names are transformers' rope_parameters keys, so HF import/export maps them 1:1.
+    c.model.rope_scaling = ml_collections.ConfigDict()
+    c.model.rope_scaling.type = "none"  # none | llama3 | yarn
+    c.model.rope_scaling.factor = 8.0
+    c.model.rope_scaling.original_max_position_embeddings = 8192
+    c.model.rope_scaling.low_freq_factor = 1.0  # llama3
+    c.model.rope_scaling.high_freq_factor = 4.0  # llama3
+    c.model.rope_scaling.beta_fast = 32.0  # yarn
+    c.model.rope_scaling.beta_slow = 1.0  # yarn
+    c.model.rope_scaling.attention_factor = 0.0  # yarn; 0: 0.1·ln(factor) + 1
+    c.model.rope_scaling.truncate = True  # yarn
     c.model.norm_eps = 1e-5
     c.model.init_std = 0.02
     # Mixture of experts (models/moe.py, docs/parallelism.md); num_experts 0: a dense model.
@@ -293,6 +313,10 @@ def _check_model(c, platform: str | None) -> None:
         fail("model.num_heads", heads, f"must divide model.d_model={m.d_model} "
              "(or set model.head_dim)")
     FAMILIES[m.family].check(m.head_dim or m.d_model // heads)
+    rope_lib.check(m.rope_scaling)
+    if m.rope_scaling.type != "none" and not FAMILIES[m.family].rope:
+        fail("model.rope_scaling.type", m.rope_scaling.type, f"model.family={m.family!r} has "
+             "learned positions, no RoPE: use none")
     documents = c.data.packing == "documents"
     kernel = resolve_attention(m.attention, c.train.precision, platform or "", m.seq_len,
                                m.sliding_window, documents)
@@ -346,7 +370,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int,
     for key, registry in (("model.family", FAMILIES), ("model.attention", ("auto", *KERNELS)),
                           ("model.remat", REMATS), ("train.precision", PRECISIONS),
                           ("optimizer.schedule", SCHEDULES), ("data.source", SOURCES),
-                          ("eval.backend", BACKENDS), ("data.packing", PACKINGS)):
+                          ("eval.backend", BACKENDS), ("data.packing", PACKINGS),
+                          ("model.context_attention", CONTEXT_VARIANTS)):
         _choice(c, key, tuple(registry))
     _check_model(c, platform)
     _check_eval(c)

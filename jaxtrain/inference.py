@@ -76,9 +76,9 @@ def load(workdir, *, data: int = 1, fsdp: int = 1, tensor: int = 1, batch: int |
     run's train.global_batch (the rows an evaluation batch holds; data·fsdp must divide it)."""
     workdir = pathlib.Path(workdir)
     step, cfg = run_config(workdir)
-    cfg.mesh.update(data=data, pipeline=1, fsdp=fsdp, tensor=tensor, expert=1, dcn_data=1,
-                    dcn_pipeline=1, dcn_fsdp=1, dcn_tensor=1, dcn_expert=1,
-                    sequence_parallel=False)
+    cfg.mesh.update(data=data, pipeline=1, fsdp=fsdp, tensor=tensor, expert=1, context=1,
+                    dcn_data=1, dcn_pipeline=1, dcn_fsdp=1, dcn_tensor=1, dcn_expert=1,
+                    dcn_context=1, sequence_parallel=False)
     cfg.train.microbatches = 1
     if batch is not None:
         cfg.train.global_batch = batch

@@ -33,8 +33,12 @@ DEFAULT_RULES = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
-    # The residual stream's length between blocks; used only when mesh.sequence_parallel.
-    ("sequence", "tensor"),
+    # The residual stream's length between blocks: over context (context parallelism) and,
+    # only when mesh.sequence_parallel, tensor (active_rules drops what is off).
+    ("sequence", ("context", "tensor")),
+    # Every other per-position activation's length (attention's q/k/v, the MLP, logits):
+    # split over context only (parallel/context.py).
+    ("length", "context"),
     # The stacked layers of the model, and the stage axis of the pipeline's buffers.
     ("layers", "pipeline"),
     ("stage", "pipeline"),
@@ -103,6 +107,36 @@ def _check_expert(c, size: int) -> None:
         fail("model.moe.num_experts", experts, f"must be divisible by mesh.expert={size}")
 
 
+def _check_context(c, size: int) -> None:
+    """Context parallelism (parallel/context.py): the sequence splits into C (2C balanced)
+    equal runs; attention is its own XLA kernel; what is not built for it is refused."""
+    if size == 1:
+        return
+    m, runs = c.model, size * (2 if c.mesh.context_load_balance else 1)
+    if m.seq_len % runs:
+        how = f"2×mesh.context={runs} chunks (mesh.context_load_balance)" \
+            if c.mesh.context_load_balance else f"mesh.context={size}"
+        fail("model.seq_len", m.seq_len, f"must divide into {how}")
+    tensor = c.mesh.tensor * c.mesh.dcn_tensor
+    if c.mesh.sequence_parallel and tensor > 0 and m.seq_len % (size * tensor):
+        fail("model.seq_len", m.seq_len, f"must be divisible by mesh.context×mesh.tensor="
+             f"{size * tensor} under mesh.sequence_parallel")
+    if m.attention not in ("auto", "xla", "chunked"):
+        fail("model.attention", m.attention, f"mesh.context={size} runs the context-parallel "
+             "attention (XLA blocks, model.context_attention); use auto, xla or chunked")
+    if c.mesh.pipeline != 1 or c.mesh.dcn_pipeline != 1:
+        fail("mesh.pipeline", c.mesh.pipeline, f"mesh.context={size} does not run under a "
+             "pipeline yet; use mesh.pipeline=1")
+    if c.model.moe.num_experts:
+        # Its routing statistics are per row, summed inside its shard_map: a row split over
+        # context would report one device's share.
+        fail("model.moe.num_experts", c.model.moe.num_experts, f"MoE layers do not run "
+             f"under mesh.context={size} yet; use 0 (dense) or mesh.context=1")
+    if str(c.eval.tasks).strip():
+        fail("eval.tasks", c.eval.tasks, f"task scoring does not run on a mesh with "
+             f"mesh.context={size}; score checkpoints with `jaxtrain eval --tasks`")
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshAxis:
     """One mesh axis: `mesh.NAME` and `mesh.dcn_NAME` in the config, and its checks."""
@@ -127,6 +161,8 @@ AXES: dict[str, MeshAxis] = {a.name: a for a in (
              "split", _check_fsdp, batch=True),
     MeshAxis("expert", "MoE experts sharded, tokens exchanged by all-to-all; the batch "
              "split for the dense parts", _check_expert, batch=True),
+    MeshAxis("context", "the sequence split (context parallelism): activations sharded "
+             "along it, attention by all-gathered or ring-passed K/V", _check_context),
     MeshAxis("tensor", "Megatron-style tensor parallelism over heads, MLP and vocab",
              _check_tensor, dcn="tensor parallelism needs fast links: keep it within a node "
              "(mesh.tensor) and put data, fsdp or pipeline across nodes"),
@@ -219,10 +255,18 @@ def _hybrid_mesh(sizes, dcn, devices) -> Mesh:
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def active_rules(rules: Rules, sequence_parallel: bool) -> tuple:
-    """The config's rules, less the sequence rule unless sequence parallelism is on."""
-    return tuple((name, axes) for name, axes in rules
-                 if sequence_parallel or name != "sequence")
+def active_rules(rules: Rules, sequence_parallel: bool, context: bool = False) -> tuple:
+    """The config's rules, less `tensor` in the sequence rules unless sequence parallelism
+    is on, and less `context` everywhere unless context parallelism is (so that without it
+    every spec is what it was before the axis existed); rules left empty are dropped."""
+    out = []
+    for name, axes in rules:
+        kept = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        kept = tuple(a for a in kept if (context or a != "context")
+                     and (sequence_parallel or name != "sequence" or a != "tensor"))
+        if kept or axes is None:
+            out.append((name, kept[0] if len(kept) == 1 else (kept or None)))
+    return tuple(out)
 
 
 def logical_to_spec(axes: LogicalAxes, rules: Rules) -> P:

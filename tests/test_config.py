@@ -58,7 +58,7 @@ def test_config_errors_name_the_key(overrides, devices, message):
 
 def test_minus_one_fills_the_rest():
     sizes = validate(small_config(**{"mesh.data": -1, "mesh.tensor": 2}), 8)
-    assert sizes == {"data": 4, "pipeline": 1, "fsdp": 1, "tensor": 2, "expert": 1}
+    assert sizes == {"data": 4, "pipeline": 1, "fsdp": 1, "tensor": 2, "expert": 1, "context": 1}
 
 
 def _load(path):
@@ -67,6 +67,7 @@ def _load(path):
 
 # Each shipped config on the device count it is written for.
 SHIPPED = {"tiny": 1, "stdlib_bpe": 1, "bench_cpu": 1, "gpt2_124m": 8, "llama_1b": 1,
+           "llama_1b_32k": 8,
            "gpt13b": 64, "gpt13b_pp": 16, "tiny_moe": 1, "bench_cpu_moe": 1, "mixtral_8x7b": 64}
 
 
@@ -98,7 +99,7 @@ def test_cli_reports_config_error_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("arg,message", [
     ("--config.model.heads=4", "jaxtrain: error: --config.model.heads: there is no key "
-     "'heads' under model; valid: attention, d_model, family,"),
+     "'heads' under model; valid: attention, context_attention, d_model,"),
     ("--config.steps=ten", "jaxtrain: error: flag --config.steps=ten: invalid literal for "
      "int()"),
 ])

@@ -58,7 +58,7 @@ def test_two_processes_match_one(tmp_path, single_process, two_processes):
     shutil.copytree(workdir, tmp_path, dirs_exist_ok=True)
     out = subprocess.CompletedProcess([], 0, "", stderr)
     assert "[rank 0] jaxtrain: gpt2 2x128, chunked attention, mesh {'data': 2, 'pipeline': 1, " \
-        "'fsdp': 2, 'expert': 1, 'tensor': 2} on 8 cpu devices" in out.stderr
+        "'fsdp': 2, 'expert': 1, 'context': 1, 'tensor': 2} on 8 cpu devices" in out.stderr
     assert "[rank 1] jaxtrain:" not in out.stderr, "only process 0 reports"
     assert sorted(losses) == list(range(1, 13))
     np.testing.assert_allclose([losses[s] for s in range(1, 13)],

@@ -91,7 +91,7 @@ def test_sharded_over_batch_and_heads(devices, groups):
     """Under a data×fsdp×tensor mesh each device runs the kernel on its own examples and
     heads (a shard_map); with one kv head and tensor=2 the kv head is repeated per q head."""
     q, k, v, cotangent = _inputs(4, 128, 4, groups, 8)
-    shape = {"data": 2, "pipeline": 1, "fsdp": 2, "tensor": 2, "expert": 1}
+    shape = {"data": 2, "pipeline": 1, "fsdp": 2, "tensor": 2, "expert": 1, "context": 1}
     mesh = Mesh(np.asarray(devices).reshape([shape[a] for a in MESH_AXES]), MESH_AXES)
     batch = NamedSharding(mesh, P(("data", "fsdp"), None, "tensor"))
     q, cotangent = jax.device_put((q, cotangent), batch)

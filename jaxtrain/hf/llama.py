@@ -51,14 +51,65 @@ def check_shared(hf: dict, m) -> Checks:
             rope_theta(hf))
     if hf.get("hidden_act", "silu") != "silu":
         c.refuse("hidden_act", hf["hidden_act"], "jaxtrain's Llama MLP is SwiGLU (silu)")
-    for key in ("rope_scaling", "rope_parameters"):
-        kind = (hf.get(key) or {}).get("rope_type", (hf.get(key) or {}).get("type", "default"))
-        if kind != "default":
-            c.refuse(f"{key}.rope_type", kind, "jaxtrain implements plain RoPE only")
+    check_rope_scaling(c, hf, m)
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             c.refuse(key, hf[key], "jaxtrain's Llama has no biases")
     return c
+
+
+# model.rope_scaling fields per type, with transformers' defaults where its dict may omit
+# them (original_max_position_embeddings: config.json's max_position_embeddings).
+ROPE_FIELDS = {
+    "llama3": {"factor": None, "low_freq_factor": None, "high_freq_factor": None,
+               "original_max_position_embeddings": None},
+    "yarn": {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32.0,
+             "beta_slow": 1.0, "attention_factor": 0.0, "truncate": True},
+}
+ROPE_TYPES = {"default": "none", "llama3": "llama3", "yarn": "yarn"}  # HF -> jaxtrain
+
+
+def _rope_dict(hf: dict) -> tuple[str, dict]:
+    """(the key it came from, the RoPE dict): rope_parameters (transformers >= 5), else
+    rope_scaling (4.x); {} for plain RoPE."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key):
+            return key, hf[key]
+    return "rope_parameters", {}
+
+
+def check_rope_scaling(c: Checks, hf: dict, m) -> None:
+    """config.json's RoPE scaling against model.rope_scaling, field by field."""
+    key, rope = _rope_dict(hf)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        c.refuse(f"{key}.rope_type", kind, "jaxtrain implements RoPE scaling types "
+                 f"{', '.join(ROPE_TYPES)}")
+        return
+    ours = m.rope_scaling
+    c.equal("model.rope_scaling.type", ours.type, f"{key}.rope_type", ROPE_TYPES[kind])
+    if ROPE_TYPES[kind] != ours.type or kind == "default":
+        return
+    for unsupported in ("mscale", "mscale_all_dim", "partial_rotary_factor"):
+        if rope.get(unsupported) not in (None, 0, 1, 1.0):
+            c.refuse(f"{key}.{unsupported}", rope[unsupported], "not implemented")
+    defaults = {**ROPE_FIELDS[kind], "original_max_position_embeddings":
+                hf.get("original_max_position_embeddings", hf.get("max_position_embeddings"))}
+    for field, default in defaults.items():
+        theirs = rope.get(field)
+        theirs = default if theirs is None else theirs
+        c.equal(f"model.rope_scaling.{field}", ours[field], f"{key}.{field}", theirs)
+
+
+def export_rope(spec) -> dict:
+    """rope_parameters for config.json: the type and its fields (none: plain RoPE)."""
+    s = spec.rope_scaling
+    if s is None:
+        return {"rope_type": "default", "rope_theta": spec.rope_theta}
+    fields = {f: getattr(s, f) for f in ROPE_FIELDS[s.type]}
+    if fields.get("attention_factor") == 0.0:
+        fields["attention_factor"] = None  # transformers derives it, as jaxtrain's 0 does
+    return {"rope_type": s.type, "rope_theta": spec.rope_theta, **fields}
 
 
 LAYER = "model.layers.{i}."
@@ -108,9 +159,10 @@ def export_config(spec) -> dict:
         "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
         "head_dim": spec.head_dim, "hidden_act": "silu",
         "max_position_embeddings": spec.seq_len, "rms_norm_eps": spec.norm_eps,
-        # Both spellings: transformers >= 5 reads rope_parameters, 4.x rope_theta.
-        "rope_theta": spec.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        # Both spellings: transformers >= 5 reads rope_parameters, 4.x rope_theta and
+        # rope_scaling.
+        "rope_theta": spec.rope_theta, "rope_parameters": export_rope(spec),
+        **({} if spec.rope_scaling is None else {"rope_scaling": export_rope(spec)}),
         "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
         "initializer_range": spec.init_std, "bos_token_id": None, "eos_token_id": None,
     }

@@ -32,9 +32,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.mesh import constrain
 from jaxtrain.models.chunked_attention import chunked_attention
+from jaxtrain.models.context_attention import context_attention
 from jaxtrain.models.cudnn_attention import cudnn_attention
-from jaxtrain.models.layers import dense, param, rope
+from jaxtrain.models.layers import dense, param
 from jaxtrain.models.pallas_tpu import splash_attention
+from jaxtrain.models.rope import rope
 
 
 def causal_mask(query_pos, key_pos, window: int | None):
@@ -230,8 +232,8 @@ class Attention(nnx.Module):
         k_BLGK = self._project(x_BLD, "k", ("kv_heads", "kv"))
         v_BLGK = self._project(x_BLD, "v", ("kv_heads", "kv"))
         if spec.rope:
-            q_BLHK = rope(q_BLHK, spec.rope_theta, positions_L)
-            k_BLGK = rope(k_BLGK, spec.rope_theta, positions_L)
+            q_BLHK = rope(q_BLHK, spec.rope_theta, positions_L, spec.rope_scaling)
+            k_BLGK = rope(k_BLGK, spec.rope_theta, positions_L, spec.rope_scaling)
         q_BLHK = q_BLHK * jnp.asarray(spec.head_dim ** -0.5, q_BLHK.dtype)
         return q_BLHK, k_BLGK, v_BLGK
 
@@ -251,9 +253,13 @@ class Attention(nnx.Module):
                segments_BL=None) -> jax.Array:
         """The attention kernel and the output projection, from projected q, k, v;
         segments_BL: document masks (the module docstring), None for none."""
-        kernel = KERNELS[self.spec.attention]
-        out_BLHK = kernel(q_BLHK, k_BLGK, v_BLGK, self.spec.sliding_window or None,
-                          rules=self.spec.rules, segments_BL=segments_BL)
+        spec, window = self.spec, self.spec.sliding_window or None
+        if spec.context is not None:  # the sequence is split: the kernel passes K/V around
+            out_BLHK = context_attention(q_BLHK, k_BLGK, v_BLGK, window, segments_BL,
+                                         spec.context, spec.rules)
+        else:
+            out_BLHK = KERNELS[spec.attention](q_BLHK, k_BLGK, v_BLGK, window,
+                                               rules=spec.rules, segments_BL=segments_BL)
         return self._output(out_BLHK)
 
     def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):

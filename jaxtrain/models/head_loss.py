@@ -16,11 +16,12 @@ which has no context) add nothing to the loss or to any gradient.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.mesh import constrain
+from jaxtrain.mesh import constrain, logical_to_spec
 
 
 def chunk_size(length: int, batch: int, target_tokens: int = 1024) -> int:
@@ -33,10 +34,34 @@ def chunk_size(length: int, batch: int, target_tokens: int = 1024) -> int:
     return best
 
 
-def _split(x_BL, chunk: int):
-    """[B, L, ...] -> [L/chunk, B, chunk, ...], the scan axis first; batch stays sharded."""
+def _split(x_BL, chunk: int, strided: bool = False):
+    """[B, L, ...] -> [L/chunk, B, chunk, ...], the scan axis first; batch stays sharded.
+    strided: chunk j holds positions j, j + L/chunk, ... instead of a contiguous run, so
+    that a sequence sharded in contiguous blocks (context parallelism) gives every device
+    its own share of every chunk: the scan then slices no sharded axis (a contiguous chunk
+    would live on one device and be all-gathered, with its logits, at every step)."""
     b, length = x_BL.shape[:2]
+    if strided:
+        return jnp.moveaxis(x_BL.reshape(b, chunk, length // chunk, *x_BL.shape[2:]), 2, 0)
     return jnp.swapaxes(x_BL.reshape(b, length // chunk, chunk, *x_BL.shape[2:]), 0, 1)
+
+
+def _unsplit(x_CBc, strided: bool):
+    """_split's inverse: [L/chunk, B, chunk, ...] -> [B, L, ...]."""
+    n, b, chunk = x_CBc.shape[:3]
+    x = jnp.moveaxis(x_CBc, 0, 2) if strided else jnp.swapaxes(x_CBc, 0, 1)
+    return x.reshape(b, n * chunk, *x_CBc.shape[3:])
+
+
+def length_shards(rules) -> int:
+    """Devices the `length` axis of activations is split over (context parallelism), in
+    the current mesh; 1 outside one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    entry = logical_to_spec(("batch", "length"), rules)[1]
+    if mesh.empty or entry is None:
+        return 1
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    return math.prod(sizes[a] for a in ((entry,) if isinstance(entry, str) else entry))
 
 
 def _head_axes(vocab_major: bool) -> str:
@@ -68,9 +93,13 @@ def _chunk_loss(x_BCD, head, targets_BC, weights_BC, rules, with_grads: bool,
 def _run(x_BLD, head, targets_BL, weights_BL, rules, with_grads: bool, vocab_major: bool):
     """(summed loss, dx unscaled, dhead unscaled); the grads are None without with_grads."""
     head_axes = _head_axes(vocab_major)
-    chunk = chunk_size(x_BLD.shape[1], x_BLD.shape[0])
-    xs = (_split(x_BLD, chunk), _split(targets_BL, chunk),
-          None if weights_BL is None else _split(weights_BL, chunk))
+    # Sequence-sharded: strided chunks, each `shards` times longer so that every device's
+    # share of a chunk is the unsharded chunk's size.
+    shards = length_shards(rules)
+    strided = shards > 1
+    chunk = chunk_size(x_BLD.shape[1], x_BLD.shape[0], 1024 * shards)
+    xs = tuple(None if a is None else _split(a, chunk, strided)
+               for a in (x_BLD, targets_BL, weights_BL))
 
     def body(carry, xs_chunk):
         loss, dhead_DV = carry
@@ -90,7 +119,7 @@ def _run(x_BLD, head, targets_BL, weights_BL, rules, with_grads: bool, vocab_maj
     (loss, dhead_DV), dx_CBcD = jax.lax.scan(body, (jnp.zeros((), jnp.float32), dhead0), xs)
     if not with_grads:
         return loss, None, None
-    dx_BLD = jnp.swapaxes(dx_CBcD, 0, 1).reshape(x_BLD.shape)
+    dx_BLD = _unsplit(dx_CBcD, strided)
     return loss, dx_BLD, dhead_DV.T if vocab_major else dhead_DV
 
 

@@ -1,4 +1,5 @@
-"""Small building blocks: parameters with logical axes, norms, GELU, rotary embeddings."""
+"""Small building blocks: parameters with logical axes, norms, GELU; rotary embeddings are
+models/rope.py's (re-exported here)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.models.fp8 import fp8_einsum
+from jaxtrain.models.rope import rope  # noqa: F401 - re-exported
 
 
 def param(rngs: nnx.Rngs, shape, axes, std: float | None, dtype) -> nnx.Param:
@@ -121,6 +123,11 @@ def dense(spec, equation: str, x: jax.Array, w) -> jax.Array:
         return w.einsum(equation, x, spec.compute_dtype)
     if spec.fp8:
         return fp8_einsum(equation, x, w, spec.compute_dtype)
+    if getattr(spec, "context", None) is not None:
+        # The sequence is sharded (context parallelism): flattening [B, L] into one token
+        # axis would merge a replicated and a sharded dimension, which XLA can only do by
+        # all-gathering the activations; the einsum keeps both axes.
+        return jnp.einsum(equation, x, w.astype(spec.compute_dtype))
     return _weight_matmul(x, w.astype(spec.compute_dtype), equation)
 
 
@@ -163,20 +170,3 @@ def _weight_matmul_bwd(equation, residuals, dy):
 
 
 _weight_matmul.defvjp(_weight_matmul_fwd, _weight_matmul_bwd)
-
-
-def rope(x_BLHK: jax.Array, theta: float, positions_L: jax.Array | None = None) -> jax.Array:
-    """Rotary position embedding, rotating the two halves of each head (Llama/HF layout).
-    positions_L: each position's index (default 0..L-1; decoding passes its offset), or
-    [B, L] per row (packed documents restart at 0 at each document)."""
-    length, head_dim = x_BLHK.shape[1], x_BLHK.shape[-1]
-    if positions_L is None:
-        positions_L = jnp.arange(length)
-    freq_K = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angle_xLK = positions_L.astype(jnp.float32)[..., None] * freq_K
-    if angle_xLK.ndim == 2:
-        angle_xLK = angle_xLK[None]
-    sin, cos = jnp.sin(angle_xLK)[:, :, None, :], jnp.cos(angle_xLK)[:, :, None, :]
-    x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BLHK.dtype)

@@ -17,6 +17,8 @@ from jaxtrain.models.layers import Norm, param
 from jaxtrain.models.mlp import Mlp
 from jaxtrain.models.moe import STAT_NAMES, MoeMlp, MoeSpec, routing_losses
 from jaxtrain.models.remat import REMATS
+from jaxtrain.models.rope import RopeScaling
+from jaxtrain.parallel.context import ContextSpec, resolve_variant
 from jaxtrain.parallel.pipeline import PipelineSpec, pipeline
 from jaxtrain.precision import PRECISIONS
 
@@ -38,6 +40,7 @@ class ModelSpec:
     sliding_window: int = 0  # 0: full causal attention; W: each query sees its last W keys
     remat: str = "none"
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE (models/rope.py)
     norm_eps: float = 1e-5
     init_std: float = 0.02
     param_dtype: Any = jnp.float32
@@ -46,16 +49,24 @@ class ModelSpec:
     pipeline: PipelineSpec | None = None  # None: no pipeline axis
     fp8: bool = False  # the blocks' weight matmuls take fp8 operands (models/fp8.py)
     moe: MoeSpec | None = None  # mixture-of-experts layers (models/moe.py); None: dense
+    context: ContextSpec | None = None  # the sequence split over `context`; None: whole
 
     @classmethod
-    def from_config(cls, cfg, pipeline_stages: int = 1, platform: str = "cpu") -> ModelSpec:
-        """pipeline_stages: the resolved size of the mesh's pipeline axis; platform: the
-        devices' platform, which model.attention='auto' picks for."""
+    def from_config(cls, cfg, pipeline_stages: int = 1, platform: str = "cpu",
+                    context: int = 1) -> ModelSpec:
+        """pipeline_stages, context: the resolved sizes of the mesh's pipeline and context
+        axes; platform: the devices' platform, which model.attention='auto' picks for."""
         m = cfg.model
         pipeline = None
         if pipeline_stages > 1:
             pipeline = PipelineSpec(pipeline_stages, cfg.pipeline.repeats,
                                     cfg.pipeline.microbatches)
+        context_spec = None
+        if context > 1:
+            context_spec = ContextSpec(
+                context, resolve_variant(m.context_attention, m.num_heads,
+                                         m.num_kv_heads or m.num_heads),
+                cfg.mesh.context_load_balance)
         precision = PRECISIONS[cfg.train.precision]
         return cls(
             family=m.family, d_model=m.d_model, num_layers=m.num_layers,
@@ -65,11 +76,13 @@ class ModelSpec:
             attention=resolve_attention(m.attention, cfg.train.precision, platform, m.seq_len,
                                         m.sliding_window, cfg.data.packing == "documents"),
             sliding_window=m.sliding_window,
-            remat=m.remat, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+            remat=m.remat, rope_theta=m.rope_theta, rope_scaling=_rope_scaling(m),
+            norm_eps=m.norm_eps,
             init_std=m.init_std, compute_dtype=precision.compute_dtype,
             rules=active_rules(tuple(tuple(r) for r in cfg.mesh.rules),
-                               cfg.mesh.sequence_parallel),
-            pipeline=pipeline, fp8=precision.fp8_matmuls, moe=MoeSpec.from_config(m, platform))
+                               cfg.mesh.sequence_parallel, context_spec is not None),
+            pipeline=pipeline, fp8=precision.fp8_matmuls, moe=MoeSpec.from_config(m, platform),
+            context=context_spec)
 
     @property
     def family_entry(self) -> Family:
@@ -81,6 +94,10 @@ class ModelSpec:
     tied_embeddings = property(lambda self: self.family_entry.tied_embeddings)
     gated_mlp = property(lambda self: self.family_entry.gated_mlp)
     rms_norm = property(lambda self: self.family_entry.norm == "rms")
+
+
+def _rope_scaling(m) -> RopeScaling | None:
+    return None if m.rope_scaling.type == "none" else RopeScaling.from_config(m.rope_scaling)
 
 
 class Block(nnx.Module):
@@ -199,7 +216,9 @@ class Transformer(nnx.Module):
         it); None: one document per row."""
         spec = self.spec
         x_BLD = self._embed(tokens_BL, positions_BL=positions_BL)
-        documents = None if segments_BL is None else (segments_BL, positions_BL)
+        # Positions alone (no documents) come with a context-parallel layout's reordering.
+        documents = None if segments_BL is None and positions_BL is None \
+            else (segments_BL, positions_BL)
         penalty, metrics = None, {}
         if spec.moe is None:
             x_BLD = self._dense_layers(x_BLD, documents)

@@ -19,6 +19,7 @@ from flax import nnx
 from jaxtrain.mesh import batch_shards, logical_to_spec
 from jaxtrain.models import ModelSpec, Transformer
 from jaxtrain.models.attention import KERNELS
+from jaxtrain.models.context_attention import QUERY_BLOCK
 from jaxtrain.models.head_loss import chunk_size
 from jaxtrain.models.remat import REMATS
 
@@ -111,11 +112,14 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     matmul outputs), 'input' (full remat: the layer's input only), or 'all' (every
     intermediate a layer makes: the working set while a layer is recomputed).
     """
-    t = sizes["tensor"]
+    t, cp = sizes["tensor"], sizes.get("context", 1)
     s, d, f = spec.seq_len, spec.d_model, spec.mlp_dim
-    sp = any(name == "sequence" for name, _ in spec.rules)
-    tokens_res = rows * s / (t if sp else 1)  # residual stream tokens, split by SP
-    tokens = rows * s
+    sp = any(name == "sequence" and "tensor" in ((axes,) if isinstance(axes, str) else axes)
+             for name, axes in spec.rules if axes)
+    # Context parallelism splits every per-position activation C ways; SP the residual
+    # stream's share t ways more.
+    tokens_res = rows * s / cp / (t if sp else 1)
+    tokens = rows * s / cp
     heads = spec.num_heads * spec.head_dim / t
     kv = spec.num_kv_heads * spec.head_dim / t
     mlp = f / t * (2 if spec.gated_mlp else 1)
@@ -131,6 +135,8 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     # logsumexp per query and recompute the rest.
     per_query = s * (2 * F32 + c) if KERNELS[spec.attention].full_scores else F32
     scores = rows * spec.num_heads / t * s * per_query
+    if spec.context is not None:
+        scores = _context_kept(spec, rows, t, c)
     if saved == "kept":
         # Without a policy the norms and their projections are recomputed from the two norm
         # inputs (models/transformer.py Block._norm_then), which take the place of the w_o
@@ -144,6 +150,17 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     stream = tokens_res * d * (2 * c + 2 * F32)
     act = tokens * f / t * c
     return dots + stream + act + scores
+
+
+def _context_kept(spec: ModelSpec, rows: float, t: int, c: int) -> float:
+    """What context-parallel attention keeps per layer for backward (autodiff through the
+    K/V loop, models/context_attention.py): every visited K/V block (the row's K/V) and,
+    per block and query run, the float32 accumulators its rematerialised update starts
+    from (about two per query: o, with m and l)."""
+    kv = spec.num_kv_heads * spec.head_dim / t
+    heads = spec.num_heads * spec.head_dim / t
+    runs = spec.context.chunks_per_device
+    return rows * spec.seq_len * (2 * kv * c + runs * (heads + 2 * spec.num_heads / t) * F32)
 
 
 def routed_rows(spec: ModelSpec, tokens: float, sizes: dict[str, int]) -> float:
@@ -200,7 +217,8 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
     model.attention='auto' resolves for.
     """
     platform = platform or ("cpu" if backend == "cpu" else "gpu")
-    spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"], platform=platform)
+    spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"], platform=platform,
+                                 context=sizes.get("context", 1))
     shards = param_shards(spec, sizes)
     c = value_bytes(spec, backend)
     micro = cfg.train.microbatches
@@ -261,7 +279,14 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
     else:
         working = 0.0
     rows_per_chunk = KERNELS[spec.attention].query_chunk
-    if rows_per_chunk:
+    cp = sizes.get("context", 1)
+    if spec.context is not None:
+        # One (query tile, key run) pair's float32 scores and probabilities at a time,
+        # and their gradients while it is recomputed (models/context_attention.py).
+        run = spec.seq_len / cp / spec.context.chunks_per_device
+        tile = min(run, QUERY_BLOCK)
+        working += 4 * working_rows * spec.num_heads / sizes["tensor"] * tile * run * F32
+    elif rows_per_chunk:
         # The chunked kernel (forward, and the backward that recomputes it) forms one query
         # chunk against its key prefix at a time: float32 probabilities and their gradient;
         # XLA keeps several chunks' alive at once. cuDNN and splash keep only tiles.
@@ -276,10 +301,12 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
     # logits, their exponent and the compute-dtype logit gradient for a chunk, the stacked
     # input gradient, and the gathered head with its float32 gradient.
     global_rows = cfg.train.global_batch // micro
-    chunk_tokens = chunk_size(spec.seq_len, global_rows) * global_rows / batch_shards(sizes)
+    # Under context parallelism the chunks are cp× longer and each device holds 1/cp.
+    chunk_tokens = chunk_size(spec.seq_len, global_rows, 1024 * cp) * global_rows \
+        / batch_shards(sizes) / cp
     vocab_local = spec.vocab_size / sizes["tensor"]
     logits = chunk_tokens * vocab_local * (LOGIT_F32 * F32 + c) + \
-        rows * spec.seq_len * spec.d_model * c
+        rows * spec.seq_len * spec.d_model * c / cp
     head = shards["embed_gathered"] * (c + F32)
     if spec.tied_embeddings and sizes["fsdp"] * sizes["tensor"] > 1:
         head += TIED_TABLE_COPIES * spec.vocab_size * spec.d_model * F32

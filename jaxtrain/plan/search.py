@@ -16,19 +16,31 @@ from jaxtrain.plan.planner import make_plan
 # The policies the memory and time models count directly; the finer named ones are left to
 # --config.model.remat by hand.
 SEARCH_REMATS = ("none", "full", "save_dots")
+# Context parallelism is tried from this sequence length up (below it the row's
+# activations rarely need splitting, and the K/V exchange costs more than it saves).
+CONTEXT_FROM_SEQ_LEN = 8192
+
+
+def _context_sizes(cfg, devices: int) -> list[int]:
+    if cfg.model.seq_len < CONTEXT_FROM_SEQ_LEN:
+        return [1]
+    return [c for c in (1, 2, 4, 8) if c <= devices]
 
 
 def candidates(cfg, devices: int, devices_per_node: int):
     """(overrides, config) for every layout worth trying. Tensor parallelism stays inside a
     node; pipelines use GPipe with enough micro-batches for a bubble near 10%; an MoE model
-    also tries its experts over an `expert` axis (a divisor of model.moe.num_experts)."""
+    also tries its experts over an `expert` axis (a divisor of model.moe.num_experts); long
+    sequences also try a `context` axis (not with a pipeline)."""
     experts = cfg.model.moe.num_experts
     expert_sizes = [e for e in divisor_list(experts) if e <= devices] if experts else [1]
-    for tensor, pipeline, expert in itertools.product(divisor_list(devices), (1, 2, 4, 8),
-                                                      expert_sizes):
-        if tensor > min(devices_per_node, 8) or devices % (tensor * pipeline * expert):
+    for tensor, pipeline, expert, context in itertools.product(
+            divisor_list(devices), (1, 2, 4, 8), expert_sizes, _context_sizes(cfg, devices)):
+        split = tensor * pipeline * expert * context
+        if tensor > min(devices_per_node, 8) or devices % split or (context > 1 and
+                                                                     pipeline > 1):
             continue
-        rest = devices // (tensor * pipeline * expert)
+        rest = devices // split
         for fsdp in divisor_list(rest):
             batch = cfg.train.global_batch
             for remat, micro in itertools.product(SEARCH_REMATS, divisor_list(batch)):
@@ -36,10 +48,10 @@ def candidates(cfg, devices: int, devices_per_node: int):
                     continue
                 overrides = {"mesh.data": rest // fsdp, "mesh.fsdp": fsdp,
                              "mesh.tensor": tensor, "mesh.pipeline": pipeline,
-                             "mesh.expert": expert,
+                             "mesh.expert": expert, "mesh.context": context,
                              "mesh.sequence_parallel": tensor > 1,
                              "model.remat": remat, "train.microbatches": micro}
-                for axis in ("data", "fsdp", "tensor", "pipeline", "expert"):
+                for axis in ("data", "fsdp", "tensor", "pipeline", "expert", "context"):
                     overrides[f"mesh.dcn_{axis}"] = 1
                 if pipeline > 1:
                     overrides.update({"pipeline.schedule": "gpipe", "pipeline.repeats": 1,

@@ -27,6 +27,7 @@ from jaxtrain.models import ModelSpec
 from jaxtrain.models.attention import KERNELS
 from jaxtrain.models.flops import attention_flops_per_token, flops_per_token, matmul_params
 from jaxtrain.models.remat import REMATS
+from jaxtrain.parallel.context import imbalance
 from jaxtrain.parallel.pipeline import bubble_fraction
 from jaxtrain.plan import calibration as calibration_lib
 from jaxtrain.plan.memory import routed_rows, value_bytes
@@ -86,8 +87,10 @@ class Ctx:
 
     @property
     def activation(self) -> float:
-        """One micro-batch's residual stream on this device, bytes."""
-        return self.rows * self.spec.seq_len * self.spec.d_model * self.c
+        """One micro-batch's residual stream on this device (its share of the sequence
+        under context parallelism), bytes."""
+        return self.rows * self.spec.seq_len * self.spec.d_model * self.c \
+            / self.sizes.get("context", 1)
 
 
 def _ring(n: int) -> float:
@@ -140,6 +143,23 @@ def _expert(x: Ctx) -> Traffic:
     return Traffic(exchange + shared, n + 1)
 
 
+def _context(x: Ctx) -> Traffic:
+    """Per layer and pass every device receives the C−1 other K/V blocks of its rows
+    (all-gathered, or one ppermute hop each): (C−1)/C of the row's K/V; the backward pass
+    sends their gradients back the same way (autodiff transposes the collective), and full
+    remat gathers again. Once a step the gradients of the parameters, which context
+    replicates, are all-reduced over it (with data's, as one reduction in practice)."""
+    cp, spec = x.sizes.get("context", 1), x.spec
+    if cp == 1:
+        return Traffic(0.0, 0)
+    layers = spec.num_layers // x.sizes["pipeline"]
+    kv_row = spec.seq_len * 2 * spec.num_kv_heads * spec.head_dim / x.sizes["tensor"] * x.c
+    hops = (cp - 1) if spec.context.variant == "ring" else 1
+    n = x.micro * layers * x.passes
+    return Traffic(n * x.rows * _ring(cp) * kv_row + 2 * _ring(cp) * x.param_elems * F32,
+                   n * hops + 1)
+
+
 def _pipeline(x: Ctx) -> Traffic:
     if x.sizes["pipeline"] == 1:
         return Traffic(0.0, 0)
@@ -160,6 +180,9 @@ class Axis:
 # node. A new mesh axis (expert, context) is a new entry here, at its place in that order.
 AXES: dict[str, Axis] = {
     "tensor": Axis(_tensor, hidden=False),
+    # The K/V exchange feeds each layer's attention: on the critical path (the ring's hops
+    # could overlap the blocks' compute; counted as exposed until measured).
+    "context": Axis(_context, hidden=False),
     # The all-to-alls sit between a layer's router and its experts: on the critical path.
     "expert": Axis(_expert, hidden=False),
     "fsdp": Axis(_fsdp, hidden=True),
@@ -184,7 +207,8 @@ def step_features(cfg, sizes: dict[str, int], hw, param_elems: int,
                   dcn: dict[str, int]) -> dict:
     """Everything step_time needs, counted from the config (nothing fitted)."""
     spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"],
-                                 platform=hw.kind if hw.kind in ("gpu", "tpu") else "cpu")
+                                 platform=hw.kind if hw.kind in ("gpu", "tpu") else "cpu",
+                                 context=sizes.get("context", 1))
     n = math.prod(sizes.values())
     tokens = cfg.train.global_batch * cfg.model.seq_len
     flops = step_flops(spec, tokens)
@@ -198,7 +222,7 @@ def step_features(cfg, sizes: dict[str, int], hw, param_elems: int,
     tokens_dev = tokens / batch_shards(sizes)
     weight_traffic = (ctx.passes + 1) * micro * param_elems * sizes["fsdp"] * c
     act_traffic = (ctx.passes + 1) * tokens_dev / sizes["pipeline"] * spec.num_layers * \
-        spec.d_model * 12 * c / sizes["tensor"]
+        spec.d_model * 12 * c / sizes["tensor"] / sizes.get("context", 1)
     links = axis_links(sizes, hw, dcn)
     bandwidth = {"intra": hw.intra_node_gbps * 1e9, "inter": hw.inter_node_gbps * 1e9}
     axes = {}
@@ -212,9 +236,18 @@ def step_features(cfg, sizes: dict[str, int], hw, param_elems: int,
     return {"devices": n, "tokens_per_step": tokens, "model_flops": flops["model"],
             "hardware_flops": flops["hardware"],
             "weight_flops_per_device": flops["weights"] / n,
-            "attention_flops_per_device": flops["attention"] / n,
+            "attention_flops_per_device": flops["attention"] / n * _busiest(spec),
             "width": spec.d_model, "memory_bytes": weight_traffic + act_traffic,
             "axes": axes, "bubble": bubble, "matmul_params": matmul_params(spec)}
+
+
+def _busiest(spec: ModelSpec) -> float:
+    """The busiest device's attention work over the mean: the step waits for it. Context
+    parallelism without its load balance leaves the last device ≈2× the mean."""
+    if spec.context is None:
+        return 1.0
+    return 1.0 + imbalance(spec.context.size, spec.seq_len, spec.context.load_balance,
+                           spec.sliding_window)
 
 
 def step_time(features: dict, hw, peak: float, cal) -> dict:

@@ -24,6 +24,7 @@ from jaxtrain.data import record
 from jaxtrain.data.batches import make_batches, to_global
 from jaxtrain.errors import ConfigError
 from jaxtrain.metrics import MetricsWriter, flops_per_token, peak_flops_per_device
+from jaxtrain.models.context_attention import computed_scores
 from jaxtrain.parallel.pipeline import microbatches_for_bubble
 from jaxtrain.train.checkpointing import Checkpointer, Tiers, restore_or_init
 from jaxtrain.train.evaluation import Evaluator
@@ -170,6 +171,16 @@ def _locked(workdir: pathlib.Path, main_process: bool, say):
         lock.release()
 
 
+def _attention_text(spec) -> str:
+    """The attention the run uses; under context parallelism with its per-device causal
+    work, busiest over mean (1.00: balanced)."""
+    if spec.context is None:
+        return f"{spec.attention} attention"
+    work = computed_scores(spec.context, spec.seq_len, spec.sliding_window or None)
+    return (f"context-parallel attention ({spec.context.describe()}, causal work "
+            f"max/mean {work.max() / work.mean():.2f})")
+
+
 def _compile(setup: Setup, state, example_batch, writer, peak: tuple[float, str],
              starting: str):
     """The compiled train step, announced with the run's layout (and a bubble warning)."""
@@ -178,7 +189,7 @@ def _compile(setup: Setup, state, example_batch, writer, peak: tuple[float, str]
     train_step = setup.train_step().lower(state, example_batch).compile()
     writer.print(
         f"jaxtrain: {cfg.model.family} {cfg.model.num_layers}x{cfg.model.d_model}, "
-        f"{spec.attention} attention, mesh {dict(setup.mesh.shape)} on "
+        f"{_attention_text(spec)}, mesh {dict(setup.mesh.shape)} on "
         f"{setup.mesh.devices.size} {jax.devices()[0].platform} devices, compiled in "
         f"{time.perf_counter() - began:.1f}s, peak {peak[0] / 1e12:.3g} TFLOP/s per device "
         f"({peak[1]}), {starting}")

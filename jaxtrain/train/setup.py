@@ -89,7 +89,7 @@ def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
     sizes = validate(cfg, len(devices), devices[0].platform)
     mesh = make_mesh(sizes, devices, dcn_shape(cfg.mesh))
     spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"],
-                                 platform=devices[0].platform)
+                                 platform=devices[0].platform, context=sizes["context"])
     optimizer, schedule = make_optimizer(cfg)
     return Setup(cfg=cfg, mesh=mesh, spec=spec, optimizer=optimizer, schedule=schedule,
                  graphdef=nnx.graphdef(state_lib.abstract_model(spec)),

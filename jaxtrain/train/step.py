@@ -16,6 +16,7 @@ from jaxtrain.data.packing import Packed, counted_targets
 from jaxtrain.mesh import logical_to_spec
 from jaxtrain.models.head_loss import head_cross_entropy
 from jaxtrain.optim import skipped_steps
+from jaxtrain.parallel.context import to_layout
 from jaxtrain.train.state import TrainState
 
 
@@ -53,16 +54,34 @@ def _forward(params: dict, graphdef: nnx.GraphDef, tokens_BT):
     targets)."""
     model = nnx.merge(graphdef, params)
     head, vocab_major = model.head_as_stored()
+    inputs_BL, targets_BL, documents, counted_BL = _laid_out(tokens_BT, model.spec.context)
+    features, penalty, metrics = model.features_and_aux(inputs_BL, *documents)
+    loss = head_cross_entropy(features, head, targets_BL, model.spec.rules, vocab_major,
+                              counted_BL)
+    return loss, penalty, metrics
+
+
+def _laid_out(tokens_BT, context):
+    """(inputs, targets, (segments, positions) or (), counted targets or None) of a batch,
+    in the sequence order of the context layout (parallel/context.py): under its load
+    balance every per-position array takes the same zig-zag permutation, positions included
+    (the row's own, so that RoPE and learned positions see the original order). The loss
+    sums over tokens, so nothing is put back."""
     if isinstance(tokens_BT, Packed):
         tokens, documents = tokens_BT.tokens, (tokens_BT.segments[:, :-1],
                                               tokens_BT.positions[:, :-1])
         counted_BL = counted_targets(tokens_BT.segments)
     else:
         tokens, documents, counted_BL = tokens_BT, (), None
-    features, penalty, metrics = model.features_and_aux(tokens[:, :-1], *documents)
-    loss = head_cross_entropy(features, head, tokens[:, 1:], model.spec.rules, vocab_major,
-                              counted_BL)
-    return loss, penalty, metrics
+    inputs_BL, targets_BL = tokens[:, :-1], tokens[:, 1:]
+    if context is None or not context.load_balance:
+        return inputs_BL, targets_BL, documents, counted_BL
+    if not documents:
+        positions_BL = jnp.broadcast_to(jnp.arange(inputs_BL.shape[1]), inputs_BL.shape)
+        documents = (None, positions_BL)
+    laid = [None if x is None else to_layout(x, context)
+            for x in (inputs_BL, targets_BL, *documents, counted_BL)]
+    return laid[0], laid[1], tuple(laid[2:4]), laid[4]
 
 
 def model_loss(graphdef: nnx.GraphDef) -> Callable:

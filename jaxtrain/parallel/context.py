@@ -1,0 +1,92 @@
+"""Context parallelism: the sequence split over the `context` mesh axis, and its layout.
+
+Every per-position activation is sharded along its sequence dimension over `context`
+(the `length` and `sequence` logical rules), so each of the C devices of a context group
+holds T = L/C positions of each row between and inside the blocks; only attention needs the
+other positions' keys and values (models/context_attention.py).
+
+**Load balance.** With a plain split, device C−1 holds the last positions, whose causal
+prefix is the whole row, and device 0 the first, which see only themselves: the causal work
+grows linearly with the device index. With `mesh.context_load_balance` the row is cut into
+2C chunks and device i holds chunks i and 2C−1−i (zig-zag, as Megatron's and torchtitan's
+context parallelism do): every device then has one early and one late chunk and the same
+number of causal (query, key) pairs. The reordering is one static permutation of the
+sequence axis, applied at the batch boundary (train/step.py) to inputs, targets, segment
+ids and positions alike; the loss is a sum over tokens, so nothing needs it undone.
+`causal_pairs` reports the per-device work of either layout.
+
+The model never reads the layout: positions for RoPE come with the batch (permuted like the
+tokens), and the attention kernel derives each slot's position in the row from the layout
+and its device index (`slot_positions`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+VARIANTS = ("auto", "allgather", "ring")
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextSpec:
+    """The context axis as the model sees it: its size, how attention gathers K/V, and
+    whether the row is in the zig-zag order."""
+
+    size: int
+    variant: str  # allgather | ring (resolved from auto)
+    load_balance: bool
+
+    def describe(self) -> str:
+        return f"{self.variant} K/V, {'zig-zag' if self.load_balance else 'plain split'}"
+
+    @property
+    def chunks_per_device(self) -> int:
+        """Contiguous runs of positions per device: two (early, late) when balanced."""
+        return 2 if self.load_balance else 1
+
+    def order(self, length: int) -> np.ndarray:
+        """[L]: the row position held by each slot of the laid-out (sharded) sequence."""
+        return self.slot_positions(length).reshape(length)
+
+    def slot_positions(self, length: int) -> np.ndarray:
+        """[C, T] int32: the row positions device i holds, in its slot order."""
+        c = self.size
+        if not self.load_balance:
+            return np.arange(length, dtype=np.int32).reshape(c, length // c)
+        chunks = np.arange(length, dtype=np.int32).reshape(2 * c, length // (2 * c))
+        return np.concatenate([chunks[:c], chunks[c:][::-1]], axis=1)
+
+
+def resolve_variant(name: str, num_heads: int, num_kv_heads: int) -> str:
+    """`auto`: all-gather K/V when kv heads are grouped (GQA/MQA: K/V are a fraction of the
+    activations, so holding the row's K/V costs little and one collective replaces C−1
+    dependent hops), else the ring (each hop's transfer overlaps a block's compute, and a
+    device holds only two K/V blocks)."""
+    if name != "auto":
+        return name
+    return "allgather" if num_kv_heads < num_heads else "ring"
+
+
+def to_layout(x_BL, spec: ContextSpec | None):
+    """x [B, L, ...] in row order -> the context layout (identity unless load-balanced)."""
+    if spec is None or not spec.load_balance:
+        return x_BL
+    return jnp.take(x_BL, jnp.asarray(spec.order(x_BL.shape[1])), axis=1)
+
+
+def causal_pairs(size: int, length: int, load_balance: bool, window: int = 0) -> np.ndarray:
+    """[C]: the (query, key) pairs each device's queries attend to under the causal (and
+    sliding-window) mask: its attention work. max/mean − 1 is the imbalance."""
+    spec = ContextSpec(size, "ring", load_balance)
+    pos_CT = spec.slot_positions(length).astype(np.int64)
+    keys_CT = pos_CT + 1 if not window else np.minimum(pos_CT + 1, window)
+    return keys_CT.sum(axis=1)
+
+
+def imbalance(size: int, length: int, load_balance: bool, window: int = 0) -> float:
+    """The busiest device's causal work over the mean, minus one (0: balanced)."""
+    pairs = causal_pairs(size, length, load_balance, window)
+    return float(pairs.max() / pairs.mean() - 1)
