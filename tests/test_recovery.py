@@ -102,10 +102,7 @@ def test_the_stop_message_comes_after_the_commit_even_with_two_ctrl_c(tmp_path):
 def test_ctrl_c_during_start_up_stops_cleanly_fresh_or_resuming(tmp_path):
     for attempt, steps in enumerate((2000, 2000)):
         cli = Cli(tmp_path, f"--config.steps={steps}", "--config.checkpoint.every_steps=0")
-        if attempt == 1:
-            cli.wait_for(r"resuming at step|starting at step")
-        else:
-            time.sleep(2.5)
+        time.sleep(2.5)  # while it starts up: imports, restore, compile (issue 14, A2)
         cli.process.send_signal(signal.SIGINT)
         assert cli.finish() == 0, cli.err[-3000:]
         assert "Traceback" not in cli.err and "Fatal" not in cli.err, cli.err[-3000:]

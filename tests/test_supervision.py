@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import small_config
 
+from jaxtrain.train.checkpointing import local_tier_dir
 from jaxtrain.train.goodput import Goodput
 from jaxtrain.train.loop import run
 from jaxtrain.train.preemption import StopRequest
@@ -47,8 +48,13 @@ def test_the_local_tier_resumes_a_run_on_another_mesh(tmp_path, devices, capfd):
     whole = run(cfg, tmp_path / "run", devices[:1])
     durable = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir()
                      if p.name.isdigit())
-    fast = sorted(int(p.name) for p in (local / "checkpoints").iterdir() if p.name.isdigit())
+    own = local_tier_dir(str(local), tmp_path / "run")
+    assert [p.name for p in local.iterdir()] == [own.name], "the run's own directory"
+    fast = sorted(int(p.name) for p in (own / "checkpoints").iterdir() if p.name.isdigit())
     assert durable == [6, 9] and fast == [4, 8], "local saves in between, keeping 2"
+    # Another run sharing the fast disk does not see this run's local checkpoints.
+    other = run(small_config(**{"steps": 1, **tiers}), tmp_path / "other", devices[:1])
+    assert [r["step"] for r in other] == [1]
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "9")  # as if killed before the end
     capfd.readouterr()
     moved = small_config(**{"steps": 9, "mesh.data": 2, "mesh.fsdp": 2, **tiers})

@@ -4,6 +4,7 @@ in one or two tiers (a durable directory, and optionally a fast local one saved 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import pathlib
@@ -65,6 +66,14 @@ def check_same_run(cfg, workdir: pathlib.Path) -> Callable:
     return check
 
 
+def local_tier_dir(local_dir: str, workdir: pathlib.Path) -> pathlib.Path:
+    """The run's own directory under checkpoint.local_dir: runs of different workdirs may
+    share one fast disk without resuming or rotating each other's checkpoints."""
+    path = pathlib.Path(workdir).resolve()
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
+    return pathlib.Path(local_dir) / f"{path.name}-{digest}"
+
+
 class Tiers:
     """The run's checkpoint directories: durable (workdir/checkpoints) and, with
     checkpoint.local_dir, a local tier saved every checkpoint.local_every_steps."""
@@ -76,7 +85,7 @@ class Tiers:
                                    on_commit=on_commit)
         self.local = None
         if c.local_dir:
-            local = pathlib.Path(c.local_dir)
+            local = local_tier_dir(c.local_dir, workdir)
             self.local = Checkpoints(local / "checkpoints", c.local_keep, log=log,
                                      manifests=local / "checkpoint_manifests",
                                      on_commit=on_commit)
