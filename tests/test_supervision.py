@@ -97,3 +97,10 @@ def test_goodput_charges_recomputed_steps_and_the_gap_to_a_restart(tmp_path):
     assert row["goodput"] == pytest.approx((20 + 10 + 10) / 80)
     assert row["wall_s"] == 80
     assert json.loads((tmp_path / "goodput.json").read_text())["sessions"][0]["resumed_at"] == 0
+    second.save()
+    # A third session goes back to step 5 (say the checkpoint at 15 was damaged): steps 5..20
+    # of the first session (10 s + 20 s) and all of the second's (10 s) were done in vain.
+    third = Goodput(tmp_path, started=90.0, resumed_at=5)
+    third.training_started(now=91.0)
+    row = third.summary(now=92.0)
+    assert row["lost_recomputed_s"] == pytest.approx(10.0 + 20.0 + 10.0)

@@ -66,7 +66,10 @@ class Goodput:
         wall = max(now - sessions[0]["start"], 1e-9)
         productive, lost = 0.0, {cause: 0.0 for cause in LOST}
         for i, session in enumerate(sessions):
-            redone_from = sessions[i + 1]["resumed_at"] if i + 1 < len(sessions) else math.inf
+            # Any later session may have gone back past this one's steps (a resume from an
+            # older checkpoint after the next one's newest was damaged): the earliest counts.
+            redone_from = min((later["resumed_at"] for later in sessions[i + 1:]),
+                              default=math.inf)
             for first, last, seconds in session["productive"]:
                 kept = min(max(redone_from - first, 0), last - first) / max(last - first, 1)
                 productive += seconds * kept
