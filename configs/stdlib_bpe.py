@@ -1,5 +1,6 @@
-"""Worked example (docs/data.md): a BPE trained on the stdlib corpus, each file one document,
-and a small GPT-2 trained on the prepared tokens; a few minutes on a laptop CPU.
+"""Worked example (docs/data.md): a BPE trained on the stdlib corpus, each file one document
+packed into rows with a document mask, and a small GPT-2 trained on it; a few minutes on a
+laptop CPU.
 
     jaxtrain prepare --stdlib --train-tokenizer 4096 --out data/stdlib_bpe
     jaxtrain train --config configs/stdlib_bpe.py
