@@ -69,7 +69,10 @@ def test_context_parallel_training_matches_one_device(layout, references, device
     cfg = _config(reference, **overrides)
     n = cfg.mesh.context * cfg.mesh.data * cfg.mesh.tensor * cfg.mesh.fsdp
     losses, params, _ = train_steps(cfg, devices[:n], steps=2)
-    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    # The dense tests' 1e-5, with 2e-6 of the loss on top: the ring's online softmax sums
+    # the key blocks in another order than one device does, and at the suite's LLVM -O0
+    # (conftest.py) a step-1 loss of 5.59 lands 1.1e-5 away (2e-6 relative).
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6, atol=1e-5)
     assert losses[-1] < losses[0], "the steps must actually train"
     assert_params_close(params, ref_params, rtol=1e-5)
 
