@@ -224,8 +224,6 @@ class Checkpoints:
                 check_config(step, saved, self.mismatch(step, target))
                 try:
                     restored = self.restore(step, target)
-                    self._manifest_the_unmanifested()
-                    return step, restored
                 except Exception as e:  # noqa: BLE001 - see below
                     if verify and self._checksummed(step):
                         # Every byte is as written: the failure is not the checkpoint's
@@ -235,6 +233,9 @@ class Checkpoints:
                             f"but could not be restored ({_first_line(e)}); nothing was "
                             "moved") from e
                     problem = f"it cannot be restored ({_first_line(e)})"
+                else:
+                    self._manifest_the_unmanifested()
+                    return step, restored
             moved = self.set_aside(step)
             self.log(f"jaxtrain: checkpoint step {step} in {self.directory} is damaged: "
                      f"{problem}; moved to {moved}, falling back to the previous one")

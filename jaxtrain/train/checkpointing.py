@@ -143,7 +143,7 @@ class Checkpointer(Hook):
         self.tiers, self.cfg, self.logger, self.stop = tiers, cfg, logger, stop
         # Steps saved, per tier: a stop on a step the local tier just took still owes the
         # durable tier its copy.
-        self.saved = {id(tier): {restored_step} for tier in tiers.all}
+        self.saved = {tier: {restored_step} for tier in tiers.all}
         self.unjudged: list[tuple[Checkpoints, int]] = []  # saved, health not yet seen
         self.previous: StepInfo | None = None
 
@@ -164,9 +164,9 @@ class Checkpointer(Hook):
 
     def save(self, step: int, state: TrainState, tier: Checkpoints | None = None) -> None:
         tier = tier or self.tiers.durable
-        if step in self.saved[id(tier)]:  # e.g. a stop request right after a periodic save
+        if step in self.saved[tier]:  # e.g. a stop request right after a periodic save
             return
-        self.saved[id(tier)].add(step)
+        self.saved[tier].add(step)
         self.logger.flush()  # the rows up to this step are written before it is saved
         with self.logger.outside_steps("checkpoint"):
             tier.save(step, state.tree(), self.cfg.to_dict())
