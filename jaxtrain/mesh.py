@@ -28,7 +28,12 @@ LogicalAxes = Sequence["str | None"]
 # replicated in an activation whose 'batch' already took fsdp.
 DEFAULT_RULES = (
     ("batch", ("data", "fsdp", "expert")),
-    ("embed", "fsdp"),
+    # Parameters are sharded over fsdp and, under context parallelism, over context too:
+    # the devices of a context group hold different positions of the same rows, so to the
+    # weights they are data-parallel ranks, and ZeRO-3 over them divides the model state
+    # by C (as MaxText's rules and torchtitan's FSDP over dp_shard×cp do). Activations never
+    # take it: their batch dimension has already used fsdp.
+    ("embed", ("fsdp", "context")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
@@ -162,7 +167,8 @@ AXES: dict[str, MeshAxis] = {a.name: a for a in (
     MeshAxis("expert", "MoE experts sharded, tokens exchanged by all-to-all; the batch "
              "split for the dense parts", _check_expert, batch=True),
     MeshAxis("context", "the sequence split (context parallelism): activations sharded "
-             "along it, attention by all-gathered or ring-passed K/V", _check_context),
+             "along it, attention by all-gathered or ring-passed K/V; parameters sharded "
+             "over it as over fsdp", _check_context),
     MeshAxis("tensor", "Megatron-style tensor parallelism over heads, MLP and vocab",
              _check_tensor, dcn="tensor parallelism needs fast links: keep it within a node "
              "(mesh.tensor) and put data, fsdp or pipeline across nodes"),
@@ -215,6 +221,10 @@ def validate_axes(c, sizes: dict[str, int]) -> None:
     """Each axis's own checks (what the model and schedule need to split over it)."""
     for axis, entry in AXES.items():
         entry.validate(c, sizes[axis])
+    zero = sizes["fsdp"] * sizes["context"]
+    if sizes["context"] > 1 and c.model.d_model % zero:
+        fail("model.d_model", c.model.d_model, f"must be divisible by mesh.fsdp×mesh.context="
+             f"{zero} (the parameters are sharded over both)")
 
 
 def batch_shards(sizes: dict[str, int]) -> int:

@@ -64,6 +64,34 @@ def test_chunked_matches_xla_with_a_sliding_window(shape, window):
         assert _rel(got, want) < 1e-5
 
 
+# The looped form (more than UNROLL_MAX_CHUNKS query chunks): 16-row chunks make these
+# lengths 24-34 chunks, with key blocks of 64, 32 and 16 positions.
+@pytest.mark.parametrize("shape,window,documents", [((2, 512, 4, 2, 16), None, False),
+                                                    ((1, 544, 4, 1, 8), 50, False),
+                                                    ((1, 384, 8, 8, 8), 100, True)])
+def test_looped_chunked_kernel_matches_xla(shape, window, documents):
+    from jaxtrain.models.chunked_attention import chunked_attention, looped
+
+    assert looped(shape[1], 16)
+    q, k, v, cotangent = _inputs(*shape)
+    segments = None
+    if documents:  # documents of 100, 3, 200 and the rest of the row
+        ids = np.repeat(np.arange(1, 5), [100, 3, 200, shape[1] - 303])
+        segments = jnp.asarray(np.tile(ids, (shape[0], 1)), jnp.int32)
+    kernels = {"xla": lambda q, k, v: KERNELS["xla"](q, k, v, window, segments_BL=segments),
+               "looped": lambda q, k, v: chunked_attention(q, k, v, window, segments,
+                                                           block=16)}
+    outputs, grads = {}, {}
+    for name, kernel in kernels.items():
+        fn = jax.jit(kernel)
+        outputs[name] = fn(q, k, v)
+        grads[name] = jax.grad(lambda q, k, v: jnp.vdot(fn(q, k, v), cotangent),
+                               argnums=(0, 1, 2))(q, k, v)
+    assert _rel(outputs["looped"], outputs["xla"]) < 1e-5
+    for got, want in zip(grads["looped"], grads["xla"]):
+        assert _rel(got, want) < 1e-5
+
+
 @pytest.mark.parametrize("name", ["xla", "chunked"])
 def test_sliding_window_sees_exactly_the_last_w_keys(name):
     q, k, v, _ = _inputs(1, 200, 4, 2, 16)

@@ -29,6 +29,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtrain.models.chunked_loop import attention as _looped_attention
+
+# The unrolled kernel below serves sequences of up to this many query chunks (2048 tokens in
+# 128-row chunks): each chunk is one large matmul against its whole key prefix, the fastest
+# form on XLA:CPU (configs/bench_cpu.py). Beyond it the unrolled program grows with L²/block
+# (at 32k: 256 chunks, their causal masks captured as ~8.6 GB of constants, and XLA keeps
+# many chunks' score matrices alive at once), so longer sequences loop instead.
+UNROLL_MAX_CHUNKS = 16
+
 # Added to masked scores: exp(-1e30 - max) is exactly 0 and, unlike finfo.min, adding it to
 # a score cannot overflow to -inf.
 _MASKED = -1e30
@@ -190,5 +199,16 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def chunked_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
                       window: int | None = None, segments_BL=None,
                       block: int = 128) -> jax.Array:
-    """Causal GQA attention, same contract as attention.xla_attention (q already scaled)."""
+    """Causal GQA attention, same contract as attention.xla_attention (q already scaled).
+    Up to UNROLL_MAX_CHUNKS query chunks the loop is unrolled (above); longer sequences go
+    through the looped kernel (chunked_loop.py), whose memory and compile time do not grow
+    with the number of chunks."""
+    if looped(q_BLHK.shape[1], block):
+        return _looped_attention(q_BLHK, k_BMGK, v_BMGK, segments_BL, block, window)
     return _attention(q_BLHK, k_BMGK, v_BMGK, segments_BL, block, window)
+
+
+def looped(length: int, block: int) -> bool:
+    """Whether a sequence of `length` goes through the looped kernel: more query chunks than
+    UNROLL_MAX_CHUNKS, and whole chunks (the loop slices fixed-size blocks)."""
+    return length % block == 0 and length // block > UNROLL_MAX_CHUNKS

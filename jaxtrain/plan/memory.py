@@ -24,6 +24,9 @@ from jaxtrain.models.head_loss import chunk_size
 from jaxtrain.models.remat import REMATS
 
 F32 = 4
+# The mesh axes parameters are sharded over only to be all-gathered before use (ZeRO-3):
+# fsdp, and context (mesh.py's rules).
+ZERO_AXES = ("fsdp", "context")
 # Buffers XLA holds besides the ones counted (fusion outputs, copies around collectives,
 # the optimizer's update tree): a fraction of the counted temporaries. This and the factors
 # below were fitted on XLA:CPU's compiled steps of the test grid (scripts/plan_vs_compiler.py),
@@ -90,7 +93,7 @@ def param_shards(spec: ModelSpec, sizes: dict[str, int]) -> dict[str, int]:
             names = () if mesh_axes is None else (
                 (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes))
             local *= math.ceil(dim / math.prod(sizes[a] for a in names))
-            kept = [a for a in names if a != "fsdp"]
+            kept = [a for a in names if a not in ZERO_AXES]
             gathered *= math.ceil(dim / math.prod(sizes[a] for a in kept))
         out["total"] += local
         out["count"] += math.prod(shape)
