@@ -41,8 +41,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = ("tiny", "llama_1b", "splash", "llama_1b_splash", "moe_tiny")
 # Not run by default: llama_1b on one 16 GiB v5e chip, which neither variant fits; the
-# Mixtral-shaped pod config (64 chips: --topology v5p:4x4x4).
-EXTRA_CASES = ("llama_1b_1chip", "mixtral_8x7b")
+# Mixtral-shaped pod config (64 chips: --topology v5p:4x4x4); the long-context layouts
+# (8 chips: --topology v5p:2x2x2).
+EXTRA_CASES = ("llama_1b_1chip", "mixtral_8x7b", "llama_1b_32k_cp1", "llama_1b_32k_cp8",
+               "llama_1b_131k_cp8")
 # HBM per chip, bytes (jaxtrain/plan/hardware.json), for the fits-or-not verdict.
 HBM = {"TPU v5": 95e9, "TPU v5 lite": 16e9, "TPU v6 lite": 32e9, "TPU v4": 32e9}
 
@@ -278,14 +280,40 @@ def moe_case(name: str, config_file: str, overrides: dict, devices) -> dict:
     the tokens to their experts."""
     from jaxtrain.models.moe import resolve_dispatch
 
+    row = fitted_case(name, config_file, overrides, devices)
+    return {**row, "dispatch": resolve_dispatch(overrides.get("model.moe.dispatch", "auto"),
+                                                "tpu")}
+
+
+def fitted_case(name: str, config_file: str, overrides: dict, devices) -> dict:
+    """train_case (no offload) with the chip's HBM and whether the step's peak fits it."""
     row = train_case(name, config_file, overrides, devices, offload=False)
-    row["dispatch"] = resolve_dispatch(overrides.get("model.moe.dispatch", "auto"), "tpu")
     if "error" in row:
         return row
     hbm = next((v for k, v in sorted(HBM.items(), key=lambda kv: -len(kv[0]))
                 if devices[0].device_kind.startswith(k)), None)
     peak = row["peak_bytes"] or row["argument_bytes"] + row["temp_bytes"]
     return {**row, "hbm_bytes": hbm, "fits": hbm is not None and peak <= hbm}
+
+
+# ---------------------------------------------------------------- long context
+
+# configs/llama_1b_32k.py (llama_1b, full remat, Llama-3 RoPE scaling) on 8 chips
+# (--topology v5p:2x2x2): one 32k row per chip without context parallelism (fsdp=8, the
+# TPU's splash kernel), one row split over the 8 chips (context=8), and a 131k row so.
+CONTEXT_CASES = {
+    "llama_1b_32k_cp1": {"mesh.context": 1, "mesh.fsdp": 8, "train.global_batch": 8,
+                         "model.attention": "auto"},
+    "llama_1b_32k_cp8": {"mesh.context": 8, "mesh.fsdp": 1, "train.global_batch": 1},
+    "llama_1b_131k_cp8": {"mesh.context": 8, "mesh.fsdp": 1, "train.global_batch": 1,
+                          "model.seq_len": 131072, "model.rope_scaling.factor": 64.0},
+}
+
+
+def context_case(name: str, devices) -> dict:
+    """A long-context layout of configs/llama_1b_32k.py compiled for the topology: its
+    per-chip memory against the chip's HBM."""
+    return fitted_case(name, "configs/llama_1b_32k.py", CONTEXT_CASES[name], devices)
 
 
 # ---------------------------------------------------------------- driver
@@ -302,7 +330,8 @@ def run(args) -> dict:
               "device_kind": devices[0].device_kind, "platform": devices[0].platform,
               "memories": sorted(m.kind for m in devices[0].addressable_memories()),
               "jax": jax.__version__, "libtpu": _libtpu_version(libtpu),
-              "train": [], "splash": [], "moe": [], "problems": [], "notes": []}
+              "train": [], "splash": [], "moe": [], "context": [], "problems": [],
+              "notes": []}
     if args.plan:
         result["plan"] = [plan_case(run_id, devices) for run_id in args.plan.split(",")]
         result["problems"] += [
@@ -318,7 +347,7 @@ def run(args) -> dict:
                                                          "model.attention": "splash"}),
              "llama_1b_1chip": ("configs/llama_1b.py", {"mesh.fsdp": 1, "mesh.data": 1,
                                                         "train.global_batch": 2})}
-    unknown = set(cases) - set(train) - {"splash"} - set(MOE_CASES)
+    unknown = set(cases) - set(train) - {"splash"} - set(MOE_CASES) - set(CONTEXT_CASES)
     if unknown:
         raise SystemExit(f"unknown cases {sorted(unknown)}; known: {CASES + EXTRA_CASES}")
     for name in [c for c in cases if c in train]:
@@ -344,6 +373,12 @@ def run(args) -> dict:
                 result["problems"].append(f"{name}: no ragged all-to-all in the dropless step")
             elif row["dispatch"] == "capacity" and not row["all_to_all"]:
                 result["problems"].append(f"{name}: no all-to-all in the capacity step")
+    for name in [c for c in cases if c in CONTEXT_CASES]:
+        row = context_case(name, devices)
+        result["context"].append(row)
+        if "error" in row or not row["fits"]:
+            result["problems"].append(f"{name}: does not compile or fit: "
+                                      f"{row.get('error', row.get('peak_bytes'))}")
     if "splash" in cases:
         for spec in SPLASH_CASES:
             row = splash_case(*spec, devices)
@@ -419,6 +454,22 @@ def print_table(result: dict) -> None:
                   f"{mib(r['temp_bytes'])} | {mib(r['peak_bytes'] or 0)} | "
                   f"{mib(r['hbm_bytes'] or 0)} | {r['fits']} | {r['ragged_all_to_all']} / "
                   f"{r['all_to_all']} | {r['compile_s']} |")
+    if result["context"]:
+        print("\nlong context (llama_1b_32k.py), train step per chip (MiB):")
+        print("| case | mesh | seq | attention | device args | device temp | device peak | "
+              "HBM | fits | compile s |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in result["context"]:
+            mesh = " ".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1)
+            seq = r["overrides"].get("model.seq_len", 32768)
+            if "error" in r:
+                print(f"| {r['case']} | {mesh} | {seq} | compile failed: {r['error'][:100]} "
+                      "||||||")
+                continue
+            print(f"| {r['case']} | {mesh} | {seq} | {r['attention']} | "
+                  f"{mib(r['argument_bytes'])} | {mib(r['temp_bytes'])} | "
+                  f"{mib(r['peak_bytes'] or 0)} | {mib(r['hbm_bytes'] or 0)} | {r['fits']} | "
+                  f"{r['compile_s']} |")
     for note in result["notes"]:
         print("note: " + note)
     print("\nproblems: " + ("; ".join(result["problems"]) or "none"))

@@ -27,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-_MASKED = -1e30  # as in chunked_attention
+from jaxtrain.models import flash
 
 
 def key_block(length: int, block: int) -> int:
@@ -36,45 +36,44 @@ def key_block(length: int, block: int) -> int:
     return next(block * m for m in (4, 2, 1) if length % (block * m) == 0)
 
 
-def _grouped(q_BLHK, k_BMGK, v_BMGK):
-    """q as [B, G, R, L, K] (query heads under their kv head), k and v as [B, G, M, K]."""
-    b, length, heads, head_dim = q_BLHK.shape
-    groups = k_BMGK.shape[2]
-    q_BGRLK = q_BLHK.reshape(b, length, groups, heads // groups, head_dim).transpose(
-        0, 2, 3, 1, 4)
-    return q_BGRLK, k_BMGK.transpose(0, 2, 1, 3), v_BMGK.transpose(0, 2, 1, 3)
+def _grouped(x_BLHK, groups: int):
+    """[B, L, H, K] -> [B, G, R, L, K]: query heads under their kv head."""
+    b, length, heads, head_dim = x_BLHK.shape
+    return x_BLHK.reshape(b, length, groups, heads // groups, head_dim).transpose(0, 2, 3, 1, 4)
+
+
+def _ungrouped(x_NBGQK, r: int):
+    """[N chunks, B, G, R·C, K] -> [B, L, H, K]."""
+    n, b, g, rows, head_dim = x_NBGQK.shape
+    c = rows // r
+    return x_NBGQK.reshape(n, b, g, r, c, head_dim).transpose(1, 0, 4, 2, 3, 5).reshape(
+        b, n * c, g * r, head_dim)
 
 
 class _Chunk:
-    """Query chunk i (a traced index) with its R heads folded into rows: rows = R·C."""
+    """Query chunk i (a traced index), heads folded into its rows, and the key blocks it
+    meets: [lo, hi), from the first its window reaches to the one holding its last query."""
 
-    def __init__(self, i, q_BGRLK, segments_BL, block: int, kblock: int, window):
-        b, g, r, _, k = q_BGRLK.shape
-        self.start = i * block
-        self.block, self.kblock, self.window = block, kblock, window
-        self.q = jax.lax.dynamic_slice_in_dim(q_BGRLK, self.start, block, 3).reshape(
-            b, g, r * block, k)
-        # Row j of the folded chunk is query position start + j % C (heads outer).
-        self.pos_Q = self.start + jnp.tile(jnp.arange(block), r)
+    def __init__(self, i, x_BGRLK, segments_BL, block: int, kblock: int, window):
+        r = x_BGRLK.shape[2]
+        start = i * block
+        self.kblock, self.window, self.segments_BL = kblock, window, segments_BL
+        self.rows = flash.fold_heads(jax.lax.dynamic_slice_in_dim(x_BGRLK, start, block, 3))
+        self.pos_Q = start + jnp.tile(jnp.arange(block), r)
         self.ids_BQ = None if segments_BL is None else jnp.tile(
-            jax.lax.dynamic_slice_in_dim(segments_BL, self.start, block, 1), (1, r))
-        self.segments_BL = segments_BL
-        first = self.start if window is None else self.start - window + 1
-        self.lo = jnp.maximum(first, 0) // kblock if window is not None else 0
-        self.hi = (self.start + block - 1) // kblock + 1
+            jax.lax.dynamic_slice_in_dim(segments_BL, start, block, 1), (1, r))
+        self.lo = 0 if window is None else jnp.maximum(start - window + 1, 0) // kblock
+        self.hi = (start + block - 1) // kblock + 1
 
-    def visible(self, j):
-        """Bool [B or 1, 1, rows, key_block]: which keys of block j each row sees."""
+    def of(self, x_BGRLK, i, block: int):
+        """Another [B, G, R, L, ...] array's rows of this chunk (dO, logsumexp, delta)."""
+        return flash.fold_heads(jax.lax.dynamic_slice_in_dim(x_BGRLK, i * block, block, 3))
+
+    def seen(self, j):
         key_M = j * self.kblock + jnp.arange(self.kblock)
-        seen_QM = key_M[None, :] <= self.pos_Q[:, None]
-        if self.window is not None:
-            seen_QM &= key_M[None, :] > self.pos_Q[:, None] - self.window
-        seen = seen_QM[None, None]
-        if self.ids_BQ is not None:
-            ids_BM = jax.lax.dynamic_slice_in_dim(self.segments_BL, j * self.kblock,
-                                                  self.kblock, 1)
-            seen = seen & (self.ids_BQ[:, :, None] == ids_BM[:, None, :])[:, None]
-        return seen
+        ids_BM = None if self.segments_BL is None else jax.lax.dynamic_slice_in_dim(
+            self.segments_BL, j * self.kblock, self.kblock, 1)
+        return flash.visible(self.pos_Q, key_M, self.window, self.ids_BQ, ids_BM)
 
 
 def _keys(x_BGMK, j, kblock: int):
@@ -83,39 +82,27 @@ def _keys(x_BGMK, j, kblock: int):
 
 def _forward(q_BLHK, k_BMGK, v_BMGK, segments_BL, block: int, window):
     b, length, heads, head_dim = q_BLHK.shape
-    kblock = key_block(length, block)
-    q_BGRLK, k_BGMK, v_BGMK = _grouped(q_BLHK, k_BMGK, v_BMGK)
-    g, r = q_BGRLK.shape[1:3]
+    kblock, groups = key_block(length, block), k_BMGK.shape[2]
+    q_BGRLK = _grouped(q_BLHK, groups)
+    k_BGMK, v_BGMK = k_BMGK.transpose(0, 2, 1, 3), v_BMGK.transpose(0, 2, 1, 3)
+    r = heads // groups
 
     def one_chunk(i):
         chunk = _Chunk(i, q_BGRLK, segments_BL, block, kblock, window)
 
         def step(j, acc):
-            o_BGQK, m_BGQ, l_BGQ = acc
-            seen = chunk.visible(j)
-            s_BGQM = jnp.einsum("bgqk,bgmk->bgqm", chunk.q, _keys(k_BGMK, j, kblock),
-                                preferred_element_type=jnp.float32)
-            m_new = jnp.maximum(m_BGQ, jnp.where(seen, s_BGQM, _MASKED).max(-1))
-            p_BGQM = jnp.where(seen, jnp.exp(s_BGQM - m_new[..., None]), 0.0)
-            scale = jnp.exp(m_BGQ - m_new)
-            pv_BGQK = jnp.einsum("bgqm,bgmk->bgqk", p_BGQM.astype(v_BGMK.dtype),
-                                 _keys(v_BGMK, j, kblock), preferred_element_type=jnp.float32)
-            return o_BGQK * scale[..., None] + pv_BGQK, m_new, l_BGQ * scale + p_BGQM.sum(-1)
+            return flash.fold(acc, chunk.rows, _keys(k_BGMK, j, kblock),
+                              _keys(v_BGMK, j, kblock), chunk.seen(j))
 
-        rows = r * block
-        init = (jnp.zeros((b, g, rows, head_dim), jnp.float32),
-                jnp.full((b, g, rows), _MASKED, jnp.float32), jnp.zeros((b, g, rows), jnp.float32))
-        o_BGQK, m_BGQ, l_BGQ = jax.lax.fori_loop(chunk.lo, chunk.hi, step, init)
-        return (o_BGQK / l_BGQ[..., None]).astype(q_BLHK.dtype), m_BGQ + jnp.log(l_BGQ)
+        acc = jax.lax.fori_loop(chunk.lo, chunk.hi, step,
+                                flash.empty(b, groups, r * block, head_dim))
+        out_BGQK, lse_BGQ = flash.finish(acc)
+        return out_BGQK.astype(q_BLHK.dtype), lse_BGQ
 
-    # [N, B, G, R·C, ...] -> [B, L, H, K] and the logsumexp as [B, G, R, L].
     out_NBGQK, lse_NBGQ = jax.lax.map(one_chunk, jnp.arange(length // block))
-    n = length // block
-    out_BLHK = out_NBGQK.reshape(n, b, g, r, block, head_dim).transpose(1, 0, 4, 2, 3, 5) \
-        .reshape(b, length, heads, head_dim)
-    lse_BGRL = lse_NBGQ.reshape(n, b, g, r, block).transpose(1, 2, 3, 0, 4).reshape(
-        b, g, r, length)
-    return out_BLHK, lse_BGRL
+    lse_BGRL = _ungrouped(lse_NBGQ[..., None], r)[..., 0].reshape(
+        b, length, groups, r).transpose(0, 2, 3, 1)
+    return _ungrouped(out_NBGQK, r), lse_BGRL
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -131,52 +118,36 @@ def _attention_fwd(q_BLHK, k_BMGK, v_BMGK, segments_BL, block, window):
 
 def _attention_bwd(block, window, residuals, dout_BLHK):
     q_BLHK, k_BMGK, v_BMGK, segments_BL, out_BLHK, lse_BGRL = residuals
-    b, length, heads, head_dim = q_BLHK.shape
-    kblock = key_block(length, block)
-    q_BGRLK, k_BGMK, v_BGMK = _grouped(q_BLHK, k_BMGK, v_BMGK)
-    do_BGRLK = _grouped(dout_BLHK, k_BMGK, v_BMGK)[0]
-    g, r = q_BGRLK.shape[1:3]
-    # delta = rowsum(dO ∘ O): the softmax backward's per-row correction.
+    length, heads = q_BLHK.shape[1:3]
+    kblock, groups = key_block(length, block), k_BMGK.shape[2]
+    r = heads // groups
+    q_BGRLK, do_BGRLK = _grouped(q_BLHK, groups), _grouped(dout_BLHK, groups)
+    k_BGMK, v_BGMK = k_BMGK.transpose(0, 2, 1, 3), v_BMGK.transpose(0, 2, 1, 3)
     delta_BGRL = jnp.einsum("bgrlk,bgrlk->bgrl", do_BGRLK.astype(jnp.float32),
-                            _grouped(out_BLHK, k_BMGK, v_BMGK)[0].astype(jnp.float32))
-
-    def rows_of(x_BGRL, i):
-        return jax.lax.dynamic_slice_in_dim(x_BGRL, i * block, block, 3).reshape(
-            b, g, 1, r * block)
+                            _grouped(out_BLHK, groups).astype(jnp.float32))
 
     def one_chunk(carry, i):
         chunk = _Chunk(i, q_BGRLK, segments_BL, block, kblock, window)
-        do_BGQK = _Chunk(i, do_BGRLK, None, block, kblock, window).q
-        lse_BG1Q, delta_BG1Q = rows_of(lse_BGRL, i), rows_of(delta_BGRL, i)
+        do_BGQK = chunk.of(do_BGRLK, i, block)
+        lse_BGQ, delta_BGQ = chunk.of(lse_BGRL, i, block), chunk.of(delta_BGRL, i, block)
 
         def step(j, acc):
             dq_BGQK, dk_BGMK, dv_BGMK = acc
-            k_blk, v_blk = _keys(k_BGMK, j, kblock), _keys(v_BGMK, j, kblock)
-            # Keys as rows ([keys, queries]), as the unrolled backward: dK and dV are then
-            # plain row-major matmuls.
-            seen_MQ = jnp.swapaxes(chunk.visible(j), -1, -2)
-            sT_BGMQ = jnp.einsum("bgmk,bgqk->bgmq", k_blk, chunk.q,
-                                 preferred_element_type=jnp.float32)
-            pT_BGMQ = jnp.where(seen_MQ, jnp.exp(sT_BGMQ - lse_BG1Q), 0.0)
-            dpT_BGMQ = jnp.einsum("bgmk,bgqk->bgmq", v_blk, do_BGQK,
-                                  preferred_element_type=jnp.float32)
-            dsT_BGMQ = pT_BGMQ * (dpT_BGMQ - delta_BG1Q)
-            dv_blk = jnp.matmul(pT_BGMQ, do_BGQK.astype(jnp.float32))
-            dk_blk = jnp.matmul(dsT_BGMQ, chunk.q.astype(jnp.float32))
-            dq_BGQK += jnp.einsum("bgmq,bgmk->bgqk", dsT_BGMQ, k_blk.astype(jnp.float32))
-            return (dq_BGQK, _add_block(dk_BGMK, dk_blk, j, kblock),
-                    _add_block(dv_BGMK, dv_blk, j, kblock))
+            dq, dk, dv = flash.tile_grads(chunk.rows, do_BGQK, lse_BGQ, delta_BGQ,
+                                          _keys(k_BGMK, j, kblock), _keys(v_BGMK, j, kblock),
+                                          chunk.seen(j))
+            return (dq_BGQK + dq, _add_block(dk_BGMK, dk, j, kblock),
+                    _add_block(dv_BGMK, dv, j, kblock))
 
-        dq0 = jnp.zeros(chunk.q.shape, jnp.float32)
-        dq_BGQK, dk_BGMK, dv_BGMK = jax.lax.fori_loop(chunk.lo, chunk.hi, step, (dq0, *carry))
-        return (dk_BGMK, dv_BGMK), dq_BGQK
+        dq0 = jnp.zeros(chunk.rows.shape, jnp.float32)
+        dq_BGQK, *carry = jax.lax.fori_loop(chunk.lo, chunk.hi, step, (dq0, *carry))
+        return tuple(carry), dq_BGQK
 
     zeros = jnp.zeros(k_BGMK.shape, jnp.float32)
-    n = length // block
-    (dk_BGMK, dv_BGMK), dq_NBGQK = jax.lax.scan(one_chunk, (zeros, zeros), jnp.arange(n))
-    dq_BLHK = dq_NBGQK.reshape(n, b, g, r, block, head_dim).transpose(1, 0, 4, 2, 3, 5) \
-        .reshape(b, length, heads, head_dim)
-    return (dq_BLHK.astype(q_BLHK.dtype), dk_BGMK.transpose(0, 2, 1, 3).astype(k_BMGK.dtype),
+    (dk_BGMK, dv_BGMK), dq_NBGQK = jax.lax.scan(one_chunk, (zeros, zeros),
+                                                jnp.arange(length // block))
+    return (_ungrouped(dq_NBGQK, r).astype(q_BLHK.dtype),
+            dk_BGMK.transpose(0, 2, 1, 3).astype(k_BMGK.dtype),
             dv_BGMK.transpose(0, 2, 1, 3).astype(v_BMGK.dtype), None)
 
 

@@ -11,21 +11,25 @@ meet every key block of the row, which arrives in one of two ways (`model.contex
   device (i − s) mod C's block. A device never holds more than two blocks, and each hop's
   transfer can overlap the previous block's compute.
 
-Either way each block is folded into the output by the online softmax (running max m,
-denominator l, unnormalised output o, all float32), so no score matrix wider than a block
-exists. Masks come from global positions: each slot's row position is a static function of
-the layout and the device index (ContextSpec.slot_positions), so causality, the sliding
-window and the zig-zag order need nothing from the batch; document masks compare the
-queries' segment ids with those that travel with the keys.
+Each block is visited in tiles (models/flash.py): a loop over query tiles of ≤ QUERY_TILE
+positions and, inside it, over key tiles of ≤ KEY_TILE, each tile folded into the output by
+the online softmax (float32 running max, denominator and output), so the largest array the
+kernel makes is one [query tile, key tile] score matrix, whatever the length. Masks come from
+global positions: each slot's row position is a static function of the layout and the device
+index (ContextSpec.slot_positions), so causality, the sliding window and the zig-zag order
+need nothing from the batch; document masks compare the queries' segment ids with those that
+travel with the keys.
 
-Work: a device's slots are one (plain) or two (zig-zag) contiguous runs, and every pair of
-(query run, key run) that the causal window hides entirely is skipped by lax.cond, so the
-zig-zag order gives every device the same number of computed pairs.
+Work: a device's slots are one (plain) or two (zig-zag) contiguous runs, and tiles never
+straddle a run, so every tile pair the causal window hides entirely is skipped (lax.cond) and
+the zig-zag order gives every device the same number of computed pairs. `count_work` counts
+the FLOPs of the tiles each device computes, from inside the compiled step.
 
-Backward: jax autodiff through the loop (not a hand-written ring VJP). ppermute transposes
-to the reverse ppermute, so the backward is a ring too (dK/dV travel back); each block
-update is rematerialised (jax.checkpoint), so what is kept per hop is the block's K/V and
-the float32 accumulators, not its scores.
+Backward: a custom VJP. The residuals are q, k, v, the output and its logsumexp; the
+backward visits the blocks again in the same order (the ring passes each block on with its
+dK/dV, and one last hop takes them home; allgather sums them back with one reduce-scatter),
+recomputing each tile's probabilities. Autodiff through the forward loop would keep the
+float32 accumulators of every hop, C times the output's size per layer.
 """
 
 from __future__ import annotations
@@ -38,10 +42,14 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.mesh import logical_to_spec
+from jaxtrain.models import flash
 from jaxtrain.parallel.context import ContextSpec
 
 AXIS = "context"
-_MASKED = -1e30  # as in chunked_attention: exp(_MASKED - max) is 0, and never overflows
+# Positions per tile: query tiles are folded with their R heads into R·QUERY_TILE rows, so
+# a score tile is [R·QUERY_TILE, KEY_TILE] float32 per (example, kv head).
+QUERY_TILE = 128
+KEY_TILE = 512
 
 
 def context_attention(q_BLHK, k_BLGK, v_BLGK, window: int | None, segments_BL,
@@ -53,146 +61,291 @@ def context_attention(q_BLHK, k_BLGK, v_BLGK, window: int | None, segments_BL,
     if q_spec[1] != AXIS or kv_spec[1] != AXIS:
         raise ValueError(f"context attention needs the `length` rule on `{AXIS}`; the rules "
                          f"give {q_spec}")
-    ids_spec = None if segments_BL is None else P(q_spec[0], AXIS)
-    body = functools.partial(_local, spec=spec, window=window,
-                             positions_CT=spec.slot_positions(q_BLHK.shape[1]))
-    run = jax.shard_map(body, in_specs=(q_spec, kv_spec, kv_spec, ids_spec),
-                        out_specs=q_spec, check_vma=False)
-    return run(q_BLHK, k_BLGK, v_BLGK, segments_BL)
+    return _attention(q_BLHK, k_BLGK, v_BLGK, segments_BL, spec, window, rules)
 
 
-def _local(q_BTHK, k_BTGK, v_BTGK, segments_BT, *, spec: ContextSpec, window, positions_CT):
-    """One device: its queries against every key block of the row."""
-    groups = k_BTGK.shape[2]
-    b, t, heads, head_dim = q_BTHK.shape
-    q_BTGRK = q_BTHK.reshape(b, t, groups, heads // groups, head_dim)
-    table_CT = jnp.asarray(positions_CT)
-    me = jax.lax.axis_index(AXIS)
-    queries = _Runs(q_BTGRK, segments_BT, table_CT[me], spec.chunks_per_device)
-    block = (k_BTGK, v_BTGK, segments_BT)
-    accs = queries.fold(queries.empty(), block, table_CT[me], window)
-    visit = _allgather if spec.variant == "allgather" else _ring
-    accs = visit(queries, accs, block, table_CT, me, spec.size, window)
-    out_BGRTK = jnp.concatenate([o / denom[..., None] for o, _, denom in accs], axis=3)
-    return out_BGRTK.transpose(0, 3, 1, 2, 4).reshape(q_BTHK.shape).astype(q_BTHK.dtype)
+class _Specs:
+    """How the kernel's arrays are split over the mesh (from the logical rules): q and the
+    output [B, L, H, K], k and v [B, L, G, K], segment ids [B, L], logsumexp [B, G, R, L]."""
+
+    def __init__(self, rules, segments: bool):
+        self.q = logical_to_spec(("batch", "length", "heads", "kv"), rules)
+        self.kv = logical_to_spec(("batch", "length", "kv_heads", "kv"), rules)
+        self.ids = P(self.q[0], AXIS) if segments else None
+        self.lse = P(self.q[0], self.kv[2], None, AXIS)
 
 
-def _ring(queries, accs, block, table_CT, me, size: int, window):
-    """Blocks 1..C−1 hops away, each passed on by one ppermute."""
+# The VJP wraps the shard_maps rather than sitting inside one: differentiating a shard_map
+# inside the layers' scan linearises its body, and a custom VJP there was differentiated
+# through (every tile's scores kept as scan residuals), not used.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q_BLHK, k_BLGK, v_BLGK, segments_BL, spec, window, rules):
+    return _attention_fwd(q_BLHK, k_BLGK, v_BLGK, segments_BL, spec, window, rules)[0]
+
+
+def _attention_fwd(q_BLHK, k_BLGK, v_BLGK, segments_BL, spec, window, rules):
+    specs = _Specs(rules, segments_BL is not None)
+    # The checkpoint keeps the forward whole under partial evaluation: the layers' scan
+    # hoists loop-invariant parts of its body out of the loop, and the kernel's tile masks
+    # (from positions alone) would be hoisted as every (hop, tile) pair's stacked arrays.
+    forward = jax.checkpoint(functools.partial(_forward, spec=spec, window=window),
+                             policy=jax.checkpoint_policies.nothing_saveable,
+                             prevent_cse=False)
+    run = jax.shard_map(forward,
+                        in_specs=(specs.q, specs.kv, specs.kv, specs.ids),
+                        out_specs=(specs.q, specs.lse), check_vma=False)
+    out_BLHK, lse_BGRL = run(q_BLHK, k_BLGK, v_BLGK, segments_BL)
+    return out_BLHK, (q_BLHK, k_BLGK, v_BLGK, segments_BL, out_BLHK, lse_BGRL)
+
+
+def _attention_bwd(spec, window, rules, residuals, dout_BLHK):
+    specs = _Specs(rules, residuals[3] is not None)
+    run = jax.shard_map(functools.partial(_backward, spec=spec, window=window),
+                        in_specs=(specs.q, specs.kv, specs.kv, specs.ids, specs.q, specs.lse,
+                                  specs.q),
+                        out_specs=(specs.q, specs.kv, specs.kv), check_vma=False)
+    return (*run(*residuals, dout_BLHK), None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _tile(length: int, limit: int) -> int:
+    """The largest divisor of a run's `length` that is at most `limit`."""
+    return next(length // n for n in range(1, length + 1)
+                if length % n == 0 and length // n <= limit)
+
+
+class _Device:
+    """One device's view: its queries (grouped [B, G, R, T, K]), their row positions, the
+    tile sizes, and the loops over (query tile, key tile) pairs of one visited block."""
+
+    def __init__(self, q_BTHK, groups: int, segments_BT, spec: ContextSpec, window):
+        t, heads = q_BTHK.shape[1:3]
+        self.groups, self.r, self.window, self.spec = groups, heads // groups, window, spec
+        self.q = self.grouped(q_BTHK)
+        self.table_CT = jnp.asarray(spec.slot_positions(t * spec.size))
+        self.me = jax.lax.axis_index(AXIS)
+        self.positions_T = self.table_CT[self.me]
+        self.segments_BT = segments_BT
+        run = t // spec.chunks_per_device
+        self.tq, self.tk = _tile(run, QUERY_TILE), _tile(run, KEY_TILE)
+        self.nq, self.nk = t // self.tq, t // self.tk
+
+    def grouped(self, x_BTHK):
+        """[B, T, H, K] -> [B, G, R, T, K]: query heads under their kv head."""
+        b, t, _, head_dim = x_BTHK.shape
+        return x_BTHK.reshape(b, t, self.groups, self.r, head_dim).transpose(0, 2, 3, 1, 4)
+
+    def query_tile(self, x_BGRTK, i):
+        """Rows of query tile i of a [B, G, R, T, ...] array, heads folded: [B, G, R·tq, ...]."""
+        return flash.fold_heads(jax.lax.dynamic_slice_in_dim(x_BGRTK, i * self.tq, self.tq, 3))
+
+    def put_query_tile(self, x_BGRTK, tile_BGQ, i):
+        tile = flash.unfold_heads(tile_BGQ, self.r)
+        return jax.lax.dynamic_update_slice_in_dim(x_BGRTK, tile, i * self.tq, 3)
+
+    def pairs(self, block, positions_T, i, j):
+        """Query tile i against key tile j of a block: (whether any key is visible, the
+        mask, the key tile's k and v)."""
+        k_BGTK, v_BGTK, segments_BT = block
+        q_pos = jax.lax.dynamic_slice_in_dim(self.positions_T, i * self.tq, self.tq)
+        k_pos = jax.lax.dynamic_slice_in_dim(positions_T, j * self.tk, self.tk)
+        q_ids = k_ids = None
+        if segments_BT is not None:
+            q_ids = jnp.tile(jax.lax.dynamic_slice_in_dim(self.segments_BT, i * self.tq,
+                                                          self.tq, 1), (1, self.r))
+            k_ids = jax.lax.dynamic_slice_in_dim(segments_BT, j * self.tk, self.tk, 1)
+        any_seen = flash.any_visible(q_pos[0], q_pos[-1], k_pos[0], k_pos[-1], self.window)
+        seen = flash.visible(jnp.tile(q_pos, self.r), k_pos, self.window, q_ids, k_ids)
+        keys = (jax.lax.dynamic_slice_in_dim(x, j * self.tk, self.tk, 2)
+                for x in (k_BGTK, v_BGTK))
+        return any_seen, seen, *keys
+
+
+def _counted(flops: int, me):
+    """Reports a computed tile's FLOPs to the active work counter (count_work)."""
+    if _COUNTER is not None:
+        jax.debug.callback(_COUNTER, me, flops)
+
+
+_COUNTER = None
+
+
+def count_work(counter):
+    """Within a `with`, every tile the compiled kernel computes calls counter(device index
+    along context, FLOPs) as it runs (forward and backward), for measuring the balance of
+    the work; functions traced inside carry the callback."""
+    return _CountWork(counter)
+
+
+class _CountWork:
+    def __init__(self, counter):
+        self.counter = counter
+
+    def __enter__(self):
+        global _COUNTER
+        _COUNTER = self.counter
+
+    def __exit__(self, *exc):
+        global _COUNTER
+        _COUNTER = None
+
+
+def _fold_block(dev: _Device, acc, block, positions_T):
+    """The accumulators (o, m, l: [B, G, R, T, ...] float32) with a key block folded in."""
+
+    def query_tile(i, acc):
+        q_BGQK = dev.query_tile(dev.q, i)
+        tile = tuple(dev.query_tile(x, i) for x in acc)
+
+        def key_tile(j, tile):
+            any_seen, seen, k_BGMK, v_BGMK = dev.pairs(block, positions_T, i, j)
+
+            def fold(tile):
+                _counted(flash.tile_flops(q_BGQK, k_BGMK), dev.me)
+                return flash.fold(tile, q_BGQK, k_BGMK, v_BGMK, seen)
+
+            return jax.lax.cond(any_seen, fold, lambda tile: tile, tile)
+
+        tile = jax.lax.fori_loop(0, dev.nk, key_tile, tile)
+        return tuple(dev.put_query_tile(x, t, i) for x, t in zip(acc, tile))
+
+    return jax.lax.fori_loop(0, dev.nq, query_tile, acc)
+
+
+def _block_grads(dev: _Device, dq_BGRTK, grads_in, block, positions_T):
+    """(dQ with the block's share added, the block's dK and dV), float32."""
+    do_BGRTK, lse_BGRT, delta_BGRT = grads_in
+    k_BGTK = block[0]
+
+    def key_tile(j, carry):
+        def query_tile(i, carry):
+            dq_BGRTK, dk_BGMK, dv_BGMK = carry
+            any_seen, seen, k_blk, v_blk = dev.pairs(block, positions_T, i, j)
+
+            def grads(carry):
+                dq_BGRTK, dk_BGMK, dv_BGMK = carry
+                q_BGQK = dev.query_tile(dev.q, i)
+                # QKᵀ again, dO·Vᵀ, Pᵀ·dO, dSᵀ·Q and dS·K: 5/2 of the forward's two.
+                _counted(flash.tile_flops(q_BGQK, k_blk) * 5 // 2, dev.me)
+                dq, dk, dv = flash.tile_grads(
+                    q_BGQK, dev.query_tile(do_BGRTK, i), dev.query_tile(lse_BGRT, i),
+                    dev.query_tile(delta_BGRT, i), k_blk, v_blk, seen)
+                dq_BGRTK = dev.put_query_tile(dq_BGRTK, dev.query_tile(dq_BGRTK, i) + dq, i)
+                return dq_BGRTK, dk_BGMK + dk, dv_BGMK + dv
+
+            return jax.lax.cond(any_seen, grads, lambda carry: carry, carry)
+
+        dq_BGRTK, dk_BGTK, dv_BGTK = carry
+        b, g, _, head_dim = k_BGTK.shape
+        zeros = jnp.zeros((b, g, dev.tk, head_dim), jnp.float32)
+        dq_BGRTK, dk, dv = jax.lax.fori_loop(0, dev.nq, query_tile, (dq_BGRTK, zeros, zeros))
+        put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=j * dev.tk,
+                                axis=2)
+        return dq_BGRTK, put(dk_BGTK, dk), put(dv_BGTK, dv)
+
+    zeros = jnp.zeros(k_BGTK.shape, jnp.float32)
+    return jax.lax.fori_loop(0, dev.nk, key_tile, (dq_BGRTK, zeros, zeros))
+
+
+def _pass_on(tree, size: int):
+    """Every array of `tree` to the next device of the ring."""
     shift = [(j, (j + 1) % size) for j in range(size)]
-
-    def hop(carry, s):
-        accs, block = carry
-        block = jax.tree.map(lambda x: jax.lax.ppermute(x, AXIS, shift), block)
-        return (queries.fold(accs, block, table_CT[(me - s) % size], window), block), None
-
-    return jax.lax.scan(hop, (accs, block), jnp.arange(1, size))[0][0]
+    return jax.tree.map(lambda x: jax.lax.ppermute(x, AXIS, shift), tree)
 
 
-def _allgather(queries, accs, block, table_CT, me, size: int, window):
-    """The other devices' blocks, from one all-gather of the row's K/V."""
-    gathered = jax.tree.map(lambda x: jax.lax.all_gather(x, AXIS, axis=0), block)
-
-    def visit(accs, s):
-        j = (me - s) % size  # the ring's order, so both variants sum alike
-        return queries.fold(accs, jax.tree.map(lambda x: x[j], gathered), table_CT[j],
-                            window), None
-
-    return jax.lax.scan(visit, accs, jnp.arange(1, size))[0]
+def _blocks(k_BTGK, v_BTGK, segments_BT):
+    """This device's K/V block as the kernel visits it: k, v [B, G, T, K], segment ids."""
+    return k_BTGK.transpose(0, 2, 1, 3), v_BTGK.transpose(0, 2, 1, 3), segments_BT
 
 
-QUERY_BLOCK = 512  # query rows per score tile: [rows, key run] float32 per (batch, head)
+def _forward(q_BTHK, k_BTGK, v_BTGK, segments_BT, *, spec: ContextSpec, window):
+    """One device's output and logsumexp: its queries against every key block of the row."""
+    dev = _Device(q_BTHK, k_BTGK.shape[2], segments_BT, spec, window)
+    b, g, r, t, head_dim = dev.q.shape
+    acc = tuple(flash.unfold_heads(x, r) for x in flash.empty(b, g, r * t, head_dim))
+    block = _blocks(k_BTGK, v_BTGK, segments_BT)
+    acc = _fold_block(dev, acc, block, dev.positions_T)
+    size, me = spec.size, dev.me
+    if spec.variant == "ring":
+        def hop(carry, s):
+            acc, block = carry
+            block = _pass_on(block, size)
+            return (_fold_block(dev, acc, block, dev.table_CT[(me - s) % size]), block), None
+
+        (acc, _), _ = jax.lax.scan(hop, (acc, block), jnp.arange(1, size))
+    else:
+        gathered = jax.tree.map(lambda x: jax.lax.all_gather(x, AXIS, axis=0), block)
+
+        def visit(acc, s):
+            j = (me - s) % size  # the ring's order, so both variants sum alike
+            return _fold_block(dev, acc, jax.tree.map(lambda x: x[j], gathered),
+                               dev.table_CT[j]), None
+
+        acc, _ = jax.lax.scan(visit, acc, jnp.arange(1, size))
+    out_BGRTK, lse_BGRT = flash.finish(acc)
+    out_BTHK = out_BGRTK.transpose(0, 3, 1, 2, 4).reshape(q_BTHK.shape).astype(q_BTHK.dtype)
+    return out_BTHK, lse_BGRT
 
 
-def _pieces(length: int) -> int:
-    """Equal pieces of at most QUERY_BLOCK rows that a run of `length` queries is cut into."""
-    return next(n for n in range(1, length + 1)
-                if length % n == 0 and length // n <= QUERY_BLOCK)
+def _backward(q_BTHK, k_BTGK, v_BTGK, segments_BT, out_BTHK, lse_BGRT, dout_BTHK, *,
+              spec: ContextSpec, window):
+    """One device's dQ, dK, dV: the blocks visited again in the forward's order."""
+    dev = _Device(q_BTHK, k_BTGK.shape[2], segments_BT, spec, window)
+    do_BGRTK = dev.grouped(dout_BTHK).astype(jnp.float32)
+    delta_BGRT = jnp.einsum("bgrtk,bgrtk->bgrt", do_BGRTK,
+                            dev.grouped(out_BTHK).astype(jnp.float32))
+    grads_in = (do_BGRTK, lse_BGRT, delta_BGRT)
+    block = _blocks(k_BTGK, v_BTGK, segments_BT)
+    dq = jnp.zeros(dev.q.shape, jnp.float32)
+    dq, dk_BGTK, dv_BGTK = _block_grads(dev, dq, grads_in, block, dev.positions_T)
+    size, me = spec.size, dev.me
+    if spec.variant == "ring":
+        def hop(carry, s):
+            dq, block, dk, dv = carry
+            block, dk, dv = _pass_on((block, dk, dv), size)
+            dq, dk_s, dv_s = _block_grads(dev, dq, grads_in, block,
+                                          dev.table_CT[(me - s) % size])
+            return (dq, block, dk + dk_s, dv + dv_s), None
 
+        (dq, _, dk_BGTK, dv_BGTK), _ = jax.lax.scan(hop, (dq, block, dk_BGTK, dv_BGTK),
+                                                    jnp.arange(1, size))
+        dk_BGTK, dv_BGTK = _pass_on((dk_BGTK, dv_BGTK), size)  # home: the block's owner
+    else:
+        gathered = jax.tree.map(lambda x: jax.lax.all_gather(x, AXIS, axis=0), block)
+        dk_all = jnp.zeros((size,) + dk_BGTK.shape, jnp.float32).at[me].set(dk_BGTK)
+        dv_all = jnp.zeros((size,) + dv_BGTK.shape, jnp.float32).at[me].set(dv_BGTK)
 
-class _Runs:
-    """A device's queries as their contiguous runs of positions (1, or 2 when zig-zag), each
-    cut into tiles of ≤ QUERY_BLOCK rows with their own online-softmax accumulator (o, m,
-    l): the scores of a tile against a key run are the largest array the kernel makes."""
+        def visit(carry, s):
+            dq, dk_all, dv_all = carry
+            j = (me - s) % size
+            dq, dk_j, dv_j = _block_grads(dev, dq, grads_in,
+                                          jax.tree.map(lambda x: x[j], gathered),
+                                          dev.table_CT[j])
+            return (dq, dk_all.at[j].add(dk_j), dv_all.at[j].add(dv_j)), None
 
-    def __init__(self, q_BTGRK, segments_BT, positions_T, runs: int):
-        self.runs = runs  # key runs per block: the same contiguous runs
-        tiles = runs * _pieces(q_BTGRK.shape[1] // runs)
-        self.q = jnp.split(q_BTGRK, tiles, axis=1)
-        self.segments = _split_or_none(segments_BT, tiles)
-        self.positions = jnp.split(positions_T, tiles)
-
-    def empty(self):
-        b, t, g, r, k = self.q[0].shape
-        return [(jnp.zeros((b, g, r, t, k), jnp.float32),
-                 jnp.full((b, g, r, t), _MASKED, jnp.float32),
-                 jnp.zeros((b, g, r, t), jnp.float32)) for _ in self.q]
-
-    def fold(self, accs, block, positions_T, window):
-        """accs with one key block (its k, v, segment ids and row positions) folded in,
-        tile by key run; pairs the causal window hides entirely are skipped."""
-        k_BTGK, v_BTGK, segments_BT = block
-        keys = list(zip(jnp.split(k_BTGK, self.runs, axis=1),
-                        jnp.split(v_BTGK, self.runs, axis=1),
-                        _split_or_none(segments_BT, self.runs),
-                        jnp.split(positions_T, self.runs)))
-        # Rematerialised in the backward pass, so no tile's scores are ever kept.
-        update = jax.checkpoint(functools.partial(_update, window=window))
-        out = []
-        for acc, q, q_ids, q_pos in zip(accs, self.q, self.segments, self.positions):
-            for k, v, k_ids, k_pos in keys:
-                acc = jax.lax.cond(_any_visible(q_pos, k_pos, window), update,
-                                   lambda acc, *_: acc, acc, q, k, v, q_ids, k_ids, q_pos,
-                                   k_pos)
-            out.append(acc)
-        return out
-
-
-def _split_or_none(x, parts: int):
-    return [None] * parts if x is None else jnp.split(x, parts, axis=1)
+        (dq, dk_all, dv_all), _ = jax.lax.scan(visit, (dq, dk_all, dv_all),
+                                               jnp.arange(1, size))
+        dk_BGTK, dv_BGTK = (jax.lax.psum_scatter(x, AXIS, scatter_dimension=0)
+                            for x in (dk_all, dv_all))
+    dq_BTHK = dq.transpose(0, 3, 1, 2, 4).reshape(q_BTHK.shape).astype(q_BTHK.dtype)
+    return (dq_BTHK, dk_BGTK.transpose(0, 2, 1, 3).astype(k_BTGK.dtype),
+            dv_BGTK.transpose(0, 2, 1, 3).astype(v_BTGK.dtype))
 
 
 def computed_scores(spec: ContextSpec, length: int, window: int | None = None) -> np.ndarray:
     """[C]: the query×key scores each device's kernel computes per row and head (the
-    (query tile, key run) pairs `_any_visible` keeps, masked parts included): the work the
-    step waits on."""
+    (query tile, key tile) pairs the kernel does not skip, masked parts included): the work
+    the step waits on, as count_work measures it in the compiled step."""
     positions_CT = spec.slot_positions(length)
-    runs = spec.chunks_per_device
-    tiles = runs * _pieces(positions_CT.shape[1] // runs)
+    run = positions_CT.shape[1] // spec.chunks_per_device
+    tq, tk = _tile(run, QUERY_TILE), _tile(run, KEY_TILE)
     work = np.zeros(spec.size, np.int64)
     for i in range(spec.size):
         for j in range(spec.size):
-            for q in np.split(positions_CT[i], tiles):
-                for k in np.split(positions_CT[j], runs):
-                    if _any_visible(q, k, window):
+            for q in np.split(positions_CT[i], len(positions_CT[i]) // tq):
+                for k in np.split(positions_CT[j], len(positions_CT[j]) // tk):
+                    if flash.any_visible(q[0], q[-1], k[0], k[-1], window):
                         work[i] += len(q) * len(k)
     return work
-
-
-def _any_visible(q_pos, k_pos, window):
-    """Whether any query of a run sees any key of a run (both runs contiguous, ascending)."""
-    seen = k_pos[0] <= q_pos[-1]
-    if window is not None:
-        seen &= k_pos[-1] > q_pos[0] - window
-    return seen
-
-
-def _update(acc, q_BTGRK, k_BMGK, v_BMGK, q_ids_BT, k_ids_BM, q_pos_T, k_pos_M, *, window):
-    """One online-softmax step: the block's scores, masked, folded into (o, m, l)."""
-    o_BGRTK, m_BGRT, l_BGRT = acc
-    s_BGRTM = jnp.einsum("btgrk,bmgk->bgrtm", q_BTGRK, k_BMGK,
-                         preferred_element_type=jnp.float32)
-    visible_TM = k_pos_M[None, :] <= q_pos_T[:, None]
-    if window is not None:
-        visible_TM &= k_pos_M[None, :] > q_pos_T[:, None] - window
-    visible = visible_TM[None, None, None]
-    if q_ids_BT is not None:
-        visible = visible & (q_ids_BT[:, :, None] == k_ids_BM[:, None, :])[:, None, None]
-    s_BGRTM = jnp.where(visible, s_BGRTM, _MASKED)
-    # The output does not depend on the running max, only its float range does.
-    m_new = jax.lax.stop_gradient(jnp.maximum(m_BGRT, s_BGRTM.max(-1)))
-    p_BGRTM = jnp.where(visible, jnp.exp(s_BGRTM - m_new[..., None]), 0.0)
-    scale = jnp.exp(m_BGRT - m_new)
-    pv_BGRTK = jnp.einsum("bgrtm,bmgk->bgrtk", p_BGRTM.astype(v_BMGK.dtype), v_BMGK,
-                          preferred_element_type=jnp.float32)
-    return (o_BGRTK * scale[..., None] + pv_BGRTK, m_new, l_BGRT * scale + p_BGRTM.sum(-1))

@@ -12,6 +12,7 @@ from flax import nnx
 
 from jaxtrain.mesh import active_rules, constrain
 from jaxtrain.models.attention import Attention, resolve_attention
+from jaxtrain.models.embedding import embed
 from jaxtrain.models.families import FAMILIES, Family
 from jaxtrain.models.layers import Norm, param
 from jaxtrain.models.mlp import Mlp
@@ -191,10 +192,8 @@ class Transformer(nnx.Module):
 
     def _embed(self, tokens_BL: jax.Array, start=0, positions_BL=None) -> jax.Array:
         spec, dt = self.spec, self.spec.compute_dtype
-        # Gather from a table sharded only by vocab (an FSDP all-gather of its embed dim, as
-        # for any weight): each device looks up its vocab range, then one sum combines them.
-        table_VD = constrain(self.tok_embed[...].astype(dt), ("vocab", None), spec.rules)
-        x_BLD = jnp.take(table_VD, tokens_BL, axis=0)
+        # Gathered like any weight, its gradient formed in the table's own sharding.
+        x_BLD = embed(self.tok_embed[...], tokens_BL, dt, spec.rules)
         if not spec.rope:
             if positions_BL is None:
                 positions_LD = jax.lax.dynamic_slice_in_dim(self.pos_embed[...], start,

@@ -19,7 +19,9 @@ from flax import nnx
 from jaxtrain.mesh import batch_shards, logical_to_spec
 from jaxtrain.models import ModelSpec, Transformer
 from jaxtrain.models.attention import KERNELS
-from jaxtrain.models.context_attention import QUERY_BLOCK
+from jaxtrain.models.chunked_attention import looped
+from jaxtrain.models.chunked_loop import key_block
+from jaxtrain.models.context_attention import KEY_TILE, QUERY_TILE
 from jaxtrain.models.head_loss import chunk_size
 from jaxtrain.models.remat import REMATS
 
@@ -39,6 +41,8 @@ TEMP_MARGIN = 0.05
 # overlaps the chunks' buffers: ~64 at seq 4096 in XLA's buffer assignment);
 CHUNK_SCORES = 0.0
 CHUNK_SCORES_PER_CHUNK = 1.5
+# float32 [query chunk, key block] tiles alive in the looped form of the chunked kernel.
+LOOP_TILES = 4.0
 # the share of one layer's full set of activations alive while it is recomputed and run
 # backward: under full remat, and (of what save_dots did not save) under save_dots;
 FULL_WORKING = 0.75
@@ -136,10 +140,10 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     # The attention scores: the xla kernel keeps float32 scores and probabilities and their
     # compute-dtype copy (the full L×L); the chunked and cuDNN kernels keep only a float32
     # logsumexp per query and recompute the rest.
-    per_query = s * (2 * F32 + c) if KERNELS[spec.attention].full_scores else F32
-    scores = rows * spec.num_heads / t * s * per_query
-    if spec.context is not None:
-        scores = _context_kept(spec, rows, t, c)
+    full = KERNELS[spec.attention].full_scores and spec.context is None
+    per_query = s * (2 * F32 + c) if full else F32
+    # (Context-parallel attention keeps a float32 logsumexp of its own queries, s/cp.)
+    scores = rows * spec.num_heads / t * s / cp * per_query
     if saved == "kept":
         # Without a policy the norms and their projections are recomputed from the two norm
         # inputs (models/transformer.py Block._norm_then), which take the place of the w_o
@@ -155,15 +159,33 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     return dots + stream + act + scores
 
 
-def _context_kept(spec: ModelSpec, rows: float, t: int, c: int) -> float:
-    """What context-parallel attention keeps per layer for backward (autodiff through the
-    K/V loop, models/context_attention.py): every visited K/V block (the row's K/V) and,
-    per block and query run, the float32 accumulators its rematerialised update starts
-    from (about two per query: o, with m and l)."""
-    kv = spec.num_kv_heads * spec.head_dim / t
-    heads = spec.num_heads * spec.head_dim / t
-    runs = spec.context.chunks_per_device
-    return rows * spec.seq_len * (2 * kv * c + runs * (heads + 2 * spec.num_heads / t) * F32)
+def _context_working(spec: ModelSpec, rows: float, sizes: dict, c: int) -> float:
+    """What context-parallel attention adds while a layer's attention runs backward
+    (models/context_attention.py, a custom VJP): the K/V it visits (the row's, all-gathered,
+    or two blocks on the ring) with float32 dK/dV for as much, the device's dQ (float32),
+    and one (query tile, key tile) pair's float32 scores, probabilities and their
+    gradients."""
+    t, cp = sizes["tensor"], sizes["context"]
+    kv_row = rows * spec.seq_len * 2 * spec.num_kv_heads * spec.head_dim / t
+    held = kv_row if spec.context.variant == "allgather" else 2 * kv_row / cp
+    dq = rows * spec.seq_len / cp * spec.num_heads * spec.head_dim / t * F32
+    run = spec.seq_len / cp / spec.context.chunks_per_device
+    tile = rows * spec.num_heads / t * min(run, QUERY_TILE) * min(run, KEY_TILE) * F32
+    return held * (c + F32) + dq + 4 * tile
+
+
+def _chunked_working(spec: ModelSpec, rows: float, t: int, block: int) -> float:
+    """The chunked kernel's float32 score buffers while a layer's attention runs: up to
+    UNROLL_MAX_CHUNKS query chunks its unrolled loop forms each chunk against its key
+    prefix, and XLA keeps several chunks' alive at once; longer sequences loop over
+    [chunk, key block] tiles (chunked_loop.py), one tile's scores, probabilities and their
+    gradients at a time."""
+    heads = rows * spec.num_heads / t
+    if looped(spec.seq_len, block):
+        return LOOP_TILES * heads * block * key_block(spec.seq_len, block) * F32
+    chunks = math.ceil(spec.seq_len / block)
+    return (CHUNK_SCORES + CHUNK_SCORES_PER_CHUNK * chunks) * (
+        heads * min(block, spec.seq_len) * spec.seq_len * F32)
 
 
 def routed_rows(spec: ModelSpec, tokens: float, sizes: dict[str, int]) -> float:
@@ -284,19 +306,9 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
     rows_per_chunk = KERNELS[spec.attention].query_chunk
     cp = sizes.get("context", 1)
     if spec.context is not None:
-        # One (query tile, key run) pair's float32 scores and probabilities at a time,
-        # and their gradients while it is recomputed (models/context_attention.py).
-        run = spec.seq_len / cp / spec.context.chunks_per_device
-        tile = min(run, QUERY_BLOCK)
-        working += 4 * working_rows * spec.num_heads / sizes["tensor"] * tile * run * F32
+        working += _context_working(spec, working_rows, sizes, c)
     elif rows_per_chunk:
-        # The chunked kernel (forward, and the backward that recomputes it) forms one query
-        # chunk against its key prefix at a time: float32 probabilities and their gradient;
-        # XLA keeps several chunks' alive at once. cuDNN and splash keep only tiles.
-        chunks = math.ceil(spec.seq_len / rows_per_chunk)
-        working += (CHUNK_SCORES + CHUNK_SCORES_PER_CHUNK * chunks) * (
-            working_rows * spec.num_heads / sizes["tensor"]
-            * min(rows_per_chunk, spec.seq_len) * spec.seq_len * F32)
+        working += _chunked_working(spec, working_rows, sizes["tensor"], rows_per_chunk)
     layer_weights = shards["layer_gathered"] * (c + F32)
     activations = kept + working
 

@@ -104,7 +104,9 @@ def _data(x: Ctx) -> Traffic:
 
 
 def _fsdp(x: Ctx) -> Traffic:
-    f = x.sizes["fsdp"]
+    """ZeRO-3 over the group the parameters are sharded over: fsdp, and context (mesh.py's
+    rules), timed on fsdp's links (the outer of the two, so the slower or the same)."""
+    f = x.sizes["fsdp"] * x.sizes.get("context", 1)
     weights = x.param_elems * f  # this device's tensor/pipeline shard, gathered over fsdp
     layers = x.spec.num_layers // x.sizes["pipeline"]
     # Per micro-batch: weight all-gathers per pass in the compute dtype, a float32
@@ -146,9 +148,8 @@ def _expert(x: Ctx) -> Traffic:
 def _context(x: Ctx) -> Traffic:
     """Per layer and pass every device receives the C−1 other K/V blocks of its rows
     (all-gathered, or one ppermute hop each): (C−1)/C of the row's K/V; the backward pass
-    sends their gradients back the same way (autodiff transposes the collective), and full
-    remat gathers again. Once a step the gradients of the parameters, which context
-    replicates, are all-reduced over it (with data's, as one reduction in practice)."""
+    sends their gradients back the same way, and full remat gathers again. (The parameters
+    are sharded over context as over fsdp: their traffic is _fsdp's.)"""
     cp, spec = x.sizes.get("context", 1), x.spec
     if cp == 1:
         return Traffic(0.0, 0)
@@ -156,8 +157,7 @@ def _context(x: Ctx) -> Traffic:
     kv_row = spec.seq_len * 2 * spec.num_kv_heads * spec.head_dim / x.sizes["tensor"] * x.c
     hops = (cp - 1) if spec.context.variant == "ring" else 1
     n = x.micro * layers * x.passes
-    return Traffic(n * x.rows * _ring(cp) * kv_row + 2 * _ring(cp) * x.param_elems * F32,
-                   n * hops + 1)
+    return Traffic(n * x.rows * _ring(cp) * kv_row, n * hops)
 
 
 def _pipeline(x: Ctx) -> Traffic:

@@ -1,0 +1,97 @@
+"""Flash-attention tile math shared by the looped kernels (chunked_loop.py for one device,
+context_attention.py across the `context` axis): one [query rows, key block] score tile at
+a time, an online softmax forward and a backward that recomputes the tile's probabilities
+from the saved logsumexp.
+
+Layout: the R query heads that share a kv head are folded into the rows, heads outer:
+q and dO are [B, G, Q = R·t, K] for t query positions, k and v [B, G, M, K]; row j is the
+query at position `q_pos[j % t]`, so positions and segment ids come tiled R times. Masks
+come from positions (causal, sliding window) and segment ids (documents): no constant
+masks, whatever the length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Added to masked scores: exp(MASKED - max) is exactly 0, and unlike finfo.min it cannot
+# overflow to -inf when a score is added to it.
+MASKED = -1e30
+
+
+def fold_heads(x_BGRTK):
+    """[B, G, R, t, ...] -> [B, G, R·t, ...] (heads outer)."""
+    b, g, r, t = x_BGRTK.shape[:4]
+    return x_BGRTK.reshape(b, g, r * t, *x_BGRTK.shape[4:])
+
+
+def unfold_heads(x_BGQK, r: int):
+    b, g, rows = x_BGQK.shape[:3]
+    return x_BGQK.reshape(b, g, r, rows // r, *x_BGQK.shape[3:])
+
+
+def visible(q_pos_Q, k_pos_M, window, q_ids_BQ=None, k_ids_BM=None):
+    """Bool [B or 1, 1, Q, M]: which keys each row sees (causal, within the window, of its
+    own document)."""
+    seen_QM = k_pos_M[None, :] <= q_pos_Q[:, None]
+    if window is not None:
+        seen_QM &= k_pos_M[None, :] > q_pos_Q[:, None] - window
+    seen = seen_QM[None, None]
+    if q_ids_BQ is not None:
+        seen = seen & (q_ids_BQ[:, :, None] == k_ids_BM[:, None, :])[:, None]
+    return seen
+
+
+def any_visible(q_first, q_last, k_first, k_last, window):
+    """Whether a run of ascending contiguous query positions sees any key of such a run."""
+    seen = k_first <= q_last
+    if window is not None:
+        seen &= k_last > q_first - window
+    return seen
+
+
+def empty(b: int, g: int, rows: int, head_dim: int):
+    """The online softmax's state before any key: (o, m, l), float32."""
+    return (jnp.zeros((b, g, rows, head_dim), jnp.float32),
+            jnp.full((b, g, rows), MASKED, jnp.float32), jnp.zeros((b, g, rows), jnp.float32))
+
+
+def fold(acc, q_BGQK, k_BGMK, v_BGMK, seen):
+    """acc with one key block folded in (masked keys contribute exactly nothing)."""
+    o_BGQK, m_BGQ, l_BGQ = acc
+    s_BGQM = jnp.einsum("bgqk,bgmk->bgqm", q_BGQK, k_BGMK, preferred_element_type=jnp.float32)
+    # The output does not depend on the running max, only its float range does.
+    m_new = jax.lax.stop_gradient(jnp.maximum(m_BGQ, jnp.where(seen, s_BGQM, MASKED).max(-1)))
+    p_BGQM = jnp.where(seen, jnp.exp(s_BGQM - m_new[..., None]), 0.0)
+    scale = jnp.exp(m_BGQ - m_new)
+    pv_BGQK = jnp.einsum("bgqm,bgmk->bgqk", p_BGQM.astype(v_BGMK.dtype), v_BGMK,
+                         preferred_element_type=jnp.float32)
+    return o_BGQK * scale[..., None] + pv_BGQK, m_new, l_BGQ * scale + p_BGQM.sum(-1)
+
+
+def finish(acc):
+    """(output float32, logsumexp) of a finished state; every row must have seen a key."""
+    o_BGQK, m_BGQ, l_BGQ = acc
+    return o_BGQK / l_BGQ[..., None], m_BGQ + jnp.log(l_BGQ)
+
+
+def tile_grads(q_BGQK, do_BGQK, lse_BGQ, delta_BGQ, k_BGMK, v_BGMK, seen):
+    """One tile's float32 shares of dQ, dK and dV. delta = rowsum(dO ∘ O). Keys are the
+    rows of the recomputed probabilities ([keys, queries]): dK = dSᵀQ and dV = PᵀdO are
+    then plain row-major matmuls, and only dSᵀ is contracted over its rows (for dQ)."""
+    seen_MQ = jnp.swapaxes(seen, -1, -2)
+    sT_BGMQ = jnp.einsum("bgmk,bgqk->bgmq", k_BGMK, q_BGQK, preferred_element_type=jnp.float32)
+    pT_BGMQ = jnp.where(seen_MQ, jnp.exp(sT_BGMQ - lse_BGQ[:, :, None]), 0.0)
+    dpT_BGMQ = jnp.einsum("bgmk,bgqk->bgmq", v_BGMK, do_BGQK, preferred_element_type=jnp.float32)
+    dsT_BGMQ = pT_BGMQ * (dpT_BGMQ - delta_BGQ[:, :, None])
+    dv_BGMK = jnp.matmul(pT_BGMQ, do_BGQK.astype(jnp.float32))
+    dk_BGMK = jnp.matmul(dsT_BGMQ, q_BGQK.astype(jnp.float32))
+    dq_BGQK = jnp.einsum("bgmq,bgmk->bgqk", dsT_BGMQ, k_BGMK.astype(jnp.float32))
+    return dq_BGQK, dk_BGMK, dv_BGMK
+
+
+def tile_flops(q_BGQK, k_BGMK) -> int:
+    """Matmul FLOPs of one tile's forward (QKᵀ and PV)."""
+    b, g, rows, head_dim = q_BGQK.shape
+    return 4 * b * g * rows * k_BGMK.shape[2] * head_dim
