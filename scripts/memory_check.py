@@ -1,14 +1,18 @@
 """The planner's memory estimate against XLA's compiled step on real shapes: every shipped
-config on its target's device count, and the published runs' layouts (plan/published_runs.json)
-with fewer layers so that a CPU compile fits this machine.
+config on its target's device count, the published runs' layouts (plan/published_runs.json)
+with fewer layers so that a CPU compile fits this machine, and the small test grid
+(plan/grid.py).
 
-    python scripts/memory_check.py [--configs] [--published] [--markdown] [--json FILE]
+    python scripts/memory_check.py [--configs] [--published] [--grid] [--markdown]
+                                   [--json FILE] [--update] [CASE ...]
 
 Each case compiles in a fresh process with N fake CPU devices (plan/compile_check.py) and is
 compared with the like-for-like estimate (memory.estimate(backend='cpu'): XLA:CPU keeps
-16-bit activations in float32). The estimate must not be more than 15% away and should err
-high (ratio ≥ 1). tests/test_plan.py runs a small subset; the full table is in
-docs/planner.md.
+16-bit activations in float32). --update stores the compiled figures in
+plan/memory_fit.json, which scripts/fit_memory.py fits the estimate's factors on and
+tests/test_plan.py checks every estimate against. Exit code 1 when a case fails to compile,
+its estimate is outside memory_fit.HELD, or its compiled figure moved from the stored one.
+CI runs it on the published layouts (.ci/run; the suite recompiles the grid and configs).
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from jaxtrain.config import validate  # noqa: E402
-from jaxtrain.plan import memory, published  # noqa: E402
-from jaxtrain.plan.compile_check import compile_in_subprocess, load_config, single_granule  # noqa: E402
-from jaxtrain.plan.grid import SHIPPED_TARGETS  # noqa: E402
+from jaxtrain.plan import memory, memory_fit, published  # noqa: E402
+from jaxtrain.plan.compile_check import compile_in_subprocess  # noqa: E402
+from jaxtrain.plan.grid import GRID, SHIPPED_TARGETS  # noqa: E402
 
 # Published layouts compile on at most this many fake devices (more take minutes each on two
 # cores); larger runs keep their axis sizes but fewer data-parallel replicas, and at most
@@ -34,8 +38,13 @@ MAX_DEVICES = 64
 MAX_LAYERS = 2
 
 
+def grid_cases() -> list[dict]:
+    return [{"case": f"grid {name}", "config_file": f"grid:{name}", "overrides": {},
+             "devices": 8, "hardware": "CPU-host"} for name in GRID]
+
+
 def shipped_cases() -> list[dict]:
-    return [{"case": name, "config_file": os.path.join(ROOT, "configs", name),
+    return [{"case": name, "config_file": f"configs/{name}",
              "overrides": {}, "devices": devices, "hardware": hw}
             for name, (hw, devices) in SHIPPED_TARGETS.items()]
 
@@ -69,13 +78,15 @@ def scaled_run(run: dict, max_devices: int = MAX_DEVICES, cpu: bool = True) -> d
 
 def estimate(case: dict) -> dict:
     """memory.estimate's parts for the case, like for like with a CPU compile."""
-    cfg = single_granule(load_config(case["config_file"], case["overrides"]), case["devices"])
-    return memory.estimate(cfg, validate(cfg, case["devices"]), backend="cpu")
+    cfg, sizes = memory_fit.config_of(case)
+    return memory.estimate(cfg, sizes, backend="cpu")
 
 
 def compile_case(case: dict) -> dict:
     start = time.perf_counter()
-    compiled = compile_in_subprocess(case["config_file"], case["overrides"], case["devices"],
+    file = case["config_file"]
+    file = os.path.join(ROOT, file) if file.startswith("configs/") else file
+    compiled = compile_in_subprocess(file, case["overrides"], case["devices"],
                                      timeout=900)
     return {**compiled, "compile_s": time.perf_counter() - start}
 
@@ -85,26 +96,28 @@ def check(case: dict) -> dict:
     est = parts["total"]
     compiled = compile_case(case)
     got = compiled["total_bytes_per_device"]
-    return {"case": case["case"], "devices": case["devices"], "estimate_bytes": est,
-            "compiled_bytes": got, "ratio": est / got, "compile_s": compiled["compile_s"],
-            "estimate_parts": parts,
+    return {**{k: case[k] for k in ("case", "config_file", "overrides", "devices")},
+            "source": "cpu", "estimate_bytes": est, "compiled_bytes": got,
+            "ratio": est / got, "compile_s": compiled["compile_s"], "estimate_parts": parts,
             **{k: compiled[k] for k in ("argument_bytes", "output_bytes", "alias_bytes",
                                         "temp_bytes")}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--configs", action="store_true", help="only the shipped configs")
-    parser.add_argument("--published", action="store_true", help="only the published runs")
+    parser.add_argument("--configs", action="store_true", help="the shipped configs")
+    parser.add_argument("--published", action="store_true", help="the published runs")
+    parser.add_argument("--grid", action="store_true", help="the test grid")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--update", action="store_true",
+                        help="store the compiled figures in plan/memory_fit.json")
     parser.add_argument("cases", nargs="*", help="case names (default: all)")
     args = parser.parse_args()
-    cases = []
-    if not args.published:
-        cases += shipped_cases()
-    if not args.configs:
-        cases += [scaled_run(r) for r in published.runs()]
+    groups = {"configs": shipped_cases, "published": lambda: [
+        scaled_run(r) for r in published.runs()], "grid": grid_cases}
+    chosen = [g for g in groups if getattr(args, g)] or list(groups)
+    cases = [c for g in chosen for c in groups[g]()]
     if args.cases:
         cases = [c for c in cases if c["case"] in args.cases]
     rows = []
@@ -118,6 +131,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.update:
+        memory_fit.store_cases([r for r in rows if "error" not in r])
     if args.markdown:
         print("| case | devices | estimate MiB | XLA compiled MiB | estimate / XLA |")
         print("|---|---|---|---|---|")
@@ -127,8 +142,28 @@ def main() -> None:
                 continue
             print(f"| {r['case']} | {r['devices']} | {r['estimate_bytes'] / 2**20:,.0f} | "
                   f"{r['compiled_bytes'] / 2**20:,.0f} | {r['ratio']:.2f} |")
-    bad = [r for r in rows if "error" in r or not 0.85 <= r["ratio"] <= 1.15]
-    sys.exit(1 if bad else 0)
+    sys.exit(1 if problems(rows) else 0)
+
+
+def problems(rows: list[dict]) -> list[str]:
+    """Rows that failed to compile, whose estimate is outside memory_fit.HELD, or whose
+    compiled figure moved from the stored one (plan/memory_fit.json: rerun with --update
+    and refit, scripts/fit_memory.py)."""
+    stored = {c["case"]: c for c in memory_fit.cases("cpu")}
+    low, high = memory_fit.HELD
+    out = []
+    for r in rows:
+        if "error" in r:
+            out.append(f"{r['case']}: {r['error']}")
+            continue
+        if not low <= r["ratio"] <= high:
+            out.append(f"{r['case']}: estimate / XLA {r['ratio']:.3f} outside {low}–{high}")
+        old = stored.get(r["case"], {}).get("compiled_bytes")
+        if old and abs(r["compiled_bytes"] / old - 1) > memory_fit.SAME:
+            out.append(f"{r['case']}: compiled {r['compiled_bytes']:,} B, stored {old:,} B")
+    for line in out:
+        print("memory_check: " + line, file=sys.stderr)
+    return out
 
 
 if __name__ == "__main__":

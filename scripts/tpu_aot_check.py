@@ -43,8 +43,19 @@ CASES = ("tiny", "llama_1b", "splash", "llama_1b_splash", "moe_tiny")
 # Not run by default: llama_1b on one 16 GiB v5e chip, which neither variant fits; the
 # Mixtral-shaped pod config (64 chips: --topology v5p:4x4x4); the long-context layouts
 # (8 chips: --topology v5p:2x2x2).
-EXTRA_CASES = ("llama_1b_1chip", "mixtral_8x7b", "llama_1b_32k_cp1", "llama_1b_32k_cp8",
-               "llama_1b_131k_cp8")
+# configs/llama_1b_32k.py (llama_1b, full remat, Llama-3 RoPE scaling) on 8 chips
+# (--topology v5p:2x2x2): one 32k row per chip without context parallelism (fsdp=8, the
+# TPU's splash kernel), one row split over the 8 chips (context=8), and a 131k row so.
+CONTEXT_CASES = {
+    "llama_1b_32k_cp1": {"mesh.context": 1, "mesh.fsdp": 8, "train.global_batch": 8,
+                         "model.attention": "auto"},
+    "llama_1b_32k_cp8": {"mesh.context": 8, "mesh.fsdp": 1, "train.global_batch": 1},
+    "llama_1b_32k_cp8_ring": {"mesh.context": 8, "mesh.fsdp": 1, "train.global_batch": 1,
+                              "model.context_attention": "ring"},
+    "llama_1b_131k_cp8": {"mesh.context": 8, "mesh.fsdp": 1, "train.global_batch": 1,
+                          "model.seq_len": 131072, "model.rope_scaling.factor": 64.0},
+}
+EXTRA_CASES = ("llama_1b_1chip", "mixtral_8x7b", *CONTEXT_CASES)
 # HBM per chip, bytes (jaxtrain/plan/hardware.json), for the fits-or-not verdict.
 HBM = {"TPU v5": 95e9, "TPU v5 lite": 16e9, "TPU v6 lite": 32e9, "TPU v4": 32e9}
 
@@ -231,30 +242,33 @@ def splash_case(name, b, length, heads, groups, head_dim, window, sharded, devic
 
 def plan_case(run_id: str, devices) -> dict:
     """A published TPU run's layout (scripts/memory_check.py scaled_run: ≤ the topology's
-    chips, ≤ 2 layers a stage), compiled for the TPU topology, against the planner's
-    accelerator estimate (bf16 activations, real device memory)."""
+    chips, ≤ 2 layers a stage), compiled for the TPU topology, against the planner's TPU
+    estimate (bf16 activations, the TPU factors: real device memory)."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     from memory_check import scaled_run
 
-    from jaxtrain.config import validate
-    from jaxtrain.plan import memory, published
-    from jaxtrain.plan.compile_check import compile_step, load_config, memory_figures
+    from jaxtrain.plan import memory_fit, published
+    from jaxtrain.plan.compile_check import compile_step, memory_figures
     from jaxtrain.train.setup import build
 
     run = next(r for r in published.runs() if r["id"] == run_id)
-    case = scaled_run(run, max_devices=len(devices), cpu=False)
-    cfg = load_config(case["config_file"], case["overrides"])
+    case = {**scaled_run(run, max_devices=len(devices), cpu=False), "source": "tpu"}
+    if case["devices"] > len(devices):
+        return {"case": run_id, "devices": case["devices"],
+                "error": f"its layout needs {case['devices']} chips; the topology has "
+                         f"{len(devices)}"}
+    cfg, _ = memory_fit.config_of(case)
     on = devices[:case["devices"]]
-    estimate = memory.estimate(cfg, validate(cfg, len(on)))
+    estimate = memory_fit.estimate(case)
     start = time.perf_counter()
     try:
         figures = memory_figures(compile_step(build(cfg, on)))
     except jax_runtime_error() as e:
         return {"case": run_id, "devices": len(on), "error": str(e).splitlines()[0][:200]}
-    return {"case": run_id, "devices": len(on), "attention": cfg.model.attention,
-            "layers": cfg.model.num_layers, "estimate_bytes": estimate["total"],
-            "compiled_bytes": figures["total_bytes_per_device"],
-            "ratio": estimate["total"] / figures["total_bytes_per_device"],
+    return {**{k: case[k] for k in ("case", "config_file", "overrides", "devices", "source")},
+            "attention": cfg.model.attention, "layers": cfg.model.num_layers,
+            "estimate_bytes": estimate, "compiled_bytes": figures["total_bytes_per_device"],
+            "ratio": estimate / figures["total_bytes_per_device"],
             "temp_bytes": figures["temp_bytes"], "argument_bytes": figures["argument_bytes"],
             "compile_s": round(time.perf_counter() - start, 1)}
 
@@ -298,18 +312,6 @@ def fitted_case(name: str, config_file: str, overrides: dict, devices) -> dict:
 
 # ---------------------------------------------------------------- long context
 
-# configs/llama_1b_32k.py (llama_1b, full remat, Llama-3 RoPE scaling) on 8 chips
-# (--topology v5p:2x2x2): one 32k row per chip without context parallelism (fsdp=8, the
-# TPU's splash kernel), one row split over the 8 chips (context=8), and a 131k row so.
-CONTEXT_CASES = {
-    "llama_1b_32k_cp1": {"mesh.context": 1, "mesh.fsdp": 8, "train.global_batch": 8,
-                         "model.attention": "auto"},
-    "llama_1b_32k_cp8": {"mesh.context": 8, "mesh.fsdp": 1, "train.global_batch": 1},
-    "llama_1b_131k_cp8": {"mesh.context": 8, "mesh.fsdp": 1, "train.global_batch": 1,
-                          "model.seq_len": 131072, "model.rope_scaling.factor": 64.0},
-}
-
-
 def context_case(name: str, devices) -> dict:
     """A long-context layout of configs/llama_1b_32k.py compiled for the topology: its
     per-chip memory against the chip's HBM."""
@@ -333,7 +335,17 @@ def run(args) -> dict:
               "train": [], "splash": [], "moe": [], "context": [], "problems": [],
               "notes": []}
     if args.plan:
-        result["plan"] = [plan_case(run_id, devices) for run_id in args.plan.split(",")]
+        from jaxtrain.plan import memory_fit, published
+
+        generation = args.topology.partition(":")[0]  # v5p:2x2x2 -> runs on TPU-v5p
+        ids = [r["id"] for r in published.runs() if r["hardware"] == f"TPU-{generation}"] \
+            if args.plan == "tpu" else args.plan.split(",")
+        result["plan"] = []
+        for run_id in ids:
+            result["plan"].append(plan_case(run_id, devices))
+            print(json.dumps(result["plan"][-1]), file=sys.stderr, flush=True)
+        if args.update:
+            memory_fit.store_cases([r for r in result["plan"] if "error" not in r])
         result["problems"] += [
             f"{r['case']}: " + (r.get("error") or f"estimate/XLA {r['ratio']:.2f}")
             for r in result["plan"] if "error" in r or not 0.85 <= r["ratio"] <= 1.15]
@@ -482,7 +494,10 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join(CASES + EXTRA_CASES)}")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--plan", help="published run ids (plan/published_runs.json) whose "
-                        "scaled layouts to compile and compare with the planner's estimate")
+                        "scaled layouts to compile and compare with the planner's estimate; "
+                        "'tpu': every run on the topology's TPU generation")
+    parser.add_argument("--update", action="store_true", help="with --plan: store the "
+                        "compiled figures in plan/memory_fit.json (scripts/fit_memory.py)")
     parser.add_argument("--libtpu_site", default=os.environ.get("LIBTPU_SITE",
                                                                 "/tmp/libtpu_site"))
     parser.add_argument("--in_process", action="store_true", help=argparse.SUPPRESS)

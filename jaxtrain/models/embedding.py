@@ -29,8 +29,9 @@ TABLE = ("vocab", "embed")
 
 def embed(table_VD: jax.Array, tokens_BL: jax.Array, dtype, rules) -> jax.Array:
     """table_VD[tokens] in `dtype`: [B, L, D]."""
-    if jax.sharding.get_abstract_mesh().empty:  # eager, unsharded use: autodiff is fine
-        return jnp.take(table_VD.astype(dtype), tokens_BL, axis=0)
+    if jax.sharding.get_abstract_mesh().empty or not isinstance(table_VD, jax.Array):
+        # Eager unsharded use, or an int8 table (inference only): no gradient to shard.
+        return _lookup(table_VD, tokens_BL, dtype, rules)
     meta = (table_VD.shape, jnp.dtype(table_VD.dtype), jnp.dtype(dtype), tuple(rules))
     return _embed(table_VD, tokens_BL, meta)
 

@@ -20,6 +20,7 @@ import ml_collections
 
 from jaxtrain.config import MESH_AXES, apply_overrides, load_config_file, resolve_mesh_shape
 from jaxtrain.plan import published
+from jaxtrain.plan.grid import grid_config
 from jaxtrain.plan.hlo import collective_bytes
 from jaxtrain.train.setup import build
 from jaxtrain.xla_flags import with_device_count
@@ -88,10 +89,13 @@ def compile_in_subprocess(config_file: str, overrides: dict, devices: int,
 
 def load_config(config_file: str, overrides: dict):
     """A config file's get_config() (or, for 'published:RUN_ID', a published run's config,
-    plan/published.py) with dotted KEY=VALUE overrides applied."""
+    plan/published.py; for 'grid:NAME', a case of the planner's test grid, plan/grid.py)
+    with dotted KEY=VALUE overrides applied."""
     if config_file.startswith("published:"):
         run_id = config_file.removeprefix("published:")
         cfg = published.config(next(r for r in published.runs() if r["id"] == run_id))
+    elif config_file.startswith("grid:"):
+        cfg = grid_config(config_file.removeprefix("grid:"))
     else:
         cfg = load_config_file(config_file)
     return apply_overrides(cfg, overrides)

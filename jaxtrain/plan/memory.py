@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
+import os
 
 import jax
 from flax import nnx
@@ -29,42 +31,67 @@ F32 = 4
 # The mesh axes parameters are sharded over only to be all-gathered before use (ZeRO-3):
 # fsdp, and context (mesh.py's rules).
 ZERO_AXES = ("fsdp", "context")
-# Buffers XLA holds besides the ones counted (fusion outputs, copies around collectives,
-# the optimizer's update tree): a fraction of the counted temporaries. This and the factors
-# below were fitted on XLA:CPU's compiled steps of the test grid (scripts/plan_vs_compiler.py),
-# the shipped configs and published layouts (scripts/memory_check.py), keeping the grid
-# within ±13% (docs/planner.md).
-TEMP_MARGIN = 0.05
-# From XLA's buffer assignments, fitted likewise:
-# f32 score matrices (one query chunk against its keys) alive at once in the chunked
-# kernel, a fixed number plus some per query chunk (its Python loop is unrolled, and XLA
-# overlaps the chunks' buffers: ~64 at seq 4096 in XLA's buffer assignment);
-CHUNK_SCORES = 0.0
-CHUNK_SCORES_PER_CHUNK = 1.5
-# float32 [query chunk, key block] tiles alive in the looped form of the chunked kernel.
-LOOP_TILES = 4.0
-# the share of one layer's full set of activations alive while it is recomputed and run
-# backward: under full remat, and (of what save_dots did not save) under save_dots;
-FULL_WORKING = 0.75
-DOTS_WORKING = 0.75
-# float32-sized arrays per logit of the head's chunk (the logits; their gradient is counted
-# at the compute dtype on top; the exponent is fused into it);
-LOGIT_F32 = 1.0
-# and extra float32 [V, D] copies of a tied embedding table whose gradient (the gather's
-# and the head's, summed) XLA forms unsharded when the table is sharded.
-TIED_TABLE_COPIES = 2.0
 # Copies of the routed rows ([R, D]) an MoE layer holds: kept for backward (the rows the
 # experts read), and while it runs (gathered rows, the exchanged buffers in and out, the
 # regrouped rows, the experts' output).
 MOE_ROW_COPIES_KEPT = 1.0
 MOE_ROW_COPIES = 4.0
-# What XLA holds per routed row is about 2.5× the kept copies above (no remat) and 2× the
-# working copies (a layer recomputed or run backward): the dispatch's gathers turn into
-# float32 scatter-adds in backward, and its masked and exchanged buffers and their
-# gradients live alongside. Fitted on tiny_moe, bench_cpu_moe, mixtral_8x7b and four MoE
-# grid layouts: 0.53–0.83 of XLA without them, 0.92–1.13 with them (docs/planner.md).
-MOE_ROW_FACTOR = 2.5
-MOE_WORKING_FACTOR = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Factors:
+    """What the counting below cannot know and XLA's buffer assignments show, fitted per
+    compiler on its compiled steps (plan/memory_fit.json, scripts/fit_memory.py): XLA:CPU's
+    on the test grid, the shipped configs and the published layouts; the TPU compiler's
+    (libtpu, AOT) on the published TPU layouts. GPUs use the CPU set (no GPU compile here)."""
+
+    # Buffers XLA holds besides the ones counted (fusion outputs, copies around collectives,
+    # the optimizer's update tree), as a fraction of the counted temporaries.
+    temp_margin: float = 0.05
+    # float32 score matrices (one query chunk against its keys) alive at once in the
+    # unrolled chunked kernel: a fixed number plus some per query chunk (XLA overlaps the
+    # chunks' buffers);
+    chunk_scores: float = 0.0
+    chunk_scores_per_chunk: float = 1.5
+    # and float32 [query chunk, key block] tiles alive in its looped form.
+    loop_tiles: float = 4.0
+    # The share of one layer's full set of activations alive while it is recomputed and run
+    # backward: under full remat, and (of what save_dots did not save) under save_dots.
+    full_working: float = 0.75
+    dots_working: float = 0.75
+    # float32-sized arrays per logit of the head's chunk (the logits; their gradient is
+    # counted at the compute dtype on top).
+    logit_f32: float = 1.0
+    # The share of a layer's gathered weights (compute dtype) and their float32 gradients
+    # alive at once while it runs backward.
+    layer_weights: float = 1.0
+    # The share of the smaller of the step's two peaks (a layer's backward pass, the head
+    # and loss) alive at the larger's.
+    phase_overlap: float = 1.0
+    # float32 copies of a pipeline stage's weight stack (layout changes around the loop).
+    pipeline_weight_copies: float = 2.0
+    # What XLA holds per routed MoE row over the copies counted: kept (no remat) and while a
+    # layer runs (the dispatch's gathers become float32 scatter-adds in backward, its masked
+    # and exchanged buffers and their gradients live alongside).
+    moe_row_factor: float = 2.5
+    moe_working_factor: float = 2.0
+
+
+FIT_FILE = os.path.join(os.path.dirname(__file__), "memory_fit.json")
+
+
+@functools.lru_cache(maxsize=1)
+def fitted() -> dict[str, Factors]:
+    """{'cpu': Factors, 'tpu': Factors} from plan/memory_fit.json."""
+    with open(FIT_FILE) as f:
+        data = json.load(f)
+    return {name: Factors(**values) for name, values in data["factors"].items()}
+
+
+def factors_for(platform: str) -> Factors:
+    """The fitted set for a platform's compiler: TPU's own; CPU's for CPU and GPU."""
+    sets = fitted()
+    return sets["tpu"] if platform == "tpu" else sets["cpu"]
 
 
 def value_bytes(spec: ModelSpec, backend: str = "accelerator") -> int:
@@ -74,7 +101,7 @@ def value_bytes(spec: ModelSpec, backend: str = "accelerator") -> int:
     return F32 if backend == "cpu" else jax.numpy.dtype(spec.compute_dtype).itemsize
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=256)
 def _param_leaves(spec: ModelSpec) -> tuple[tuple[str, tuple[int, ...], tuple], ...]:
     """(top-level name, shape, logical axes) of every parameter. The shapes do not depend
     on the mesh, so a --search over a thousand layouts traces the model once, not once a
@@ -89,7 +116,8 @@ def _param_leaves(spec: ModelSpec) -> tuple[tuple[str, tuple[int, ...], tuple], 
 def param_shards(spec: ModelSpec, sizes: dict[str, int]) -> dict[str, int]:
     """Elements per device: 'total' parameters, 'layer' (one layer of the stack, as a
     device holds it), and 'layer_gathered' (one layer after the FSDP all-gather)."""
-    out = {"total": 0, "layer": 0, "layer_gathered": 0, "count": 0, "embed_gathered": 0}
+    out = {"total": 0, "layer": 0, "layer_gathered": 0, "count": 0, "head_gathered": 0,
+           "stack": 0}
     for name, shape, axes in _param_leaves(dataclasses.replace(spec, rules=())):
         pspec = logical_to_spec(axes, spec.rules)
         local = gathered = 1
@@ -103,10 +131,11 @@ def param_shards(spec: ModelSpec, sizes: dict[str, int]) -> dict[str, int]:
         out["count"] += math.prod(shape)
         if axes and axes[0] == "layers":
             layers = shape[0]
+            out["stack"] += local  # this device's share of the stacked layers
             out["layer"] += local * math.ceil(layers / sizes["pipeline"]) // max(1, layers)
             out["layer_gathered"] += gathered // max(1, math.ceil(layers / sizes["pipeline"]))
-        elif name in ("tok_embed", "lm_head"):
-            out["embed_gathered"] += gathered
+        elif name == "lm_head" or (name == "tok_embed" and spec.tied_embeddings):
+            out["head_gathered"] += gathered  # the output projection, as the head gathers it
     return out
 
 
@@ -121,8 +150,7 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     """
     t, cp = sizes["tensor"], sizes.get("context", 1)
     s, d, f = spec.seq_len, spec.d_model, spec.mlp_dim
-    sp = any(name == "sequence" and "tensor" in ((axes,) if isinstance(axes, str) else axes)
-             for name, axes in spec.rules if axes)
+    sp = _sequence_parallel(spec)
     # Context parallelism splits every per-position activation C ways; SP the residual
     # stream's share t ways more.
     tokens_res = rows * s / cp / (t if sp else 1)
@@ -159,6 +187,12 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     return dots + stream + act + scores
 
 
+def _sequence_parallel(spec: ModelSpec) -> bool:
+    """Whether the residual stream's length is split over tensor (mesh.sequence_parallel)."""
+    return any(name == "sequence" and "tensor" in ((axes,) if isinstance(axes, str) else axes)
+               for name, axes in spec.rules if axes)
+
+
 def _context_working(spec: ModelSpec, rows: float, sizes: dict, c: int) -> float:
     """What context-parallel attention adds while a layer's attention runs backward
     (models/context_attention.py, a custom VJP): the K/V it visits (the row's, all-gathered,
@@ -174,7 +208,7 @@ def _context_working(spec: ModelSpec, rows: float, sizes: dict, c: int) -> float
     return held * (c + F32) + dq + 4 * tile
 
 
-def _chunked_working(spec: ModelSpec, rows: float, t: int, block: int) -> float:
+def _chunked_working(spec: ModelSpec, rows: float, t: int, block: int, k: Factors) -> float:
     """The chunked kernel's float32 score buffers while a layer's attention runs: up to
     UNROLL_MAX_CHUNKS query chunks its unrolled loop forms each chunk against its key
     prefix, and XLA keeps several chunks' alive at once; longer sequences loop over
@@ -182,9 +216,9 @@ def _chunked_working(spec: ModelSpec, rows: float, t: int, block: int) -> float:
     gradients at a time."""
     heads = rows * spec.num_heads / t
     if looped(spec.seq_len, block):
-        return LOOP_TILES * heads * block * key_block(spec.seq_len, block) * F32
+        return k.loop_tiles * heads * block * key_block(spec.seq_len, block) * F32
     chunks = math.ceil(spec.seq_len / block)
-    return (CHUNK_SCORES + CHUNK_SCORES_PER_CHUNK * chunks) * (
+    return (k.chunk_scores + k.chunk_scores_per_chunk * chunks) * (
         heads * min(block, spec.seq_len) * spec.seq_len * F32)
 
 
@@ -202,7 +236,7 @@ def routed_rows(spec: ModelSpec, tokens: float, sizes: dict[str, int]) -> float:
 
 
 def _moe_layer_delta(spec: ModelSpec, rows: float, sizes: dict, saved: str,
-                     c: int) -> float:
+                     c: int, k: Factors) -> float:
     """What an MoE layer adds over a dense one (_layer_activations) for `rows` sequences:
     its experts' activations less the dense MLP's, plus shared experts, router and the
     dispatch buffers. Counted per routed row R (routed_rows): the expert matmuls' outputs
@@ -224,16 +258,17 @@ def _moe_layer_delta(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     if saved == "dots":  # the named up/gate/down outputs
         experts = routed * (2 * f_e + d) * c
     elif saved == "kept":  # up, gate, their product, and the rows the up/gate read
-        experts = MOE_ROW_FACTOR * routed * (3 * f_e + MOE_ROW_COPIES_KEPT * d) * c
+        experts = k.moe_row_factor * routed * (3 * f_e + MOE_ROW_COPIES_KEPT * d) * c
     else:
-        experts = MOE_WORKING_FACTOR * routed * (3 * f_e + MOE_ROW_COPIES * d) * c
+        experts = k.moe_working_factor * routed * (3 * f_e + MOE_ROW_COPIES * d) * c
     shared = tokens * moe.shared_experts * f_e * (2 if saved != "all" else 3) * c
     router = tokens * moe.num_experts * 2 * F32  # logits and probabilities
     return experts + shared + router - dense_mlp
 
 
 def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
-             platform: str | None = None) -> dict[str, float]:
+             platform: str | None = None, factors: Factors | None = None
+             ) -> dict[str, float]:
     """Per-device bytes by part, and 'total'. sizes: mesh axis sizes from config.validate.
 
     backend='cpu' predicts XLA's CPU backend instead of a GPU/TPU: it has no bf16 matmuls
@@ -242,13 +277,14 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
     model.attention='auto' resolves for.
     """
     platform = platform or ("cpu" if backend == "cpu" else "gpu")
+    k = factors or factors_for(platform)
     spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"], platform=platform,
                                  context=sizes.get("context", 1))
     shards = param_shards(spec, sizes)
     c = value_bytes(spec, backend)
     micro = cfg.train.microbatches
     rows = cfg.train.global_batch // micro // batch_shards(sizes)
-    p = sizes["pipeline"]
+    p, t = sizes["pipeline"], sizes["tensor"]
     layers_here = spec.num_layers // p
     moe_layers_here = 0 if spec.moe is None else spec.moe.layers(spec.num_layers) // p
 
@@ -258,7 +294,7 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
         if not moe_layers_here:
             return dense
         return dense + moe_layers_here / layers_here * _moe_layer_delta(spec, rows, sizes,
-                                                                         saved, c)
+                                                                         saved, c, k)
 
     params = shards["total"] * F32  # float32 master weights, whatever train.precision
     opt = 2 * shards["total"] * F32  # Adam mu and nu mirror the params
@@ -281,12 +317,14 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
         # The loop's buffers: the stage buffer (p micro-batches), the last stage's output of
         # every iteration, and (circular only) the micro-batches stored between repeats.
         buffered = p * per_micro + iterations * per_micro + (rows if v > 1 else 0)
-        kept += buffered * spec.seq_len * spec.d_model * c
-        if v > 1:
-            # The circular schedule re-lays the stored stack into stage-interleaved order
-            # each step (docs/parallelism.md): a copy of this device's layer weights and one
-            # of their gradients, in float32.
-            kept += 2 * shards["layer"] * layers_here * F32
+        # (The buffers hold the residual stream: under sequence parallelism, 1/t of it.)
+        residual = spec.seq_len * spec.d_model * c / (t if _sequence_parallel(spec) else 1)
+        kept += buffered * residual
+        # Stages copy their weight stacks between layouts (the circular schedule re-lays
+        # the stored stack into stage-interleaved order each step, docs/parallelism.md;
+        # both schedules move the stacked weights, gradients and Adam states between
+        # [L, ...] and per-stage layouts): float32 copies of this device's layer weights.
+        kept += k.pipeline_weight_copies * shards["stack"] * F32
     else:
         kept = layers_here * per_layer(rows, saved)
         working_rows = rows
@@ -296,11 +334,11 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
     # is alive at its peak. save_dots recomputes only what it did not save.
     one_layer = _layer_activations(spec, working_rows, sizes, "all", c)
     if moe_layers_here:  # the working set is that of the larger, MoE, layer
-        one_layer += _moe_layer_delta(spec, working_rows, sizes, "all", c)
+        one_layer += _moe_layer_delta(spec, working_rows, sizes, "all", c, k)
     if saved == "input":
-        working = FULL_WORKING * one_layer
+        working = k.full_working * one_layer
     elif saved == "dots":
-        working = DOTS_WORKING * (one_layer - per_layer(working_rows, "dots"))
+        working = k.dots_working * (one_layer - per_layer(working_rows, "dots"))
     else:
         working = 0.0
     rows_per_chunk = KERNELS[spec.attention].query_chunk
@@ -308,9 +346,8 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
     if spec.context is not None:
         working += _context_working(spec, working_rows, sizes, c)
     elif rows_per_chunk:
-        working += _chunked_working(spec, working_rows, sizes["tensor"], rows_per_chunk)
-    layer_weights = shards["layer_gathered"] * (c + F32)
-    activations = kept + working
+        working += _chunked_working(spec, working_rows, sizes["tensor"], rows_per_chunk, k)
+    layer_weights = k.layer_weights * shards["layer_gathered"] * (c + F32)
 
     # The fused head and loss (models/head_loss.py): chunks of ≤1024 global tokens; float32
     # logits, their exponent and the compute-dtype logit gradient for a chunk, the stacked
@@ -320,14 +357,23 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
     chunk_tokens = chunk_size(spec.seq_len, global_rows, 1024 * cp) * global_rows \
         / batch_shards(sizes) / cp
     vocab_local = spec.vocab_size / sizes["tensor"]
-    logits = chunk_tokens * vocab_local * (LOGIT_F32 * F32 + c) + \
+    logits = chunk_tokens * vocab_local * (k.logit_f32 * F32 + c) + \
         rows * spec.seq_len * spec.d_model * c / cp
-    head = shards["embed_gathered"] * (c + F32)
-    if spec.tied_embeddings and sizes["fsdp"] * sizes["tensor"] > 1:
-        head += TIED_TABLE_COPIES * spec.vocab_size * spec.d_model * F32
-    temporaries = TEMP_MARGIN * (grads + activations + logits)
-    parts = {"params": params, "optimizer": opt, "gradients": grads,
-             "activations": activations, "layer_weights": layer_weights + head,
-             "logits": logits, "temporaries": temporaries}
-    parts["total"] = sum(parts.values())
+    # The output head gathered for the loss, with its float32 gradient; the embedding table
+    # is gathered for the lookup in the forward pass only (its gradient is formed in its
+    # shard: models/embedding.py).
+    head = shards["head_gathered"] * (c + F32)
+    # The two phases of the step that peak at different times: the head and loss (between
+    # the layers' forward and backward passes), and one layer's backward pass.
+    phases = {"layer_backward": working + layer_weights, "head_and_loss": logits + head}
+    # XLA overlaps them in part (the head's gradient, formed in the first, is reduced with
+    # the others at the end): the larger, and a fitted share of the smaller.
+    peak = max(phases.values()) + k.phase_overlap * min(phases.values())
+    temporaries = k.temp_margin * (grads + kept + peak)
+    parts = {"params": params, "optimizer": opt, "gradients": grads, "activations": kept,
+             **phases, "temporaries": temporaries}
+    parts["total"] = params + opt + grads + kept + peak + temporaries
     return parts
+
+
+PHASES = ("layer_backward", "head_and_loss")  # estimate's parts that peak at different times

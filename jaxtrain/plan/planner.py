@@ -67,8 +67,11 @@ def format_plan(plan: dict) -> str:
     lines = [f"{plan['config']} on {plan['devices']} × {plan['hardware']} ({mesh}), "
              f"{plan['params'] / 1e9:.2f}B params{active}",
              "memory per device (estimate):"]
-    for name, value in m["parts"].items():
-        lines.append(f"  {name:<14} {_gb(value):>12}")
+    parts = m["parts"]
+    peak = max(memory.PHASES, key=lambda name: parts.get(name, 0))
+    for name, value in parts.items():
+        aside = "  (not at the peak)" if name in memory.PHASES and name != peak else ""
+        lines.append(f"  {name:<14} {_gb(value):>12}{aside}")
     verdict = "fits" if m["fits"] else "DOES NOT FIT"
     lines.append(f"  {'total':<14} {_gb(m['total_bytes_per_device']):>12}  of "
                  f"{_gb(m['device_bytes'])} ({_gb(m['usable_bytes'])} usable): {verdict}")

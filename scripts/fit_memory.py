@@ -1,0 +1,137 @@
+"""Fit the memory estimate's factors (plan/memory.py Factors) on the compiled steps stored in
+plan/memory_fit.json, one set per compiler.
+
+    python scripts/fit_memory.py [--source cpu|tpu] [--fit [--write]] [--markdown]
+
+The stored rows come from scripts/memory_check.py --update (XLA:CPU: the test grid, the
+shipped configs, the published layouts) and scripts/tpu_aot_check.py --plan ... --update
+(libtpu's TPU compiles). The fit minimises the worst rows (Nelder–Mead on a soft maximum of
+the log errors, from the current factors and two seeded random starts), where an estimate
+under the compiler counts 1.5× as bad as one over it: the planner must not promise a fit
+that fails. Prints each row's estimate / XLA; exit code 1 when any row is more than 15% away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from jaxtrain.plan import memory, memory_fit  # noqa: E402
+
+# The range each factor is searched in.
+BOUNDS = {
+    "temp_margin": (0.0, 0.6),
+    "chunk_scores": (0.0, 4.0),
+    "chunk_scores_per_chunk": (0.0, 3.0),
+    "loop_tiles": (0.0, 32.0),
+    "full_working": (0.0, 2.0),
+    "dots_working": (0.0, 2.0),
+    "logit_f32": (0.0, 4.0),
+    "layer_weights": (0.0, 1.5),
+    "phase_overlap": (0.0, 1.0),
+    "pipeline_weight_copies": (0.0, 12.0),
+    "moe_row_factor": (0.5, 4.0),
+    "moe_working_factor": (0.5, 4.0),
+}
+UNDER_WEIGHT = 1.5  # an estimate under the compiler counts this much worse than over it
+STARTS = 3  # the current factors, then random points of BOUNDS (seeded)
+
+
+def badness(ratio: float) -> float:
+    err = math.log(ratio)
+    return -UNDER_WEIGHT * err if err < 0 else err
+
+
+def fit(rows: list[dict], start: memory.Factors, fallback: memory.Factors) -> memory.Factors:
+    """Nelder–Mead on a soft maximum (the 16-norm) of the rows' badness: the worst rows
+    dominate, and the objective stays smooth enough to descend. Factors the rows do not
+    exercise (no pipeline or MoE among the TPU rows) take fallback's values (the CPU set's)
+    rather than drift to a bound."""
+    import numpy as np
+    from scipy.optimize import minimize
+
+    configs = [memory_fit.config_of(r) for r in rows]
+
+    def estimates(k: memory.Factors) -> list[float]:
+        return [memory_fit.estimate(r, k, c) for r, c in zip(rows, configs)]
+
+    base = estimates(start)
+    names = [n for n in BOUNDS
+             if estimates(dataclasses.replace(start, **{n: getattr(start, n) + 0.5})) != base]
+    start = dataclasses.replace(start, **{n: getattr(fallback, n) for n in BOUNDS
+                                          if n not in names})
+    lo, hi = (np.array([BOUNDS[n][i] for n in names]) for i in (0, 1))
+
+    def factors(x) -> memory.Factors:
+        return dataclasses.replace(start, **dict(zip(names, np.clip(x, lo, hi).tolist())))
+
+    def objective(x) -> float:
+        k = factors(x)
+        bad = [badness(memory_fit.estimate(r, k, c) / r["compiled_bytes"])
+               for r, c in zip(rows, configs)]
+        return (sum(b ** 16 for b in bad) / len(bad)) ** (1 / 16)
+
+    rng = np.random.default_rng(0)
+    best = None
+    for trial in range(STARTS):
+        x0 = np.array([getattr(start, n) for n in names]) if trial == 0 \
+            else lo + rng.random(len(names)) * (hi - lo) / 2
+        res = minimize(objective, x0, method="Nelder-Mead",
+                       options={"maxfev": 3000, "xatol": 1e-3, "fatol": 1e-5})
+        if best is None or res.fun < best.fun:
+            best = res
+    return factors(best.x)
+
+
+def report(rows: list[dict], k: memory.Factors, markdown: bool) -> list[str]:
+    outside = []
+    if markdown:
+        print("| case | devices | estimate MiB | XLA compiled MiB | estimate / XLA |")
+        print("|---|---|---|---|---|")
+    for r in rows:
+        est = memory_fit.estimate(r, k)
+        ratio = est / r["compiled_bytes"]
+        if not 0.85 <= ratio <= 1.15:
+            outside.append(f"{r['case']} {ratio:.2f}")
+        if markdown:
+            print(f"| {r['case']} | {r['devices']} | {est / 2**20:,.0f} | "
+                  f"{r['compiled_bytes'] / 2**20:,.0f} | {ratio:.2f} |")
+        else:
+            print(f"{r['case']:48s} {r['devices']:3d} {ratio:6.3f}")
+    return outside
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", choices=("cpu", "tpu"), action="append")
+    parser.add_argument("--fit", action="store_true", help="fit the factors (default: "
+                        "report the rows with the stored ones)")
+    parser.add_argument("--write", action="store_true", help="with --fit: store them")
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    data = memory_fit.load()
+    outside = []
+    for source in args.source or ("cpu", "tpu"):
+        rows = memory_fit.cases(source)
+        if not rows:
+            continue
+        k = memory.Factors(**data["factors"][source])
+        if args.fit:
+            k = fit(rows, k, memory.Factors(**data["factors"]["cpu"]))
+        print(f"\n{source}: {len(rows)} compiled steps; factors {dataclasses.asdict(k)}")
+        outside += report(rows, k, args.markdown)
+        data["factors"][source] = dataclasses.asdict(k)
+    if args.fit and args.write:
+        memory_fit.write(data)
+    print("\noutside 15%: " + (", ".join(outside) or "none"))
+    sys.exit(1 if outside else 0)
+
+
+if __name__ == "__main__":
+    main()
