@@ -370,6 +370,7 @@ def test_mixtral_greedy_generation_equals_transformers(tmp_path, devices):
     assert len(set(got.tolist())) > 2
 
 
+@pytest.mark.slow
 def test_a_trained_moe_model_exports_to_transformers(tmp_path, devices):
     import transformers
 

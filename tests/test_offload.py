@@ -2,12 +2,14 @@
 
 import jax
 import numpy as np
+import pytest
 from conftest import small_config
 from helpers import train_steps
 
 from jaxtrain.optim import adam_moments
 
 
+@pytest.mark.slow
 def test_offloaded_adam_moments_live_on_the_host_and_change_nothing(devices):
     base = {"mesh.data": 1, "mesh.fsdp": 2}
     ref_losses, ref_params, _ = train_steps(small_config(**base), devices[:2])

@@ -104,6 +104,7 @@ def test_sharded_over_batch_and_heads(devices, groups):
         assert _rel(g, w) < 1e-5
 
 
+@pytest.mark.slow
 def test_in_the_model_on_a_pipeline_fsdp_tensor_mesh(devices):
     """model.attention='splash' (what 'pallas' and 'auto' resolve to on TPU), windowed, on a
     pipeline×fsdp×tensor mesh: the loss and gradients of the reference kernel."""

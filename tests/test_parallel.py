@@ -27,8 +27,14 @@ def reference(family, devices):
     return _reference_cache[family]
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-@pytest.mark.parametrize("mesh", list(MESHES))
+# The fast tier: every mesh on one family, the 3-D meshes on both (the rest: slow).
+FAST = {(m, "gpt2") for m in MESHES} | {("dp2_fsdp2_tp2", "llama"),
+                                        ("dp2_fsdp2_tp2_sp", "llama")}
+
+
+@pytest.mark.parametrize("family,mesh", [
+    pytest.param(f, m, marks=() if (m, f) in FAST else pytest.mark.slow)
+    for m in MESHES for f in ("gpt2", "llama")])
 def test_mesh_matches_single_device(family, mesh, devices):
     ref_losses, ref_params, _ = reference(family, devices)
     overrides = {f"mesh.{k}": v for k, v in MESHES[mesh].items()}

@@ -37,9 +37,16 @@ def _reference(family, layers, devices):
     return _references[family, layers]
 
 
-# Every layout on GPT-2; two representative ones on Llama, to keep the suite short.
-@pytest.mark.parametrize("case,family", [(case, "gpt2") for case in CASES]
-                         + [("pp4_gpipe", "llama"), ("pp2_fsdp2_tp2_circular", "llama")])
+# Every layout on GPT-2; two representative ones on Llama, to keep the suite short. The fast
+# tier keeps one layout of each schedule, both 3-D ones (the rest: slow, ≈ 8–16 s each).
+FAST = {("pp2_gpipe", "gpt2"), ("pp2_fsdp2_tp2_circular", "gpt2"),
+        ("pp2_fsdp2_tp2_circular", "llama")}
+
+
+@pytest.mark.parametrize("case,family", [
+    pytest.param(case, family, marks=() if (case, family) in FAST else pytest.mark.slow)
+    for case, family in [(case, "gpt2") for case in CASES]
+    + [("pp4_gpipe", "llama"), ("pp2_fsdp2_tp2_circular", "llama")]])
 def test_pipeline_matches_single_device(case, family, devices):
     mesh, schedule, repeats, microbatches, layers = CASES[case]
     ref_losses, ref_params, _ = _reference(family, layers, devices)
@@ -75,6 +82,7 @@ def test_bubble_fraction_and_advice():
     assert bubble_fraction(4, 1, 28) < 0.1 <= bubble_fraction(4, 1, 27)
 
 
+@pytest.mark.slow
 def test_the_step_logs_the_bubble(tmp_path, devices, capfd):
     from jaxtrain.train.loop import run
     cfg = _config("gpt2", 4, dict(pipeline=4, data=2), microbatches=4)

@@ -17,7 +17,7 @@ from jaxtrain.plan.compile_check import (
     compiled_memory,
     load_config,
 )
-from jaxtrain.plan.grid import GRID, MOE_CASES, MOE_CONFIGS, SHIPPED_TARGETS, grid_config
+from jaxtrain.plan.grid import GRID, SHIPPED_TARGETS, grid_config
 from jaxtrain.plan.planner import make_plan
 from jaxtrain.plan.search import search
 
@@ -48,13 +48,8 @@ def test_user_hardware_file_adds_an_entry(tmp_path):
 STORED = {(c["source"], c["case"]): c for c in memory_fit.cases()}
 
 
-def _slow(names, slow) -> list:
-    """The names as parameters, those in `slow` marked slow (the MoE compiles: tens of
-    seconds each on 2 cores, over the fast tier's budget)."""
-    return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in names]
-
-
-@pytest.mark.parametrize("case", _slow(GRID, MOE_CASES))
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(GRID))
 def test_the_grid_compiles_to_the_stored_figures(case, devices):
     """Each grid case compiles to the figure plan/memory_fit.json holds, which the stored-row
     test below holds the estimate against (the figures are this code's)."""
@@ -120,6 +115,7 @@ def test_plan_time_and_cost_for_gpt13b():
     assert hours["train_tokens"] == pytest.approx(24 * 3600 * t["tokens_per_s"])
 
 
+@pytest.mark.slow
 def test_search_gpt13b_on_64_a100_only_returns_plans_the_compiler_confirms():
     cfg = load_config(str(ROOT / "configs/gpt13b.py"), {})
     hw = catalog.get("A100-80GB")
@@ -180,7 +176,8 @@ def test_the_stored_compiles_cover_every_config_and_published_run():
     assert tpu_runs <= {c for source, c in STORED if source == "tpu"}
 
 
-@pytest.mark.parametrize("name", _slow(sorted(TARGETS), MOE_CONFIGS + ("llama_1b_32k.py",)))
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(TARGETS))
 def test_no_shipped_config_ooms_on_its_target(name):
     """Compiled on its target's device count: fits 90% of the card, and is the figure
     plan/memory_fit.json holds (so the fast test above checks the current code)."""

@@ -135,6 +135,7 @@ def test_a_workdir_in_use_is_refused_and_a_dead_holders_lock_taken_over(tmp_path
     assert (tmp_path / ".lock").read_text() == "", "released when the run ends"
 
 
+@pytest.mark.slow
 def test_a_config_change_on_resume_is_a_config_error_that_moves_nothing(tmp_path, devices):
     run(small_config(steps=3), tmp_path, devices[:1])
     for manifest in (tmp_path / "checkpoint_manifests").iterdir():
@@ -219,6 +220,7 @@ def test_a_checkpoint_of_a_broken_run_never_pushes_the_last_good_one_out(tmp_pat
     saved.close()
 
 
+@pytest.mark.slow
 def test_one_line_errors_and_nothing_to_do(tmp_path, devices, capfd):
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "jaxtrain", *args], cwd=ROOT,

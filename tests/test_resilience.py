@@ -173,6 +173,7 @@ def test_damaged_newest_checkpoint_falls_back(tmp_path, devices, capfd, damage):
     assert len(kept) == 1 and kept[0].name.startswith("6-"), "set aside, not deleted"
 
 
+@pytest.mark.slow
 def test_restore_onto_other_meshes(tmp_path, devices):
     cfg = small_config(**{"steps": 6, "checkpoint.every_steps": 3, "mesh.data": 1,
                           "mesh.fsdp": 8})

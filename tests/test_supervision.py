@@ -40,6 +40,7 @@ def test_a_hung_step_dumps_every_stack_and_exits_with_the_hung_code(tmp_path):
     assert time.time() - began < 300
 
 
+@pytest.mark.slow
 def test_the_local_tier_resumes_a_run_on_another_mesh(tmp_path, devices, capfd):
     local = tmp_path / "local"
     tiers = {"checkpoint.every_steps": 6, "checkpoint.local_dir": str(local),
