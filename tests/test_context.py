@@ -191,6 +191,10 @@ def test_compiled_train_step_balances_attention_work(balance, devices):
      "model.moe.num_experts=4 is invalid: MoE layers do not run under mesh.context=2"),
     ({"model.context_attention": "rings"},
      "model.context_attention='rings' is invalid: valid values are auto, allgather, ring"),
+    # The parameters are sharded over fsdp × context (mesh.py's embed rule).
+    ({"mesh.context": 4, "mesh.fsdp": 2, "model.d_model": 36, "model.num_heads": 2,
+      "model.num_kv_heads": 2},
+     "model.d_model=36 is invalid: must be divisible by mesh.fsdp×mesh.context=8"),
 ])
 def test_context_config_errors_are_one_line(overrides, message):
     with pytest.raises(ConfigError) as e:

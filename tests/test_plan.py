@@ -54,6 +54,8 @@ def test_the_grid_compiles_to_the_stored_figures(case, devices):
     """Each grid case compiles to the figure plan/memory_fit.json holds, which the stored-row
     test below holds the estimate against (the figures are this code's)."""
     compiled = compiled_memory(grid_config(case), devices)["total_bytes_per_device"]
+    if not memory_fit.same_compiler():
+        pytest.skip("plan/memory_fit.json was compiled with another jax: refresh it")
     assert compiled == pytest.approx(STORED[("cpu", f"grid {case}")]["compiled_bytes"],
                                      rel=memory_fit.SAME)
 
@@ -155,16 +157,16 @@ def test_every_shipped_config_has_a_target():
 
 
 @pytest.mark.parametrize("key", sorted(STORED), ids=" ".join)
-def test_every_stored_compiled_step_is_estimated_within_15_percent(key):
+def test_every_stored_compiled_step_is_estimated_within_its_bounds(key):
     """The CPU compiles of the grid, the shipped configs and the published layouts, and the
     TPU compiles of the published TPU layouts (plan/memory_fit.json; scripts/memory_check.py
     and scripts/tpu_aot_check.py --plan recompile them), against the like-for-like
     estimate."""
     case = STORED[key]
     ratio = memory_fit.estimate(case) / case["compiled_bytes"]
-    # Issue 19's target is ±15%; 14 of the 72 rows still sit 15–27% high (docs/planner.md
-    # names them). None is more than 15% low: where the estimate errs, it errs high.
-    low, high = memory_fit.HELD
+    # ±15%, but for the 14 rows memory_fit.ABOVE_TARGET names (issue 19 is open for them:
+    # 15–27% high). None may be more than 15% low: where the estimate errs, it errs high.
+    low, high = memory_fit.bounds(*key)
     assert low <= ratio <= high, ratio
 
 
@@ -186,6 +188,8 @@ def test_no_shipped_config_ooms_on_its_target(name):
     compiled = compile_in_subprocess(str(ROOT / "configs" / name), {}, devices)
     got = compiled["total_bytes_per_device"]
     assert got <= hw.memory_bytes * 0.9, got / 1e9
+    if not memory_fit.same_compiler():
+        pytest.skip("plan/memory_fit.json was compiled with another jax: refresh it")
     assert got == pytest.approx(STORED[("cpu", name)]["compiled_bytes"], rel=memory_fit.SAME)
 
 

@@ -175,7 +175,8 @@ _COUNTER = None
 def count_work(counter):
     """Within a `with`, every tile the compiled kernel computes calls counter(device index
     along context, FLOPs) as it runs (forward and backward), for measuring the balance of
-    the work; functions traced inside carry the callback."""
+    the work. The callback is traced into the step: trace and compile it inside the `with`
+    (a step compiled before, and cached, counts nothing)."""
     return _CountWork(counter)
 
 

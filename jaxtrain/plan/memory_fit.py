@@ -14,17 +14,38 @@ from __future__ import annotations
 import json
 import os
 
+import jax
+
 from jaxtrain.config import validate
 from jaxtrain.plan import memory
 from jaxtrain.plan.compile_check import load_config, single_granule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# What tests/test_plan.py and scripts/memory_check.py hold every row's estimate / XLA to:
-# never more than 15% low; up to 30% high while issue 19's ±15% is not met on every row
-# (docs/planner.md names the rows outside it).
-HELD = (0.85, 1.30)
-# A stored compiled figure is current when a recompile lands within this of it.
+# estimate / XLA that tests/test_plan.py and the scripts hold every row to: ±15% ...
+TARGET = memory.TARGET
+# ... except these rows, which the fitted model still puts 15–27% high (issue 19 is open for
+# them; docs/planner.md): held to never more than 15% low and at most 30% high.
+ABOVE_TARGET = frozenset({
+    ("cpu", "bench_cpu.py"), ("cpu", "bench_cpu_moe.py"), ("cpu", "gpt13b_pp.py"),
+    ("cpu", "llama_1b.py"), ("cpu", "mixtral_8x7b.py"), ("cpu", "grid M gpt2 tensor=8"),
+    ("cpu", "grid M llama data=8 micro=2 bf16 full"), ("cpu", "megatron-h100-gpt-70B"),
+    ("cpu", "torchtitan-a100-llama2-70b"), ("cpu", "maxtext-v6e-llama2-70b"),
+    ("tpu", "maxtext-v4-22b"), ("tpu", "maxtext-v4-52b"), ("tpu", "maxtext-v5e-128b"),
+    ("tpu", "maxtext-v6e-llama3.1-8b")})
+ABOVE_TARGET_BOUNDS = (0.85, 1.30)
+# A stored compiled figure is current when a recompile lands within this of it (with the
+# jax it was compiled with: another XLA may assign buffers differently).
 SAME = 0.02
+
+
+def bounds(source: str, case: str) -> tuple[float, float]:
+    """The (low, high) estimate / XLA a row is held to."""
+    return ABOVE_TARGET_BOUNDS if (source, case) in ABOVE_TARGET else TARGET
+
+
+def same_compiler() -> bool:
+    """Whether this jax is the one the stored rows were compiled with."""
+    return load().get("jax") == jax.__version__
 KEPT = ("case", "source", "config_file", "overrides", "devices", "compiled_bytes",
         "argument_bytes", "temp_bytes")
 
@@ -42,6 +63,7 @@ def cases(source: str | None = None) -> list[dict]:
 def store_cases(rows: list[dict]) -> None:
     """Rows (with the KEPT keys) replace the stored rows of the same source and case."""
     data = load()
+    data["jax"] = jax.__version__
     fresh = {(r["source"], r["case"]): {k: r[k] for k in KEPT} for r in rows}
     kept = [c for c in data.get("cases", []) if (c["source"], c["case"]) not in fresh]
     data["cases"] = sorted(kept + list(fresh.values()),
@@ -50,9 +72,12 @@ def store_cases(rows: list[dict]) -> None:
 
 
 def write(data: dict) -> None:
-    with open(memory.FIT_FILE, "w") as f:
+    """Atomically (a reader never sees half a file)."""
+    tmp = memory.FIT_FILE + ".tmp"
+    with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")
+    os.replace(tmp, memory.FIT_FILE)
 
 
 def config_of(case: dict):

@@ -17,8 +17,8 @@ def make_plan(cfg, hw, devices: int, tokens: float | None = None, hours: float |
     """Raises ConfigError (one line) when the config cannot run on that many devices."""
     sizes = validate(cfg, devices)
     mem = memory.estimate(cfg, sizes, platform=hw.kind if hw.kind in ("gpu", "tpu") else "cpu")
-    shards = memory.param_shards(
-        ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"]), sizes)
+    shards = memory.param_shards(ModelSpec.from_config(
+        cfg, pipeline_stages=sizes["pipeline"], context=sizes["context"]), sizes)
     time = timing.predict(cfg, sizes, hw, shards["total"], dcn_shape(cfg.mesh))
     usable = hw.memory_bytes * usable_fraction
     plan = {"config": cfg.name, "hardware": hw.name, "devices": devices, "mesh": sizes,

@@ -76,7 +76,8 @@ def features(run_id: str) -> dict:
     cfg = config(run)
     hw = hardware.get(run["hardware"])
     sizes = validate(cfg, run["devices"])
-    spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"])
+    spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"],
+                                 context=sizes["context"])
     shards = memory.param_shards(spec, sizes)
     return timing.step_features(cfg, sizes, hw, shards["total"], dcn_shape(cfg.mesh))
 

@@ -11,6 +11,7 @@ import ml_collections
 from jaxtrain.config import ConfigError, apply_overrides
 from jaxtrain.errors import divisor_list
 from jaxtrain.hardware import HardwareError
+from jaxtrain.plan import memory
 from jaxtrain.plan.planner import make_plan
 
 # The policies the memory and time models count directly; the finer named ones are left to
@@ -66,7 +67,7 @@ def with_overrides(cfg, overrides: dict):
 
 # The memory model's error bound against the compiler (tests/test_plan.py): a candidate is
 # kept only if its estimate fits with this much to spare.
-ESTIMATE_ERROR = 1.15
+ESTIMATE_ERROR = 1 / memory.TARGET[0]
 
 
 def search(cfg, hw, devices: int, by: str = "time", top: int = 5,

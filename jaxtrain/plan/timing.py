@@ -148,16 +148,19 @@ def _expert(x: Ctx) -> Traffic:
 def _context(x: Ctx) -> Traffic:
     """Per layer and pass every device receives the C−1 other K/V blocks of its rows
     (all-gathered, or one ppermute hop each): (C−1)/C of the row's K/V; the backward pass
-    sends their gradients back the same way, and full remat gathers again. (The parameters
-    are sharded over context as over fsdp: their traffic is _fsdp's.)"""
+    (models/context_attention.py's VJP) visits them again and sends their float32 dK/dV
+    back (with the block on the ring, one reduce-scatter after the all-gather), and full
+    remat gathers again. (The parameters are sharded over context as over fsdp: their
+    traffic is _fsdp's.)"""
     cp, spec = x.sizes.get("context", 1), x.spec
     if cp == 1:
         return Traffic(0.0, 0)
     layers = spec.num_layers // x.sizes["pipeline"]
-    kv_row = spec.seq_len * 2 * spec.num_kv_heads * spec.head_dim / x.sizes["tensor"] * x.c
+    kv_elems = spec.seq_len * 2 * spec.num_kv_heads * spec.head_dim / x.sizes["tensor"]
     hops = (cp - 1) if spec.context.variant == "ring" else 1
-    n = x.micro * layers * x.passes
-    return Traffic(n * x.rows * _ring(cp) * kv_row, n * hops)
+    per_layer = x.passes * kv_elems * x.c + kv_elems * F32  # K/V each pass, dK/dV once
+    n = x.micro * layers
+    return Traffic(n * x.rows * _ring(cp) * per_layer, n * x.passes * hops)
 
 
 def _pipeline(x: Ctx) -> Traffic:
@@ -220,7 +223,9 @@ def step_features(cfg, sizes: dict[str, int], hw, param_elems: int,
     # Roofline: each matmul streams its weights (compute dtype) once per pass and its
     # activations; memory-bound when tokens per device are few.
     tokens_dev = tokens / batch_shards(sizes)
-    weight_traffic = (ctx.passes + 1) * micro * param_elems * sizes["fsdp"] * c
+    # (param_elems is this device's ZeRO shard: the weights it streams are the gathered ones.)
+    weight_traffic = (ctx.passes + 1) * micro * param_elems * sizes["fsdp"] \
+        * sizes.get("context", 1) * c
     act_traffic = (ctx.passes + 1) * tokens_dev / sizes["pipeline"] * spec.num_layers * \
         spec.d_model * 12 * c / sizes["tensor"] / sizes.get("context", 1)
     links = axis_links(sizes, hw, dcn)
