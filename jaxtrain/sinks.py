@@ -12,7 +12,6 @@ import dataclasses
 import importlib.util
 import json
 import math
-import os
 import pathlib
 from collections.abc import Callable
 from typing import Protocol
@@ -33,30 +32,17 @@ class JsonlSink:
     """WORKDIR/metrics.jsonl: one JSON object per row, floats exactly as Python holds them."""
 
     def __init__(self, workdir: pathlib.Path, cfg, start_step: int):
-        path = workdir / "metrics.jsonl"
-        _drop_torn_tail(path)
-        # Unbuffered: each row reaches the file in one write, so a killed run leaves whole
-        # rows (a buffered text file could flush a row in two pieces around its buffer).
-        self.file = open(path, "ab", buffering=0)
+        # Unbuffered: each row reaches the file in one write, so whoever reads the file of a
+        # live run (`jaxtrain report`, the tests) sees whole rows; a line-buffered text file
+        # could flush a row in two pieces around its buffer. (A row a killed run left half
+        # written is dropped on resume: workdir.keep_metrics_up_to.)
+        self.file = open(workdir / "metrics.jsonl", "ab", buffering=0)
 
     def write(self, step: int, row: dict) -> None:
         self.file.write((json.dumps({"step": int(step), **row}) + "\n").encode())
 
     def close(self) -> None:
         self.file.close()
-
-
-def _drop_torn_tail(path: pathlib.Path) -> None:
-    """Cuts a row a killed run left half-written (no newline at the end) off the file, so
-    the next run's rows start on a line of their own."""
-    if not path.exists() or path.stat().st_size == 0:
-        return
-    with open(path, "rb+") as f:
-        f.seek(-1, os.SEEK_END)
-        if f.read(1) == b"\n":
-            return
-        f.seek(0)
-        f.truncate(f.read().rfind(b"\n") + 1)
 
 
 class TensorBoardSink:

@@ -421,6 +421,24 @@ def mib(n) -> str:
     return f"{n / 2**20:,.1f}"
 
 
+def _fitted_table(title: str, rows: list[dict], extra: dict) -> None:
+    """fitted_case rows: case, mesh, the `extra` columns (name -> row -> cell), memory."""
+    if not rows:
+        return
+    heads = ["case", "mesh", *extra, "device args", "device temp", "device peak", "HBM",
+             "fits", "compile s"]
+    print(f"\n{title}:\n| " + " | ".join(heads) + " |\n|" + "---|" * len(heads))
+    for r in rows:
+        mesh = " ".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1)
+        if "error" in r:
+            print(f"| {r['case']} | {mesh} | compile failed: {r['error'][:100]} |")
+            continue
+        cells = [r["case"], mesh, *(str(cell(r)) for cell in extra.values()),
+                 mib(r["argument_bytes"]), mib(r["temp_bytes"]), mib(r["peak_bytes"] or 0),
+                 mib(r["hbm_bytes"] or 0), str(r["fits"]), str(r["compile_s"])]
+        print("| " + " | ".join(cells) + " |")
+
+
 def print_table(result: dict) -> None:
     print(f"topology {result['topology']}: {result['devices']} × {result['device_kind']} "
           f"(memories: {', '.join(result['memories'])}); jax {result['jax']}, "
@@ -457,36 +475,13 @@ def print_table(result: dict) -> None:
                   f"{mib(f['temp_bytes'])}, {mib(f['peak_bytes'] or 0)}, {f['compile_s']} | "
                   f"{g['tpu_custom_calls']}, {mib(g['temp_bytes'])}, "
                   f"{mib(g['peak_bytes'] or 0)}, {g['compile_s']} |")
-    if result["moe"]:
-        print("\nmixture of experts, train step per device (MiB):")
-        print("| case | dispatch | mesh | device args | device temp | device peak | HBM | "
-              "fits | ragged a2a / a2a | compile s |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for r in result["moe"]:
-            mesh = " ".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1)
-            if "error" in r:
-                print(f"| {r['case']} | | {mesh} | compile failed: {r['error'][:100]} ||||||")
-                continue
-            print(f"| {r['case']} | {r['dispatch']} | {mesh} | {mib(r['argument_bytes'])} | "
-                  f"{mib(r['temp_bytes'])} | {mib(r['peak_bytes'] or 0)} | "
-                  f"{mib(r['hbm_bytes'] or 0)} | {r['fits']} | {r['ragged_all_to_all']} / "
-                  f"{r['all_to_all']} | {r['compile_s']} |")
-    if result["context"]:
-        print("\nlong context (llama_1b_32k.py), train step per chip (MiB):")
-        print("| case | mesh | seq | attention | device args | device temp | device peak | "
-              "HBM | fits | compile s |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for r in result["context"]:
-            mesh = " ".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1)
-            seq = r["overrides"].get("model.seq_len", 32768)
-            if "error" in r:
-                print(f"| {r['case']} | {mesh} | {seq} | compile failed: {r['error'][:100]} "
-                      "||||||")
-                continue
-            print(f"| {r['case']} | {mesh} | {seq} | {r['attention']} | "
-                  f"{mib(r['argument_bytes'])} | {mib(r['temp_bytes'])} | "
-                  f"{mib(r['peak_bytes'] or 0)} | {mib(r['hbm_bytes'] or 0)} | {r['fits']} | "
-                  f"{r['compile_s']} |")
+    _fitted_table("mixture of experts, train step per device (MiB)", result["moe"], {
+        "dispatch": lambda r: r["dispatch"],
+        "ragged a2a / a2a": lambda r: f"{r['ragged_all_to_all']} / {r['all_to_all']}"})
+    _fitted_table("long context (llama_1b_32k.py), train step per chip (MiB)",
+                  result["context"], {
+                      "seq": lambda r: r["overrides"].get("model.seq_len", 32768),
+                      "attention": lambda r: r["attention"]})
     for note in result["notes"]:
         print("note: " + note)
     print("\nproblems: " + ("; ".join(result["problems"]) or "none"))

@@ -23,6 +23,18 @@ def _rel(a, b):
     return float(jnp.abs(a - b).max() / jnp.abs(b).max())
 
 
+def _assert_matches(kernel, reference, q, k, v, cotangent):
+    """kernel(q, k, v) equals reference(q, k, v) in outputs and gradients, to 1e-5."""
+    outputs, grads = [], []
+    for fn in map(jax.jit, (kernel, reference)):
+        outputs.append(fn(q, k, v))
+        grads.append(jax.grad(lambda q, k, v, fn=fn: jnp.vdot(fn(q, k, v), cotangent),
+                              argnums=(0, 1, 2))(q, k, v))
+    assert _rel(*outputs) < 1e-5
+    for got, want in zip(*grads):
+        assert _rel(got, want) < 1e-5
+
+
 SHAPES = [
     (2, 256, 4, 4, 16),   # multi-head, two query chunks
     (2, 300, 8, 2, 16),   # grouped-query, a length that does not divide the chunk size
@@ -35,16 +47,7 @@ SHAPES = [
 @pytest.mark.parametrize("impl,shape", [("chunked", s) for s in SHAPES]
                          + [("pallas", s) for s in SHAPES if s[1] <= 128])
 def test_implementations_match_xla_in_outputs_and_gradients(impl, shape):
-    q, k, v, cotangent = _inputs(*shape)
-    outputs, grads = {}, {}
-    for name in ("xla", impl):
-        fn = jax.jit(KERNELS[name])
-        outputs[name] = fn(q, k, v)
-        grads[name] = jax.grad(lambda q, k, v: jnp.vdot(fn(q, k, v), cotangent),
-                               argnums=(0, 1, 2))(q, k, v)
-    assert _rel(outputs[impl], outputs["xla"]) < 1e-5
-    for got, want in zip(grads[impl], grads["xla"]):
-        assert _rel(got, want) < 1e-5
+    _assert_matches(KERNELS[impl], KERNELS["xla"], *_inputs(*shape))
 
 
 # Windows shorter than, equal to and longer than the chunked kernel's 128-row blocks.
@@ -52,16 +55,8 @@ def test_implementations_match_xla_in_outputs_and_gradients(impl, shape):
                                           ((1, 256, 4, 4, 16), 128),
                                           ((1, 300, 4, 1, 8), 200)])
 def test_chunked_matches_xla_with_a_sliding_window(shape, window):
-    q, k, v, cotangent = _inputs(*shape)
-    outputs, grads = {}, {}
-    for name in ("xla", "chunked"):
-        fn = jax.jit(lambda q, k, v, name=name: KERNELS[name](q, k, v, window))
-        outputs[name] = fn(q, k, v)
-        grads[name] = jax.grad(lambda q, k, v: jnp.vdot(fn(q, k, v), cotangent),
-                               argnums=(0, 1, 2))(q, k, v)
-    assert _rel(outputs["chunked"], outputs["xla"]) < 1e-5
-    for got, want in zip(grads["chunked"], grads["xla"]):
-        assert _rel(got, want) < 1e-5
+    _assert_matches(lambda q, k, v: KERNELS["chunked"](q, k, v, window),
+                    lambda q, k, v: KERNELS["xla"](q, k, v, window), *_inputs(*shape))
 
 
 # The looped form (more than UNROLL_MAX_CHUNKS query chunks): 16-row chunks make these
@@ -73,23 +68,13 @@ def test_looped_chunked_kernel_matches_xla(shape, window, documents):
     from jaxtrain.models.chunked_attention import chunked_attention, looped
 
     assert looped(shape[1], 16)
-    q, k, v, cotangent = _inputs(*shape)
     segments = None
     if documents:  # documents of 100, 3, 200 and the rest of the row
         ids = np.repeat(np.arange(1, 5), [100, 3, 200, shape[1] - 303])
         segments = jnp.asarray(np.tile(ids, (shape[0], 1)), jnp.int32)
-    kernels = {"xla": lambda q, k, v: KERNELS["xla"](q, k, v, window, segments_BL=segments),
-               "looped": lambda q, k, v: chunked_attention(q, k, v, window, segments,
-                                                           block=16)}
-    outputs, grads = {}, {}
-    for name, kernel in kernels.items():
-        fn = jax.jit(kernel)
-        outputs[name] = fn(q, k, v)
-        grads[name] = jax.grad(lambda q, k, v: jnp.vdot(fn(q, k, v), cotangent),
-                               argnums=(0, 1, 2))(q, k, v)
-    assert _rel(outputs["looped"], outputs["xla"]) < 1e-5
-    for got, want in zip(grads["looped"], grads["xla"]):
-        assert _rel(got, want) < 1e-5
+    _assert_matches(lambda q, k, v: chunked_attention(q, k, v, window, segments, block=16),
+                    lambda q, k, v: KERNELS["xla"](q, k, v, window, segments_BL=segments),
+                    *_inputs(*shape))
 
 
 @pytest.mark.parametrize("name", ["xla", "chunked"])

@@ -73,16 +73,3 @@ def test_mfu_peak_comes_from_the_hardware_catalog(device_kind, entry, monkeypatc
     assert peak == catalog.get(entry).peak_flops("bfloat16")
     assert source == f"datasheet {entry} bfloat16"
 
-
-def test_metrics_jsonl_drops_a_row_a_killed_run_left_half_written(tmp_path):
-    """A run killed mid-row leaves a line without its newline; the next run's rows must
-    start on a line of their own, so every line of the file parses."""
-    from jaxtrain.sinks import JsonlSink
-
-    whole = json.dumps({"step": 1, "loss": 2.5})
-    (tmp_path / "metrics.jsonl").write_text(whole + "\n" + whole[:-7])
-    sink = JsonlSink(tmp_path, None, 2)
-    sink.write(2, {"loss": 2.25})
-    sink.close()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25}]

@@ -117,10 +117,10 @@ def _param_leaves(spec: ModelSpec) -> tuple[tuple[str, tuple[int, ...], tuple], 
 
 
 def param_shards(spec: ModelSpec, sizes: dict[str, int]) -> dict[str, int]:
-    """Elements per device: 'total' parameters, 'layer' (one layer of the stack, as a
-    device holds it), and 'layer_gathered' (one layer after the FSDP all-gather)."""
-    out = {"total": 0, "layer": 0, "layer_gathered": 0, "count": 0, "head_gathered": 0,
-           "stack": 0}
+    """Elements per device: 'total' parameters, 'stack' (the device's share of the stacked
+    layers), 'layer_gathered' (one layer after the ZeRO all-gather), 'head_gathered' (the
+    output projection as the head gathers it); 'count': the model's parameters."""
+    out = {"total": 0, "layer_gathered": 0, "count": 0, "head_gathered": 0, "stack": 0}
     for name, shape, axes in _param_leaves(dataclasses.replace(spec, rules=())):
         pspec = logical_to_spec(axes, spec.rules)
         local = gathered = 1
@@ -134,11 +134,10 @@ def param_shards(spec: ModelSpec, sizes: dict[str, int]) -> dict[str, int]:
         out["count"] += math.prod(shape)
         if axes and axes[0] == "layers":
             layers = shape[0]
-            out["stack"] += local  # this device's share of the stacked layers
-            out["layer"] += local * math.ceil(layers / sizes["pipeline"]) // max(1, layers)
+            out["stack"] += local
             out["layer_gathered"] += gathered // max(1, math.ceil(layers / sizes["pipeline"]))
         elif name == "lm_head" or (name == "tok_embed" and spec.tied_embeddings):
-            out["head_gathered"] += gathered  # the output projection, as the head gathers it
+            out["head_gathered"] += gathered
     return out
 
 
