@@ -11,7 +11,7 @@ compared with the like-for-like estimate (memory.estimate(backend='cpu'): XLA:CP
 16-bit activations in float32). --update stores the compiled figures in
 plan/memory_fit.json, which scripts/fit_memory.py fits the estimate's factors on and
 tests/test_plan.py checks every estimate against. Exit code 1 when a case fails to compile,
-its estimate is outside memory_fit.bounds, or its compiled figure moved from the stored one.
+its estimate is outside memory_fit.TARGET, or its compiled figure moved from the stored one.
 CI runs it on the published layouts (.ci/run; the suite recompiles the grid and configs).
 """
 
@@ -146,7 +146,7 @@ def main() -> None:
 
 
 def problems(rows: list[dict]) -> list[str]:
-    """Rows that failed to compile, whose estimate is outside memory_fit.bounds, or whose
+    """Rows that failed to compile, whose estimate is outside memory_fit.TARGET, or whose
     compiled figure moved from the stored one (plan/memory_fit.json: rerun with --update
     and refit, scripts/fit_memory.py)."""
     stored = {c["case"]: c for c in memory_fit.cases("cpu")}
@@ -159,8 +159,8 @@ def problems(rows: list[dict]) -> list[str]:
         if "error" in r:
             out.append(f"{r['case']}: {r['error']}")
             continue
-        low, high = memory_fit.bounds("cpu", r["case"])
-        if not low <= r["ratio"] <= high:
+        if not memory_fit.within(r["ratio"]):
+            low, high = memory_fit.TARGET
             out.append(f"{r['case']}: estimate / XLA {r['ratio']:.3f} outside {low}–{high}")
         old = stored.get(r["case"], {}).get("compiled_bytes")
         if same and old and abs(r["compiled_bytes"] / old - 1) > memory_fit.SAME:

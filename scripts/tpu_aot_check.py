@@ -273,10 +273,6 @@ def plan_case(run_id: str, devices) -> dict:
             "compile_s": round(time.perf_counter() - start, 1)}
 
 
-def _within(ratio: float, bounds: tuple[float, float]) -> bool:
-    return bounds[0] <= ratio <= bounds[1]
-
-
 def jax_runtime_error():
     import jax
 
@@ -353,7 +349,7 @@ def run(args) -> dict:
         result["problems"] += [
             f"{r['case']}: " + (r.get("error") or f"estimate/XLA {r['ratio']:.2f}")
             for r in result["plan"] if "error" in r
-            or not _within(r["ratio"], memory_fit.bounds("tpu", r["case"]))]
+            or not memory_fit.within(r["ratio"])]
         return result
     cases = args.cases.split(",")
     # 'auto' picks splash on TPU; the plain llama_1b case keeps the chunked kernel to compare.

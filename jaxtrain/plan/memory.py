@@ -49,8 +49,10 @@ class Factors:
     (libtpu, AOT) on the published TPU layouts. GPUs use the CPU set (no GPU compile here)."""
 
     # Buffers XLA holds besides the ones counted (fusion outputs, copies around collectives,
-    # the optimizer's update tree), as a fraction of the counted temporaries.
+    # the optimizer's update tree), as a fraction of the counted temporaries,
     temp_margin: float = 0.05
+    # and of the peak phase's alone (below: its fusion outputs and layout copies).
+    peak_margin: float = 0.0
     # float32 score matrices (one query chunk against its keys) alive at once in the
     # unrolled chunked kernel: a fixed number plus some per query chunk (XLA overlaps the
     # chunks' buffers);
@@ -62,12 +64,23 @@ class Factors:
     # backward: under full remat, and (of what save_dots did not save) under save_dots.
     full_working: float = 0.75
     dots_working: float = 0.75
+    # The share of a layer's full set of activations its backward pass holds as their
+    # gradients, whatever the remat policy (without remat this is its whole working set:
+    # tests measured torchtitan's llama2-13b layout holding 5 GB in one layer's backward).
+    grad_working: float = 0.0
+    # float32 [tokens, heads + kv_heads, head_dim] arrays while a layer's attention runs:
+    # RoPE rotates q and k in float32 (models/rope.py), forward and backward.
+    rope_f32: float = 0.0
+    # Copies of the residual stream ([rows, seq, d_model]) around the head: the last layer's
+    # output, the final norm's, their gradients, layout changes.
+    head_stream: float = 1.0
     # float32-sized arrays per logit of the head's chunk (the logits; their gradient is
     # counted at the compute dtype on top).
     logit_f32: float = 1.0
-    # The share of a layer's gathered weights (compute dtype) and their float32 gradients
-    # alive at once while it runs backward.
+    # The share of a layer's gathered weights (compute dtype) alive while it runs backward,
     layer_weights: float = 1.0
+    # and of their float32 gradients.
+    layer_weight_grads: float = 1.0
     # The share of the smaller of the step's two peaks (a layer's backward pass, the head
     # and loss) alive at the larger's.
     phase_overlap: float = 1.0
@@ -189,6 +202,15 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     return dots + stream + act + scores
 
 
+def _rotated(spec: ModelSpec, rows: float, sizes: dict) -> float:
+    """Bytes of one layer's q and k in float32 ([tokens, heads + kv_heads, head_dim/t]),
+    as RoPE forms them; 0 without RoPE."""
+    if not spec.rope:
+        return 0.0
+    tokens = rows * spec.seq_len / sizes.get("context", 1)
+    return tokens * (spec.num_heads + spec.num_kv_heads) * spec.head_dim / sizes["tensor"] * F32
+
+
 def _sequence_parallel(spec: ModelSpec) -> bool:
     """Whether the residual stream's length is split over tensor (mesh.sequence_parallel)."""
     return any(name == "sequence" and "tensor" in ((axes,) if isinstance(axes, str) else axes)
@@ -268,6 +290,34 @@ def _moe_layer_delta(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     return experts + shared + router - dense_mlp
 
 
+def _backward_working(spec: ModelSpec, rows: float, sizes: dict, saved: str, c: int,
+                      k: Factors, per_layer, moe: bool) -> float:
+    """Bytes alive while one layer runs backward for `rows` sequences, besides its weights.
+
+    Its full set of activations exists again (recomputed under remat), with the gradients of
+    those activations. Backward walks the layer's ops in reverse, freeing as it goes: a
+    fitted share of each is alive at its peak. save_dots recomputes only what it did not
+    save (per_layer(rows, 'dots'): what it saved); without remat nothing is recomputed and
+    the gradients are the working set. Plus RoPE's float32 q and k, and the attention
+    kernel's own buffers."""
+    one_layer = _layer_activations(spec, rows, sizes, "all", c)
+    if moe:  # the working set is that of the larger, MoE, layer
+        one_layer += _moe_layer_delta(spec, rows, sizes, "all", c, k)
+    if saved == "input":
+        working = k.full_working * one_layer
+    elif saved == "dots":
+        working = k.dots_working * (one_layer - per_layer(rows, "dots"))
+    else:
+        working = 0.0
+    working += k.grad_working * one_layer + k.rope_f32 * _rotated(spec, rows, sizes)
+    if spec.context is not None:
+        return working + _context_working(spec, rows, sizes, c)
+    block = KERNELS[spec.attention].query_chunk
+    if block:
+        working += _chunked_working(spec, rows, sizes["tensor"], block, k)
+    return working
+
+
 def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
              platform: str | None = None, factors: Factors | None = None
              ) -> dict[str, float]:
@@ -330,27 +380,14 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
     else:
         kept = layers_here * per_layer(rows, saved)
         working_rows = rows
-    # While one layer runs backward its full set of activations exists (recomputed under
-    # remat) together with its gathered weights and their gradients.
-    # Backward walks the layer's ops in reverse, freeing as it goes: about half of that set
-    # is alive at its peak. save_dots recomputes only what it did not save.
-    one_layer = _layer_activations(spec, working_rows, sizes, "all", c)
-    if moe_layers_here:  # the working set is that of the larger, MoE, layer
-        one_layer += _moe_layer_delta(spec, working_rows, sizes, "all", c, k)
-    if saved == "input":
-        working = k.full_working * one_layer
-    elif saved == "dots":
-        working = k.dots_working * (one_layer - per_layer(working_rows, "dots"))
-    else:
-        working = 0.0
-    rows_per_chunk = KERNELS[spec.attention].query_chunk
-    cp = sizes.get("context", 1)
-    if spec.context is not None:
-        working += _context_working(spec, working_rows, sizes, c)
-    elif rows_per_chunk:
-        working += _chunked_working(spec, working_rows, sizes["tensor"], rows_per_chunk, k)
-    layer_weights = k.layer_weights * shards["layer_gathered"] * (c + F32)
+    # One layer's backward pass: its working set, and its gathered weights with their
+    # gradients.
+    working = _backward_working(spec, working_rows, sizes, saved, c, k, per_layer,
+                                moe=bool(moe_layers_here))
+    layer_weights = shards["layer_gathered"] * (k.layer_weights * c
+                                                + k.layer_weight_grads * F32)
 
+    cp = sizes.get("context", 1)
     # The fused head and loss (models/head_loss.py): chunks of ≤1024 global tokens; float32
     # logits, their exponent and the compute-dtype logit gradient for a chunk, the stacked
     # input gradient, and the gathered head with its float32 gradient.
@@ -360,7 +397,7 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
         / batch_shards(sizes) / cp
     vocab_local = spec.vocab_size / sizes["tensor"]
     logits = chunk_tokens * vocab_local * (k.logit_f32 * F32 + c) + \
-        rows * spec.seq_len * spec.d_model * c / cp
+        k.head_stream * rows * spec.seq_len * spec.d_model * c / cp
     # The output head gathered for the loss, with its float32 gradient; the embedding table
     # is gathered for the lookup in the forward pass only (its gradient is formed in its
     # shard: models/embedding.py).
@@ -371,7 +408,7 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
     # XLA overlaps them in part (the head's gradient, formed in the first, is reduced with
     # the others at the end): the larger, and a fitted share of the smaller.
     peak = max(phases.values()) + k.phase_overlap * min(phases.values())
-    temporaries = k.temp_margin * (grads + kept + peak)
+    temporaries = k.temp_margin * (grads + kept + peak) + k.peak_margin * peak
     parts = {"params": params, "optimizer": opt, "gradients": grads, "activations": kept,
              **phases, "temporaries": temporaries}
     parts["total"] = params + opt + grads + kept + peak + temporaries

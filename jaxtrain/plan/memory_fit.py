@@ -21,26 +21,16 @@ from jaxtrain.plan import memory
 from jaxtrain.plan.compile_check import load_config, single_granule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# estimate / XLA that tests/test_plan.py and the scripts hold every row to: ±15% ...
+# estimate / XLA that tests/test_plan.py and the scripts hold every row to: ±15%.
 TARGET = memory.TARGET
-# ... except these rows, which the fitted model still puts 15–27% high (issue 19 is open for
-# them; docs/planner.md): held to never more than 15% low and at most 30% high.
-ABOVE_TARGET = frozenset({
-    ("cpu", "bench_cpu.py"), ("cpu", "bench_cpu_moe.py"), ("cpu", "gpt13b_pp.py"),
-    ("cpu", "llama_1b.py"), ("cpu", "mixtral_8x7b.py"), ("cpu", "grid M gpt2 tensor=8"),
-    ("cpu", "grid M llama data=8 micro=2 bf16 full"), ("cpu", "megatron-h100-gpt-70B"),
-    ("cpu", "torchtitan-a100-llama2-70b"), ("cpu", "maxtext-v6e-llama2-70b"),
-    ("tpu", "maxtext-v4-22b"), ("tpu", "maxtext-v4-52b"), ("tpu", "maxtext-v5e-128b"),
-    ("tpu", "maxtext-v6e-llama3.1-8b")})
-ABOVE_TARGET_BOUNDS = (0.85, 1.30)
 # A stored compiled figure is current when a recompile lands within this of it (with the
 # jax it was compiled with: another XLA may assign buffers differently).
 SAME = 0.02
 
 
-def bounds(source: str, case: str) -> tuple[float, float]:
-    """The (low, high) estimate / XLA a row is held to."""
-    return ABOVE_TARGET_BOUNDS if (source, case) in ABOVE_TARGET else TARGET
+def within(ratio: float) -> bool:
+    """Whether an estimate / XLA ratio is within TARGET."""
+    return TARGET[0] <= ratio <= TARGET[1]
 
 
 def same_compiler() -> bool:
