@@ -122,6 +122,13 @@ def _check_context(c, size: int) -> None:
         how = f"2×mesh.context={runs} chunks (mesh.context_load_balance)" \
             if c.mesh.context_load_balance else f"mesh.context={size}"
         fail("model.seq_len", m.seq_len, f"must divide into {how}")
+    run = m.seq_len // runs
+    # The kernel tiles each run by its largest divisor of at most 128 queries
+    # (models/context_attention.py _tile): a long run with none of 16 or more would loop
+    # over tiles of a few positions (a prime run: one).
+    if run > 128 and run % 16:
+        fail("model.seq_len", m.seq_len, f"leaves runs of {run} positions per context "
+             "chunk; a run longer than 128 must be a multiple of 16 (the kernel's tiles)")
     tensor = c.mesh.tensor * c.mesh.dcn_tensor
     if c.mesh.sequence_parallel and tensor > 0 and m.seq_len % (size * tensor):
         fail("model.seq_len", m.seq_len, f"must be divisible by mesh.context×mesh.tensor="

@@ -1,7 +1,7 @@
 """Fit the memory estimate's factors (plan/memory.py Factors) on the compiled steps stored in
 plan/memory_fit.json, one set per compiler.
 
-    python scripts/fit_memory.py [--source cpu|tpu] [--fit [--write]] [--markdown]
+    python scripts/fit_memory.py [--source cpu|tpu] [--fit] [--write] [--markdown]
 
 The stored rows come from scripts/memory_check.py --update (XLA:CPU: the test grid, the
 shipped configs, the published layouts) and scripts/tpu_aot_check.py --plan ... --update
@@ -101,15 +101,17 @@ def fit(rows: list[dict], start: memory.Factors, fallback: memory.Factors) -> me
     return factors(best.x)
 
 
-def report(rows: list[dict], k: memory.Factors, markdown: bool) -> list[str]:
-    """Prints each row; returns those outside memory.TARGET."""
-    outside = []
+def report(rows: list[dict], k: memory.Factors, markdown: bool) -> tuple[list[str], list]:
+    """Prints each row; returns those outside memory.TARGET, and the spread of estimate /
+    XLA over the rows as memory.uncertainty reads it: [lowest, highest, rows]."""
+    outside, ratios = [], []
     if markdown:
         print("| case | devices | estimate MiB | XLA compiled MiB | estimate / XLA |")
         print("|---|---|---|---|---|")
     for r in rows:
         est = memory_fit.estimate(r, k)
         ratio = est / r["compiled_bytes"]
+        ratios.append(ratio)
         if not memory_fit.within(ratio):
             outside.append(f"{r['case']} {ratio:.2f}")
         if markdown:
@@ -117,7 +119,7 @@ def report(rows: list[dict], k: memory.Factors, markdown: bool) -> list[str]:
                   f"{r['compiled_bytes'] / 2**20:,.0f} | {ratio:.2f} |")
         else:
             print(f"{r['case']:48s} {r['devices']:3d} {ratio:6.3f}")
-    return outside
+    return outside, [round(min(ratios), 3), round(max(ratios), 3), len(ratios)]
 
 
 def main() -> None:
@@ -125,7 +127,8 @@ def main() -> None:
     parser.add_argument("--source", choices=("cpu", "tpu"), action="append")
     parser.add_argument("--fit", action="store_true", help="fit the factors (default: "
                         "report the rows with the stored ones)")
-    parser.add_argument("--write", action="store_true", help="with --fit: store them")
+    parser.add_argument("--write", action="store_true", help="store the factors (with "
+                        "--fit) and the rows' spread, which plans quote")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     data = memory_fit.load()
@@ -138,9 +141,10 @@ def main() -> None:
         if args.fit:
             k = fit(rows, k, memory.Factors(**data["factors"]["cpu"]))
         print(f"\n{source}: {len(rows)} compiled steps; factors {dataclasses.asdict(k)}")
-        outside += report(rows, k, args.markdown)
+        out, data.setdefault("spread", {})[source] = report(rows, k, args.markdown)
+        outside += out
         data["factors"][source] = dataclasses.asdict(k)
-    if args.fit and args.write:
+    if args.write:
         memory_fit.write(data)
     print("\noutside ±15%: " + (", ".join(outside) or "none"))
     sys.exit(1 if outside else 0)

@@ -191,6 +191,9 @@ def test_compiled_train_step_balances_attention_work(balance, devices):
      "model.moe.num_experts=4 is invalid: MoE layers do not run under mesh.context=2"),
     ({"model.context_attention": "rings"},
      "model.context_attention='rings' is invalid: valid values are auto, allgather, ring"),
+    # 2×4 runs of 131 positions: the kernel's tiles would be single positions.
+    ({"mesh.context": 4, "model.seq_len": 1048},
+     "model.seq_len=1048 is invalid: leaves runs of 131 positions per context chunk"),
     # The parameters are sharded over fsdp × context (mesh.py's embed rule).
     ({"mesh.context": 4, "mesh.fsdp": 2, "model.d_model": 36, "model.num_heads": 2,
       "model.num_kv_heads": 2},

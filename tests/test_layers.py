@@ -1,4 +1,5 @@
-"""The hand-written backward passes (norms, GELU, weight matmuls, fused head + loss) against
+"""The hand-written backward passes (norms, GELU, weight matmuls, fused head + loss, the
+sharded embedding gradient) against
 plain autodiff, and rotary embeddings against an independent complex-number form."""
 
 import jax
@@ -138,3 +139,53 @@ def test_rope_scores_depend_only_on_relative_positions():
         shifted = jnp.einsum("bqhk,bmhk->bhqm", rope(q, 1e4, positions + shift),
                              rope(k, 1e4, positions + shift))
         np.testing.assert_allclose(shifted, scores, rtol=1e-3, atol=1e-3)
+
+
+EMBED_LAYOUTS = {
+    # ZeRO over fsdp, vocab over tensor: the ids all-gathered, the gradients all-to-all'd.
+    "fsdp=4 tensor=2": ({"fsdp": 4, "tensor": 2}, False),
+    # Sequence parallelism: the tokens are split over tensor, the vocab axis, too.
+    "data=2 fsdp=2 tensor=2 sp": ({"data": 2, "fsdp": 2, "tensor": 2}, True),
+    # ZeRO over fsdp × context: the tokens' positions split over context.
+    "fsdp=2 context=2 tensor=2": ({"fsdp": 2, "context": 2, "tensor": 2}, False),
+    # No ZeRO axis: the scatter's psum over data alone.
+    "data=4 tensor=2": ({"data": 4, "tensor": 2}, False),
+}
+
+
+@pytest.mark.parametrize("layout", EMBED_LAYOUTS)
+def test_embedding_gradient_scattered_into_its_shard_equals_autodiff(layout, devices):
+    """models/embedding.py forms the table's gradient inside a shard_map, in the table's own
+    sharding: it must be the plain lookup's gradient, on every layout it takes."""
+    from jax.sharding import NamedSharding
+
+    from jaxtrain.config import MESH_AXES
+    from jaxtrain.mesh import DEFAULT_RULES, active_rules, logical_to_spec, make_mesh
+    from jaxtrain.models.embedding import TABLE, TOKENS, embed
+
+    axes, sp = EMBED_LAYOUTS[layout]
+    sizes = {a: axes.get(a, 1) for a in MESH_AXES}
+    mesh = make_mesh(sizes, devices)
+    rules = active_rules(DEFAULT_RULES, sp, context=sizes["context"] > 1)
+    rng = np.random.default_rng(0)
+    vocab, d, b, length = 64, 16, 8, 8
+    table = rng.normal(size=(vocab, d)).astype(np.float32)
+    tokens = rng.integers(0, vocab, (b, length)).astype(np.int32)
+    tokens[0, :4] = 3  # repeated ids: their gradients add
+    dout = rng.normal(size=(b, length, d)).astype(np.float32)
+    want = np.zeros_like(table)
+    np.add.at(want, tokens, dout)
+
+    def loss(table, tokens, dout):
+        return (embed(table, tokens, jnp.float32, rules) * dout).sum()
+
+    with jax.set_mesh(mesh):
+        put = lambda x, names: jax.device_put(  # noqa: E731
+            x, NamedSharding(mesh, logical_to_spec(names, rules)))
+        args = (put(table, TABLE), put(tokens, TOKENS), put(dout, (*TOKENS, None)))
+        compiled = jax.jit(jax.value_and_grad(loss)).lower(*args).compile()
+        value, grad = compiled(*args)
+    assert "all-to-all" in compiled.as_text() or not {"fsdp", "context"} & set(axes)
+    np.testing.assert_allclose(value, (table[tokens] * dout).sum(), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), want, atol=1e-5)
+    assert grad.sharding.spec == logical_to_spec(TABLE, rules)

@@ -167,6 +167,19 @@ def test_every_stored_compiled_step_is_estimated_within_15_percent(key):
     assert memory_fit.within(ratio), ratio
 
 
+@pytest.mark.parametrize("source", ["cpu", "tpu"])
+def test_the_spread_plans_quote_is_the_stored_rows_own(source):
+    """memory.uncertainty quotes plan/memory_fit.json's spread: it must be what the current
+    estimate gives on the stored rows (scripts/fit_memory.py --write refreshes it)."""
+    ratios = [memory_fit.estimate(c) / c["compiled_bytes"]
+              for (s, _), c in STORED.items() if s == source]
+    low, high, rows = memory_fit.load()["spread"][source]
+    assert (low, high, rows) == (pytest.approx(min(ratios), abs=1e-3),
+                                 pytest.approx(max(ratios), abs=1e-3), len(ratios))
+    platform = "gpu" if source == "cpu" else source
+    assert f"{low:.2f}–{high:.2f} on {rows} " in memory.uncertainty(platform)
+
+
 def test_the_stored_compiles_cover_every_config_and_published_run():
     cases = {c for _, c in STORED}
     assert set(TARGETS) <= cases

@@ -104,6 +104,19 @@ def fitted() -> dict[str, Factors]:
     return {name: Factors(**values) for name, values in data["factors"].items()}
 
 
+def uncertainty(platform: str) -> str:
+    """How close the estimate came to the compiler on the steps its factors were fitted on
+    (plan/memory_fit.json's spread, scripts/fit_memory.py --write), in a plan's words."""
+    with open(FIT_FILE) as f:
+        spread = json.load(f)["spread"]
+    source = "tpu" if platform == "tpu" else "cpu"
+    low, high, rows = spread[source]
+    compiler = "libtpu (TPU AOT)" if source == "tpu" else "XLA:CPU"
+    note = "; GPUs use the CPU factors, no GPU compile here" if platform == "gpu" else ""
+    return (f"estimate / XLA {low:.2f}–{high:.2f} on {rows} {compiler} compiled steps"
+            f"{note}")
+
+
 def factors_for(platform: str) -> Factors:
     """The fitted set for a platform's compiler: TPU's own; CPU's for CPU and GPU."""
     sets = fitted()

@@ -16,7 +16,8 @@ def make_plan(cfg, hw, devices: int, tokens: float | None = None, hours: float |
               amortize_years: float = 5.0, usable_fraction: float = USABLE_FRACTION) -> dict:
     """Raises ConfigError (one line) when the config cannot run on that many devices."""
     sizes = validate(cfg, devices)
-    mem = memory.estimate(cfg, sizes, platform=hw.kind if hw.kind in ("gpu", "tpu") else "cpu")
+    platform = hw.kind if hw.kind in ("gpu", "tpu") else "cpu"
+    mem = memory.estimate(cfg, sizes, platform=platform)
     shards = memory.param_shards(ModelSpec.from_config(
         cfg, pipeline_stages=sizes["pipeline"], context=sizes["context"]), sizes)
     time = timing.predict(cfg, sizes, hw, shards["total"], dcn_shape(cfg.mesh))
@@ -26,7 +27,8 @@ def make_plan(cfg, hw, devices: int, tokens: float | None = None, hours: float |
             "memory": {"total_bytes_per_device": mem["total"],
                        "parts": {k: v for k, v in mem.items() if k != "total"},
                        "device_bytes": hw.memory_bytes, "usable_bytes": usable,
-                       "fits": mem["total"] <= usable},
+                       "fits": mem["total"] <= usable,
+                       "uncertainty": memory.uncertainty(platform)},
             "time": time}
     if tokens is None and hours is None:
         return plan
@@ -73,8 +75,9 @@ def format_plan(plan: dict) -> str:
         aside = "  (not at the peak)" if name in memory.PHASES and name != peak else ""
         lines.append(f"  {name:<14} {_gb(value):>12}{aside}")
     verdict = "fits" if m["fits"] else "DOES NOT FIT"
-    lines.append(f"  {'total':<14} {_gb(m['total_bytes_per_device']):>12}  of "
-                 f"{_gb(m['device_bytes'])} ({_gb(m['usable_bytes'])} usable): {verdict}")
+    lines += [f"  {'total':<14} {_gb(m['total_bytes_per_device']):>12}  of "
+              f"{_gb(m['device_bytes'])} ({_gb(m['usable_bytes'])} usable): {verdict}",
+              f"  uncertainty: {m['uncertainty']}"]
     if "compiled" in plan:
         c = plan["compiled"]
         lines.append(f"  XLA compiled   {_gb(c['total_bytes_per_device']):>12}  "
