@@ -10,6 +10,7 @@ import pytest
 from jaxtrain.commands import prepare as command
 from jaxtrain.data import prepare as P
 from jaxtrain.data.dataset import PreparedDataset
+from jaxtrain.data.merge import merge
 from jaxtrain.data.tokenizers import load_tokenizer
 from jaxtrain.errors import DataError
 
@@ -234,13 +235,13 @@ def test_merge_refuses_missing_or_mismatched_parts(corpus, tmp_path):
     P.prepare(_request([root], tmp_path / "m", shard=(0, 2)))
     with pytest.raises(DataError, match="1 of 2 parts are not finished .first: "
                                         "part-00001-of-00002"):
-        P.merge(tmp_path / "m")
+        merge(tmp_path / "m")
     P.prepare(_request([root], tmp_path / "tok", tokenizer=None, train_tokenizer=300,
                        tokenizer_only=True))
     P.prepare(_request([root], tmp_path / "m", shard=(1, 2), tokenizer=str(tmp_path / "tok")))
     with pytest.raises(DataError, match="part 1 was prepared with tokenizer [0-9a-f]{12}, "
                                         "part 0 with [0-9a-f]{12}"):
-        P.merge(tmp_path / "m")
+        merge(tmp_path / "m")
     assert not (tmp_path / "m" / "manifest.json").exists()
 
 
@@ -271,7 +272,7 @@ def test_tokenizer_only_then_shared_by_every_part(corpus, tmp_path):
     for i in range(2):
         assert command.main([str(root), "--out", str(tmp_path / "ds"), "--tokenizer",
                              str(tmp_path / "tok"), "--shard", f"{i}/2", "--no-progress"]) == 0
-    P.merge(tmp_path / "ds")
+    merge(tmp_path / "ds")
     ds = PreparedDataset(tmp_path / "ds")
     assert ds.tokenizer_meta["fingerprint"] == tokenizer.fingerprint()
     in_order = texts[12:] + texts[:12]  # the directory's files sorted: docs.jsonl, text/

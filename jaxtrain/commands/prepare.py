@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxtrain.data import merge as merge_lib
 from jaxtrain.data import prepare as prepare_lib
 from jaxtrain.data.stdlib import stdlib_files
 from jaxtrain.errors import DataError
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         if args.merge:
-            prepare_lib.merge(args.merge)
+            merge_lib.merge(args.merge)
             return 0
         if not args.out:
             raise DataError("--out DIR is required: the dataset directory to write")

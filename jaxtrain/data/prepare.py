@@ -13,8 +13,9 @@ How it keeps its promises:
 - Parallel: units are tokenized by worker processes (spawned, each single-threaded), at most
   a few units in flight so memory stays bounded; the main process only writes.
 - Past one machine: `shard=(i, n)` prepares the i-th of n contiguous slices of the input
-  files into OUT/part-i-of-n/ (SLURM arrays, Kubernetes indexed jobs); `merge(OUT)` then
-  writes one manifest over the parts' shards without copying tokens.
+  files into OUT/part-i-of-n/ (SLURM arrays, Kubernetes indexed jobs); `merge(OUT)`
+  (jaxtrain.data.merge) then writes one manifest over the parts' shards without copying
+  tokens. The staged shards themselves are jaxtrain.data.shards.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from tqdm import tqdm
 from jaxtrain.data import dataset as fmt
 from jaxtrain.data import readers
 from jaxtrain.data import tokenizers as tokenizers_lib
+from jaxtrain.data.shards import Report, ShardWriter, UnitResult, committed
 from jaxtrain.errors import DataError
 
 POLICIES = ("auto", "yes", "no")
@@ -170,14 +172,6 @@ def make_plan(r: Request) -> Plan:
 
 # --- tokenizing a unit (runs in the workers) -------------------------------------------------
 
-@dataclasses.dataclass
-class UnitResult:
-    tokens: np.ndarray
-    lengths: np.ndarray  # tokens of each kept document, in order
-    tally: readers.Tally
-    size: int  # input bytes, for the progress bar
-
-
 _WORKER: dict = {}
 
 
@@ -224,151 +218,6 @@ def _work_rows(rows: tuple[int, list]) -> UnitResult:
 
 
 # --- the report ----------------------------------------------------------------------------
-
-class Report:
-    """Counts over the whole prepare, with the first locations of each kind of bad input as
-    'path:line' / 'path row N' / 'path'."""
-
-    def __init__(self, inputs: list[readers.Input]):
-        self.inputs = inputs
-        self.totals = {"records": 0, "documents": 0, "tokens": 0, "text_bytes": 0}
-        self.counts: dict[str, int] = {}
-        self.first: dict[str, list[str]] = {}
-        self.lines_before: dict[int, int] = {}  # lines of each line-based input already read
-
-    def add(self, unit_first: int, result: UnitResult) -> None:
-        tally = result.tally
-        self.totals["records"] += tally.records
-        self.totals["documents"] += tally.documents
-        self.totals["text_bytes"] += tally.text_bytes
-        self.totals["tokens"] += len(result.tokens)
-        for kind, count in tally.counts.items():
-            self.counts[kind] = self.counts.get(kind, 0) + count
-            kept = self.first.setdefault(kind, [])
-            for where in tally.first[kind]:
-                if len(kept) < readers.FIRST_KEPT:
-                    kept.append(self._where(where))
-        if tally.lines:
-            self.lines_before[unit_first] = self.lines_before.get(unit_first, 0) + tally.lines
-
-    def _where(self, where: tuple) -> str:
-        index, kind, number = where
-        path = self.inputs[index].path
-        if kind == "line":
-            return f"{path}:{self.lines_before.get(index, 0) + number}"
-        return f"{path} row {number}" if kind == "row" else path
-
-    def bad(self) -> int:
-        return sum(self.counts.get(k, 0) for k in readers.BAD)
-
-    def to_json(self) -> dict:
-        skipped = {k: {"count": self.counts.get(k, 0), "first": self.first.get(k, [])}
-                   for k in readers.SKIPS}
-        return {**self.totals, "skipped": skipped,
-                "invalid_utf8_replaced": {"count": self.counts.get("invalid_utf8", 0),
-                                          "first": self.first.get("invalid_utf8", [])}}
-
-    @classmethod
-    def from_json(cls, inputs, data: dict, lines_before: dict) -> Report:
-        report = cls(inputs)
-        report.totals = {k: data[k] for k in report.totals}
-        for kind, value in [*data["skipped"].items(),
-                            ("invalid_utf8", data["invalid_utf8_replaced"])]:
-            if value["count"]:
-                report.counts[kind] = value["count"]
-                report.first[kind] = list(value["first"])
-        report.lines_before = {int(k): v for k, v in lines_before.items()}
-        return report
-
-    def summary(self) -> str:
-        parts = [f"{self.totals['documents']:,} documents, {self.totals['tokens']:,} tokens"]
-        for kind in readers.SKIPS:
-            if self.counts.get(kind):
-                parts.append(f"skipped {self.counts[kind]:,} {kind.replace('_', ' ')} "
-                             f"(first: {self.first[kind][0]})")
-        if self.counts.get("invalid_utf8"):
-            parts.append(f"replaced invalid UTF-8 in {self.counts['invalid_utf8']:,} records "
-                         f"(first: {self.first['invalid_utf8'][0]})")
-        return "; ".join(parts)
-
-
-# --- writing shards ------------------------------------------------------------------------
-
-class ShardWriter:
-    """Appends unit results to shard `index` under temporary names; commit() renames the
-    tokens, then the index, then writes the shard record that marks it done."""
-
-    def __init__(self, directory: pathlib.Path, index: int, first_unit: int, dtype: str):
-        self.directory, self.index, self.dtype = directory, index, np.dtype(dtype)
-        self.names = fmt.shard_names(index)
-        self.tmp = directory / (self.names[0] + ".tmp")
-        self.file = open(self.tmp, "wb")
-        self.sha = hashlib.sha256()
-        self.lengths: list[np.ndarray] = []
-        self.num_tokens = 0
-        self.units = [first_unit, first_unit]
-        self.records_end = 0
-
-    def add(self, unit_index: int, result: UnitResult) -> None:
-        data = result.tokens.astype(self.dtype, copy=False).tobytes()
-        self.file.write(data)
-        self.sha.update(data)
-        self.lengths.append(result.lengths)
-        self.num_tokens += len(result.tokens)
-        self.units[1] = unit_index + 1
-
-    def commit(self, report: Report) -> dict:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        tokens_name, index_name, record_name = self.names
-        lengths = (np.concatenate(self.lengths) if self.lengths
-                   else np.empty(0, dtype=np.int64))
-        if self.num_tokens:
-            starts = np.cumsum(lengths) - lengths
-            with open(self.directory / (index_name + ".tmp"), "wb") as f:
-                np.save(f, np.stack([starts, lengths], axis=1).astype(np.int64))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(self.tmp, self.directory / tokens_name)
-            os.replace(self.directory / (index_name + ".tmp"), self.directory / index_name)
-        else:
-            self.tmp.unlink()
-        record = {"index": self.index, "units": self.units, "records_end": self.records_end,
-                  "tokens": tokens_name if self.num_tokens else None,
-                  "index_file": index_name if self.num_tokens else None,
-                  "num_tokens": self.num_tokens, "num_documents": int(len(lengths)),
-                  "sha256": self.sha.hexdigest(), "report": report.to_json(),
-                  "lines_before": {str(k): v for k, v in report.lines_before.items()}}
-        tmp = self.directory / (record_name + ".tmp")
-        tmp.write_text(json.dumps(record, sort_keys=True) + "\n")
-        os.replace(tmp, self.directory / record_name)
-        return record
-
-    def abandon(self) -> None:
-        """Frees what the unfinished shard took (on out-of-disk or an abort)."""
-        self.file.close()
-        for name in (self.names[0], self.names[1]):
-            (self.directory / (name + ".tmp")).unlink(missing_ok=True)
-
-
-def _committed(staging: pathlib.Path) -> list[dict]:
-    """Shard records 0..k-1 present in order (a gap ends the list); later leftovers go."""
-    records = []
-    while True:
-        path = staging / fmt.shard_names(len(records))[2]
-        if not path.is_file():
-            break
-        records.append(json.loads(path.read_text()))
-    for leftover in staging.glob("*.tmp"):
-        leftover.unlink()
-    index = len(records)
-    while any((staging / name).exists() for name in fmt.shard_names(index)):
-        for name in fmt.shard_names(index):
-            (staging / name).unlink(missing_ok=True)
-        index += 1
-    return records
-
 
 # --- the tokenizer -------------------------------------------------------------------------
 
@@ -524,7 +373,7 @@ def _check_bad(report: Report, limit: float, final: bool) -> None:
 
 def _process(plan: Plan, request: Request, tokenizer, staging: pathlib.Path,
              special: dict, dtype: str) -> tuple[list[dict], Report]:
-    records = _committed(staging)
+    records = committed(staging)
     start_unit = records[-1]["units"][1] if records else 0
     records_start = records[-1]["records_end"] if records else 0
     report = (Report.from_json(plan.inputs, records[-1]["report"], records[-1]["lines_before"])
@@ -588,7 +437,7 @@ def _manifest(plan: Plan, tokenizer, special: dict, dtype: str, shards: list[dic
     }
 
 
-def _write_json(path: pathlib.Path, value: dict) -> None:
+def write_json(path: pathlib.Path, value: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(json.dumps(value, indent=1, sort_keys=True) + "\n")
@@ -644,7 +493,7 @@ def prepare(request: Request) -> dict:
     try:
         staging.mkdir(parents=True, exist_ok=True)
         if not plan_file.is_file():
-            _write_json(plan_file, plan.identity)
+            write_json(plan_file, plan.identity)
         tokenizer = _tokenizer(plan, request, staging / fmt.TOKENIZER_DIR)
         dtype = fmt.dtype_for(tokenizer.vocab_size)
         special = _special_ids(tokenizer, request)
@@ -653,7 +502,7 @@ def prepare(request: Request) -> dict:
             raise DataError(f"the inputs hold no documents: {report.summary()}")
         manifest = _manifest(plan, tokenizer, special, dtype, shards, report, request)
         plan_file.unlink()  # the manifest says what was made; the plan was for resuming
-        _write_json(staging / fmt.MANIFEST, manifest)
+        write_json(staging / fmt.MANIFEST, manifest)
         _publish(staging, plan.out)
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -682,74 +531,3 @@ def _tokenizer_only(plan: Plan, request: Request) -> dict:
 
 
 # --- merging the parts of a multi-machine prepare -------------------------------------------
-
-def merge(directory) -> dict:
-    """One manifest over OUT/part-*-of-N (each a finished `--shard i/N` prepare): tokens are
-    not copied; the parts must agree on tokenizer, policy and dtype."""
-    directory = pathlib.Path(directory).expanduser()
-    parts = sorted(p for p in directory.glob("part-*-of-*") if p.is_dir()
-                   and not p.name.endswith(fmt.PARTIAL_SUFFIX))
-    if not parts:
-        raise DataError(f"--merge={directory}: no part-I-of-N directories in it")
-    total = int(parts[0].name.rsplit("-", 1)[1])
-    names = {p.name for p in parts}
-    missing = [f"part-{i:05d}-of-{total:05d}" for i in range(total)
-               if f"part-{i:05d}-of-{total:05d}" not in names
-               or not (directory / f"part-{i:05d}-of-{total:05d}" / fmt.MANIFEST).is_file()]
-    if missing:
-        raise DataError(f"--merge={directory}: {len(missing)} of {total} parts are not finished "
-                        f"(first: {missing[0]}); run their prepare first")
-    manifests = [json.loads((directory / f"part-{i:05d}-of-{total:05d}" / fmt.MANIFEST)
-                            .read_text()) for i in range(total)]
-    _check_parts(manifests)
-    first = manifests[0]
-    shards = [{**s, "tokens": f"part-{i:05d}-of-{total:05d}/{s['tokens']}" if s["tokens"]
-               else None, "index": f"part-{i:05d}-of-{total:05d}/{s['index']}" if s["index"]
-               else None} for i, m in enumerate(manifests) for s in m["shards"]]
-    policy = {"bos": first["policy"]["bos"], "eos": first["policy"]["eos"]}
-    merged = {**first,
-              "fingerprint": fmt.content_fingerprint(first["dtype"],
-                                                     first["tokenizer"]["fingerprint"], policy,
-                                                     shards),
-              "plan_id": hashlib.sha256("".join(m["plan_id"] for m in manifests).encode())
-              .hexdigest(),
-              "num_tokens": sum(m["num_tokens"] for m in manifests),
-              "num_documents": sum(m["num_documents"] for m in manifests),
-              "text_bytes": sum(m["text_bytes"] for m in manifests),
-              "sources": [s for m in manifests for s in m["sources"]],
-              "shards": shards,
-              "report": _merge_reports([m["report"] for m in manifests]),
-              "parts": total}
-    tokenizers_lib.copy_saved(directory / parts[0].name / fmt.TOKENIZER_DIR,
-                              directory / fmt.TOKENIZER_DIR)
-    _write_json(directory / fmt.MANIFEST, merged)
-    say(f"jaxtrain: merged {total} parts into {directory} ({merged['num_documents']:,} "
-        f"documents, {merged['num_tokens']:,} tokens)")
-    return merged
-
-
-def _check_parts(manifests: list[dict]) -> None:
-    first = manifests[0]
-    for i, m in enumerate(manifests[1:], start=1):
-        if m["tokenizer"]["fingerprint"] != first["tokenizer"]["fingerprint"]:
-            raise DataError(f"--merge: part {i} was prepared with tokenizer "
-                            f"{m['tokenizer']['fingerprint'][:12]}, part 0 with "
-                            f"{first['tokenizer']['fingerprint'][:12]}; prepare every part "
-                            "with one --tokenizer")
-        for key in ("dtype", "policy", "options"):
-            if m[key] != first[key]:
-                raise DataError(f"--merge: part {i} has {key} {m[key]} but part 0 has "
-                                f"{first[key]}; prepare every part with the same options")
-
-
-def _merge_reports(reports: list[dict]) -> dict:
-    merged = {k: sum(r[k] for r in reports) for k in ("records", "documents", "tokens",
-                                                      "text_bytes")}
-
-    def combine(values: list[dict]) -> dict:
-        first = [loc for v in values for loc in v["first"]][:readers.FIRST_KEPT]
-        return {"count": sum(v["count"] for v in values), "first": first}
-
-    merged["skipped"] = {k: combine([r["skipped"][k] for r in reports]) for k in readers.SKIPS}
-    merged["invalid_utf8_replaced"] = combine([r["invalid_utf8_replaced"] for r in reports])
-    return merged

@@ -1,0 +1,86 @@
+"""One manifest over the parts of a prepare split across machines (`jaxtrain prepare
+--merge OUT` after `--shard i/N` jobs): tokens are not copied, only referenced."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+
+from jaxtrain.data import dataset as fmt
+from jaxtrain.data import readers
+from jaxtrain.data import tokenizers as tokenizers_lib
+from jaxtrain.data.prepare import say, write_json
+from jaxtrain.errors import DataError
+
+
+def merge(directory) -> dict:
+    """One manifest over OUT/part-*-of-N (each a finished `--shard i/N` prepare): tokens are
+    not copied; the parts must agree on tokenizer, policy and dtype."""
+    directory = pathlib.Path(directory).expanduser()
+    parts = sorted(p for p in directory.glob("part-*-of-*") if p.is_dir()
+                   and not p.name.endswith(fmt.PARTIAL_SUFFIX))
+    if not parts:
+        raise DataError(f"--merge={directory}: no part-I-of-N directories in it")
+    total = int(parts[0].name.rsplit("-", 1)[1])
+    names = {p.name for p in parts}
+    missing = [f"part-{i:05d}-of-{total:05d}" for i in range(total)
+               if f"part-{i:05d}-of-{total:05d}" not in names
+               or not (directory / f"part-{i:05d}-of-{total:05d}" / fmt.MANIFEST).is_file()]
+    if missing:
+        raise DataError(f"--merge={directory}: {len(missing)} of {total} parts are not finished "
+                        f"(first: {missing[0]}); run their prepare first")
+    manifests = [json.loads((directory / f"part-{i:05d}-of-{total:05d}" / fmt.MANIFEST)
+                            .read_text()) for i in range(total)]
+    _check_parts(manifests)
+    first = manifests[0]
+    shards = [{**s, "tokens": f"part-{i:05d}-of-{total:05d}/{s['tokens']}" if s["tokens"]
+               else None, "index": f"part-{i:05d}-of-{total:05d}/{s['index']}" if s["index"]
+               else None} for i, m in enumerate(manifests) for s in m["shards"]]
+    policy = {"bos": first["policy"]["bos"], "eos": first["policy"]["eos"]}
+    merged = {**first,
+              "fingerprint": fmt.content_fingerprint(first["dtype"],
+                                                     first["tokenizer"]["fingerprint"], policy,
+                                                     shards),
+              "plan_id": hashlib.sha256("".join(m["plan_id"] for m in manifests).encode())
+              .hexdigest(),
+              "num_tokens": sum(m["num_tokens"] for m in manifests),
+              "num_documents": sum(m["num_documents"] for m in manifests),
+              "text_bytes": sum(m["text_bytes"] for m in manifests),
+              "sources": [s for m in manifests for s in m["sources"]],
+              "shards": shards,
+              "report": _merge_reports([m["report"] for m in manifests]),
+              "parts": total}
+    tokenizers_lib.copy_saved(directory / parts[0].name / fmt.TOKENIZER_DIR,
+                              directory / fmt.TOKENIZER_DIR)
+    write_json(directory / fmt.MANIFEST, merged)
+    say(f"jaxtrain: merged {total} parts into {directory} ({merged['num_documents']:,} "
+        f"documents, {merged['num_tokens']:,} tokens)")
+    return merged
+
+
+def _check_parts(manifests: list[dict]) -> None:
+    first = manifests[0]
+    for i, m in enumerate(manifests[1:], start=1):
+        if m["tokenizer"]["fingerprint"] != first["tokenizer"]["fingerprint"]:
+            raise DataError(f"--merge: part {i} was prepared with tokenizer "
+                            f"{m['tokenizer']['fingerprint'][:12]}, part 0 with "
+                            f"{first['tokenizer']['fingerprint'][:12]}; prepare every part "
+                            "with one --tokenizer")
+        for key in ("dtype", "policy", "options"):
+            if m[key] != first[key]:
+                raise DataError(f"--merge: part {i} has {key} {m[key]} but part 0 has "
+                                f"{first[key]}; prepare every part with the same options")
+
+
+def _merge_reports(reports: list[dict]) -> dict:
+    merged = {k: sum(r[k] for r in reports) for k in ("records", "documents", "tokens",
+                                                      "text_bytes")}
+
+    def combine(values: list[dict]) -> dict:
+        first = [loc for v in values for loc in v["first"]][:readers.FIRST_KEPT]
+        return {"count": sum(v["count"] for v in values), "first": first}
+
+    merged["skipped"] = {k: combine([r["skipped"][k] for r in reports]) for k in readers.SKIPS}
+    merged["invalid_utf8_replaced"] = combine([r["invalid_utf8_replaced"] for r in reports])
+    return merged

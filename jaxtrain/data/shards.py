@@ -1,0 +1,168 @@
+"""The staged shards of a prepare (jaxtrain.data.prepare): a unit's tokenized result, the
+counts over all units with where bad input was first seen, and the writer that commits a
+shard by renaming its tokens, then its index, then writing the record that marks it done
+(so that a rerun keeps exactly the shards whose record exists)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+
+import numpy as np
+
+from jaxtrain.data import dataset as fmt
+from jaxtrain.data import readers
+
+
+@dataclasses.dataclass
+class UnitResult:
+    tokens: np.ndarray
+    lengths: np.ndarray  # tokens of each kept document, in order
+    tally: readers.Tally
+    size: int  # input bytes, for the progress bar
+
+
+class Report:
+    """Counts over the whole prepare, with the first locations of each kind of bad input as
+    'path:line' / 'path row N' / 'path'."""
+
+    def __init__(self, inputs: list[readers.Input]):
+        self.inputs = inputs
+        self.totals = {"records": 0, "documents": 0, "tokens": 0, "text_bytes": 0}
+        self.counts: dict[str, int] = {}
+        self.first: dict[str, list[str]] = {}
+        self.lines_before: dict[int, int] = {}  # lines of each line-based input already read
+
+    def add(self, unit_first: int, result: UnitResult) -> None:
+        tally = result.tally
+        self.totals["records"] += tally.records
+        self.totals["documents"] += tally.documents
+        self.totals["text_bytes"] += tally.text_bytes
+        self.totals["tokens"] += len(result.tokens)
+        for kind, count in tally.counts.items():
+            self.counts[kind] = self.counts.get(kind, 0) + count
+            kept = self.first.setdefault(kind, [])
+            for where in tally.first[kind]:
+                if len(kept) < readers.FIRST_KEPT:
+                    kept.append(self._where(where))
+        if tally.lines:
+            self.lines_before[unit_first] = self.lines_before.get(unit_first, 0) + tally.lines
+
+    def _where(self, where: tuple) -> str:
+        index, kind, number = where
+        path = self.inputs[index].path
+        if kind == "line":
+            return f"{path}:{self.lines_before.get(index, 0) + number}"
+        return f"{path} row {number}" if kind == "row" else path
+
+    def bad(self) -> int:
+        return sum(self.counts.get(k, 0) for k in readers.BAD)
+
+    def to_json(self) -> dict:
+        skipped = {k: {"count": self.counts.get(k, 0), "first": self.first.get(k, [])}
+                   for k in readers.SKIPS}
+        return {**self.totals, "skipped": skipped,
+                "invalid_utf8_replaced": {"count": self.counts.get("invalid_utf8", 0),
+                                          "first": self.first.get("invalid_utf8", [])}}
+
+    @classmethod
+    def from_json(cls, inputs, data: dict, lines_before: dict) -> Report:
+        report = cls(inputs)
+        report.totals = {k: data[k] for k in report.totals}
+        for kind, value in [*data["skipped"].items(),
+                            ("invalid_utf8", data["invalid_utf8_replaced"])]:
+            if value["count"]:
+                report.counts[kind] = value["count"]
+                report.first[kind] = list(value["first"])
+        report.lines_before = {int(k): v for k, v in lines_before.items()}
+        return report
+
+    def summary(self) -> str:
+        parts = [f"{self.totals['documents']:,} documents, {self.totals['tokens']:,} tokens"]
+        for kind in readers.SKIPS:
+            if self.counts.get(kind):
+                parts.append(f"skipped {self.counts[kind]:,} {kind.replace('_', ' ')} "
+                             f"(first: {self.first[kind][0]})")
+        if self.counts.get("invalid_utf8"):
+            parts.append(f"replaced invalid UTF-8 in {self.counts['invalid_utf8']:,} records "
+                         f"(first: {self.first['invalid_utf8'][0]})")
+        return "; ".join(parts)
+
+
+class ShardWriter:
+    """Appends unit results to shard `index` under temporary names; commit() renames the
+    tokens, then the index, then writes the shard record that marks it done."""
+
+    def __init__(self, directory: pathlib.Path, index: int, first_unit: int, dtype: str):
+        self.directory, self.index, self.dtype = directory, index, np.dtype(dtype)
+        self.names = fmt.shard_names(index)
+        self.tmp = directory / (self.names[0] + ".tmp")
+        self.file = open(self.tmp, "wb")
+        self.sha = hashlib.sha256()
+        self.lengths: list[np.ndarray] = []
+        self.num_tokens = 0
+        self.units = [first_unit, first_unit]
+        self.records_end = 0
+
+    def add(self, unit_index: int, result: UnitResult) -> None:
+        data = result.tokens.astype(self.dtype, copy=False).tobytes()
+        self.file.write(data)
+        self.sha.update(data)
+        self.lengths.append(result.lengths)
+        self.num_tokens += len(result.tokens)
+        self.units[1] = unit_index + 1
+
+    def commit(self, report: Report) -> dict:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        tokens_name, index_name, record_name = self.names
+        lengths = (np.concatenate(self.lengths) if self.lengths
+                   else np.empty(0, dtype=np.int64))
+        if self.num_tokens:
+            starts = np.cumsum(lengths) - lengths
+            with open(self.directory / (index_name + ".tmp"), "wb") as f:
+                np.save(f, np.stack([starts, lengths], axis=1).astype(np.int64))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(self.tmp, self.directory / tokens_name)
+            os.replace(self.directory / (index_name + ".tmp"), self.directory / index_name)
+        else:
+            self.tmp.unlink()
+        record = {"index": self.index, "units": self.units, "records_end": self.records_end,
+                  "tokens": tokens_name if self.num_tokens else None,
+                  "index_file": index_name if self.num_tokens else None,
+                  "num_tokens": self.num_tokens, "num_documents": int(len(lengths)),
+                  "sha256": self.sha.hexdigest(), "report": report.to_json(),
+                  "lines_before": {str(k): v for k, v in report.lines_before.items()}}
+        tmp = self.directory / (record_name + ".tmp")
+        tmp.write_text(json.dumps(record, sort_keys=True) + "\n")
+        os.replace(tmp, self.directory / record_name)
+        return record
+
+    def abandon(self) -> None:
+        """Frees what the unfinished shard took (on out-of-disk or an abort)."""
+        self.file.close()
+        for name in (self.names[0], self.names[1]):
+            (self.directory / (name + ".tmp")).unlink(missing_ok=True)
+
+
+def committed(staging: pathlib.Path) -> list[dict]:
+    """Shard records 0..k-1 present in order (a gap ends the list); later leftovers go."""
+    records = []
+    while True:
+        path = staging / fmt.shard_names(len(records))[2]
+        if not path.is_file():
+            break
+        records.append(json.loads(path.read_text()))
+    for leftover in staging.glob("*.tmp"):
+        leftover.unlink()
+    index = len(records)
+    while any((staging / name).exists() for name in fmt.shard_names(index)):
+        for name in fmt.shard_names(index):
+            (staging / name).unlink(missing_ok=True)
+        index += 1
+    return records
