@@ -2,6 +2,7 @@
 plan/memory_fit.json, one set per compiler.
 
     python scripts/fit_memory.py [--source cpu|tpu] [--fit] [--write] [--markdown]
+    python scripts/fit_memory.py --holdout K [--source cpu|tpu]   # cross-validation
 
 The stored rows come from scripts/memory_check.py --update (XLA:CPU: the test grid, the
 shipped configs, the published layouts) and scripts/tpu_aot_check.py --plan ... --update
@@ -122,6 +123,24 @@ def report(rows: list[dict], k: memory.Factors, markdown: bool) -> tuple[list[st
     return outside, [round(min(ratios), 3), round(max(ratios), 3), len(ratios)]
 
 
+def holdout(rows: list[dict], start: memory.Factors, fallback: memory.Factors,
+            folds: int) -> None:
+    """K-fold cross-validation: each row's estimate / XLA with factors fitted on the other
+    folds (row i in fold i mod K, rows in case order): how far the estimate can be trusted
+    on a layout it was not fitted on."""
+    held = []
+    for f in range(folds):
+        train = [r for i, r in enumerate(rows) if i % folds != f]
+        k = fit(train, start, fallback)
+        for r in rows[f::folds]:
+            held.append((r["case"], memory_fit.estimate(r, k) / r["compiled_bytes"]))
+            print(f"fold {f}: {held[-1][0]:48s} {held[-1][1]:6.3f}", flush=True)
+    ratios = [x for _, x in held]
+    inside = sum(memory_fit.within(x) for x in ratios)
+    print(f"held out ({folds} folds): {min(ratios):.3f}–{max(ratios):.3f}, "
+          f"{inside} of {len(ratios)} within ±15%")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", choices=("cpu", "tpu"), action="append")
@@ -130,6 +149,8 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="store the factors (with "
                         "--fit) and the rows' spread, which plans quote")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--holdout", type=int, metavar="K", help="cross-validate the fit "
+                        "over K folds of the rows instead (≈K× a fit's time)")
     args = parser.parse_args()
     data = memory_fit.load()
     outside = []
@@ -138,6 +159,9 @@ def main() -> None:
         if not rows:
             continue
         k = memory.Factors(**data["factors"][source])
+        if args.holdout:
+            holdout(rows, k, memory.Factors(**data["factors"]["cpu"]), args.holdout)
+            continue
         if args.fit:
             k = fit(rows, k, memory.Factors(**data["factors"]["cpu"]))
         print(f"\n{source}: {len(rows)} compiled steps; factors {dataclasses.asdict(k)}")
