@@ -124,7 +124,7 @@ def report(rows: list[dict], k: memory.Factors, markdown: bool) -> tuple[list[st
 
 
 def holdout(rows: list[dict], start: memory.Factors, fallback: memory.Factors,
-            folds: int) -> None:
+            folds: int) -> list:
     """K-fold cross-validation: each row's estimate / XLA with factors fitted on the other
     folds (row i in fold i mod K, rows in case order): how far the estimate can be trusted
     on a layout it was not fitted on."""
@@ -139,6 +139,7 @@ def holdout(rows: list[dict], start: memory.Factors, fallback: memory.Factors,
     inside = sum(memory_fit.within(x) for x in ratios)
     print(f"held out ({folds} folds): {min(ratios):.3f}–{max(ratios):.3f}, "
           f"{inside} of {len(ratios)} within ±15%")
+    return [round(min(ratios), 3), round(max(ratios), 3), folds]
 
 
 def main() -> None:
@@ -147,7 +148,8 @@ def main() -> None:
     parser.add_argument("--fit", action="store_true", help="fit the factors (default: "
                         "report the rows with the stored ones)")
     parser.add_argument("--write", action="store_true", help="store the factors (with "
-                        "--fit) and the rows' spread, which plans quote")
+                        "--fit) and the rows' spread, or the held-out spread (with "
+                        "--holdout): plans quote both")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--holdout", type=int, metavar="K", help="cross-validate the fit "
                         "over K folds of the rows instead (≈K× a fit's time)")
@@ -160,7 +162,8 @@ def main() -> None:
             continue
         k = memory.Factors(**data["factors"][source])
         if args.holdout:
-            holdout(rows, k, memory.Factors(**data["factors"]["cpu"]), args.holdout)
+            data.setdefault("holdout", {})[source] = holdout(
+                rows, k, memory.Factors(**data["factors"]["cpu"]), args.holdout)
             continue
         if args.fit:
             k = fit(rows, k, memory.Factors(**data["factors"]["cpu"]))

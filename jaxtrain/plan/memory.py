@@ -108,13 +108,17 @@ def uncertainty(platform: str) -> str:
     """How close the estimate came to the compiler on the steps its factors were fitted on
     (plan/memory_fit.json's spread, scripts/fit_memory.py --write), in a plan's words."""
     with open(FIT_FILE) as f:
-        spread = json.load(f)["spread"]
+        data = json.load(f)
     source = "tpu" if platform == "tpu" else "cpu"
-    low, high, rows = spread[source]
+    low, high, rows = data["spread"][source]
     compiler = "libtpu (TPU AOT)" if source == "tpu" else "XLA:CPU"
-    note = "; GPUs use the CPU factors, no GPU compile here" if platform == "gpu" else ""
-    return (f"estimate / XLA {low:.2f}–{high:.2f} on {rows} {compiler} compiled steps"
-            f"{note}")
+    text = f"estimate / XLA {low:.2f}–{high:.2f} on {rows} {compiler} compiled steps"
+    if source in data.get("holdout", {}):  # scripts/fit_memory.py --holdout K --write
+        low, high, folds = data["holdout"][source]
+        text += f" ({low:.2f}–{high:.2f} held out, {folds}-fold)"
+    if platform == "gpu":
+        text += "; GPUs use the CPU factors, no GPU compile here"
+    return text
 
 
 def factors_for(platform: str) -> Factors:
