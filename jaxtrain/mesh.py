@@ -126,9 +126,11 @@ def _check_context(c, size: int) -> None:
     # The kernel tiles each run by its largest divisor of at most 128 queries
     # (models/context_attention.py _tile): a long run with none of 16 or more would loop
     # over tiles of a few positions (a prime run: one).
-    if run > 128 and run % 16:
+    tile = max(n for n in range(1, min(run, 128) + 1) if run % n == 0)
+    if tile < min(run, 16):
         fail("model.seq_len", m.seq_len, f"leaves runs of {run} positions per context "
-             "chunk; a run longer than 128 must be a multiple of 16 (the kernel's tiles)")
+             f"chunk, whose largest divisor up to 128 is {tile}: the attention would run in "
+             f"tiles of {tile}; pick a length whose run has a divisor in 16..128")
     tensor = c.mesh.tensor * c.mesh.dcn_tensor
     if c.mesh.sequence_parallel and tensor > 0 and m.seq_len % (size * tensor):
         fail("model.seq_len", m.seq_len, f"must be divisible by mesh.context×mesh.tensor="

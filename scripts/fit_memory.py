@@ -74,9 +74,12 @@ def fit(rows: list[dict], start: memory.Factors, fallback: memory.Factors) -> me
     def estimates(k: memory.Factors) -> list[float]:
         return [memory_fit.estimate(r, k, c) for r, c in zip(rows, configs)]
 
-    base = estimates(start)
+    # Whether a factor moves any row is asked where both peak phases count (with no overlap
+    # the smaller phase's factors would look unused and stay at fallback's values).
+    probe = dataclasses.replace(start, phase_overlap=0.5)
+    base = estimates(probe)
     names = [n for n in BOUNDS
-             if estimates(dataclasses.replace(start, **{n: getattr(start, n) + 0.5})) != base]
+             if estimates(dataclasses.replace(probe, **{n: getattr(probe, n) + 0.5})) != base]
     start = dataclasses.replace(start, **{n: getattr(fallback, n) for n in BOUNDS
                                           if n not in names})
     lo, hi = (np.array([BOUNDS[n][i] for n in names]) for i in (0, 1))
@@ -92,7 +95,7 @@ def fit(rows: list[dict], start: memory.Factors, fallback: memory.Factors) -> me
 
     rng = np.random.default_rng(0)
     best = None
-    for trial in range(STARTS):
+    for trial in range(STARTS):  # from the start given, then seeded random points
         x0 = np.array([getattr(start, n) for n in names]) if trial == 0 \
             else lo + rng.random(len(names)) * (hi - lo) / 2
         res = minimize(objective, x0, method="Nelder-Mead",
@@ -100,6 +103,12 @@ def fit(rows: list[dict], start: memory.Factors, fallback: memory.Factors) -> me
         if best is None or res.fun < best.fun:
             best = res
     return factors(best.x)
+
+
+def spread(ratios: list[float], count: int) -> list:
+    """[lowest, highest, count] as plan/memory_fit.json stores it (memory_fit.spread_bound)."""
+    return [memory_fit.spread_bound(min(ratios), -1), memory_fit.spread_bound(max(ratios), 1),
+            count]
 
 
 def report(rows: list[dict], k: memory.Factors, markdown: bool) -> tuple[list[str], list]:
@@ -120,18 +129,18 @@ def report(rows: list[dict], k: memory.Factors, markdown: bool) -> tuple[list[st
                   f"{r['compiled_bytes'] / 2**20:,.0f} | {ratio:.2f} |")
         else:
             print(f"{r['case']:48s} {r['devices']:3d} {ratio:6.3f}")
-    return outside, [round(min(ratios), 3), round(max(ratios), 3), len(ratios)]
+    return outside, spread(ratios, len(ratios))
 
 
-def holdout(rows: list[dict], start: memory.Factors, fallback: memory.Factors,
-            folds: int) -> list:
+def holdout(rows: list[dict], fallback: memory.Factors, folds: int) -> list:
     """K-fold cross-validation: each row's estimate / XLA with factors fitted on the other
-    folds (row i in fold i mod K, rows in case order): how far the estimate can be trusted
-    on a layout it was not fitted on."""
+    folds only (row i in fold i mod K, rows in case order; each fit starts from the default
+    factors, not from the stored ones, which have seen the held-out rows): how far the
+    estimate can be trusted on a layout it was not fitted on."""
     held = []
     for f in range(folds):
         train = [r for i, r in enumerate(rows) if i % folds != f]
-        k = fit(train, start, fallback)
+        k = fit(train, memory.Factors(), fallback)
         for r in rows[f::folds]:
             held.append((r["case"], memory_fit.estimate(r, k) / r["compiled_bytes"]))
             print(f"fold {f}: {held[-1][0]:48s} {held[-1][1]:6.3f}", flush=True)
@@ -139,7 +148,7 @@ def holdout(rows: list[dict], start: memory.Factors, fallback: memory.Factors,
     inside = sum(memory_fit.within(x) for x in ratios)
     print(f"held out ({folds} folds): {min(ratios):.3f}–{max(ratios):.3f}, "
           f"{inside} of {len(ratios)} within ±15%")
-    return [round(min(ratios), 3), round(max(ratios), 3), folds]
+    return spread(ratios, folds)
 
 
 def main() -> None:
@@ -154,6 +163,8 @@ def main() -> None:
     parser.add_argument("--holdout", type=int, metavar="K", help="cross-validate the fit "
                         "over K folds of the rows instead (≈K× a fit's time)")
     args = parser.parse_args()
+    if args.holdout is not None and args.holdout < 2:
+        parser.error(f"--holdout={args.holdout}: needs K ≥ 2 folds")
     data = memory_fit.load()
     outside = []
     for source in args.source or ("cpu", "tpu"):
@@ -161,12 +172,15 @@ def main() -> None:
         if not rows:
             continue
         k = memory.Factors(**data["factors"][source])
+        fallback = memory.Factors(**data["factors"]["cpu"]) if source == "tpu" \
+            else memory.Factors()
         if args.holdout:
-            data.setdefault("holdout", {})[source] = holdout(
-                rows, k, memory.Factors(**data["factors"]["cpu"]), args.holdout)
+            data.setdefault("holdout", {})[source] = holdout(rows, fallback, args.holdout)
             continue
         if args.fit:
-            k = fit(rows, k, memory.Factors(**data["factors"]["cpu"]))
+            k = fit(rows, k, fallback)
+            # The stored held-out spread was of the factors this replaces: rerun --holdout.
+            data.get("holdout", {}).pop(source, None)
         print(f"\n{source}: {len(rows)} compiled steps; factors {dataclasses.asdict(k)}")
         out, data.setdefault("spread", {})[source] = report(rows, k, args.markdown)
         outside += out

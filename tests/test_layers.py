@@ -154,14 +154,22 @@ EMBED_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", EMBED_LAYOUTS)
-def test_embedding_gradient_scattered_into_its_shard_equals_autodiff(layout, devices):
+def test_embedding_gradient_scattered_into_its_shard_equals_the_lookups(layout, devices,
+                                                                        monkeypatch):
     """models/embedding.py forms the table's gradient inside a shard_map, in the table's own
-    sharding: it must be the plain lookup's gradient, on every layout it takes."""
+    sharding (not by its autodiff fallback): it must be the lookup's gradient, every token's
+    output gradient added into its row, on every layout it takes."""
     from jax.sharding import NamedSharding
 
     from jaxtrain.config import MESH_AXES
     from jaxtrain.mesh import DEFAULT_RULES, active_rules, logical_to_spec, make_mesh
+    from jaxtrain.models import embedding
     from jaxtrain.models.embedding import TABLE, TOKENS, embed
+
+    traced = []
+    local_grad = embedding._local_grad
+    monkeypatch.setattr(embedding, "_local_grad", lambda *a, **kw: traced.append(1) or
+                        local_grad(*a, **kw))
 
     axes, sp = EMBED_LAYOUTS[layout]
     sizes = {a: axes.get(a, 1) for a in MESH_AXES}
@@ -185,6 +193,7 @@ def test_embedding_gradient_scattered_into_its_shard_equals_autodiff(layout, dev
         args = (put(table, TABLE), put(tokens, TOKENS), put(dout, (*TOKENS, None)))
         compiled = jax.jit(jax.value_and_grad(loss)).lower(*args).compile()
         value, grad = compiled(*args)
+    assert traced, "the autodiff fallback ran, not the sharded scatter"
     assert "all-to-all" in compiled.as_text() or not {"fsdp", "context"} & set(axes)
     np.testing.assert_allclose(value, (table[tokens] * dout).sum(), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(grad), want, atol=1e-5)

@@ -28,8 +28,8 @@ from jaxtrain.models.head_loss import chunk_size
 from jaxtrain.models.remat import REMATS
 
 F32 = 4
-# How close the estimate is to XLA's compiled figure (estimate / XLA), the bound its fit is
-# held to (plan/memory_fit.py: all but the rows it names).
+# How close the estimate is held to XLA's compiled figure (estimate / XLA) on every stored
+# compiled step (plan/memory_fit.py, tests/test_plan.py).
 TARGET = (0.85, 1.15)
 # The mesh axes parameters are sharded over only to be all-gathered before use (ZeRO-3):
 # fsdp, and context (mesh.py's rules).
@@ -66,7 +66,8 @@ class Factors:
     dots_working: float = 0.75
     # The share of a layer's full set of activations its backward pass holds as their
     # gradients, whatever the remat policy (without remat this is its whole working set:
-    # tests measured torchtitan's llama2-13b layout holding 5 GB in one layer's backward).
+    # XLA's live-range dump of torchtitan's llama2-13b layout shows 5.2 GB in one layer's
+    # backward, docs/planner.md).
     grad_working: float = 0.0
     # float32 [tokens, heads + kv_heads, head_dim] arrays while a layer's attention runs:
     # RoPE rotates q and k in float32 (models/rope.py), forward and backward.
@@ -97,34 +98,44 @@ FIT_FILE = os.path.join(os.path.dirname(__file__), "memory_fit.json")
 
 
 @functools.lru_cache(maxsize=1)
+def _fit_data() -> dict:
+    with open(FIT_FILE) as f:
+        return json.load(f)
+
+
 def fitted() -> dict[str, Factors]:
     """{'cpu': Factors, 'tpu': Factors} from plan/memory_fit.json."""
-    with open(FIT_FILE) as f:
-        data = json.load(f)
-    return {name: Factors(**values) for name, values in data["factors"].items()}
+    return {name: Factors(**values) for name, values in _fit_data()["factors"].items()}
+
+
+def compiler_of(platform: str) -> str:
+    """Whose fitted set a platform uses: TPU's own; XLA:CPU's for CPU and GPU."""
+    return "tpu" if platform == "tpu" else "cpu"
+
+
+def factors_for(platform: str) -> Factors:
+    """The fitted set a platform's estimate uses (compiler_of)."""
+    return fitted()[compiler_of(platform)]
 
 
 def uncertainty(platform: str) -> str:
-    """How close the estimate came to the compiler on the steps its factors were fitted on
-    (plan/memory_fit.json's spread, scripts/fit_memory.py --write), in a plan's words."""
-    with open(FIT_FILE) as f:
-        data = json.load(f)
-    source = "tpu" if platform == "tpu" else "cpu"
-    low, high, rows = data["spread"][source]
+    """How close the estimate came to the compiler on the steps its factors were fitted on,
+    and on the ones held out of the fit (plan/memory_fit.json, scripts/fit_memory.py
+    --write and --holdout K --write), in a plan's words."""
+    source, data = compiler_of(platform), _fit_data()
     compiler = "libtpu (TPU AOT)" if source == "tpu" else "XLA:CPU"
-    text = f"estimate / XLA {low:.2f}–{high:.2f} on {rows} {compiler} compiled steps"
-    if source in data.get("holdout", {}):  # scripts/fit_memory.py --holdout K --write
+    text = "estimate / XLA: "
+    if source in data.get("spread", {}):
+        low, high, rows = data["spread"][source]
+        text += f"{low:.2f}–{high:.2f} on {rows} {compiler} compiled steps"
+    else:
+        text += f"not measured against {compiler}"
+    if source in data.get("holdout", {}):
         low, high, folds = data["holdout"][source]
         text += f" ({low:.2f}–{high:.2f} held out, {folds}-fold)"
     if platform == "gpu":
         text += "; GPUs use the CPU factors, no GPU compile here"
     return text
-
-
-def factors_for(platform: str) -> Factors:
-    """The fitted set for a platform's compiler: TPU's own; CPU's for CPU and GPU."""
-    sets = fitted()
-    return sets["tpu"] if platform == "tpu" else sets["cpu"]
 
 
 def value_bytes(spec: ModelSpec, backend: str = "accelerator") -> int:

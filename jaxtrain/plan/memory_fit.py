@@ -12,6 +12,7 @@ every row within 15%; the scripts recompile them (CI runs the CPU set).
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import jax
@@ -31,6 +32,13 @@ SAME = 0.02
 def within(ratio: float) -> bool:
     """Whether an estimate / XLA ratio is within TARGET."""
     return TARGET[0] <= ratio <= TARGET[1]
+
+
+def spread_bound(ratio: float, side: int) -> float:
+    """A spread's bound as stored and quoted (memory.uncertainty): two decimals, rounded
+    outwards (side < 0: a low bound, down; else up), so that a quoted range never looks
+    tighter than the rows."""
+    return (math.floor if side < 0 else math.ceil)(ratio * 100) / 100
 
 
 def same_compiler() -> bool:
