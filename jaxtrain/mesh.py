@@ -18,6 +18,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.errors import ConfigError, fail
+from jaxtrain.parallel.context import MIN_TILE, QUERY_TILE, tile_size
 
 Rules = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
 LogicalAxes = Sequence["str | None"]
@@ -123,14 +124,14 @@ def _check_context(c, size: int) -> None:
             if c.mesh.context_load_balance else f"mesh.context={size}"
         fail("model.seq_len", m.seq_len, f"must divide into {how}")
     run = m.seq_len // runs
-    # The kernel tiles each run by its largest divisor of at most 128 queries
-    # (models/context_attention.py _tile): a long run with none of 16 or more would loop
-    # over tiles of a few positions (a prime run: one).
-    tile = max(n for n in range(1, min(run, 128) + 1) if run % n == 0)
-    if tile < min(run, 16):
+    # A long run with no divisor of MIN_TILE..QUERY_TILE would loop over tiles of a few
+    # positions (a prime run: one).
+    query_tile = tile_size(run, QUERY_TILE)
+    if query_tile < min(run, MIN_TILE):
         fail("model.seq_len", m.seq_len, f"leaves runs of {run} positions per context "
-             f"chunk, whose largest divisor up to 128 is {tile}: the attention would run in "
-             f"tiles of {tile}; pick a length whose run has a divisor in 16..128")
+             f"chunk, whose largest divisor up to {QUERY_TILE} is {query_tile}: the attention "
+             f"would run in tiles of {query_tile}; pick a length whose run has a divisor in "
+             f"{MIN_TILE}..{QUERY_TILE}")
     tensor = c.mesh.tensor * c.mesh.dcn_tensor
     if c.mesh.sequence_parallel and tensor > 0 and m.seq_len % (size * tensor):
         fail("model.seq_len", m.seq_len, f"must be divisible by mesh.context×mesh.tensor="

@@ -74,9 +74,10 @@ def fit(rows: list[dict], start: memory.Factors, fallback: memory.Factors) -> me
     def estimates(k: memory.Factors) -> list[float]:
         return [memory_fit.estimate(r, k, c) for r, c in zip(rows, configs)]
 
-    # Whether a factor moves any row is asked where both peak phases count (with no overlap
-    # the smaller phase's factors would look unused and stay at fallback's values).
-    probe = dataclasses.replace(start, phase_overlap=0.5)
+    # Whether a factor moves any row is asked mid-range, where every term counts (at the
+    # start a factor can hide another: with no phase overlap, the smaller phase's factors
+    # would look unused and stay at fallback's values).
+    probe = dataclasses.replace(start, **{n: sum(b) / 2 for n, b in BOUNDS.items()})
     base = estimates(probe)
     names = [n for n in BOUNDS
              if estimates(dataclasses.replace(probe, **{n: getattr(probe, n) + 0.5})) != base]
@@ -105,12 +106,6 @@ def fit(rows: list[dict], start: memory.Factors, fallback: memory.Factors) -> me
     return factors(best.x)
 
 
-def spread(ratios: list[float], count: int) -> list:
-    """[lowest, highest, count] as plan/memory_fit.json stores it (memory_fit.spread_bound)."""
-    return [memory_fit.spread_bound(min(ratios), -1), memory_fit.spread_bound(max(ratios), 1),
-            count]
-
-
 def report(rows: list[dict], k: memory.Factors, markdown: bool) -> tuple[list[str], list]:
     """Prints each row; returns those outside memory.TARGET, and the spread of estimate /
     XLA over the rows as memory.uncertainty reads it: [lowest, highest, rows]."""
@@ -129,7 +124,7 @@ def report(rows: list[dict], k: memory.Factors, markdown: bool) -> tuple[list[st
                   f"{r['compiled_bytes'] / 2**20:,.0f} | {ratio:.2f} |")
         else:
             print(f"{r['case']:48s} {r['devices']:3d} {ratio:6.3f}")
-    return outside, spread(ratios, len(ratios))
+    return outside, memory_fit.spread(ratios, len(ratios))
 
 
 def holdout(rows: list[dict], fallback: memory.Factors, folds: int) -> list:
@@ -137,18 +132,17 @@ def holdout(rows: list[dict], fallback: memory.Factors, folds: int) -> list:
     folds only (row i in fold i mod K, rows in case order; each fit starts from the default
     factors, not from the stored ones, which have seen the held-out rows): how far the
     estimate can be trusted on a layout it was not fitted on."""
-    held = []
+    ratios = []
     for f in range(folds):
         train = [r for i, r in enumerate(rows) if i % folds != f]
         k = fit(train, memory.Factors(), fallback)
         for r in rows[f::folds]:
-            held.append((r["case"], memory_fit.estimate(r, k) / r["compiled_bytes"]))
-            print(f"fold {f}: {held[-1][0]:48s} {held[-1][1]:6.3f}", flush=True)
-    ratios = [x for _, x in held]
+            ratios.append(memory_fit.estimate(r, k) / r["compiled_bytes"])
+            print(f"fold {f}: {r['case']:48s} {ratios[-1]:6.3f}", flush=True)
     inside = sum(memory_fit.within(x) for x in ratios)
     print(f"held out ({folds} folds): {min(ratios):.3f}–{max(ratios):.3f}, "
           f"{inside} of {len(ratios)} within ±15%")
-    return spread(ratios, folds)
+    return memory_fit.spread(ratios, folds)
 
 
 def main() -> None:

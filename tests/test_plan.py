@@ -174,8 +174,7 @@ def test_the_spread_plans_quote_is_the_stored_rows_own(source):
     ratios = [memory_fit.estimate(c) / c["compiled_bytes"]
               for (s, _), c in STORED.items() if s == source]
     low, high, rows = memory_fit.load()["spread"][source]
-    assert (low, high, rows) == (memory_fit.spread_bound(min(ratios), -1),
-                                 memory_fit.spread_bound(max(ratios), 1), len(ratios))
+    assert [low, high, rows] == memory_fit.spread(ratios, len(ratios))
     platform = "gpu" if source == "cpu" else source
     assert f"{low:.2f}–{high:.2f} on {rows} " in memory.uncertainty(platform)
 

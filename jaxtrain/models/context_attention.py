@@ -43,13 +43,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.mesh import logical_to_spec
 from jaxtrain.models import flash
-from jaxtrain.parallel.context import ContextSpec
+from jaxtrain.parallel.context import KEY_TILE, QUERY_TILE, ContextSpec, tile_size
 
 AXIS = "context"
-# Positions per tile: query tiles are folded with their R heads into R·QUERY_TILE rows, so
-# a score tile is [R·QUERY_TILE, KEY_TILE] float32 per (example, kv head).
-QUERY_TILE = 128
-KEY_TILE = 512
 
 
 def context_attention(q_BLHK, k_BLGK, v_BLGK, window: int | None, segments_BL,
@@ -110,12 +106,6 @@ def _attention_bwd(spec, window, rules, residuals, dout_BLHK):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _tile(length: int, limit: int) -> int:
-    """The largest divisor of a run's `length` that is at most `limit`."""
-    return next(length // n for n in range(1, length + 1)
-                if length % n == 0 and length // n <= limit)
-
-
 class _Device:
     """One device's view: its queries (grouped [B, G, R, T, K]), their row positions, the
     tile sizes, and the loops over (query tile, key tile) pairs of one visited block."""
@@ -129,7 +119,7 @@ class _Device:
         self.positions_T = self.table_CT[self.me]
         self.segments_BT = segments_BT
         run = t // spec.chunks_per_device
-        self.tq, self.tk = _tile(run, QUERY_TILE), _tile(run, KEY_TILE)
+        self.tq, self.tk = tile_size(run, QUERY_TILE), tile_size(run, KEY_TILE)
         self.nq, self.nk = t // self.tq, t // self.tk
 
     def grouped(self, x_BTHK):
@@ -341,7 +331,7 @@ def computed_scores(spec: ContextSpec, length: int, window: int | None = None) -
     the step waits on, as count_work measures it in the compiled step."""
     positions_CT = spec.slot_positions(length)
     run = positions_CT.shape[1] // spec.chunks_per_device
-    tq, tk = _tile(run, QUERY_TILE), _tile(run, KEY_TILE)
+    tq, tk = tile_size(run, QUERY_TILE), tile_size(run, KEY_TILE)
     work = np.zeros(spec.size, np.int64)
     for i in range(spec.size):
         for j in range(spec.size):

@@ -34,11 +34,11 @@ def within(ratio: float) -> bool:
     return TARGET[0] <= ratio <= TARGET[1]
 
 
-def spread_bound(ratio: float, side: int) -> float:
-    """A spread's bound as stored and quoted (memory.uncertainty): two decimals, rounded
-    outwards (side < 0: a low bound, down; else up), so that a quoted range never looks
-    tighter than the rows."""
-    return (math.floor if side < 0 else math.ceil)(ratio * 100) / 100
+def spread(ratios: list[float], count: int) -> list:
+    """[lowest, highest, count] of estimate / XLA ratios as plan/memory_fit.json stores them
+    and memory.uncertainty quotes them: two decimals, rounded outwards, so that a quoted
+    range never looks tighter than the rows."""
+    return [math.floor(min(ratios) * 100) / 100, math.ceil(max(ratios) * 100) / 100, count]
 
 
 def same_compiler() -> bool:
