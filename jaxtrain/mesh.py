@@ -18,7 +18,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.errors import ConfigError, fail
-from jaxtrain.parallel.context import MIN_TILE, QUERY_TILE, tile_size
 
 Rules = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
 LogicalAxes = Sequence["str | None"]
@@ -111,6 +110,21 @@ def _check_expert(c, size: int) -> None:
              "is 0); use mesh.data to split the batch of a dense model")
     if experts % size:
         fail("model.moe.num_experts", experts, f"must be divisible by mesh.expert={size}")
+
+
+# The context kernel (models/context_attention.py) visits a run in tiles of positions: query
+# tiles are folded with their R heads into R·QUERY_TILE rows, so a score tile is
+# [R·QUERY_TILE, KEY_TILE] float32 per (example, kv head). _check_context
+# refuses a run whose query tiles would fall under MIN_TILE positions.
+QUERY_TILE = 128
+KEY_TILE = 512
+MIN_TILE = 16
+
+
+def tile_size(length: int, limit: int) -> int:
+    """The largest divisor of a run's `length` that is at most `limit`: a tile's size."""
+    return next(length // n for n in range(1, length + 1)
+                if length % n == 0 and length // n <= limit)
 
 
 def _check_context(c, size: int) -> None:

@@ -41,9 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.mesh import logical_to_spec
+from jaxtrain.mesh import KEY_TILE, QUERY_TILE, logical_to_spec, tile_size
 from jaxtrain.models import flash
-from jaxtrain.parallel.context import KEY_TILE, QUERY_TILE, ContextSpec, tile_size
+from jaxtrain.parallel.context import ContextSpec
 
 AXIS = "context"
 

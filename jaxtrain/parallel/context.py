@@ -28,19 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 
 VARIANTS = ("auto", "allgather", "ring")
-# The context kernel (models/context_attention.py) visits a run in tiles of positions: query
-# tiles are folded with their R heads into R·QUERY_TILE rows, so a score tile is
-# [R·QUERY_TILE, KEY_TILE] float32 per (example, kv head). Config validation (mesh.py)
-# refuses a run whose query tiles would fall under MIN_TILE positions.
-QUERY_TILE = 128
-KEY_TILE = 512
-MIN_TILE = 16
-
-
-def tile_size(length: int, limit: int) -> int:
-    """The largest divisor of a run's `length` that is at most `limit`: a tile's size."""
-    return next(length // n for n in range(1, length + 1)
-                if length % n == 0 and length // n <= limit)
 
 
 @dataclasses.dataclass(frozen=True)

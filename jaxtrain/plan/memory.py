@@ -18,14 +18,13 @@ import os
 import jax
 from flax import nnx
 
-from jaxtrain.mesh import batch_shards, logical_to_spec
+from jaxtrain.mesh import KEY_TILE, QUERY_TILE, batch_shards, logical_to_spec
 from jaxtrain.models import ModelSpec, Transformer
 from jaxtrain.models.attention import KERNELS
 from jaxtrain.models.chunked_attention import looped
 from jaxtrain.models.chunked_loop import key_block
 from jaxtrain.models.head_loss import chunk_size
 from jaxtrain.models.remat import REMATS
-from jaxtrain.parallel.context import KEY_TILE, QUERY_TILE
 
 F32 = 4
 # How close the estimate is held to XLA's compiled figure (estimate / XLA) on every stored
