@@ -105,7 +105,8 @@ def test_bad_records_are_skipped_counted_and_located(tmp_path):
                                   max_bad_fraction=0.9))
     report = manifest["report"]
     skipped = {k: v["count"] for k, v in report["skipped"].items()}
-    assert skipped == {"malformed_json": 3, "missing_field": 6, "not_text": 3, "empty": 3}
+    assert skipped == {"malformed_json": 3, "missing_field": 6, "not_text": 3, "empty": 3,
+                       "hidden_files": 0, "binary_files": 0}
     # Line numbers count across the units a file was cut into (8 lines per copy + 1).
     assert report["skipped"]["malformed_json"]["first"] == [f"{path}:2", f"{path}:11",
                                                             f"{path}:20"]
@@ -161,8 +162,8 @@ def test_streamed_hugging_face_dataset(tmp_path):
     assert _documents(tmp_path / "out") == [t.encode() for t in texts]
 
 
-class _Crash(Exception):
-    pass
+class _Crash(BaseException):
+    """A kill or Ctrl-C: no `except Exception` sees it, so no failure is recorded."""
 
 
 def test_interrupted_prepare_resumes_to_the_same_bytes(corpus, tmp_path, monkeypatch):
@@ -210,7 +211,8 @@ def test_out_of_disk_keeps_the_previous_dataset(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(P.ShardWriter, "add", disk_full)
     with pytest.raises(DataError, match=r"out of disk space writing .*out.partial: the "
                                         r"previous dataset at .*out is intact"):
-        P.prepare(_request([root], tmp_path / "out", unit_bytes=1000, eos="no"))
+        P.prepare(_request([root], tmp_path / "out", unit_bytes=1000, eos="no",
+                           overwrite=True))
     assert PreparedDataset(tmp_path / "out").fingerprint == old["fingerprint"]
     assert not list((tmp_path / "out.partial").glob("*.tmp"))
 
@@ -278,3 +280,104 @@ def test_tokenizer_only_then_shared_by_every_part(corpus, tmp_path):
     in_order = texts[12:] + texts[:12]  # the directory's files sorted: docs.jsonl, text/
     for i in (0, 11, 12, 23):
         assert tokenizer.decode(ds.read(*ds.document(i))[:-1]) == in_order[i]
+
+
+def test_other_inputs_never_replace_a_complete_dataset(corpus, tmp_path, capsys):
+    root, _ = corpus
+    out = tmp_path / "out"
+    first = P.prepare(_request([root / "text"], out))
+    inputs = rf"{root / 'text' / '00.txt'}, {root / 'text' / '01.txt'} and 10 more"
+    with pytest.raises(DataError, match=rf"--out={out} already holds a dataset prepared from "
+                                        rf"other inputs \({inputs}; fingerprint "
+                                        rf"{first['fingerprint'][:12]}\): give --overwrite"):
+        P.prepare(_request([root / "docs.jsonl"], out))
+    with pytest.raises(DataError, match=r"prepared from these inputs with other options or "
+                                        r"another tokenizer"):
+        P.prepare(_request([root / "text"], out, eos="no"))
+    argv = [str(root / "docs.jsonl"), "--out", str(out), "--tokenizer", "bytes", "--no-progress"]
+    capsys.readouterr()
+    assert command.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("jaxtrain: error: --out=") and len(err) == 1, err
+    assert PreparedDataset(out).fingerprint == first["fingerprint"]
+    assert not (tmp_path / "out.partial").exists()
+    assert P.prepare(_request([root / "text"], out)) == first  # the same command: a no-op
+    assert command.main(argv + ["--overwrite"]) == 0
+    assert PreparedDataset(out).manifest["sources"][0]["path"] == str(root / "docs.jsonl")
+
+
+def _repository(tmp_path) -> pathlib.Path:
+    """A small git checkout: sources, hidden files and directories, and binary files."""
+    repo = tmp_path / "repo"
+    (repo / ".git" / "objects").mkdir(parents=True)
+    (repo / "src").mkdir()
+    (repo / "README.md").write_text("read me\n")
+    (repo / "src" / "main.py").write_text("print('hi')\n")
+    (repo / ".gitignore").write_text("*.pyc\n")
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (repo / ".git" / "objects" / "ab").write_bytes(b"x\x01blob 10\0hello")
+    (repo / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" + bytes(range(256)))
+    (repo / "koi8.txt").write_bytes("Привет, мир! ".encode("koi8_r") * 20)  # 69% not UTF-8
+    (repo / "latin1.txt").write_bytes("café crème\n".encode("latin-1"))  # 2 bytes of 11
+    return repo
+
+
+def test_directory_inputs_skip_hidden_and_binary_files(tmp_path, capsys):
+    repo = _repository(tmp_path)
+    manifest = P.prepare(_request([repo], tmp_path / "out"))
+    assert [s["path"] for s in manifest["sources"]] == [
+        str(repo / "README.md"), str(repo / "latin1.txt"), str(repo / "src" / "main.py")]
+    skipped = manifest["report"]["skipped"]
+    assert skipped["hidden_files"] == {"count": 3, "first": [f"{repo}/.git/",
+                                                             f"{repo}/.gitignore"]}
+    assert skipped["binary_files"] == {"count": 2, "first": [str(repo / "koi8.txt"),
+                                                             str(repo / "logo.png")]}
+    err = capsys.readouterr().err
+    assert (f"skipped 3 hidden files (first: {repo}/.git/, {repo}/.gitignore); skipped 2 "
+            f"binary files (first: {repo}/koi8.txt, {repo}/logo.png)") in err
+    # A file named on its own is taken whatever its name; binary ones are still skipped.
+    named = P.make_plan(_request([repo / ".gitignore", repo / "logo.png"], tmp_path / "x"))
+    assert [i.path for i in named.inputs] == [str(repo / ".gitignore")]
+    everything = P.make_plan(_request([repo], tmp_path / "x", include_hidden=True,
+                                      include_binary=True))
+    assert len(everything.inputs) == 8
+    assert [count for count, _ in everything.skipped.values()] == [0, 0]
+    assert command.main([str(repo), "--out", str(tmp_path / "all"), "--tokenizer", "bytes",
+                         "--include-hidden", "--include-binary", "--no-progress"]) == 0
+    assert PreparedDataset(tmp_path / "all").num_documents == 8
+
+
+def test_a_lone_surrogate_is_replaced_and_counted(tmp_path):
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"text": "ok one"}\n{"text": "bad \\ud800 here"}\n{"text": "ok two"}\n')
+    for name, tokenizer in (("bytes", {}), ("bpe", {"tokenizer": None, "train_tokenizer": 300})):
+        manifest = P.prepare(_request([path], tmp_path / name, **tokenizer))
+        assert manifest["report"]["invalid_utf8_replaced"] == {"count": 1, "first": [f"{path}:2"]}
+        assert not (tmp_path / f"{name}.partial").exists()
+    assert _documents(tmp_path / "bytes") == [b"ok one", "bad \ufffd here".encode(), b"ok two"]
+
+
+def test_a_missing_field_names_the_fields_records_have(tmp_path, capsys):
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "content": "x"}) + "\n" for i in range(5)))
+    with pytest.raises(DataError, match=rf"5 of 5 records were unusable .*; the first record "
+                                        rf"without field 'text' \({path}:1\) has fields id, "
+                                        rf"content: name the text field with --field NAME"):
+        P.prepare(_request([path], tmp_path / "out"))
+    manifest = P.prepare(_request([path], tmp_path / "out", field="content"))
+    assert manifest["num_documents"] == 5
+
+
+def test_mostly_replaced_utf8_is_warned_about(tmp_path, capsys):
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b"".join(b'{"text": "caf\xe9 %d"}\n' % i for i in range(10)))
+    P.prepare(_request([latin], tmp_path / "out"))
+    err = capsys.readouterr().err
+    assert (f"jaxtrain: warning: 10 of 10 records (100.00%, over 1%) had invalid UTF-8 "
+            f"replaced by U+FFFD: is the input in another encoding? first: {latin}:1, "
+            f"{latin}:2, {latin}:3") in err
+    few = tmp_path / "few.jsonl"  # one record in 200 is noise, not another encoding
+    first_line = latin.read_bytes().splitlines(keepends=True)[0]
+    few.write_bytes(first_line + b"".join(b'{"text": "ok %d"}\n' % i for i in range(199)))
+    P.prepare(_request([few], tmp_path / "few_out"))
+    assert "warning" not in capsys.readouterr().err

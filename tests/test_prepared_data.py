@@ -203,3 +203,26 @@ def test_training_on_a_prepared_dataset_records_it_and_refuses_a_changed_one(tmp
                                         rf"was {re.escape(path)} \("):
         run(cfg, workdir, devices[:1])
     assert not (workdir / "checkpoints" / "4").exists()
+
+
+def test_a_mixture_member_whose_prepare_failed_says_what_failed(tmp_path):
+    good = _prepare(tmp_path, "good", _letters(LOWER))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("{not json\n" * 5 + '{"text": "fine"}\n' * 5)
+    bad = tmp_path / "bad"
+
+    def prepare(limit):
+        return P.prepare(P.Request(inputs=[str(broken)], out=str(bad), tokenizer="bytes",
+                                   progress=False, processes=1, max_bad_fraction=limit))
+
+    with pytest.raises(DataError, match="5 of 10 records were unusable"):
+        prepare(0.01)
+    with pytest.raises(DataError, match=rf"data.mixture entry {bad}={bad} is not a prepared "
+                                        rf"dataset \(no manifest.json\); its prepare failed "
+                                        rf"\({bad}.partial\): 5 of 10 records were unusable "
+                                        rf".*; fix that, then prepare it again") as e:
+        make_batches(_cfg(**{"data.mixture": f"{good}:1,{bad}:1"}))
+    assert "run the same prepare command" not in str(e.value) and "\n" not in str(e.value)
+    # Fixed (here: a higher limit, the same plan): the rerun resumes and the record goes.
+    assert prepare(0.6)["num_documents"] == 5
+    assert not (bad / "failed.json").exists() and PreparedDataset(bad).num_documents == 5

@@ -5,7 +5,8 @@
     jaxtrain prepare --hf-dataset NAME --out DIR ...
     jaxtrain prepare INPUT... --out DIR --shard I/N ...   then   jaxtrain prepare --merge DIR
 
-INPUTs are files, directories (every file below) or globs (quote them; `**` recurses). The
+INPUTs are files, directories (every file below but hidden ones) or globs (quote them; `**`
+recurses); binary files are left out (--include-hidden, --include-binary take them). The
 format comes from the name (.jsonl/.ndjson/.json[.gz]: JSON Lines, .parquet: Parquet, a
 `save_to_disk` directory: a Hugging Face dataset, anything else: text) or --format. Also
 `python -m jaxtrain.commands.prepare`. docs/data.md has the details.
@@ -46,6 +47,11 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--stdlib", action="store_true", help="add the built-in corpus's files "
                      "(this Python's standard library .py files)")
     src.add_argument("--format", default="auto", help="auto, text, jsonl, parquet, hf")
+    src.add_argument("--include-hidden", action="store_true", help="also take the files of "
+                     "an input directory whose path below it has a name starting with '.' "
+                     "(.git/, .env), and let globs match such names")
+    src.add_argument("--include-binary", action="store_true", help="also take text-format "
+                     "files whose first 8 KiB hold a NUL byte or are mostly not UTF-8")
     src.add_argument("--field", default="text", help="the text field of JSON/Parquet/datasets")
     src.add_argument("--text-unit", default="file", help="text files: one document per file "
                      "(file) or per line (line)")
@@ -66,7 +72,8 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--max-bad-fraction", type=float, default=0.01,
                      help="abort when more than this fraction of records are unusable")
     out.add_argument("--overwrite", action="store_true",
-                     help="prepare again even if --out already holds this dataset")
+                     help="prepare again even if --out already holds this dataset, and "
+                     "replace one prepared from other inputs or options")
     run = p.add_argument_group("running")
     run.add_argument("--processes", type=int, default=0, help="worker processes (0: one per "
                      "CPU)")
@@ -90,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             inputs=inputs, out=args.out, tokenizer=args.tokenizer,
             train_tokenizer=args.train_tokenizer, tokenizer_only=args.tokenizer_only,
             field=args.field, format=args.format, text_unit=args.text_unit,
+            include_hidden=args.include_hidden, include_binary=args.include_binary,
             hf_dataset=args.hf_dataset, hf_config=args.hf_config, split=args.split,
             bos=args.bos, eos=args.eos, processes=args.processes, shard=args.shard,
             tokens_per_file=args.tokens_per_file, unit_bytes=args.unit_bytes,

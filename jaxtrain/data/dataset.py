@@ -27,6 +27,7 @@ FORMAT = "jaxtrain-prepared-v1"
 MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 PARTIAL_SUFFIX = ".partial"
+FAILED = "failed.json"  # in DIR.partial: the error that stopped its prepare
 
 
 def shard_names(index: int) -> tuple[str, str, str]:
@@ -47,6 +48,20 @@ def content_fingerprint(dtype: str, tokenizer_fingerprint: str, policy: dict,
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
+def _unfinished(path: pathlib.Path) -> str:
+    """Why DIR has no manifest, as far as DIR.partial tells: a prepare that failed (then the
+    same command fails again), one that was interrupted, or none."""
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    if not partial.exists():
+        return "; make one with jaxtrain prepare"
+    try:
+        error = json.loads((partial / FAILED).read_text())["error"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return (f"; {partial} holds an unfinished prepare: run the same prepare command "
+                "again to finish it")
+    return f"; its prepare failed ({partial}): {error}; fix that, then prepare it again"
+
+
 class PreparedDataset:
     """Random access to the tokens and documents of a complete prepared dataset."""
 
@@ -54,11 +69,8 @@ class PreparedDataset:
         self.path = pathlib.Path(path).expanduser()
         manifest = self.path / MANIFEST
         if not manifest.is_file():
-            partial = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
-            hint = (f"; {partial} holds an unfinished prepare: run the same prepare command "
-                    "again to finish it" if partial.exists() else "; make one with jaxtrain "
-                    "prepare")
-            raise DataError(f"{what}={path} is not a prepared dataset (no {MANIFEST}){hint}")
+            raise DataError(f"{what}={path} is not a prepared dataset (no {MANIFEST})"
+                            f"{_unfinished(self.path)}")
         try:
             self.manifest = json.loads(manifest.read_text())
         except ValueError as e:

@@ -10,6 +10,8 @@ How it keeps its promises:
   continues at the first unit after them.
 - Never half-readable: the manifest is written last, then OUT.partial replaces OUT. Until
   then OUT (a previous complete dataset, if any) is untouched, including when the disk fills.
+  A complete OUT made from other inputs or options is replaced only with `overwrite`; a
+  prepare that fails leaves its error in OUT.partial/failed.json for whoever reads OUT next.
 - Parallel: units are tokenized by worker processes (spawned, each single-threaded), at most
   a few units in flight so memory stays bounded; the main process only writes.
 - Past one machine: `shard=(i, n)` prepares the i-th of n contiguous slices of the input
@@ -57,6 +59,8 @@ class Request:
     tokenizer_only: bool = False
     field: str = "text"
     format: str = "auto"
+    include_hidden: bool = False  # files and directories whose name starts with "."
+    include_binary: bool = False  # text files that readers.is_binary
     text_unit: str = "file"
     hf_dataset: str | None = None
     hf_config: str | None = None
@@ -87,6 +91,7 @@ class Plan:
     identity: dict  # what the output depends on; its hash names the plan
     streamed: bool = False
     tokenizer: tokenizers_lib.Tokenizer | None = None  # given (None: to be trained)
+    skipped: dict = dataclasses.field(default_factory=dict)  # files left out (discover)
 
     @property
     def plan_id(self) -> str:
@@ -140,12 +145,15 @@ def make_plan(r: Request) -> Plan:
     _check_request(r)
     options = readers.Options(field=r.field, text_unit=r.text_unit, split=r.split)
     out = pathlib.Path(r.out).expanduser()
-    streamed = False
+    streamed, skipped = False, {}
     if r.hf_dataset is not None and not readers.is_hf_saved(pathlib.Path(r.hf_dataset)):
         inputs = [readers.Input(r.hf_dataset, "hf-stream", 0)]
         streamed = True
     else:
-        inputs = readers.find_inputs(r.inputs or [r.hf_dataset], r.format)
+        inputs, skipped = readers.discover(r.inputs or [r.hf_dataset], r.format,
+                                           r.include_hidden, r.include_binary)
+        if r.shard is not None and r.shard[0] != 0:
+            skipped = {}  # every part finds the same ones: part 0 reports them, once
     if r.shard is not None:
         if streamed:
             raise DataError("--shard splits input files; a streamed dataset has none")
@@ -167,7 +175,7 @@ def make_plan(r: Request) -> Plan:
     else:  # what the tokenizer is, not where: a changed file at the same path is a new plan
         tokenizer = tokenizers_lib.load_tokenizer(r.tokenizer)
         identity["tokenizer"] = {"fingerprint": tokenizer.fingerprint()}
-    return Plan(inputs, units, options, out, identity, streamed, tokenizer)
+    return Plan(inputs, units, options, out, identity, streamed, tokenizer, skipped)
 
 
 # --- tokenizing a unit (runs in the workers) -------------------------------------------------
@@ -361,14 +369,15 @@ class _Progress:
         return self.tokens / max(time.perf_counter() - self.start, 1e-9)
 
 
-def _check_bad(report: Report, limit: float, final: bool) -> None:
+def _check_bad(report: Report, limit: float, final: bool, field: str) -> None:
     records, bad = report.totals["records"], report.bad()
     if not records or bad / records <= limit or (not final and records < 1000):
         return
     first = [loc for kind in readers.BAD for loc in report.first.get(kind, [])][:3]
+    hint = report.field_hint(field) or "fix the input or raise --max-bad-fraction"
     raise DataError(f"{bad:,} of {records:,} records were unusable ({bad / records:.2%}, over "
                     f"--max-bad-fraction={limit}): {report.summary()}; first: "
-                    f"{', '.join(first)}; fix the input or raise --max-bad-fraction")
+                    f"{', '.join(first)}; {hint}")
 
 
 def _process(plan: Plan, request: Request, tokenizer, staging: pathlib.Path,
@@ -377,7 +386,7 @@ def _process(plan: Plan, request: Request, tokenizer, staging: pathlib.Path,
     start_unit = records[-1]["units"][1] if records else 0
     records_start = records[-1]["records_end"] if records else 0
     report = (Report.from_json(plan.inputs, records[-1]["report"], records[-1]["lines_before"])
-              if records else Report(plan.inputs))
+              if records else Report(plan.inputs, plan.skipped))
     if records:
         say(f"jaxtrain: resuming {staging}: {len(records)} shard(s) done, continuing at unit "
             f"{start_unit}")
@@ -395,7 +404,7 @@ def _process(plan: Plan, request: Request, tokenizer, staging: pathlib.Path,
             writer.records_end = records_end
             report.add(plan.units[k].first if not plan.streamed else 0, result)
             progress.update(result, report.totals["documents"])
-            _check_bad(report, request.max_bad_fraction, final=False)
+            _check_bad(report, request.max_bad_fraction, False, request.field)
             if writer.num_tokens >= request.tokens_per_file:
                 records.append(writer.commit(report))
                 writer = None
@@ -406,8 +415,10 @@ def _process(plan: Plan, request: Request, tokenizer, staging: pathlib.Path,
         if writer is not None:
             writer.abandon()
         rate = progress.close()
-    _check_bad(report, request.max_bad_fraction, final=True)
+    _check_bad(report, request.max_bad_fraction, True, request.field)
     say(f"jaxtrain: {report.summary()} ({rate:,.0f} tokens/s)")
+    if report.replaced_warning():
+        say(f"jaxtrain: warning: {report.replaced_warning()}")
     return records, report
 
 
@@ -459,18 +470,35 @@ def _publish(staging: pathlib.Path, out: pathlib.Path) -> None:
 
 
 def _check_out(out: pathlib.Path, overwrite: bool, plan: Plan) -> dict | None:
-    """The existing manifest when OUT already holds this very dataset, else None; refuses
-    to replace a directory that is not a prepared dataset."""
+    """The existing manifest when OUT already holds this very dataset, else None (also with
+    `overwrite`); refuses to replace a directory that is not a prepared dataset, and,
+    without `overwrite`, a dataset prepared from other inputs or options."""
     if not out.exists():
         return None
     manifest = out / fmt.MANIFEST
     if not manifest.is_file():
         raise DataError(f"--out={out} exists and is not a prepared dataset; choose another "
                         "--out (nothing there is replaced)")
+    if overwrite:
+        return None
     existing = json.loads(manifest.read_text())
-    if existing.get("plan_id") == plan.plan_id and not overwrite:
+    if existing.get("plan_id") == plan.plan_id:
         return existing
-    return None
+    raise DataError(f"--out={out} already holds a dataset prepared from "
+                    f"{_made_from(existing, plan)}: give --overwrite to replace it, or choose "
+                    "another --out")
+
+
+def _made_from(existing: dict, plan: Plan) -> str:
+    """What the dataset at OUT was made from, said against this plan."""
+    sources = existing.get("sources", [])
+    fingerprint = f"fingerprint {str(existing.get('fingerprint'))[:12]}"
+    if [[s["path"], s["bytes"]] for s in sources] == [[i.path, i.size] for i in plan.inputs]:
+        return f"these inputs with other options or another tokenizer ({fingerprint})"
+    paths = [s["path"] for s in sources]
+    named = ", ".join(paths[:2]) + (f" and {len(paths) - 2:,} more" if len(paths) > 2 else "")
+    changed = ", whose sizes have changed since" if paths == [i.path for i in plan.inputs] else ""
+    return f"other inputs ({named or 'none'}{changed}; {fingerprint})"
 
 
 def prepare(request: Request) -> dict:
@@ -492,6 +520,7 @@ def prepare(request: Request) -> dict:
         shutil.rmtree(staging)
     try:
         staging.mkdir(parents=True, exist_ok=True)
+        (staging / fmt.FAILED).unlink(missing_ok=True)  # this attempt may well succeed
         if not plan_file.is_file():
             write_json(plan_file, plan.identity)
         tokenizer = _tokenizer(plan, request, staging / fmt.TOKENIZER_DIR)
@@ -504,18 +533,38 @@ def prepare(request: Request) -> dict:
         plan_file.unlink()  # the manifest says what was made; the plan was for resuming
         write_json(staging / fmt.MANIFEST, manifest)
         _publish(staging, plan.out)
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        previous = (f"the previous dataset at {plan.out} is intact" if plan.out.exists()
-                    else f"nothing was written to {plan.out}")
-        raise DataError(f"out of disk space writing {staging}: {previous}; the finished "
-                        f"shards stay in {staging}: free space and run the same command to "
-                        "continue") from None
+    except Exception as e:
+        error = _out_of_disk(e, staging, plan.out)
+        _note_failure(staging, error or e)
+        if error is not None:
+            raise error from None
+        raise
     say(f"jaxtrain: wrote {plan.out} ({manifest['num_documents']:,} documents, "
         f"{manifest['num_tokens']:,} tokens, {len(shards)} shard(s), fingerprint "
         f"{manifest['fingerprint'][:12]})")
     return manifest
+
+
+def _out_of_disk(e: Exception, staging: pathlib.Path, out: pathlib.Path) -> DataError | None:
+    if not isinstance(e, OSError) or e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    previous = (f"the previous dataset at {out} is intact" if out.exists()
+                else f"nothing was written to {out}")
+    return DataError(f"out of disk space writing {staging}: {previous}; the finished shards "
+                     f"stay in {staging}: free space and run the same command to continue")
+
+
+def _note_failure(staging: pathlib.Path, e: Exception) -> None:
+    """Leaves the error beside the unfinished work, so that a run pointed at OUT says what
+    failed rather than "run the same command again" (which would fail the same way)."""
+    if not staging.is_dir():
+        return
+    message = str(e) if isinstance(e, DataError) else f"{type(e).__name__}: {e}"
+    try:
+        write_json(staging / fmt.FAILED, {"error": message.splitlines()[0] if message else
+                                          type(e).__name__})
+    except OSError:  # e.g. the disk that is full: the error itself still reaches the user
+        pass
 
 
 def _tokenizer_only(plan: Plan, request: Request) -> dict:

@@ -7,8 +7,13 @@ the inputs and `unit_bytes`, never on how many processes read them, so the token
 the same however the work is spread.
 
 Bad input never stops a unit: malformed JSON lines, rows without the field, fields that are
-not text and empty documents are skipped and counted, invalid UTF-8 is replaced (U+FFFD) and
-counted; the first few of each, with file and line, go into the report.
+not text and empty documents are skipped and counted, invalid UTF-8 (and lone surrogates, which
+JSON can spell but UTF-8 cannot) is replaced (U+FFFD) and counted; the first few of each, with
+file and line, go into the report.
+
+Directories are walked without their hidden files and directories (`.git/`, `.env`), and text
+files that are binary (`is_binary`) are left out wherever they were named; both are counted
+with a few example paths (`discover`), and `include_hidden` / `include_binary` take them.
 """
 
 from __future__ import annotations
@@ -20,17 +25,26 @@ import io
 import json
 import os
 import pathlib
+import re
 from collections.abc import Iterator
 
 from jaxtrain.errors import DataError
 
 FORMATS = ("text", "jsonl", "parquet", "hf")
 TEXT_UNITS = ("file", "line")
-SKIPS = ("malformed_json", "missing_field", "not_text", "empty")
+FILE_SKIPS = ("hidden_files", "binary_files")  # input files left out, with example paths
+SKIPS = ("malformed_json", "missing_field", "not_text", "empty") + FILE_SKIPS
 BAD = ("malformed_json", "missing_field", "not_text")  # what --max-bad-fraction counts
 FIRST_KEPT = 5  # locations kept per kind of bad input
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+# A text file is binary when its first HEAD_BYTES hold a NUL byte (git's test) or more than
+# BINARY_INVALID of them are not UTF-8: "mostly", so that Latin-1 prose (a few % of its bytes)
+# is kept and replaced, while random bytes, images and UTF-16 go. The built-in corpus passes
+# whole: its most foreign file, a KOI8-R test module, is 42% not UTF-8.
+HEAD_BYTES = 8192
+BINARY_INVALID = 0.5
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,18 +94,27 @@ def is_hf_saved(path: pathlib.Path) -> bool:
     return path.is_dir() and any((path / m).is_file() for m in _HF_MARKERS)
 
 
-def find_inputs(patterns: list[str], fmt: str = "auto") -> list[Input]:
-    """Files named by paths, directories (every file below, sorted) and globs (`**`
-    recursive), in the order given; a saved Hugging Face dataset directory is one input."""
+def find_inputs(patterns: list[str], fmt: str = "auto", include_hidden: bool = False,
+                include_binary: bool = False) -> list[Input]:
+    return discover(patterns, fmt, include_hidden, include_binary)[0]
+
+
+def discover(patterns: list[str], fmt: str = "auto", include_hidden: bool = False,
+             include_binary: bool = False) -> tuple[list[Input], dict[str, list]]:
+    """Files named by paths, directories (every file below, sorted, hidden ones left out) and
+    globs (`**` recursive; Python's glob never matches hidden names), in the order given; a
+    saved Hugging Face dataset directory is one input. Binary text files are left out too.
+    Returns the inputs and, per kind of FILE_SKIPS, [count, first example paths]."""
     if fmt not in ("auto",) + FORMATS:
         raise DataError(f"--format={fmt} is invalid: valid values are auto, {', '.join(FORMATS)}")
     found, seen = [], set()
+    skipped = {kind: [0, []] for kind in FILE_SKIPS}
     for pattern in patterns:
         expanded = os.path.expanduser(pattern)
         if glob.has_magic(expanded):
-            matches = sorted(glob.glob(expanded, recursive=True))
+            matches = sorted(glob.glob(expanded, recursive=True, include_hidden=include_hidden))
         elif os.path.isdir(expanded) and not is_hf_saved(pathlib.Path(expanded)):
-            matches = sorted(str(p) for p in pathlib.Path(expanded).rglob("*") if p.is_file())
+            matches = _files_below(pathlib.Path(expanded), include_hidden, skipped)
         else:
             matches = [expanded]
         matches = [m for m in matches if not (os.path.isdir(m) and not is_hf_saved(
@@ -107,8 +130,54 @@ def find_inputs(patterns: list[str], fmt: str = "auto") -> list[Input]:
             seen.add(match)
             size = (sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
                     if path.is_dir() else path.stat().st_size)
-            found.append(Input(match, _format_of(path, fmt), size))
-    return found
+            item = Input(match, _format_of(path, fmt), size)
+            if item.format == "text" and not include_binary and is_binary(_head(match)):
+                _note_file(skipped, "binary_files", match)
+                continue
+            found.append(item)
+    return found, skipped
+
+
+def _note_file(skipped: dict, kind: str, example: str) -> None:
+    skipped[kind][0] += 1
+    if example not in skipped[kind][1] and len(skipped[kind][1]) < FIRST_KEPT:
+        skipped[kind][1].append(example)
+
+
+def _files_below(directory: pathlib.Path, include_hidden: bool, skipped: dict) -> list[str]:
+    """Every file below `directory`, sorted; those under a hidden name (relative to it) are
+    counted instead, each shown by its outermost hidden path (`repo/.git/`)."""
+    files = sorted(str(p) for p in directory.rglob("*") if p.is_file())
+    if include_hidden:
+        return files
+    kept = []
+    for file in files:
+        parts = pathlib.Path(file).relative_to(directory).parts
+        hidden = next((k for k, part in enumerate(parts) if part.startswith(".")), None)
+        if hidden is None:
+            kept.append(file)
+        else:
+            outer = str(directory.joinpath(*parts[:hidden + 1]))
+            _note_file(skipped, "hidden_files", outer + ("/" if hidden < len(parts) - 1 else ""))
+    return kept
+
+
+def _head(path: str) -> bytes:
+    """The first HEAD_BYTES of a file (decompressed for .gz); b"" when it cannot be read, so
+    that reading it later reports the problem as before."""
+    try:
+        with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
+            return f.read(HEAD_BYTES)
+    except (OSError, EOFError):
+        return b""
+
+
+def is_binary(head: bytes) -> bool:
+    """Whether the start of a file is binary rather than text (see BINARY_INVALID)."""
+    if b"\0" in head:
+        return True
+    valid = len(head.decode("utf-8", errors="ignore").encode("utf-8"))
+    return len(head) - valid > BINARY_INVALID * len(head)
 
 
 def plan_units(inputs: list[Input], options: Options, unit_bytes: int) -> list[Unit]:
@@ -175,8 +244,14 @@ class Tally:
     lines: int = 0  # lines read (line-based units), to number the lines of the next unit
     counts: dict = dataclasses.field(default_factory=dict)
     first: dict = dataclasses.field(default_factory=dict)
+    fields: list | None = None  # the keys of the first record without the field (a hint)
+    replaced_at: tuple | None = None  # the last record replaced: counted once, not per cause
 
     def note(self, kind: str, where: tuple) -> None:
+        if kind == "invalid_utf8":
+            if where == self.replaced_at:
+                return
+            self.replaced_at = where
         self.counts[kind] = self.counts.get(kind, 0) + 1
         kept = self.first.setdefault(kind, [])
         if len(kept) < FIRST_KEPT:
@@ -210,6 +285,20 @@ def _keep(text: str, docs: list[str], tally: Tally, where: tuple) -> None:
         return
     docs.append(text)
     tally.documents += 1
+
+
+def _encodable(text: str, tally: Tally, where: tuple) -> str:
+    """Text without lone surrogates: JSON spells them ("\\ud800", common in scraped data)
+    but UTF-8 and every tokenizer refuse them, so they are replaced and counted like invalid
+    UTF-8."""
+    if text.isascii():  # O(1) in CPython: most text costs nothing here
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        tally.note("invalid_utf8", where)
+        return _SURROGATE.sub("\ufffd", text)
+    return text
 
 
 def _decode(data: bytes, tally: Tally, where: tuple) -> str:
@@ -272,13 +361,19 @@ def _json_field(line: str, field: str, tally: Tally, where: tuple) -> str | None
         tally.note("malformed_json", where)
         return None
     if not isinstance(record, dict) or record.get(field) is None:
-        tally.note("missing_field", where)
+        _missing(record, field, tally, where)
         return None
     value = record[field]
     if not isinstance(value, str):
         tally.note("not_text", where)
         return None
-    return value
+    return _encodable(value, tally, where)
+
+
+def _missing(record, field: str, tally: Tally, where: tuple) -> None:
+    tally.note("missing_field", where)
+    if tally.fields is None and isinstance(record, dict) and field not in record:
+        tally.fields = [str(key) for key in record]
 
 
 def _field_value(value, tally: Tally, where: tuple) -> str | None:
@@ -290,7 +385,7 @@ def _field_value(value, tally: Tally, where: tuple) -> str | None:
     if not isinstance(value, str):
         tally.note("not_text", where)
         return None
-    return value
+    return _encodable(value, tally, where)
 
 
 _PARQUET_FILES: dict = {}
@@ -373,6 +468,9 @@ def read_stream_rows(rows, field: str, first_row: int, tally: Tally) -> list[str
         tally.records += 1
         where = (0, "row", row)
         value = record.get(field) if isinstance(record, dict) else None
+        if value is None:
+            _missing(record, field, tally, where)
+            continue
         text = _field_value(value, tally, where)
         if text is not None:
             _keep(text, docs, tally, where)

@@ -25,16 +25,23 @@ class UnitResult:
     size: int  # input bytes, for the progress bar
 
 
+REPLACED_WARNING = 0.01  # of the records: above it, a prepare warns about replaced UTF-8
+
+
 class Report:
     """Counts over the whole prepare, with the first locations of each kind of bad input as
     'path:line' / 'path row N' / 'path'."""
 
-    def __init__(self, inputs: list[readers.Input]):
+    def __init__(self, inputs: list[readers.Input], skipped_files: dict | None = None):
         self.inputs = inputs
         self.totals = {"records": 0, "documents": 0, "tokens": 0, "text_bytes": 0}
         self.counts: dict[str, int] = {}
         self.first: dict[str, list[str]] = {}
         self.lines_before: dict[int, int] = {}  # lines of each line-based input already read
+        self.fields: list[str] | None = None  # of the first record without the field
+        for kind, (count, examples) in (skipped_files or {}).items():  # readers.discover's
+            if count:
+                self.counts[kind], self.first[kind] = count, list(examples)
 
     def add(self, unit_first: int, result: UnitResult) -> None:
         tally = result.tally
@@ -50,6 +57,8 @@ class Report:
                     kept.append(self._where(where))
         if tally.lines:
             self.lines_before[unit_first] = self.lines_before.get(unit_first, 0) + tally.lines
+        if self.fields is None:
+            self.fields = tally.fields
 
     def _where(self, where: tuple) -> str:
         index, kind, number = where
@@ -64,6 +73,8 @@ class Report:
     def to_json(self) -> dict:
         skipped = {k: {"count": self.counts.get(k, 0), "first": self.first.get(k, [])}
                    for k in readers.SKIPS}
+        if self.fields is not None:
+            skipped["missing_field"]["fields"] = self.fields
         return {**self.totals, "skipped": skipped,
                 "invalid_utf8_replaced": {"count": self.counts.get("invalid_utf8", 0),
                                           "first": self.first.get("invalid_utf8", [])}}
@@ -78,18 +89,39 @@ class Report:
                 report.counts[kind] = value["count"]
                 report.first[kind] = list(value["first"])
         report.lines_before = {int(k): v for k, v in lines_before.items()}
+        report.fields = data["skipped"]["missing_field"].get("fields")
         return report
 
     def summary(self) -> str:
         parts = [f"{self.totals['documents']:,} documents, {self.totals['tokens']:,} tokens"]
         for kind in readers.SKIPS:
             if self.counts.get(kind):
+                shown = 3 if kind in readers.FILE_SKIPS else 1  # files: what was left out
                 parts.append(f"skipped {self.counts[kind]:,} {kind.replace('_', ' ')} "
-                             f"(first: {self.first[kind][0]})")
+                             f"(first: {', '.join(self.first[kind][:shown])})")
         if self.counts.get("invalid_utf8"):
             parts.append(f"replaced invalid UTF-8 in {self.counts['invalid_utf8']:,} records "
                          f"(first: {self.first['invalid_utf8'][0]})")
         return "; ".join(parts)
+
+    def field_hint(self, field: str) -> str | None:
+        """What to do when records lack the text field: the fields the first one has."""
+        if self.fields is None or not self.counts.get("missing_field"):
+            return None
+        where = self.first["missing_field"][0]
+        fields = ", ".join(self.fields[:10]) + (", ..." if len(self.fields) > 10 else "")
+        return (f"the first record without field {field!r} ({where}) has fields "
+                f"{fields or '(none)'}: name the text field with --field NAME")
+
+    def replaced_warning(self) -> str | None:
+        """A line when more than REPLACED_WARNING of the records needed UTF-8 replaced: the
+        input is probably in another encoding, and its text is being lost."""
+        records, replaced = self.totals["records"], self.counts.get("invalid_utf8", 0)
+        if not records or replaced <= REPLACED_WARNING * records:
+            return None
+        return (f"{replaced:,} of {records:,} records ({replaced / records:.2%}, over "
+                f"{REPLACED_WARNING:.0%}) had invalid UTF-8 replaced by U+FFFD: is the input in "
+                f"another encoding? first: {', '.join(self.first['invalid_utf8'][:3])}")
 
 
 class ShardWriter:
