@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxtrain.commands import prepare as command
+from jaxtrain.data import fingerprints
 from jaxtrain.data import prepare as P
 from jaxtrain.data.dataset import PreparedDataset
 from jaxtrain.data.merge import merge
@@ -146,6 +147,15 @@ def test_parquet_and_saved_hugging_face_datasets(tmp_path):
     assert _documents(tmp_path / "hf_out") == [t.encode() for t in texts]
     with pytest.raises(DataError, match="no column 'text' \\(--field\\); its columns are body"):
         P.prepare(_request([tmp_path / "t.parquet"], tmp_path / "x"))
+    # --shard: row groups and rows lie at their share of their file's bytes.
+    both, options = [tmp_path / "t.parquet", tmp_path / "hf"], {
+        "field": "body", "unit_bytes": 200, "max_bad_fraction": 0.5}
+    parts = [P.prepare(_request(both, tmp_path / "parts", shard=(i, 3), **options))
+             for i in range(3)]
+    assert all(part["num_documents"] for part in parts)
+    single = P.prepare(_request(both, tmp_path / "single", **options))
+    assert merge(tmp_path / "parts")["fingerprint"] == single["fingerprint"]
+    assert _documents(tmp_path / "parts") == _documents(tmp_path / "single")
 
 
 def test_streamed_hugging_face_dataset(tmp_path):
@@ -228,6 +238,81 @@ def test_shards_on_many_machines_merge_into_the_same_stream(corpus, tmp_path):
     assert _documents(tmp_path / "many") == _documents(tmp_path / "single")
     assert merged.manifest["num_documents"] == len(texts)
     assert merged.tokenizer().kind == "bytes"
+    # The same content, so the same fingerprint: a run resumes on either copy.
+    assert merged.fingerprint == single.fingerprint
+
+
+def test_stream_hash_joins_over_any_cut():
+    rng = np.random.default_rng(0)
+    values = rng.integers(0, 1 << 32, size=70_001, dtype=np.uint64).astype(np.uint32)
+    whole = fingerprints.stream_hash(values)
+    cuts = [0, 5, 32_768, 32_769, 50_000, 70_001]  # across the hash's 2^15-value chunks
+    pieces = [(fingerprints.stream_hash(values[a:b]), b - a) for a, b in zip(cuts, cuts[1:])]
+    assert fingerprints.join_stream_hashes(pieces) == whole
+    # H(s) = sum_j s_j r^(n-1-j) mod p, for each (r, p); checked against Python integers.
+    expected = []
+    for r, p in zip(fingerprints._BASES, fingerprints._PRIMES):
+        h = 0
+        for v in values[:40_000].tolist():
+            h = (h * r + v) % p
+        expected.append(f"{h:08x}")
+    assert fingerprints.stream_hash(values[:40_000]) == "".join(expected)
+    assert fingerprints.stream_hash(values[:-1]) != whole
+    assert fingerprints.stream_hash(values.astype(np.uint64)) == whole  # any integer dtype
+
+
+def _skewed(root: pathlib.Path) -> tuple[list[pathlib.Path], list[str]]:
+    """Four JSON Lines files, the first 30 times the size of each other one."""
+    root.mkdir()
+    texts = [f"document {k} " + "word " * (k % 7) for k in range(33 * 8)]
+    paths, k = [], 0
+    for name, count in (("big", 240), ("b", 8), ("c", 8), ("d", 8)):
+        lines = [json.dumps({"text": t}) for t in texts[k:k + count]]
+        if name == "big":
+            lines[150] = "{broken"  # in the part that starts inside this file
+        (root / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+        paths.append(root / f"{name}.jsonl")
+        k += count
+    return paths, texts
+
+
+def test_shards_cut_inside_a_big_file_and_merge_to_the_one_shot_fingerprint(tmp_path):
+    paths, texts = _skewed(tmp_path / "in")
+    options = {"unit_bytes": 2000, "max_bad_fraction": 0.5}
+    parts = [P.prepare(_request(paths, tmp_path / "many", shard=(i, 3), **options))
+             for i in range(3)]
+    assert all(part["num_documents"] > 0 for part in parts)  # no part is left empty
+    assert sum(part["num_documents"] for part in parts) == len(texts) - 1
+    merged = merge(tmp_path / "many")
+    single = P.prepare(_request(paths, tmp_path / "single", **options))
+    assert merged["fingerprint"] == single["fingerprint"]
+    assert _documents(tmp_path / "many") == _documents(tmp_path / "single")
+    assert _documents(tmp_path / "single") == [t.encode() for k, t in enumerate(texts)
+                                               if k != 150]
+    assert merged["sources"] == single["sources"]
+    # A bad line in a part that starts inside the file keeps its line number in the file.
+    where = f"{paths[0]}:151"
+    assert merged["report"]["skipped"]["malformed_json"]["first"] == [where]
+    assert single["report"]["skipped"]["malformed_json"]["first"] == [where]
+    # The fingerprint is the content's: shard sizes and unit sizes do not change it.
+    other = P.prepare(_request(paths, tmp_path / "other", unit_bytes=700, tokens_per_file=900,
+                               max_bad_fraction=0.5))
+    assert len(other["shards"]) > len(single["shards"])
+    assert other["fingerprint"] == single["fingerprint"]
+
+
+def test_a_part_inside_one_whole_file_document_is_empty_and_merges(tmp_path):
+    (tmp_path / "in").mkdir()
+    texts = ["big " * 3000, "small one", "small two", "small three"]
+    for k, text in enumerate(texts):
+        (tmp_path / "in" / f"{k}.txt").write_text(text)
+    parts = [P.prepare(_request([tmp_path / "in"], tmp_path / "many", shard=(i, 3)))
+             for i in range(3)]
+    assert [part["num_documents"] for part in parts] == [1, 0, 3]
+    merged = merge(tmp_path / "many")
+    single = P.prepare(_request([tmp_path / "in"], tmp_path / "single"))
+    assert merged["fingerprint"] == single["fingerprint"]
+    assert _documents(tmp_path / "many") == [t.encode() for t in texts]
 
 
 def test_merge_refuses_missing_or_mismatched_parts(corpus, tmp_path):
@@ -241,6 +326,10 @@ def test_merge_refuses_missing_or_mismatched_parts(corpus, tmp_path):
     P.prepare(_request([root], tmp_path / "m", shard=(1, 2), tokenizer=str(tmp_path / "tok")))
     with pytest.raises(DataError, match="part 1 was prepared with tokenizer [0-9a-f]{12}, "
                                         "part 0 with [0-9a-f]{12}"):
+        merge(tmp_path / "m")
+    P.prepare(_request([root / "text"], tmp_path / "m", shard=(1, 2), overwrite=True))
+    with pytest.raises(DataError, match="part 1 was prepared from other inputs than part 0 "
+                                        r"\(first difference: "):
         merge(tmp_path / "m")
     assert not (tmp_path / "m" / "manifest.json").exists()
 

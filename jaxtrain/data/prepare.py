@@ -38,7 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxtrain.data import dataset as fmt
-from jaxtrain.data import readers
+from jaxtrain.data import fingerprints, readers
 from jaxtrain.data import tokenizers as tokenizers_lib
 from jaxtrain.data.shards import Report, ShardWriter, UnitResult, committed
 from jaxtrain.errors import DataError
@@ -89,6 +89,16 @@ class Plan:
     tokenizer: tokenizers_lib.Tokenizer | None = None  # given (None: to be trained)
 
     @property
+    def line_starts(self) -> dict[int, int]:
+        """Line-based inputs whose first unit starts inside them (a part of a --shard
+        prepare): index -> byte, for the report's line numbers."""
+        starts = {}
+        for unit in reversed(self.units):
+            if self.inputs[unit.first].format in ("text", "jsonl"):
+                starts[unit.first] = unit.start
+        return {index: start for index, start in starts.items() if start > 0}
+
+    @property
     def plan_id(self) -> str:
         return hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()
 
@@ -124,18 +134,6 @@ def _check_request(r: Request) -> None:
             raise DataError(f"--shard={i}/{n} is invalid: i/N with 0 <= i < N")
 
 
-def _slice_for_shard(inputs: list[readers.Input], i: int, n: int) -> list[int]:
-    """Indices of the inputs of part i of n: contiguous, balanced by bytes, whole files."""
-    total = sum(item.size for item in inputs) or 1
-    chosen, before = [], 0
-    for index, item in enumerate(inputs):
-        middle = (before + item.size / 2) / total
-        if min(int(middle * n), n - 1) == i:
-            chosen.append(index)
-        before += item.size
-    return chosen
-
-
 def make_plan(r: Request) -> Plan:
     _check_request(r)
     options = readers.Options(field=r.field, text_unit=r.text_unit, split=r.split)
@@ -146,13 +144,14 @@ def make_plan(r: Request) -> Plan:
         streamed = True
     else:
         inputs = readers.find_inputs(r.inputs or [r.hf_dataset], r.format)
+    span = None
     if r.shard is not None:
         if streamed:
             raise DataError("--shard splits input files; a streamed dataset has none")
         i, n = r.shard
-        inputs = [inputs[k] for k in _slice_for_shard(inputs, i, n)]
+        span = readers.part_span(inputs, i, n)
         out = out / f"part-{i:05d}-of-{n:05d}"
-    units = [] if streamed else readers.plan_units(inputs, options, r.unit_bytes)
+    units = [] if streamed else readers.plan_units(inputs, options, r.unit_bytes, span)
     identity = {
         "format": fmt.FORMAT,
         "inputs": [[item.path, item.format, item.size] for item in inputs],
@@ -199,7 +198,9 @@ def _tokenize(docs: list[str], tally: readers.Tally, size: int) -> UnitResult:
         lengths[k] = len(ids) + (bos is not None) + (eos is not None)
         tally.text_bytes += len(docs[k].encode("utf-8"))
     tokens = np.concatenate(pieces) if pieces else np.empty(0, dtype=w["dtype"])
-    return UnitResult(tokens, lengths, tally, size)
+    stream = {"tokens": fingerprints.stream_hash(tokens),
+              "lengths": fingerprints.stream_hash(lengths)}
+    return UnitResult(tokens, lengths, tally, size, stream)
 
 
 def _work_unit(unit: readers.Unit) -> UnitResult:
@@ -376,8 +377,9 @@ def _process(plan: Plan, request: Request, tokenizer, staging: pathlib.Path,
     records = committed(staging)
     start_unit = records[-1]["units"][1] if records else 0
     records_start = records[-1]["records_end"] if records else 0
-    report = (Report.from_json(plan.inputs, records[-1]["report"], records[-1]["lines_before"])
-              if records else Report(plan.inputs))
+    report = (Report.from_json(plan.inputs, records[-1]["report"], records[-1]["lines_before"],
+                               plan.line_starts)
+              if records else Report(plan.inputs, plan.line_starts))
     if records:
         say(f"jaxtrain: resuming {staging}: {len(records)} shard(s) done, continuing at unit "
             f"{start_unit}")
@@ -416,7 +418,8 @@ def _process(plan: Plan, request: Request, tokenizer, staging: pathlib.Path,
 def _manifest(plan: Plan, tokenizer, special: dict, dtype: str, shards: list[dict],
               report: Report, request: Request) -> dict:
     entries = [{"tokens": s["tokens"], "index": s["index_file"], "num_tokens": s["num_tokens"],
-                "num_documents": s["num_documents"], "sha256": s["sha256"]} for s in shards]
+                "num_documents": s["num_documents"], "sha256": s["sha256"],
+                "stream": s["stream"]} for s in shards]
     policy = {"bos": special["bos"] is not None, "eos": special["eos"] is not None}
     return {
         "format": fmt.FORMAT,
@@ -434,6 +437,7 @@ def _manifest(plan: Plan, tokenizer, special: dict, dtype: str, shards: list[dic
                     "hf_config": request.hf_config, "split": request.split},
         "shards": entries,
         "report": report.to_json(),
+        **({"part": list(request.shard)} if request.shard else {}),
     }
 
 
@@ -499,7 +503,12 @@ def prepare(request: Request) -> dict:
         special = _special_ids(tokenizer, request)
         shards, report = _process(plan, request, tokenizer, staging, special, dtype)
         if not report.totals["documents"]:
-            raise DataError(f"the inputs hold no documents: {report.summary()}")
+            if request.shard is None:
+                raise DataError(f"the inputs hold no documents: {report.summary()}")
+            # --merge counts every part's documents; one part may hold none, when its bytes
+            # lie inside a record that starts before them (a whole-file document, a .gz)
+            say(f"jaxtrain: part {request.shard[0]}/{request.shard[1]} holds no documents "
+                f"({report.summary()}); it is complete, and --merge takes it as such")
         manifest = _manifest(plan, tokenizer, special, dtype, shards, report, request)
         plan_file.unlink()  # the manifest says what was made; the plan was for resuming
         write_json(staging / fmt.MANIFEST, manifest)

@@ -14,7 +14,7 @@ import pathlib
 import numpy as np
 
 from jaxtrain.data import dataset as fmt
-from jaxtrain.data import readers
+from jaxtrain.data import fingerprints, readers
 
 
 @dataclasses.dataclass
@@ -23,14 +23,20 @@ class UnitResult:
     lengths: np.ndarray  # tokens of each kept document, in order
     tally: readers.Tally
     size: int  # input bytes, for the progress bar
+    # fingerprints.stream_hash of the tokens and of the lengths, computed in the worker
+    stream: dict = dataclasses.field(default_factory=dict)
 
 
 class Report:
     """Counts over the whole prepare, with the first locations of each kind of bad input as
     'path:line' / 'path row N' / 'path'."""
 
-    def __init__(self, inputs: list[readers.Input]):
+    def __init__(self, inputs: list[readers.Input], starts: dict[int, int] | None = None):
         self.inputs = inputs
+        # line-based inputs read from a byte inside them (a part of a `--shard` prepare), by
+        # index: their lines before it are counted when a location in them is first shown
+        self.starts = dict(starts or {})
+        self.skipped_lines: dict[int, int] = {}
         self.totals = {"records": 0, "documents": 0, "tokens": 0, "text_bytes": 0}
         self.counts: dict[str, int] = {}
         self.first: dict[str, list[str]] = {}
@@ -55,7 +61,10 @@ class Report:
         index, kind, number = where
         path = self.inputs[index].path
         if kind == "line":
-            return f"{path}:{self.lines_before.get(index, 0) + number}"
+            if index in self.starts and index not in self.skipped_lines:
+                self.skipped_lines[index] = readers.lines_before(path, self.starts[index])
+            before = self.skipped_lines.get(index, 0) + self.lines_before.get(index, 0)
+            return f"{path}:{before + number}"
         return f"{path} row {number}" if kind == "row" else path
 
     def bad(self) -> int:
@@ -69,8 +78,8 @@ class Report:
                                           "first": self.first.get("invalid_utf8", [])}}
 
     @classmethod
-    def from_json(cls, inputs, data: dict, lines_before: dict) -> Report:
-        report = cls(inputs)
+    def from_json(cls, inputs, data: dict, lines_before: dict, starts=None) -> Report:
+        report = cls(inputs, starts)
         report.totals = {k: data[k] for k in report.totals}
         for kind, value in [*data["skipped"].items(),
                             ("invalid_utf8", data["invalid_utf8_replaced"])]:
@@ -106,6 +115,8 @@ class ShardWriter:
         self.num_tokens = 0
         self.units = [first_unit, first_unit]
         self.records_end = 0
+        self.stream = {"tokens": fingerprints.join_stream_hashes([]),
+                       "lengths": fingerprints.join_stream_hashes([])}
 
     def add(self, unit_index: int, result: UnitResult) -> None:
         data = result.tokens.astype(self.dtype, copy=False).tobytes()
@@ -113,6 +124,9 @@ class ShardWriter:
         self.sha.update(data)
         self.lengths.append(result.lengths)
         self.num_tokens += len(result.tokens)
+        for key, count in (("tokens", len(result.tokens)), ("lengths", len(result.lengths))):
+            self.stream[key] = fingerprints.join_stream_hashes(
+                [(self.stream[key], 0), (result.stream[key], count)])
         self.units[1] = unit_index + 1
 
     def commit(self, report: Report) -> dict:
@@ -136,7 +150,8 @@ class ShardWriter:
                   "tokens": tokens_name if self.num_tokens else None,
                   "index_file": index_name if self.num_tokens else None,
                   "num_tokens": self.num_tokens, "num_documents": int(len(lengths)),
-                  "sha256": self.sha.hexdigest(), "report": report.to_json(),
+                  "sha256": self.sha.hexdigest(), "stream": self.stream,
+                  "report": report.to_json(),
                   "lines_before": {str(k): v for k, v in report.lines_before.items()}}
         tmp = self.directory / (record_name + ".tmp")
         tmp.write_text(json.dumps(record, sort_keys=True) + "\n")
