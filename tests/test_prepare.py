@@ -3,6 +3,9 @@
 import errno
 import json
 import pathlib
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -367,3 +370,62 @@ def test_tokenizer_only_then_shared_by_every_part(corpus, tmp_path):
     in_order = texts[12:] + texts[:12]  # the directory's files sorted: docs.jsonl, text/
     for i in (0, 11, 12, 23):
         assert tokenizer.decode(ds.read(*ds.document(i))[:-1]) == in_order[i]
+
+
+def _corpus_file(path: pathlib.Path, lines: int, jsonl: bool = False) -> pathlib.Path:
+    """About lines * 250 bytes of random words, as text or JSON Lines."""
+    rng = np.random.default_rng(len(str(path)))
+    words = np.array(["alpha", "beta", "gamma", "delta", "lambda", "naive", "def", "x"])
+    rows = [" ".join(rng.choice(words, size=40)) for _ in range(lines)]
+    path.write_text("\n".join(json.dumps({"text": r}) if jsonl else r for r in rows) + "\n")
+    return path
+
+
+def _descendants(psutil, pid: int, workers: int, timeout: float = 60.0) -> list:
+    """The processes below pid once `workers` spawned workers run (and the resource
+    tracker with them)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = psutil.Process(pid).children(recursive=True)
+        if sum("spawn_main" in " ".join(k.cmdline()) for k in kids) >= workers:
+            return kids
+        time.sleep(0.1)
+    raise AssertionError(f"no {workers} workers under {pid} after {timeout} s")
+
+
+def _alive(psutil, process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.slow  # spawns three Python processes and waits for their imports
+def test_killed_prepare_takes_its_workers_with_it(tmp_path):
+    psutil = pytest.importorskip("psutil")
+    P.prepare(_request([_corpus_file(tmp_path / "sample.txt", 200)], tmp_path / "tok",
+                       tokenizer=None, train_tokenizer=300, tokenizer_only=True))
+    (tmp_path / "in").mkdir()
+    for k in range(16):  # 16 MB of BPE work: tens of seconds, killed after the first
+        _corpus_file(tmp_path / "in" / f"{k:02d}.jsonl", 4000, jsonl=True)
+    parent = subprocess.Popen([sys.executable, "-m", "jaxtrain.commands.prepare",
+                               str(tmp_path / "in"), "--out", str(tmp_path / "out"),
+                               "--tokenizer", str(tmp_path / "tok"), "--processes", "2",
+                               "--no-progress"], stderr=subprocess.PIPE)
+    kids = []
+    try:
+        kids = _descendants(psutil, parent.pid, workers=2)
+        assert parent.poll() is None, "prepare finished before it could be killed"
+        parent.kill()  # SIGKILL: no clean-up runs in the parent
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(psutil, k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [" ".join(k.cmdline()) for k in kids if _alive(psutil, k)]
+        assert not left, f"still running after their parent was killed: {left}"
+    finally:
+        for k in kids:
+            if _alive(psutil, k):
+                k.kill()
+        parent.kill()
+        parent.wait()

@@ -22,15 +22,19 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import ctypes
 import dataclasses
 import errno
 import hashlib
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import pathlib
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -183,6 +187,41 @@ def _init_worker(tokenizer_dir: str, inputs: list[readers.Input], options: reade
                    options=options, bos=bos, eos=eos, dtype=np.dtype(dtype))
 
 
+def _init_spawned_worker(*worker_args) -> None:
+    _die_with_parent()
+    _init_worker(*worker_args)
+
+
+def _die_with_parent() -> None:
+    """Ends this worker when the prepare that spawned it ends, even by SIGKILL (which runs
+    no clean-up there, so the pool cannot stop it): on Linux the kernel sends it SIGKILL
+    (prctl PR_SET_PDEATHSIG); elsewhere a thread waits on the pipe from the parent that
+    closes when the parent dies. Once the workers are gone, the resource tracker they shared
+    with the parent sees its pipe close and exits too."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+                if os.getppid() != parent.pid:  # the parent died before the prctl
+                    os._exit(1)
+                return
+        except (OSError, AttributeError):  # no libc or no prctl: the pipe below
+            pass
+    threading.Thread(target=_exit_when_closed, args=(parent.sentinel,), daemon=True,
+                     name="jaxtrain-parent-watch").start()
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _exit_when_closed(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])
+    os._exit(1)
+
+
 def _tokenize(docs: list[str], tally: readers.Tally, size: int) -> UnitResult:
     w = _WORKER
     encoded = w["tokenizer"].encode_batch(docs) if docs else []
@@ -320,7 +359,7 @@ def _results(plan: Plan, request: Request, start_unit: int, records_start: int,
         return
     context = multiprocessing.get_context("spawn")  # the parent may hold threads (tokenizers)
     with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context,
-                                                initializer=_init_worker,
+                                                initializer=_init_spawned_worker,
                                                 initargs=worker_args) as pool:
         pending = collections.deque()
         for k, records, work, payload in tasks:
