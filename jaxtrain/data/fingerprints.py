@@ -73,14 +73,15 @@ _LOW32 = np.uint64(0xFFFFFFFF)
 @functools.cache
 def _weights() -> np.ndarray:
     """[8, _CHUNK] uint64: the high, then the low 16 bits of r^(_CHUNK-1-k) mod p for each
-    (r, p) (a chunk of length L takes [:, -L:])."""
-    rows = []
-    for r, p in zip(_BASES, _PRIMES):
-        powers = [1]
-        for _ in range(_CHUNK - 1):
-            powers.append(powers[-1] * r % p)
-        rows.append(powers[::-1])
-    weights = np.array(rows, dtype=np.uint64)
+    (r, p) (a chunk of length L takes [:, -L:]); by doubling, r^(L..2L-1) = r^(0..L-1) r^L,
+    in a millisecond rather than a Python loop's 0.1 s in every worker."""
+    primes = np.array(_PRIMES, dtype=np.uint64)[:, None]
+    powers = np.ones((len(_PRIMES), 1), dtype=np.uint64)
+    while powers.shape[1] < _CHUNK:
+        step = np.array([pow(r, powers.shape[1], p) for r, p in zip(_BASES, _PRIMES)],
+                        dtype=np.uint64)[:, None]
+        powers = np.concatenate([powers, powers * step % primes], axis=1)
+    weights = powers[:, ::-1]
     return np.concatenate([weights >> np.uint64(16), weights & np.uint64(0xFFFF)])
 
 

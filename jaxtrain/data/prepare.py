@@ -10,12 +10,15 @@ How it keeps its promises:
   continues at the first unit after them.
 - Never half-readable: the manifest is written last, then OUT.partial replaces OUT. Until
   then OUT (a previous complete dataset, if any) is untouched, including when the disk fills.
-- Parallel: units are tokenized by worker processes (spawned, each single-threaded), at most
-  a few units in flight so memory stays bounded; the main process only writes.
-- Past one machine: `shard=(i, n)` prepares the i-th of n contiguous slices of the input
-  files into OUT/part-i-of-n/ (SLURM arrays, Kubernetes indexed jobs); `merge(OUT)`
-  (jaxtrain.data.merge) then writes one manifest over the parts' shards without copying
-  tokens. The staged shards themselves are jaxtrain.data.shards.
+- Parallel: units are tokenized by worker processes (spawned, each single-threaded, ending
+  with their parent even when it is killed), at most a few units in flight so memory stays
+  bounded; the main process only writes.
+- Past one machine: `shard=(i, n)` prepares the records that start in the i-th of n equal
+  byte ranges of the inputs laid end to end (readers.plan_units) into OUT/part-i-of-n/
+  (SLURM arrays, Kubernetes indexed jobs); `merge(OUT)` (jaxtrain.data.merge) then writes
+  one manifest over the parts' shards without copying tokens, with the fingerprint of a
+  one-machine prepare (dataset.content_fingerprint). The staged shards themselves are
+  jaxtrain.data.shards.
 """
 
 from __future__ import annotations
