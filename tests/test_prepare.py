@@ -2,7 +2,9 @@
 
 import errno
 import json
+import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -381,28 +383,48 @@ def _corpus_file(path: pathlib.Path, lines: int, jsonl: bool = False) -> pathlib
     return path
 
 
-def _descendants(psutil, pid: int, workers: int, timeout: float = 60.0) -> list:
-    """The processes below pid once `workers` spawned workers run (and the resource
-    tracker with them)."""
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process from /proc, None once it is gone."""
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
+def _descendants(pid: int, workers: int, timeout: float = 60.0) -> dict[int, str]:
+    """{pid: command line} of the processes below pid once `workers` spawned workers run
+    (the resource tracker runs beside them)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        kids = psutil.Process(pid).children(recursive=True)
-        if sum("spawn_main" in " ".join(k.cmdline()) for k in kids) >= workers:
-            return kids
+        parents = {int(p.name): _stat(int(p.name)) for p in pathlib.Path("/proc").iterdir()
+                   if p.name.isdigit()}
+        below, grew = {pid}, True
+        while grew:
+            more = {k for k, st in parents.items() if st and st[1] in below} - below
+            below, grew = below | more, bool(more)
+        below.discard(pid)
+        names = {}
+        for k in below:
+            try:
+                names[k] = pathlib.Path(f"/proc/{k}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+        if sum(b"spawn_main" in name for name in names.values()) >= workers:
+            return {k: name.decode(errors="replace") for k, name in names.items()}
         time.sleep(0.1)
     raise AssertionError(f"no {workers} workers under {pid} after {timeout} s")
 
 
-def _alive(psutil, process) -> bool:
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+def _alive(pid: int) -> bool:
+    state = _stat(pid)
+    return state is not None and state[0] != "Z"  # a zombie has ended (unreaped)
 
 
 @pytest.mark.slow  # spawns three Python processes and waits for their imports
 def test_killed_prepare_takes_its_workers_with_it(tmp_path):
-    psutil = pytest.importorskip("psutil")
+    if not pathlib.Path("/proc/self/stat").exists():
+        pytest.skip("finds the workers in /proc")
     P.prepare(_request([_corpus_file(tmp_path / "sample.txt", 200)], tmp_path / "tok",
                        tokenizer=None, train_tokenizer=300, tokenizer_only=True))
     (tmp_path / "in").mkdir()
@@ -412,20 +434,20 @@ def test_killed_prepare_takes_its_workers_with_it(tmp_path):
                                str(tmp_path / "in"), "--out", str(tmp_path / "out"),
                                "--tokenizer", str(tmp_path / "tok"), "--processes", "2",
                                "--no-progress"], stderr=subprocess.PIPE)
-    kids = []
+    kids = {}
     try:
-        kids = _descendants(psutil, parent.pid, workers=2)
+        kids = _descendants(parent.pid, workers=2)
         assert parent.poll() is None, "prepare finished before it could be killed"
         parent.kill()  # SIGKILL: no clean-up runs in the parent
         parent.wait()
         deadline = time.monotonic() + 10
-        while any(_alive(psutil, k) for k in kids) and time.monotonic() < deadline:
+        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        left = [" ".join(k.cmdline()) for k in kids if _alive(psutil, k)]
+        left = [name for k, name in kids.items() if _alive(k)]
         assert not left, f"still running after their parent was killed: {left}"
     finally:
         for k in kids:
-            if _alive(psutil, k):
-                k.kill()
+            if _alive(k):
+                os.kill(k, signal.SIGKILL)
         parent.kill()
         parent.wait()
