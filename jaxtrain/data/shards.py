@@ -172,7 +172,10 @@ def committed(staging: pathlib.Path) -> list[dict]:
         path = staging / fmt.shard_names(len(records))[2]
         if not path.is_file():
             break
-        records.append(json.loads(path.read_text()))
+        record = json.loads(path.read_text())
+        if "stream" not in record:  # left by a jaxtrain before stream hashes: redone
+            break
+        records.append(record)
     for leftover in staging.glob("*.tmp"):
         leftover.unlink()
     index = len(records)
