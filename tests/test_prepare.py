@@ -2,12 +2,18 @@
 
 import errno
 import json
+import os
 import pathlib
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
 from jaxtrain.commands import prepare as command
+from jaxtrain.data import fingerprints
 from jaxtrain.data import prepare as P
 from jaxtrain.data.dataset import PreparedDataset
 from jaxtrain.data.merge import merge
@@ -147,6 +153,15 @@ def test_parquet_and_saved_hugging_face_datasets(tmp_path):
     assert _documents(tmp_path / "hf_out") == [t.encode() for t in texts]
     with pytest.raises(DataError, match="no column 'text' \\(--field\\); its columns are body"):
         P.prepare(_request([tmp_path / "t.parquet"], tmp_path / "x"))
+    # --shard: row groups and rows lie at their share of their file's bytes.
+    both, options = [tmp_path / "t.parquet", tmp_path / "hf"], {
+        "field": "body", "unit_bytes": 200, "max_bad_fraction": 0.5}
+    parts = [P.prepare(_request(both, tmp_path / "parts", shard=(i, 3), **options))
+             for i in range(3)]
+    assert all(part["num_documents"] for part in parts)
+    single = P.prepare(_request(both, tmp_path / "single", **options))
+    assert merge(tmp_path / "parts")["fingerprint"] == single["fingerprint"]
+    assert _documents(tmp_path / "parts") == _documents(tmp_path / "single")
 
 
 def test_streamed_hugging_face_dataset(tmp_path):
@@ -186,6 +201,10 @@ def test_interrupted_prepare_resumes_to_the_same_bytes(corpus, tmp_path, monkeyp
                                         r".*out.partial holds an unfinished prepare"):
         PreparedDataset(tmp_path / "out")
     monkeypatch.setattr(P.ShardWriter, "commit", commit)
+    # A shard record from a jaxtrain without stream hashes is redone, not trusted.
+    old = tmp_path / "out.partial" / "shard-00001.json"
+    old.write_text(json.dumps({k: v for k, v in json.loads(old.read_text()).items()
+                               if k != "stream"}))
     resumed = []
     monkeypatch.setattr(P, "_work_unit", lambda unit, f=P._work_unit: resumed.append(unit)
                         or f(unit))
@@ -230,6 +249,81 @@ def test_shards_on_many_machines_merge_into_the_same_stream(corpus, tmp_path):
     assert _documents(tmp_path / "many") == _documents(tmp_path / "single")
     assert merged.manifest["num_documents"] == len(texts)
     assert merged.tokenizer().kind == "bytes"
+    # The same content, so the same fingerprint: a run resumes on either copy.
+    assert merged.fingerprint == single.fingerprint
+
+
+def test_stream_hash_joins_over_any_cut():
+    rng = np.random.default_rng(0)
+    values = rng.integers(0, 1 << 32, size=70_001, dtype=np.uint64).astype(np.uint32)
+    whole = fingerprints.stream_hash(values)
+    cuts = [0, 5, 32_768, 32_769, 50_000, 70_001]  # across the hash's 2^15-value chunks
+    pieces = [(fingerprints.stream_hash(values[a:b]), b - a) for a, b in zip(cuts, cuts[1:])]
+    assert fingerprints.join_stream_hashes(pieces) == whole
+    # H(s) = sum_j s_j r^(n-1-j) mod p, for each (r, p); checked against Python integers.
+    expected = []
+    for r, p in zip(fingerprints._BASES, fingerprints._PRIMES):
+        h = 0
+        for v in values[:40_000].tolist():
+            h = (h * r + v) % p
+        expected.append(f"{h:08x}")
+    assert fingerprints.stream_hash(values[:40_000]) == "".join(expected)
+    assert fingerprints.stream_hash(values[:-1]) != whole
+    assert fingerprints.stream_hash(values.astype(np.uint64)) == whole  # any integer dtype
+
+
+def _skewed(root: pathlib.Path) -> tuple[list[pathlib.Path], list[str]]:
+    """Four JSON Lines files, the first 30 times the size of each other one."""
+    root.mkdir()
+    texts = [f"document {k} " + "word " * (k % 7) for k in range(33 * 8)]
+    paths, k = [], 0
+    for name, count in (("big", 240), ("b", 8), ("c", 8), ("d", 8)):
+        lines = [json.dumps({"text": t}) for t in texts[k:k + count]]
+        if name == "big":
+            lines[150] = "{broken"  # in the part that starts inside this file
+        (root / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+        paths.append(root / f"{name}.jsonl")
+        k += count
+    return paths, texts
+
+
+def test_shards_cut_inside_a_big_file_and_merge_to_the_one_shot_fingerprint(tmp_path):
+    paths, texts = _skewed(tmp_path / "in")
+    options = {"unit_bytes": 2000, "max_bad_fraction": 0.5}
+    parts = [P.prepare(_request(paths, tmp_path / "many", shard=(i, 3), **options))
+             for i in range(3)]
+    assert all(part["num_documents"] > 0 for part in parts)  # no part is left empty
+    assert sum(part["num_documents"] for part in parts) == len(texts) - 1
+    merged = merge(tmp_path / "many")
+    single = P.prepare(_request(paths, tmp_path / "single", **options))
+    assert merged["fingerprint"] == single["fingerprint"]
+    assert _documents(tmp_path / "many") == _documents(tmp_path / "single")
+    assert _documents(tmp_path / "single") == [t.encode() for k, t in enumerate(texts)
+                                               if k != 150]
+    assert merged["sources"] == single["sources"]
+    # A bad line in a part that starts inside the file keeps its line number in the file.
+    where = f"{paths[0]}:151"
+    assert merged["report"]["skipped"]["malformed_json"]["first"] == [where]
+    assert single["report"]["skipped"]["malformed_json"]["first"] == [where]
+    # The fingerprint is the content's: shard sizes and unit sizes do not change it.
+    other = P.prepare(_request(paths, tmp_path / "other", unit_bytes=700, tokens_per_file=900,
+                               max_bad_fraction=0.5))
+    assert len(other["shards"]) > len(single["shards"])
+    assert other["fingerprint"] == single["fingerprint"]
+
+
+def test_a_part_inside_one_whole_file_document_is_empty_and_merges(tmp_path):
+    (tmp_path / "in").mkdir()
+    texts = ["big " * 3000, "small one", "small two", "small three"]
+    for k, text in enumerate(texts):
+        (tmp_path / "in" / f"{k}.txt").write_text(text)
+    parts = [P.prepare(_request([tmp_path / "in"], tmp_path / "many", shard=(i, 3)))
+             for i in range(3)]
+    assert [part["num_documents"] for part in parts] == [1, 0, 3]
+    merged = merge(tmp_path / "many")
+    single = P.prepare(_request([tmp_path / "in"], tmp_path / "single"))
+    assert merged["fingerprint"] == single["fingerprint"]
+    assert _documents(tmp_path / "many") == [t.encode() for t in texts]
 
 
 def test_merge_refuses_missing_or_mismatched_parts(corpus, tmp_path):
@@ -243,6 +337,10 @@ def test_merge_refuses_missing_or_mismatched_parts(corpus, tmp_path):
     P.prepare(_request([root], tmp_path / "m", shard=(1, 2), tokenizer=str(tmp_path / "tok")))
     with pytest.raises(DataError, match="part 1 was prepared with tokenizer [0-9a-f]{12}, "
                                         "part 0 with [0-9a-f]{12}"):
+        merge(tmp_path / "m")
+    P.prepare(_request([root / "text"], tmp_path / "m", shard=(1, 2), overwrite=True))
+    with pytest.raises(DataError, match="part 1 was prepared from other inputs than part 0 "
+                                        r"\(first difference: "):
         merge(tmp_path / "m")
     assert not (tmp_path / "m" / "manifest.json").exists()
 
@@ -381,3 +479,82 @@ def test_mostly_replaced_utf8_is_warned_about(tmp_path, capsys):
     few.write_bytes(first_line + b"".join(b'{"text": "ok %d"}\n' % i for i in range(199)))
     P.prepare(_request([few], tmp_path / "few_out"))
     assert "warning" not in capsys.readouterr().err
+
+
+def _corpus_file(path: pathlib.Path, lines: int, jsonl: bool = False) -> pathlib.Path:
+    """About lines * 250 bytes of random words, as text or JSON Lines."""
+    rng = np.random.default_rng(len(str(path)))
+    words = np.array(["alpha", "beta", "gamma", "delta", "lambda", "naive", "def", "x"])
+    rows = [" ".join(rng.choice(words, size=40)) for _ in range(lines)]
+    path.write_text("\n".join(json.dumps({"text": r}) if jsonl else r for r in rows) + "\n")
+    return path
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process from /proc, None once it is gone."""
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
+def _descendants(pid: int, workers: int, timeout: float = 60.0) -> dict[int, str]:
+    """{pid: command line} of the processes below pid once `workers` spawned workers run
+    (the resource tracker runs beside them)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        parents = {int(p.name): _stat(int(p.name)) for p in pathlib.Path("/proc").iterdir()
+                   if p.name.isdigit()}
+        below, grew = {pid}, True
+        while grew:
+            more = {k for k, st in parents.items() if st and st[1] in below} - below
+            below, grew = below | more, bool(more)
+        below.discard(pid)
+        names = {}
+        for k in below:
+            try:
+                names[k] = pathlib.Path(f"/proc/{k}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+        if sum(b"spawn_main" in name for name in names.values()) >= workers:
+            return {k: name.decode(errors="replace") for k, name in names.items()}
+        time.sleep(0.1)
+    raise AssertionError(f"no {workers} workers under {pid} after {timeout} s")
+
+
+def _alive(pid: int) -> bool:
+    state = _stat(pid)
+    return state is not None and state[0] != "Z"  # a zombie has ended (unreaped)
+
+
+@pytest.mark.slow  # spawns three Python processes and waits for their imports
+def test_killed_prepare_takes_its_workers_with_it(tmp_path):
+    if not pathlib.Path("/proc/self/stat").exists():
+        pytest.skip("finds the workers in /proc")
+    P.prepare(_request([_corpus_file(tmp_path / "sample.txt", 200)], tmp_path / "tok",
+                       tokenizer=None, train_tokenizer=300, tokenizer_only=True))
+    (tmp_path / "in").mkdir()
+    for k in range(16):  # 16 MB of BPE work: tens of seconds, killed after the first
+        _corpus_file(tmp_path / "in" / f"{k:02d}.jsonl", 4000, jsonl=True)
+    parent = subprocess.Popen([sys.executable, "-m", "jaxtrain.commands.prepare",
+                               str(tmp_path / "in"), "--out", str(tmp_path / "out"),
+                               "--tokenizer", str(tmp_path / "tok"), "--processes", "2",
+                               "--no-progress"], stderr=subprocess.PIPE)
+    kids = {}
+    try:
+        kids = _descendants(parent.pid, workers=2)
+        assert parent.poll() is None, "prepare finished before it could be killed"
+        parent.kill()  # SIGKILL: no clean-up runs in the parent
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [name for k, name in kids.items() if _alive(k)]
+        assert not left, f"still running after their parent was killed: {left}"
+    finally:
+        for k in kids:
+            if _alive(k):
+                os.kill(k, signal.SIGKILL)
+        parent.kill()
+        parent.wait()

@@ -78,7 +78,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--processes", type=int, default=0, help="worker processes (0: one per "
                      "CPU)")
     run.add_argument("--shard", type=_shard, metavar="I/N", help="prepare only part I of N "
-                     "of the input files, into OUT/part-I-of-N (then --merge OUT)")
+                     "of the inputs (the records starting in the I-th of N equal byte ranges), "
+                     "into OUT/part-I-of-N (then --merge OUT)")
     run.add_argument("--merge", metavar="DIR", help="merge the finished parts in DIR")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p

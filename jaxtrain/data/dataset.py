@@ -20,6 +20,7 @@ import pathlib
 
 import numpy as np
 
+from jaxtrain.data import fingerprints
 from jaxtrain.data import tokenizers as tokenizers_lib
 from jaxtrain.errors import DataError
 
@@ -42,9 +43,17 @@ def dtype_for(vocab_size: int) -> str:
 
 def content_fingerprint(dtype: str, tokenizer_fingerprint: str, policy: dict,
                         shards: list[dict]) -> str:
-    """What the training data is, independent of where it lies or how it was spread."""
+    """What the training data is: the token stream and the documents' lengths (joined from
+    each shard's stream hashes, jaxtrain.data.fingerprints), with the dtype, tokenizer and
+    policy; independent of where it lies and of how it was cut into shards, units, processes
+    or the parts of a multi-machine prepare."""
     content = {"dtype": dtype, "tokenizer": tokenizer_fingerprint, "policy": policy,
-               "shards": [[s["sha256"], s["num_tokens"], s["num_documents"]] for s in shards]}
+               "num_tokens": sum(s["num_tokens"] for s in shards),
+               "num_documents": sum(s["num_documents"] for s in shards),
+               "tokens": fingerprints.join_stream_hashes(
+                   [(s["stream"]["tokens"], s["num_tokens"]) for s in shards]),
+               "lengths": fingerprints.join_stream_hashes(
+                   [(s["stream"]["lengths"], s["num_documents"]) for s in shards])}
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 

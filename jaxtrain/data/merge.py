@@ -33,12 +33,15 @@ def merge(directory) -> dict:
     manifests = [json.loads((directory / f"part-{i:05d}-of-{total:05d}" / fmt.MANIFEST)
                             .read_text()) for i in range(total)]
     _check_parts(manifests)
+    if not sum(m["num_documents"] for m in manifests):
+        raise DataError(f"--merge={directory}: the inputs hold no documents (every part is "
+                        "empty)")
     first = manifests[0]
     shards = [{**s, "tokens": f"part-{i:05d}-of-{total:05d}/{s['tokens']}" if s["tokens"]
                else None, "index": f"part-{i:05d}-of-{total:05d}/{s['index']}" if s["index"]
                else None} for i, m in enumerate(manifests) for s in m["shards"]]
     policy = {"bos": first["policy"]["bos"], "eos": first["policy"]["eos"]}
-    merged = {**first,
+    merged = {**{k: v for k, v in first.items() if k != "part"},
               "fingerprint": fmt.content_fingerprint(first["dtype"],
                                                      first["tokenizer"]["fingerprint"], policy,
                                                      shards),
@@ -47,7 +50,7 @@ def merge(directory) -> dict:
               "num_tokens": sum(m["num_tokens"] for m in manifests),
               "num_documents": sum(m["num_documents"] for m in manifests),
               "text_bytes": sum(m["text_bytes"] for m in manifests),
-              "sources": [s for m in manifests for s in m["sources"]],
+              "sources": first["sources"],  # every part lists all inputs (checked)
               "shards": shards,
               "report": _merge_reports([m["report"] for m in manifests]),
               "parts": total}
@@ -60,13 +63,23 @@ def merge(directory) -> dict:
 
 
 def _check_parts(manifests: list[dict]) -> None:
-    first = manifests[0]
+    first, total = manifests[0], len(manifests)
+    for i, m in enumerate(manifests):
+        if m.get("part") != [i, total] or any("stream" not in s for s in m["shards"]):
+            raise DataError(f"--merge: part {i} was not prepared as part {i}/{total} by this "
+                            "version of jaxtrain prepare (parts are byte ranges of all the "
+                            "inputs); prepare it again with --shard")
     for i, m in enumerate(manifests[1:], start=1):
         if m["tokenizer"]["fingerprint"] != first["tokenizer"]["fingerprint"]:
             raise DataError(f"--merge: part {i} was prepared with tokenizer "
                             f"{m['tokenizer']['fingerprint'][:12]}, part 0 with "
                             f"{first['tokenizer']['fingerprint'][:12]}; prepare every part "
                             "with one --tokenizer")
+        if m["sources"] != first["sources"]:
+            differ = next((b["path"] for a, b in zip(first["sources"], m["sources"]) if a != b),
+                          f"{len(m['sources'])} inputs against {len(first['sources'])}")
+            raise DataError(f"--merge: part {i} was prepared from other inputs than part 0 "
+                            f"(first difference: {differ}); give every part the same inputs")
         for key in ("dtype", "policy", "options"):
             if m[key] != first[key]:
                 raise DataError(f"--merge: part {i} has {key} {m[key]} but part 0 has "

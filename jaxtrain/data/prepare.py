@@ -12,27 +12,34 @@ How it keeps its promises:
   then OUT (a previous complete dataset, if any) is untouched, including when the disk fills.
   A complete OUT made from other inputs or options is replaced only with `overwrite`; a
   prepare that fails leaves its error in OUT.partial/failed.json for whoever reads OUT next.
-- Parallel: units are tokenized by worker processes (spawned, each single-threaded), at most
-  a few units in flight so memory stays bounded; the main process only writes.
-- Past one machine: `shard=(i, n)` prepares the i-th of n contiguous slices of the input
-  files into OUT/part-i-of-n/ (SLURM arrays, Kubernetes indexed jobs); `merge(OUT)`
-  (jaxtrain.data.merge) then writes one manifest over the parts' shards without copying
-  tokens. The staged shards themselves are jaxtrain.data.shards.
+- Parallel: units are tokenized by worker processes (spawned, each single-threaded, ending
+  with their parent even when it is killed), at most a few units in flight so memory stays
+  bounded; the main process only writes.
+- Past one machine: `shard=(i, n)` prepares the records that start in the i-th of n equal
+  byte ranges of the inputs laid end to end (readers.plan_units) into OUT/part-i-of-n/
+  (SLURM arrays, Kubernetes indexed jobs); `merge(OUT)` (jaxtrain.data.merge) then writes
+  one manifest over the parts' shards without copying tokens, with the fingerprint of a
+  one-machine prepare (dataset.content_fingerprint). The staged shards themselves are
+  jaxtrain.data.shards.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import ctypes
 import dataclasses
 import errno
 import hashlib
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import pathlib
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -40,7 +47,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxtrain.data import dataset as fmt
-from jaxtrain.data import readers
+from jaxtrain.data import fingerprints, readers
 from jaxtrain.data import tokenizers as tokenizers_lib
 from jaxtrain.data.shards import Report, ShardWriter, UnitResult, committed
 from jaxtrain.errors import DataError
@@ -94,6 +101,16 @@ class Plan:
     skipped: dict = dataclasses.field(default_factory=dict)  # files left out (discover)
 
     @property
+    def line_starts(self) -> dict[int, int]:
+        """Line-based inputs whose first unit starts inside them (a part of a --shard
+        prepare): index -> byte, for the report's line numbers."""
+        starts = {}
+        for unit in reversed(self.units):
+            if self.inputs[unit.first].format in ("text", "jsonl"):
+                starts[unit.first] = unit.start
+        return {index: start for index, start in starts.items() if start > 0}
+
+    @property
     def plan_id(self) -> str:
         return hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()
 
@@ -129,18 +146,6 @@ def _check_request(r: Request) -> None:
             raise DataError(f"--shard={i}/{n} is invalid: i/N with 0 <= i < N")
 
 
-def _slice_for_shard(inputs: list[readers.Input], i: int, n: int) -> list[int]:
-    """Indices of the inputs of part i of n: contiguous, balanced by bytes, whole files."""
-    total = sum(item.size for item in inputs) or 1
-    chosen, before = [], 0
-    for index, item in enumerate(inputs):
-        middle = (before + item.size / 2) / total
-        if min(int(middle * n), n - 1) == i:
-            chosen.append(index)
-        before += item.size
-    return chosen
-
-
 def make_plan(r: Request) -> Plan:
     _check_request(r)
     options = readers.Options(field=r.field, text_unit=r.text_unit, split=r.split)
@@ -154,13 +159,14 @@ def make_plan(r: Request) -> Plan:
                                            r.include_hidden, r.include_binary)
         if r.shard is not None and r.shard[0] != 0:
             skipped = {}  # every part finds the same ones: part 0 reports them, once
+    span = None
     if r.shard is not None:
         if streamed:
             raise DataError("--shard splits input files; a streamed dataset has none")
         i, n = r.shard
-        inputs = [inputs[k] for k in _slice_for_shard(inputs, i, n)]
+        span = readers.part_span(inputs, i, n)
         out = out / f"part-{i:05d}-of-{n:05d}"
-    units = [] if streamed else readers.plan_units(inputs, options, r.unit_bytes)
+    units = [] if streamed else readers.plan_units(inputs, options, r.unit_bytes, span)
     identity = {
         "format": fmt.FORMAT,
         "inputs": [[item.path, item.format, item.size] for item in inputs],
@@ -192,6 +198,41 @@ def _init_worker(tokenizer_dir: str, inputs: list[readers.Input], options: reade
                    options=options, bos=bos, eos=eos, dtype=np.dtype(dtype))
 
 
+def _init_spawned_worker(*worker_args) -> None:
+    _die_with_parent()
+    _init_worker(*worker_args)
+
+
+def _die_with_parent() -> None:
+    """Ends this worker when the prepare that spawned it ends, even by SIGKILL (which runs
+    no clean-up there, so the pool cannot stop it): on Linux the kernel sends it SIGKILL
+    (prctl PR_SET_PDEATHSIG); elsewhere a thread waits on the pipe from the parent that
+    closes when the parent dies. Once the workers are gone, the resource tracker they shared
+    with the parent sees its pipe close and exits too."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+                if os.getppid() != parent.pid:  # the parent died before the prctl
+                    os._exit(1)
+                return
+        except (OSError, AttributeError):  # no libc or no prctl: the pipe below
+            pass
+    threading.Thread(target=_exit_when_closed, args=(parent.sentinel,), daemon=True,
+                     name="jaxtrain-parent-watch").start()
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _exit_when_closed(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])
+    os._exit(1)
+
+
 def _tokenize(docs: list[str], tally: readers.Tally, size: int) -> UnitResult:
     w = _WORKER
     encoded = w["tokenizer"].encode_batch(docs) if docs else []
@@ -207,7 +248,9 @@ def _tokenize(docs: list[str], tally: readers.Tally, size: int) -> UnitResult:
         lengths[k] = len(ids) + (bos is not None) + (eos is not None)
         tally.text_bytes += len(docs[k].encode("utf-8"))
     tokens = np.concatenate(pieces) if pieces else np.empty(0, dtype=w["dtype"])
-    return UnitResult(tokens, lengths, tally, size)
+    stream = {"tokens": fingerprints.stream_hash(tokens),
+              "lengths": fingerprints.stream_hash(lengths)}
+    return UnitResult(tokens, lengths, tally, size, stream)
 
 
 def _work_unit(unit: readers.Unit) -> UnitResult:
@@ -327,7 +370,7 @@ def _results(plan: Plan, request: Request, start_unit: int, records_start: int,
         return
     context = multiprocessing.get_context("spawn")  # the parent may hold threads (tokenizers)
     with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context,
-                                                initializer=_init_worker,
+                                                initializer=_init_spawned_worker,
                                                 initargs=worker_args) as pool:
         pending = collections.deque()
         for k, records, work, payload in tasks:
@@ -385,8 +428,9 @@ def _process(plan: Plan, request: Request, tokenizer, staging: pathlib.Path,
     records = committed(staging)
     start_unit = records[-1]["units"][1] if records else 0
     records_start = records[-1]["records_end"] if records else 0
-    report = (Report.from_json(plan.inputs, records[-1]["report"], records[-1]["lines_before"])
-              if records else Report(plan.inputs, plan.skipped))
+    report = (Report.from_json(plan.inputs, records[-1]["report"], records[-1]["lines_before"],
+                               plan.line_starts)
+              if records else Report(plan.inputs, plan.line_starts, plan.skipped))
     if records:
         say(f"jaxtrain: resuming {staging}: {len(records)} shard(s) done, continuing at unit "
             f"{start_unit}")
@@ -427,7 +471,8 @@ def _process(plan: Plan, request: Request, tokenizer, staging: pathlib.Path,
 def _manifest(plan: Plan, tokenizer, special: dict, dtype: str, shards: list[dict],
               report: Report, request: Request) -> dict:
     entries = [{"tokens": s["tokens"], "index": s["index_file"], "num_tokens": s["num_tokens"],
-                "num_documents": s["num_documents"], "sha256": s["sha256"]} for s in shards]
+                "num_documents": s["num_documents"], "sha256": s["sha256"],
+                "stream": s["stream"]} for s in shards]
     policy = {"bos": special["bos"] is not None, "eos": special["eos"] is not None}
     return {
         "format": fmt.FORMAT,
@@ -445,6 +490,7 @@ def _manifest(plan: Plan, tokenizer, special: dict, dtype: str, shards: list[dic
                     "hf_config": request.hf_config, "split": request.split},
         "shards": entries,
         "report": report.to_json(),
+        **({"part": list(request.shard)} if request.shard else {}),
     }
 
 
@@ -528,7 +574,12 @@ def prepare(request: Request) -> dict:
         special = _special_ids(tokenizer, request)
         shards, report = _process(plan, request, tokenizer, staging, special, dtype)
         if not report.totals["documents"]:
-            raise DataError(f"the inputs hold no documents: {report.summary()}")
+            if request.shard is None:
+                raise DataError(f"the inputs hold no documents: {report.summary()}")
+            # --merge counts every part's documents; one part may hold none, when its bytes
+            # lie inside a record that starts before them (a whole-file document, a .gz)
+            say(f"jaxtrain: part {request.shard[0]}/{request.shard[1]} holds no documents "
+                f"({report.summary()}); it is complete, and --merge takes it as such")
         manifest = _manifest(plan, tokenizer, special, dtype, shards, report, request)
         plan_file.unlink()  # the manifest says what was made; the plan was for resuming
         write_json(staging / fmt.MANIFEST, manifest)

@@ -4,7 +4,9 @@ The inputs are cut into *units* of about `unit_bytes` each (consecutive small fi
 large line-based files split by byte range, Parquet by row groups, saved HF datasets by
 rows). A unit is the grain of parallel work and of resumption, and the cut depends only on
 the inputs and `unit_bytes`, never on how many processes read them, so the tokens come out
-the same however the work is spread.
+the same however the work is spread. A part of a multi-machine prepare (`--shard I/N`) takes
+the records that start in its N-th of the inputs' bytes laid end to end (plan_units' span),
+so every part has work even when one file holds most of the bytes.
 
 Bad input never stops a unit: malformed JSON lines, rows without the field, fields that are
 not text and empty documents are skipped and counted, invalid UTF-8 (and lone surrogates, which
@@ -180,8 +182,21 @@ def is_binary(head: bytes) -> bool:
     return len(head) - valid > BINARY_INVALID * len(head)
 
 
-def plan_units(inputs: list[Input], options: Options, unit_bytes: int) -> list[Unit]:
-    """Cuts the inputs into units of about unit_bytes (see the module docstring)."""
+def part_span(inputs: list[Input], i: int, n: int) -> tuple[int, int]:
+    """Part i of n of the inputs' bytes laid end to end: [lo, hi), the last part to the end
+    (its hi past the end, so that empty files at the end belong to it)."""
+    total = sum(item.size for item in inputs)
+    return i * total // n, (i + 1) * total // n if i < n - 1 else total + 1
+
+
+def plan_units(inputs: list[Input], options: Options, unit_bytes: int,
+               span: tuple[int, int] | None = None) -> list[Unit]:
+    """Cuts the inputs into units of about unit_bytes (see the module docstring). With a
+    span (a part of `prepare --shard`, part_span), only the records whose first byte lies in
+    span of the inputs laid end to end: line-based files are cut at the span's bytes (a
+    line belongs where it starts), Parquet row groups and dataset rows are placed at their
+    share of the file's bytes, and a record that is a whole file (a text document, a .gz
+    file) lies at the file's first byte."""
     units: list[Unit] = []
     group_start, group_size = None, 0
 
@@ -191,8 +206,14 @@ def plan_units(inputs: list[Input], options: Options, unit_bytes: int) -> list[U
             units.append(Unit(group_start, end, size=group_size))
         group_start, group_size = None, 0
 
+    offset = 0
     for i, item in enumerate(inputs):
-        if item.format == "text" and options.text_unit == "file":
+        lo, hi = (0, item.size + 1) if span is None else (span[0] - offset, span[1] - offset)
+        offset += item.size
+        if item.format == "text" and options.text_unit == "file":  # one document a file
+            if not lo <= 0 < hi:
+                close_group(i)
+                continue
             if group_start is None:
                 group_start = i
             group_size += item.size
@@ -200,34 +221,61 @@ def plan_units(inputs: list[Input], options: Options, unit_bytes: int) -> list[U
                 close_group(i + 1)
             continue
         close_group(i)
-        units.extend(_split(i, item, options, unit_bytes))
+        units.extend(_split(i, item, options, unit_bytes, lo, hi))
     close_group(len(inputs))
     return units
 
 
-def _split(i: int, item: Input, options: Options, unit_bytes: int) -> list[Unit]:
+def _split(i: int, item: Input, options: Options, unit_bytes: int, lo: int,
+           hi: int) -> list[Unit]:
+    """The units of input i holding the records that start in its bytes [lo, hi)."""
     if item.format == "parquet":
-        return _parquet_units(i, item, unit_bytes)
+        return _parquet_units(i, item, unit_bytes, lo, hi)
     if item.format == "hf":
         rows = len(_open_hf(item.path, options.split))
+        first, last = (_scaled(lo, rows, item.size), _scaled(hi, rows, item.size))
         per = max(1, int(rows * unit_bytes / max(item.size, 1)))
-        return [Unit(i, i + 1, a, min(a + per, rows), size=item.size * (min(a + per, rows) - a)
-                     // max(rows, 1)) for a in range(0, rows, per)] or [Unit(i, i + 1, 0, 0)]
-    if item.path.endswith(".gz") or item.size <= unit_bytes:
-        return [Unit(i, i + 1, 0, -1, size=item.size)]
-    return [Unit(i, i + 1, a, min(a + unit_bytes, item.size), size=min(unit_bytes, item.size - a))
-            for a in range(0, item.size, unit_bytes)]
+        return [Unit(i, i + 1, a, min(a + per, last), size=item.size * (min(a + per, last) - a)
+                     // max(rows, 1)) for a in range(first, last, per)]
+    if item.path.endswith(".gz"):  # no seeking into a compressed file: read whole
+        return [Unit(i, i + 1, 0, -1, size=item.size)] if lo <= 0 < hi else []
+    start, stop = max(lo, 0), min(hi, item.size)
+    if start >= stop:
+        return []
+    return [Unit(i, i + 1, a, min(a + unit_bytes, stop), size=min(unit_bytes, stop - a))
+            for a in range(start, stop, unit_bytes)]
 
 
-def _parquet_units(i: int, item: Input, unit_bytes: int) -> list[Unit]:
+def _scaled(position: int, count: int, size: int) -> int:
+    """The first of `count` items spread evenly over `size` bytes (item k at byte
+    k * size / count) at or after byte `position`, clamped to [0, count]."""
+    if position <= 0:
+        return 0
+    if size == 0:
+        return count
+    return min(-(-position * count // size), count)
+
+
+def _parquet_units(i: int, item: Input, unit_bytes: int, lo: int, hi: int) -> list[Unit]:
+    """Row groups in units of about unit_bytes; a group lies at its share of the file's
+    bytes (by the groups' uncompressed sizes)."""
     meta = _parquet_file(item.path).metadata
-    units, start, size = [], 0, 0
-    for g in range(meta.num_row_groups):
-        size += meta.row_group(g).total_byte_size
-        if size >= unit_bytes or g == meta.num_row_groups - 1:
+    sizes = [meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)]
+    total, before, owned = sum(sizes), 0, []
+    for g, size in enumerate(sizes):
+        # group g lies at byte before * item.size / total; compared without division
+        place = before * item.size
+        if lo * max(total, 1) <= place < hi * max(total, 1):
+            owned.append(g)
+        before += size
+    units, start, size = [], None, 0
+    for g in owned:
+        start = g if start is None else start
+        size += sizes[g]
+        if size >= unit_bytes or g == owned[-1]:
             units.append(Unit(i, i + 1, start, g + 1, size=size))
-            start, size = g + 1, 0
-    return units or [Unit(i, i + 1, 0, 0)]
+            start, size = None, 0
+    return units
 
 
 # --- reading -------------------------------------------------------------------------------
@@ -334,6 +382,19 @@ def _lines(unit: Unit, path: str) -> Iterator[bytes]:
                 return
             position += len(line)
             yield line
+
+
+def lines_before(path: str, start: int) -> int:
+    """The lines of a file before the first line that starts at or after byte `start` (a
+    part of `prepare --shard` starting inside the file numbers its lines from there)."""
+    count = 0
+    with open(path, "rb") as f:
+        for done in range(0, start, 1 << 24):
+            count += f.read(min(1 << 24, start - done)).count(b"\n")
+        if start > 0:
+            f.seek(start - 1)
+            count += f.read(1) not in (b"\n", b"")  # the line running across `start`
+    return count
 
 
 def _read_lines(unit: Unit, i: int, item: Input, options: Options, tally: Tally,

@@ -14,7 +14,7 @@ import pathlib
 import numpy as np
 
 from jaxtrain.data import dataset as fmt
-from jaxtrain.data import readers
+from jaxtrain.data import fingerprints, readers
 
 
 @dataclasses.dataclass
@@ -23,6 +23,8 @@ class UnitResult:
     lengths: np.ndarray  # tokens of each kept document, in order
     tally: readers.Tally
     size: int  # input bytes, for the progress bar
+    # fingerprints.stream_hash of the tokens and of the lengths, computed in the worker
+    stream: dict = dataclasses.field(default_factory=dict)
 
 
 REPLACED_WARNING = 0.01  # of the records: above it, a prepare warns about replaced UTF-8
@@ -32,8 +34,13 @@ class Report:
     """Counts over the whole prepare, with the first locations of each kind of bad input as
     'path:line' / 'path row N' / 'path'."""
 
-    def __init__(self, inputs: list[readers.Input], skipped_files: dict | None = None):
+    def __init__(self, inputs: list[readers.Input], starts: dict[int, int] | None = None,
+                 skipped_files: dict | None = None):
         self.inputs = inputs
+        # line-based inputs read from a byte inside them (a part of a `--shard` prepare), by
+        # index: their lines before it are counted when a location in them is first shown
+        self.starts = dict(starts or {})
+        self.skipped_lines: dict[int, int] = {}
         self.totals = {"records": 0, "documents": 0, "tokens": 0, "text_bytes": 0}
         self.counts: dict[str, int] = {}
         self.first: dict[str, list[str]] = {}
@@ -64,7 +71,10 @@ class Report:
         index, kind, number = where
         path = self.inputs[index].path
         if kind == "line":
-            return f"{path}:{self.lines_before.get(index, 0) + number}"
+            if index in self.starts and index not in self.skipped_lines:
+                self.skipped_lines[index] = readers.lines_before(path, self.starts[index])
+            before = self.skipped_lines.get(index, 0) + self.lines_before.get(index, 0)
+            return f"{path}:{before + number}"
         return f"{path} row {number}" if kind == "row" else path
 
     def bad(self) -> int:
@@ -80,8 +90,8 @@ class Report:
                                           "first": self.first.get("invalid_utf8", [])}}
 
     @classmethod
-    def from_json(cls, inputs, data: dict, lines_before: dict) -> Report:
-        report = cls(inputs)
+    def from_json(cls, inputs, data: dict, lines_before: dict, starts=None) -> Report:
+        report = cls(inputs, starts)
         report.totals = {k: data[k] for k in report.totals}
         for kind, value in [*data["skipped"].items(),
                             ("invalid_utf8", data["invalid_utf8_replaced"])]:
@@ -138,6 +148,8 @@ class ShardWriter:
         self.num_tokens = 0
         self.units = [first_unit, first_unit]
         self.records_end = 0
+        self.stream = {"tokens": fingerprints.join_stream_hashes([]),
+                       "lengths": fingerprints.join_stream_hashes([])}
 
     def add(self, unit_index: int, result: UnitResult) -> None:
         data = result.tokens.astype(self.dtype, copy=False).tobytes()
@@ -145,6 +157,9 @@ class ShardWriter:
         self.sha.update(data)
         self.lengths.append(result.lengths)
         self.num_tokens += len(result.tokens)
+        for key, count in (("tokens", len(result.tokens)), ("lengths", len(result.lengths))):
+            self.stream[key] = fingerprints.join_stream_hashes(
+                [(self.stream[key], 0), (result.stream[key], count)])
         self.units[1] = unit_index + 1
 
     def commit(self, report: Report) -> dict:
@@ -168,7 +183,8 @@ class ShardWriter:
                   "tokens": tokens_name if self.num_tokens else None,
                   "index_file": index_name if self.num_tokens else None,
                   "num_tokens": self.num_tokens, "num_documents": int(len(lengths)),
-                  "sha256": self.sha.hexdigest(), "report": report.to_json(),
+                  "sha256": self.sha.hexdigest(), "stream": self.stream,
+                  "report": report.to_json(),
                   "lines_before": {str(k): v for k, v in report.lines_before.items()}}
         tmp = self.directory / (record_name + ".tmp")
         tmp.write_text(json.dumps(record, sort_keys=True) + "\n")
@@ -189,7 +205,10 @@ def committed(staging: pathlib.Path) -> list[dict]:
         path = staging / fmt.shard_names(len(records))[2]
         if not path.is_file():
             break
-        records.append(json.loads(path.read_text()))
+        record = json.loads(path.read_text())
+        if "stream" not in record:  # left by a jaxtrain before stream hashes: redone
+            break
+        records.append(record)
     for leftover in staging.glob("*.tmp"):
         leftover.unlink()
     index = len(records)
