@@ -25,7 +25,7 @@ from ml_collections import config_flags
 
 from jaxtrain.commands.common import run_absl
 from jaxtrain.data import record, tokenizers
-from jaxtrain.errors import ConfigError, DataError
+from jaxtrain.errors import ConfigError, DataError, require_package
 from jaxtrain.hf.load import import_hf
 from jaxtrain.hf.save import DTYPES, export_hf
 from jaxtrain.inference import run_config
@@ -92,8 +92,11 @@ def _convert(flag: dict, argv) -> None:
         if config.value is not None:
             raise ConfigError("--config is for --from-hf only: --to-hf reads the run's own "
                               "config from its checkpoint")
-        export_hf(workdir, target, flag["max_shard_size"].value, flag["dtype"].value)
+        # The tokenizer first: a package it needs that is missing fails before any export.
         tokenizer = record.run_tokenizer(workdir, run_config(workdir)[1])
+        if tokenizer is not None and tokenizer.kind in tokenizers.KIND_PACKAGES:
+            require_package("transformers", f"exporting the run's {tokenizer.kind} tokenizer")
+        export_hf(workdir, target, flag["max_shard_size"].value, flag["dtype"].value)
         if tokenizer is not None:
             tokenizer.save_hf(target)
             _say(f"jaxtrain: wrote the run's tokenizer ({tokenizer.describe()}) to {target}")

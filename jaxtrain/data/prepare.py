@@ -146,6 +146,7 @@ def make_plan(r: Request) -> Plan:
         streamed = True
     else:
         inputs = readers.find_inputs(r.inputs or [r.hf_dataset], r.format)
+    readers.require_packages(inputs)
     if r.shard is not None:
         if streamed:
             raise DataError("--shard splits input files; a streamed dataset has none")

@@ -22,9 +22,12 @@ import os
 import pathlib
 from collections.abc import Iterator
 
-from jaxtrain.errors import DataError
+from jaxtrain.errors import DataError, require_package
 
 FORMATS = ("text", "jsonl", "parquet", "hf")
+# The package each input format is read with (text and JSON Lines need none); hf-stream is
+# a dataset --hf-dataset streams with datasets.load_dataset.
+FORMAT_PACKAGES = {"parquet": "pyarrow", "hf": "datasets", "hf-stream": "datasets"}
 TEXT_UNITS = ("file", "line")
 SKIPS = ("malformed_json", "missing_field", "not_text", "empty")
 BAD = ("malformed_json", "missing_field", "not_text")  # what --max-bad-fraction counts
@@ -109,6 +112,17 @@ def find_inputs(patterns: list[str], fmt: str = "auto") -> list[Input]:
                     if path.is_dir() else path.stat().st_size)
             found.append(Input(match, _format_of(path, fmt), size))
     return found
+
+
+def require_packages(inputs: list[Input]) -> None:
+    """DataError (one line) for the first input whose format's package is missing, before
+    anything is read or written."""
+    for item in inputs:
+        module = FORMAT_PACKAGES.get(item.format)
+        if module is not None:
+            what = (f"--hf-dataset={item.path}" if item.format == "hf-stream"
+                    else f"input {item.path} ({item.format})")
+            require_package(module, what, error=DataError)
 
 
 def plan_units(inputs: list[Input], options: Options, unit_bytes: int) -> list[Unit]:
