@@ -3,6 +3,7 @@ and --help each end in one line (or the command's own help) before anything is w
 
 import importlib.machinery
 import importlib.util
+import json
 import os
 import pathlib
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 from conftest import small_config
 
 from jaxtrain import errors
-from jaxtrain.commands import prepare
+from jaxtrain.commands import COMMANDS, prepare
 from jaxtrain.config import validate
 from jaxtrain.errors import JaxtrainError
 
@@ -111,3 +112,120 @@ def test_train_without_a_sink_package_fails_in_one_line_and_writes_nothing(tmp_p
         "jaxtrain: error: metrics.sinks='jsonl,tensorboard': the tensorboard sink needs the "
         "tensorboardX package: pip install tensorboardX (a dependency of jaxtrain)"]
     assert not workdir.exists()
+
+
+# Runs `jaxtrain ARGS...` for each argv in one subprocess, in-process one after another: absl
+# keeps the flags a command defines in one global registry, so those are removed before
+# the next command defines its own (several define --workdir). One process: the imports
+# (jax) are paid once for every command.
+_DRIVER = """import contextlib, io, json, sys
+from absl import app, flags, logging  # their own flags stay
+from jaxtrain.commands import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    before, out, err, code = set(flags.FLAGS), io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+        except SystemExit as e:
+            code = e.code
+    for name in set(flags.FLAGS) - before:
+        delattr(flags.FLAGS, name)
+    results.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def run_commands(argvs: list[list[str]], cwd) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of `jaxtrain ARGV...` for each argv."""
+    env = dict(os.environ, JAXTRAIN_HUGE_PAGES="0",  # no re-exec of the driver
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(argvs)], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [tuple(r) for r in json.loads(out.stdout.strip().splitlines()[-1])]
+
+
+# Every path a command takes, as an object-storage URL (the others local and valid).
+CONFIG = str(ROOT / "configs" / "tiny.py")
+URL_CASES = [
+    (["train", "--config", CONFIG, "--workdir", "gs://bucket/run"], "--workdir=gs://bucket/run"),
+    (["train", "--config", CONFIG, "--config.data.source=prepared",
+      "--config.data.path=gs://bucket/data", "--workdir", "run"], "data.path=gs://bucket/data"),
+    (["convert", "--from-hf", "gs://bucket/model", "--config", CONFIG, "--workdir", "run"],
+     "--from-hf=gs://bucket/model"),
+    (["convert", "--to-hf", "s3://bucket/export", "--workdir", "run"], "--to-hf=s3://bucket/export"),
+    (["convert", "--to-hf", "export", "--workdir", "gs://bucket/run"], "--workdir=gs://bucket/run"),
+    (["eval", "--workdir", "gs://bucket/run"], "--workdir=gs://bucket/run"),
+    (["eval", "--workdir", "run", "--data", "gs://bucket/val.bin"], "--data=gs://bucket/val.bin"),
+    (["eval", "--workdir", "run", "--tasks", "arc_easy", "--out", "gs://bucket/r.json"],
+     "--out=gs://bucket/r.json"),
+    (["eval", "--workdir", "run", "--tasks", "arc_easy,https://host/task.yaml"],
+     "--tasks=https://host/task.yaml"),
+    (["eval", "--workdir", "run", "--tasks", "t", "--task_dir", "gs://bucket/tasks"],
+     "--task_dir=gs://bucket/tasks"),
+    (["generate", "--workdir", "gs://bucket/run", "--prompt", "hi"], "--workdir=gs://bucket/run"),
+    (["quantize", "--workdir", "gs://bucket/run", "--out", "q"], "--workdir=gs://bucket/run"),
+    (["quantize", "--workdir", "run", "--out", "gs://bucket/q"], "--out=gs://bucket/q"),
+    (["plan", "--config", CONFIG, "--hardware", "A100-80GB", "--hardware-file", "gs://b/h.json"],
+     "--hardware-file=gs://b/h.json"),
+    (["report", "--workdir", "gs://bucket/run"], "--workdir=gs://bucket/run"),
+    (["report", "--workdir", "run", "--out", "gs://bucket/r.png"], "--out=gs://bucket/r.png"),
+    (["launch", "--processes", "2", "--", "--config", CONFIG, "--workdir=gs://bucket/run"],
+     "--workdir=gs://bucket/run"),
+    (["prepare", "gs://bucket/a.jsonl", "--out", "data", "--tokenizer", "bytes"],
+     "input=gs://bucket/a.jsonl"),
+    (["prepare", "a.txt", "--out", "gs://bucket/data", "--tokenizer", "bytes"],
+     "--out=gs://bucket/data"),
+    (["prepare", "--merge", "gs://bucket/data"], "--merge=gs://bucket/data"),
+]
+
+
+def test_every_command_refuses_object_storage_paths_in_one_line(tmp_path):
+    (tmp_path / "a.txt").write_text("some text\n")
+    (tmp_path / "run").mkdir()  # an empty run: whatever reads it would fail otherwise
+    results = run_commands([argv for argv, _ in URL_CASES], tmp_path)
+    assert {argv[0] for argv, _ in URL_CASES} == set(COMMANDS)
+    for (argv, where), (code, _, err) in zip(URL_CASES, results):
+        assert code == 2, (argv, err[-2000:])
+        assert err.strip().startswith(f"jaxtrain: error: {where}: "), (argv, err)
+        assert "not supported yet" in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "run"], "nothing written"
+    assert not any((tmp_path / "run").iterdir())
+
+
+@pytest.mark.parametrize("key,value", [
+    ("data.path", "gs://b/d"), ("data.val_path", "s3://b/v"), ("data.mixture", "a:1,gs://b/m:1"),
+    ("data.tokenizer", "gs://b/tokenizer.json"), ("checkpoint.local_dir", "gs://b/fast"),
+    ("eval.tasks", "arc_easy,gs://b/t.yaml"), ("eval.task_dir", "gs://b/tasks"),
+])
+def test_config_paths_are_local(key, value):
+    with pytest.raises(JaxtrainError, match=r"gs://|s3://") as error:
+        validate(small_config(**{key: value}), 1, "cpu")
+    assert str(error.value).startswith(f"{key}=") and "not supported yet" in str(error.value)
+
+
+# Each command's own flags, a few of them: what its --help must list.
+OWN_FLAGS = {
+    "train": ["--config", "--workdir", "--coordinator", "--config.steps", "--config.optimizer.lr"],
+    "prepare": ["--out", "--tokenizer", "--train-tokenizer", "--shard", "--merge"],
+    "plan": ["--config", "--hardware", "--devices", "--search", "--compile"],
+    "generate": ["--workdir", "--prompt", "--prompt_ids", "--max_new_tokens", "--temperature"],
+    "eval": ["--workdir", "--data", "--tasks", "--task_dir", "--out"],
+    "quantize": ["--workdir", "--out", "--calibration_batches", "--int8_activations"],
+    "convert": ["--from-hf", "--to-hf", "--workdir", "--config", "--dtype"],
+    "report": ["--workdir", "--out"],
+    "launch": ["--processes", "--devices-per-process", "--max-restarts"],
+}
+
+
+def test_every_command_lists_its_own_flags_for_help(tmp_path):
+    assert set(OWN_FLAGS) == set(COMMANDS)
+    names = list(OWN_FLAGS)
+    results = run_commands([[name, "--help"] for name in names] + [["generate", "-h"]], tmp_path)
+    for name, (code, out, err) in zip(names + ["generate"], results):
+        assert code == 0, (name, err[-2000:])
+        for flag in OWN_FLAGS[name]:
+            assert flag in out, (name, flag, out)
+        assert "--helpfull" not in out and "--logtostderr" not in out, (name, out)
+    assert not list(tmp_path.iterdir())

@@ -23,7 +23,7 @@ import jax
 from absl import flags, logging
 from ml_collections import config_flags
 
-from jaxtrain.commands.common import run_absl
+from jaxtrain.commands.common import OVERRIDES_HELP, absl_argv, run_absl
 from jaxtrain.data import record, tokenizers
 from jaxtrain.errors import ConfigError, DataError, require_package
 from jaxtrain.hf.load import import_hf
@@ -35,11 +35,11 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _define_flags() -> dict:
+def _define_flags(argv: list[str]) -> dict:
     return {
         "config": config_flags.DEFINE_config_file(
             "config", None, "With --from-hf: the config file (and --config.KEY=VALUE "
-            "overrides) the imported run will train with.", lock_config=True),
+            "overrides) the imported run will train with.", lock_config=True, sys_argv=argv),
         "from": flags.DEFINE_string("from-hf", None, "Import this Hugging Face directory."),
         "to": flags.DEFINE_string("to-hf", None, "Export the run's newest checkpoint here."),
         "workdir": flags.DEFINE_string("workdir", None, "The jaxtrain run directory: "
@@ -103,8 +103,9 @@ def _convert(flag: dict, argv) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    values = _define_flags()
-    run_absl("convert", lambda args: _convert(values, args), argv)
+    values = _define_flags(absl_argv("convert", argv))
+    run_absl("convert", lambda args: _convert(values, args), argv,
+             paths=("from-hf", "to-hf", "workdir"), epilog="With --from-hf:\n" + OVERRIDES_HELP)
 
 
 if __name__ == "__main__":

@@ -99,7 +99,8 @@ def _quantize(f: dict, argv) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     values = _define_flags()
-    run_absl("quantize", lambda args: _quantize(values, args), argv)
+    run_absl("quantize", lambda args: _quantize(values, args), argv,
+             paths=("workdir", "out"))
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ import pathlib
 import sys
 
 from jaxtrain.commands.common import fail
+from jaxtrain.errors import ConfigError
 from jaxtrain.train.goodput import LOST
-from jaxtrain.workdir import read_metrics
+from jaxtrain.workdir import check_local_path, read_metrics
 
 TASK_PREFIX = "tasks/"
 
@@ -146,12 +147,18 @@ def _draw_tasks(axes, rows: list[dict], keys: list[str]) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="jaxtrain report",
                                      description="Draw a jaxtrain run as a PNG.")
-    parser.add_argument("--workdir", required=True, type=pathlib.Path)
-    parser.add_argument("--out", type=pathlib.Path, help="default WORKDIR/report.png")
+    parser.add_argument("--workdir", required=True, help="the run directory")
+    parser.add_argument("--out", help="the PNG to write (default WORKDIR/report.png)")
     args = parser.parse_args(argv)
-    rows = load_rows(args.workdir)
-    out = args.out or args.workdir / "report.png"
-    draw(rows, out, str(args.workdir))
+    for key in ("workdir", "out"):
+        try:
+            check_local_path(getattr(args, key) or "", f"--{key}")
+        except ConfigError as e:
+            fail(str(e))
+    workdir = pathlib.Path(args.workdir)
+    rows = load_rows(workdir)
+    out = pathlib.Path(args.out) if args.out else workdir / "report.png"
+    draw(rows, out, str(workdir))
     print(summary(rows))
     print(f"drawn: {out}")
 
