@@ -68,8 +68,11 @@ def summary(rows: list[dict]) -> str:
         last = good[-1]
         lost = ", ".join(f"{cause} {last[f'lost_{cause}_s']:.4g}s" for cause in LOST
                          if last.get(f"lost_{cause}_s"))
-        lines.append(f"goodput: {last['goodput']:.1%} of {last['wall_s']:.4g}s since the job "
-                     f"first started; lost: {lost or 'nothing'}")
+        idle = last.get("idle_s", 0.0)
+        apart = f" less {idle:.4g}s idle after deliberate stops" if idle else ""
+        lines.append(f"goodput: {last['goodput']:.1%} of {last['wall_s'] - idle:.4g}s (the "
+                     f"{last['wall_s']:.4g}s since the job first started{apart}); lost: "
+                     f"{lost or 'nothing'}")
     return "\n".join(lines)
 
 

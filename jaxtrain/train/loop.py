@@ -121,6 +121,7 @@ def _train(setup: Setup, batches, tasks, state, start: int, restored: bool, tier
             data = data_with_faults(batches.train_iter(start), cfg.debug, start)
             _steps(setup, state, train_step, data, start, hooks, logger, checkpointer,
                    watchdog)
+    goodput.finished()  # reached its steps, or stopped on request, its checkpoint durable
     return logger.rows
 
 
