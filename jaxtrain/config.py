@@ -36,8 +36,9 @@ from jaxtrain.optim import SCHEDULES
 from jaxtrain.parallel.context import VARIANTS as CONTEXT_VARIANTS
 from jaxtrain.precision import PRECISIONS
 from jaxtrain.sinks import validate_sinks
-from jaxtrain.tasks import BACKENDS
+from jaxtrain.tasks import BACKENDS, split_list
 from jaxtrain.tasks.text import check_text
+from jaxtrain.workdir import check_local_path
 
 __all__ = ["DEFAULT_RULES", "MESH_AXES", "ConfigError", "apply_overrides",
            "base_config", "dcn_shape", "load_config_file", "resolve_mesh_shape", "validate"]
@@ -263,6 +264,20 @@ def _choice(c, key: str, choices) -> None:
         fail(key, value, f"valid values are {', '.join(choices)}")
 
 
+def _check_paths(c) -> None:
+    """Every path of the config is local (workdir.check_local_path): object storage is not
+    supported yet."""
+    d, e = c.data, c.eval
+    for key, values in (("data.path", [d.path]), ("data.val_path", [d.val_path]),
+                        ("data.mixture", split_list(d.mixture)),
+                        ("data.tokenizer", [d.tokenizer]),
+                        ("checkpoint.local_dir", [c.checkpoint.local_dir]),
+                        ("eval.tasks", split_list(e.tasks)),
+                        ("eval.task_dir", split_list(e.task_dir))):
+        for value in values:
+            check_local_path(value, key)
+
+
 def _check_numbers(c) -> None:
     """Plain ranges of the keys no registry owns."""
     for key in ("steps", "log_every_steps", "eval_every_steps", "eval_batches"):
@@ -366,6 +381,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int,
 
     platform: the devices' platform ('cpu', 'gpu', 'tpu'), for the choices that depend on
     it (attention kernels, remat offload); None checks only what holds everywhere."""
+    _check_paths(c)
     _check_numbers(c)
     for key, registry in (("model.family", FAMILIES), ("model.attention", ("auto", *KERNELS)),
                           ("model.remat", REMATS), ("train.precision", PRECISIONS),

@@ -6,6 +6,8 @@ the layers above it; each message names the key or input and what would be valid
 
 from __future__ import annotations
 
+import importlib.util
+
 
 class JaxtrainError(Exception):
     """Base of the one-line, exit-code-2 errors."""
@@ -26,6 +28,39 @@ class CheckpointError(JaxtrainError, RuntimeError):
 def fail(key: str, value, valid: str) -> None:
     """Raises ConfigError('KEY=VALUE is invalid: VALID')."""
     raise ConfigError(f"{key}={value!r} is invalid: {valid}")
+
+
+# How to get each package an optional feature runs on: the pyproject extra that installs it,
+# or the package itself for a dependency every install has (a pruned or broken environment).
+INSTALL = {
+    "wandb": "pip install 'jaxtrain[wandb]'",
+    "lm_eval": "pip install 'jaxtrain[eval]'",
+    **{name: "pip install 'jaxtrain[data]'"
+       for name in ("pyarrow", "datasets", "sentencepiece", "tiktoken")},
+    "tensorboardX": "pip install tensorboardX (a dependency of jaxtrain)",
+    "transformers": "pip install transformers",
+}
+
+
+def missing_package(module: str) -> bool:
+    """Whether top-level package `module` cannot be imported, found without importing it
+    (wandb's import alone takes seconds). A directory that an uninstall left behind would
+    import as an empty namespace package (no origin), so it counts as missing too."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except ValueError:  # imported already, without a spec: it is there
+        return False
+    return spec is None or spec.origin is None
+
+
+def require_package(module: str, what: str, install: str | None = None,
+                    error: type[JaxtrainError] = ConfigError) -> None:
+    """Raises `error`: 'WHAT needs the MODULE package: pip install ...' (one line) when the
+    package is missing; checked before anything is written, so that the run or prepare
+    that needs it never starts."""
+    if missing_package(module):
+        raise error(f"{what} needs the {module} package: "
+                    f"{install or INSTALL.get(module, f'pip install {module}')}")
 
 
 def divisor_list(n: int) -> list[int]:

@@ -9,14 +9,13 @@ receives every row the run logs (`write(step, row)`), and is closed at the end. 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import pathlib
 from collections.abc import Callable
 from typing import Protocol
 
-from jaxtrain.errors import ConfigError, fail
+from jaxtrain.errors import ConfigError, fail, require_package
 
 WANDB_RUN_FILE = "wandb_run.json"  # the W&B run this workdir logs to, for resuming it
 WANDB_MODES = ("online", "offline", "disabled")
@@ -101,9 +100,6 @@ def _stored_id(path: pathlib.Path) -> str | None:
 
 
 def _check_wandb(c) -> None:
-    if importlib.util.find_spec("wandb") is None:
-        fail("metrics.sinks", c.metrics.sinks, "the wandb sink needs the wandb package: "
-             "pip install 'jaxtrain[wandb]'")
     if c.metrics.wandb.mode not in WANDB_MODES:
         fail("metrics.wandb.mode", c.metrics.wandb.mode,
              f"valid values are {', '.join(WANDB_MODES)}")
@@ -111,23 +107,28 @@ def _check_wandb(c) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class MetricSink:
-    """One `metrics.sinks` name: what opens it, and its config checks."""
+    """One `metrics.sinks` name: what opens it, the package it runs on, its config checks."""
 
     name: str
     doc: str
     open: Callable  # (workdir, config, start step) -> Sink
     check: Callable | None = None  # config -> None, raising ConfigError
+    module: str | None = None  # the package it imports when opened; None: none
 
     def validate(self, c) -> None:
+        if self.module is not None:
+            require_package(self.module, f"metrics.sinks={c.metrics.sinks!r}: the {self.name} "
+                            "sink")
         if self.check is not None:
             self.check(c)
 
 
 SINKS: dict[str, MetricSink] = {s.name: s for s in (
     MetricSink("jsonl", "WORKDIR/metrics.jsonl (always on)", JsonlSink),
-    MetricSink("tensorboard", "WORKDIR/tensorboard event files", TensorBoardSink),
+    MetricSink("tensorboard", "WORKDIR/tensorboard event files", TensorBoardSink,
+               module="tensorboardX"),
     MetricSink("wandb", "Weights & Biases (metrics.wandb.*; offline mode needs no network)",
-               WandbSink, _check_wandb),
+               WandbSink, _check_wandb, module="wandb"),
 )}
 REQUIRED_SINKS = ("jsonl",)
 

@@ -1,6 +1,6 @@
 """The run directory: created and checked before anything is written, locked while a run
 uses it, and the files the loop keeps in it besides checkpoints (metrics.jsonl,
-config.json)."""
+config.json); and the one check every command makes of the paths it is given."""
 
 from __future__ import annotations
 
@@ -9,12 +9,28 @@ import fcntl
 import json
 import os
 import pathlib
+import re
 import socket
 import sys
 
 from jaxtrain.errors import ConfigError
 
 LOCK_FILE = ".lock"
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def check_local_path(value, key: str) -> None:
+    """ConfigError (one line, naming the flag or key) for a URL such as gs://bucket/run.
+
+    Object storage is not supported yet, and taken as a local path a URL would become a
+    folder named 'gs:' holding the run. Every command checks every path it is given with
+    this, on the text as given (pathlib would fold the '//' away), before writing anything.
+    """
+    match = _URL.match(str(value))
+    if match:
+        raise ConfigError(f"{key}={value}: {match.group(1)}:// paths (object storage, URLs) "
+                          "are not supported yet; give a local path (a bucket mounted with "
+                          "gcsfuse or s3fs is one)")
 
 
 def prepare_workdir(workdir: pathlib.Path) -> None:

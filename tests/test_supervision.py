@@ -75,6 +75,9 @@ def test_a_stop_on_a_local_tier_step_still_saves_it_durably(tmp_path, devices, m
     run(cfg, tmp_path / "run", devices[:1])
     durable = [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()]
     assert durable == ["2"], durable
+    # A stop on request is deliberate: the time until the next start will be idle, not lost.
+    sessions = json.loads((tmp_path / "run" / "goodput.json").read_text())["sessions"]
+    assert [s.get("clean") for s in sessions] == [True]
 
 
 def test_goodput_charges_recomputed_steps_and_the_gap_to_a_restart(tmp_path):
@@ -105,3 +108,26 @@ def test_goodput_charges_recomputed_steps_and_the_gap_to_a_restart(tmp_path):
     third.training_started(now=91.0)
     row = third.summary(now=92.0)
     assert row["lost_recomputed_s"] == pytest.approx(10.0 + 20.0 + 10.0)
+
+
+def test_goodput_reports_the_gap_after_a_deliberate_stop_apart_as_idle(tmp_path):
+    day = 86400.0
+    first = Goodput(tmp_path, started=0.0, resumed_at=0)
+    first.training_started(now=10.0)
+    first.steps(0, 20, device_s=40.0, data_s=0.0)
+    first.summary(now=50.0)
+    first.finished(now=52.0)  # reached its steps (or Ctrl-C), the checkpoint durable
+    # Resumed with more steps three days later: those days are the user's, not the job's.
+    second = Goodput(tmp_path, started=52.0 + 3 * day, resumed_at=20)
+    second.training_started(now=second.session["start"] + 8.0)
+    second.steps(20, 30, device_s=20.0, data_s=0.0)
+    row = second.summary(now=second.session["start"] + 30.0)
+    assert row["idle_s"] == pytest.approx(3 * day) and row["lost_restart_s"] == 0
+    assert row["wall_s"] == pytest.approx(3 * day + 82.0)
+    assert row["goodput"] == pytest.approx(60.0 / 82.0)  # of the 52 s + 30 s of the sessions
+    second.save()
+    # The second dies after that log (no clean end): the gap after it is lost, as before.
+    third = Goodput(tmp_path, started=second.session["start"] + 40.0, resumed_at=30)
+    row = third.summary(now=third.session["start"] + 1.0)
+    assert row["lost_restart_s"] == pytest.approx(10.0)
+    assert row["idle_s"] == pytest.approx(3 * day)

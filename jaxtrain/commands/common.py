@@ -5,6 +5,9 @@ Exit codes, the same in every command: 0 done; 2 usage, config or input errors (
 `jaxtrain: error: ...`, before anything compiles or is written); 3 a training run that
 stopped itself (too many non-finite steps, a hung step); 1 anything else (a bug: the
 traceback is printed).
+
+`--help` prints the command's usage and its own flags (absl's --help would print only a
+stub pointing at --helpfull, which lists every library's flags too).
 """
 
 from __future__ import annotations
@@ -17,8 +20,31 @@ from collections.abc import Callable
 from absl import app, flags
 
 from jaxtrain.errors import ConfigError, JaxtrainError
+from jaxtrain.workdir import check_local_path
 
 USAGE_ERROR = 2
+HELP_FLAGS = ("-h", "-?", "--help", "-help", "--helpshort")
+
+# The --config.KEY=VALUE overrides most runs use, for the --help of the commands that take a
+# config file; jaxtrain/config.py base_config() has every key, with what it means.
+OVERRIDES_HELP = """\
+--config.KEY=VALUE overrides any key of the config file (jaxtrain/config.py lists them all,
+with what each means); a wrong key or type is refused in one line. The common ones:
+  --config.steps=N                       training steps
+  --config.train.global_batch=B          sequences per step (all devices together)
+  --config.train.microbatches=M          gradient accumulation: B/M sequences at a time
+  --config.train.precision=P             float32, bfloat16, float16, fp8, ...
+  --config.optimizer.lr=LR               peak learning rate (.warmup_steps, .schedule, ...)
+  --config.model.d_model=D               also .num_layers, .num_heads, .mlp_dim, .seq_len,
+                                         .vocab_size, .family, .attention, .remat
+  --config.mesh.data=N                   also .fsdp, .tensor, .pipeline, .context, .expert
+                                         (-1: the rest of the devices)
+  --config.data.source=S                 stdlib, bin, synthetic or prepared; with
+                                         --config.data.path=DIR (or .mixture=DIR:W,...)
+  --config.log_every_steps=N             also .eval_every_steps, .eval_batches
+  --config.checkpoint.every_steps=N      also .keep, .local_dir
+  --config.metrics.sinks=jsonl,tensorboard[,wandb]
+  --config.eval.tasks=hellaswag,...      downstream tasks during training"""
 
 
 def fail(message: str) -> None:
@@ -27,13 +53,18 @@ def fail(message: str) -> None:
     sys.exit(USAGE_ERROR)
 
 
-def _config_path(argv) -> str | None:
+def flag_value(argv, name: str) -> str | None:
+    """The value of --NAME in argv (--NAME=V or --NAME V), before the flags are parsed."""
     for i, arg in enumerate(argv):
-        if arg.startswith("--config="):
+        if arg.startswith(f"--{name}="):
             return arg.split("=", 1)[1]
-        if arg == "--config" and i + 1 < len(argv):
+        if arg == f"--{name}" and i + 1 < len(argv):
             return argv[i + 1]
     return None
+
+
+def _config_path(argv) -> str | None:
+    return flag_value(argv, "config")
 
 
 def _unknown_key(argv) -> str | None:
@@ -92,8 +123,44 @@ def guarded(fn: Callable) -> Callable:
     return run
 
 
-def run_absl(command: str, main: Callable, argv: list[str] | None) -> None:
-    """Runs an absl command: argv are the arguments after the command's name (None: this
-    process's own, for `python -m jaxtrain.commands.NAME`)."""
-    args = sys.argv if argv is None else [f"jaxtrain {command}", *argv]
-    app.run(guarded(main), argv=args, flags_parser=parse_flags)
+def command_help(module: str, epilog: str = "") -> str:
+    """The usage of the command in `module` (its docstring) and the flags it defines, with
+    their help and defaults."""
+    doc = (sys.modules[module].__doc__ or "").strip()
+    own = flags.FLAGS.module_help(module).strip().splitlines()[1:]  # less 'MODULE:'
+    return "\n\n".join(part for part in (doc, "flags:\n" + "\n".join(own), epilog) if part)
+
+
+def check_paths(names: tuple[str, ...]) -> None:
+    """check_local_path for the parsed flags `names` (list flags: each item)."""
+    for name in names:
+        value = flags.FLAGS[name].value
+        for item in value if isinstance(value, list) else [value]:
+            if item:
+                check_local_path(item, f"--{name}")
+
+
+def absl_argv(command: str, argv: list[str] | None) -> list[str]:
+    """The full argv absl parses: argv are the arguments after the command's name (None:
+    this process's own, for `python -m jaxtrain.commands.NAME`). A --config flag needs it
+    when defined (ml_collections finds the --config.KEY overrides in it), else it reads
+    sys.argv, which differs when a command runs in-process."""
+    return sys.argv if argv is None else [f"jaxtrain {command}", *argv]
+
+
+def run_absl(command: str, main: Callable, argv: list[str] | None,
+             paths: tuple[str, ...] = (), epilog: str = "") -> None:
+    """Runs an absl command (argv: as for absl_argv); `paths` are its flags that name
+    files or directories, checked before main runs; `epilog` ends its --help."""
+    args = absl_argv(command, argv)
+    if any(arg in HELP_FLAGS for arg in args[1:]):
+        # The flags are registered under the module that defined them: the command's, or
+        # __main__ for `python -m jaxtrain.commands.NAME`; main is defined there too.
+        print(command_help(main.__module__, epilog))
+        sys.exit(0)
+
+    def checked(rest):
+        check_paths(paths)
+        return main(rest)
+
+    app.run(guarded(checked), argv=args, flags_parser=parse_flags)

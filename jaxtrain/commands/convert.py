@@ -23,9 +23,9 @@ import jax
 from absl import flags, logging
 from ml_collections import config_flags
 
-from jaxtrain.commands.common import run_absl
+from jaxtrain.commands.common import OVERRIDES_HELP, absl_argv, run_absl
 from jaxtrain.data import record, tokenizers
-from jaxtrain.errors import ConfigError, DataError
+from jaxtrain.errors import ConfigError, DataError, require_package
 from jaxtrain.hf.load import import_hf
 from jaxtrain.hf.save import DTYPES, export_hf
 from jaxtrain.inference import run_config
@@ -35,11 +35,11 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _define_flags() -> dict:
+def _define_flags(argv: list[str]) -> dict:
     return {
         "config": config_flags.DEFINE_config_file(
             "config", None, "With --from-hf: the config file (and --config.KEY=VALUE "
-            "overrides) the imported run will train with.", lock_config=True),
+            "overrides) the imported run will train with.", lock_config=True, sys_argv=argv),
         "from": flags.DEFINE_string("from-hf", None, "Import this Hugging Face directory."),
         "to": flags.DEFINE_string("to-hf", None, "Export the run's newest checkpoint here."),
         "workdir": flags.DEFINE_string("workdir", None, "The jaxtrain run directory: "
@@ -92,16 +92,20 @@ def _convert(flag: dict, argv) -> None:
         if config.value is not None:
             raise ConfigError("--config is for --from-hf only: --to-hf reads the run's own "
                               "config from its checkpoint")
-        export_hf(workdir, target, flag["max_shard_size"].value, flag["dtype"].value)
+        # The tokenizer first: a package it needs that is missing fails before any export.
         tokenizer = record.run_tokenizer(workdir, run_config(workdir)[1])
+        if tokenizer is not None and tokenizer.kind in tokenizers.KIND_PACKAGES:
+            require_package("transformers", f"exporting the run's {tokenizer.kind} tokenizer")
+        export_hf(workdir, target, flag["max_shard_size"].value, flag["dtype"].value)
         if tokenizer is not None:
             tokenizer.save_hf(target)
             _say(f"jaxtrain: wrote the run's tokenizer ({tokenizer.describe()}) to {target}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    values = _define_flags()
-    run_absl("convert", lambda args: _convert(values, args), argv)
+    values = _define_flags(absl_argv("convert", argv))
+    run_absl("convert", lambda args: _convert(values, args), argv,
+             paths=("from-hf", "to-hf", "workdir"), epilog="With --from-hf:\n" + OVERRIDES_HELP)
 
 
 if __name__ == "__main__":

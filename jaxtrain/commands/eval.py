@@ -148,7 +148,8 @@ def _evaluate(f: dict, argv) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     values = _define_flags()
-    run_absl("eval", lambda args: _evaluate(values, args), argv)
+    run_absl("eval", lambda args: _evaluate(values, args), argv,
+             paths=("workdir", "data", "out", "tasks", "task_dir"))
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def _generate(f: dict, argv) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     values = _define_flags()
-    run_absl("generate", lambda args: _generate(values, args), argv)
+    run_absl("generate", lambda args: _generate(values, args), argv, paths=("workdir",))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@ import sys
 import threading
 import time
 
+from jaxtrain.commands.common import fail, flag_value
+from jaxtrain.errors import ConfigError
+from jaxtrain.workdir import check_local_path
 from jaxtrain.xla_flags import with_device_count
 
 GRACE_S = 10  # between SIGTERM and SIGKILL for the surviving ranks
@@ -132,6 +135,10 @@ def main(argv=None) -> None:
     main_args = args.main_args[1:] if args.main_args[:1] == ["--"] else args.main_args
     if args.processes < 1 or args.devices_per_process < 1 or args.max_restarts < 0:
         parser.error("--processes and --devices-per-process must be >= 1, --max-restarts >= 0")
+    try:  # here, not in each rank: one line, before any rank starts
+        check_local_path(flag_value(main_args, "workdir") or "", "--workdir")
+    except ConfigError as e:
+        fail(str(e))
     sys.exit(launch(args.processes, args.devices_per_process, main_args, args.max_restarts))
 
 

@@ -14,8 +14,8 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
+from jaxtrain.commands.common import OVERRIDES_HELP, run_absl
 from jaxtrain.commands.common import fail as _fail
-from jaxtrain.commands.common import run_absl
 from jaxtrain.hardware import slice_devices  # no jax: safe before the fake devices are set
 from jaxtrain.xla_flags import with_device_count
 
@@ -141,7 +141,7 @@ def _fake_devices_before_jax(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     _fake_devices_before_jax(sys.argv[1:] if argv is None else argv)
-    run_absl("plan", _plan, argv)
+    run_absl("plan", _plan, argv, paths=("hardware-file",), epilog=OVERRIDES_HELP)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ import sys
 from jaxtrain.data import merge as merge_lib
 from jaxtrain.data import prepare as prepare_lib
 from jaxtrain.data.stdlib import stdlib_files
-from jaxtrain.errors import DataError
+from jaxtrain.errors import DataError, JaxtrainError
+from jaxtrain.workdir import check_local_path
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -88,6 +89,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        for key, values in (("input", args.inputs), ("--out", [args.out]),
+                            ("--merge", [args.merge]), ("--tokenizer", [args.tokenizer])):
+            for value in values:
+                check_local_path(value or "", key)
         if args.merge:
             merge_lib.merge(args.merge)
             return 0
@@ -105,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             max_bad_fraction=args.max_bad_fraction, overwrite=args.overwrite,
             progress=not args.no_progress)
         prepare_lib.prepare(request)
-    except DataError as e:
+    except JaxtrainError as e:  # DataError, and ConfigError from check_local_path
         print(f"jaxtrain: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

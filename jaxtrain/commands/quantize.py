@@ -56,6 +56,7 @@ def quantize_run(workdir, out, calibration_batches: int = 8, int8_activations: b
     if calibration_batches < 1:
         raise ConfigError(f"--calibration_batches={calibration_batches} is invalid: >= 1")
     step, cfg = inference.run_config(workdir)
+    tokenizer = data_record.run_tokenizer(workdir, cfg)  # its package, before any writing
     loaded = inference.load(workdir, data=devices, batch=cfg.train.global_batch)
     _, windows, _ = inference.evaluation_windows(loaded.cfg, None)
     axes_by_path = param_axes(abstract_model(loaded.setup.spec))
@@ -80,7 +81,6 @@ def quantize_run(workdir, out, calibration_batches: int = 8, int8_activations: b
               "float32_val_loss": float_result["loss"], "int8_val_loss": int8_result["loss"]}
     (out / inference.QUANTIZATION_FILE).write_text(json.dumps(record, indent=2) + "\n")
     (out / "config.json").write_text(loaded.cfg.to_json_best_effort(indent=2) + "\n")
-    tokenizer = data_record.run_tokenizer(workdir, loaded.cfg)
     if tokenizer is not None:  # generate and eval read the model directory like a run
         data_record.store_tokenizer(out, tokenizer)
     int8_bytes = directory_bytes(out / "checkpoints")
@@ -99,7 +99,8 @@ def _quantize(f: dict, argv) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     values = _define_flags()
-    run_absl("quantize", lambda args: _quantize(values, args), argv)
+    run_absl("quantize", lambda args: _quantize(values, args), argv,
+             paths=("workdir", "out"))
 
 
 if __name__ == "__main__":

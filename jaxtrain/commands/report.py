@@ -16,8 +16,9 @@ import pathlib
 import sys
 
 from jaxtrain.commands.common import fail
+from jaxtrain.errors import ConfigError
 from jaxtrain.train.goodput import LOST
-from jaxtrain.workdir import read_metrics
+from jaxtrain.workdir import check_local_path, read_metrics
 
 TASK_PREFIX = "tasks/"
 
@@ -67,8 +68,11 @@ def summary(rows: list[dict]) -> str:
         last = good[-1]
         lost = ", ".join(f"{cause} {last[f'lost_{cause}_s']:.4g}s" for cause in LOST
                          if last.get(f"lost_{cause}_s"))
-        lines.append(f"goodput: {last['goodput']:.1%} of {last['wall_s']:.4g}s since the job "
-                     f"first started; lost: {lost or 'nothing'}")
+        idle = last.get("idle_s", 0.0)
+        apart = f" less {idle:.4g}s idle after deliberate stops" if idle else ""
+        lines.append(f"goodput: {last['goodput']:.1%} of {last['wall_s'] - idle:.4g}s (the "
+                     f"{last['wall_s']:.4g}s since the job first started{apart}); lost: "
+                     f"{lost or 'nothing'}")
     return "\n".join(lines)
 
 
@@ -146,12 +150,18 @@ def _draw_tasks(axes, rows: list[dict], keys: list[str]) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="jaxtrain report",
                                      description="Draw a jaxtrain run as a PNG.")
-    parser.add_argument("--workdir", required=True, type=pathlib.Path)
-    parser.add_argument("--out", type=pathlib.Path, help="default WORKDIR/report.png")
+    parser.add_argument("--workdir", required=True, help="the run directory")
+    parser.add_argument("--out", help="the PNG to write (default WORKDIR/report.png)")
     args = parser.parse_args(argv)
-    rows = load_rows(args.workdir)
-    out = args.out or args.workdir / "report.png"
-    draw(rows, out, str(args.workdir))
+    for key in ("workdir", "out"):
+        try:
+            check_local_path(getattr(args, key) or "", f"--{key}")
+        except ConfigError as e:
+            fail(str(e))
+    workdir = pathlib.Path(args.workdir)
+    rows = load_rows(workdir)
+    out = pathlib.Path(args.out) if args.out else workdir / "report.png"
+    draw(rows, out, str(workdir))
     print(summary(rows))
     print(f"drawn: {out}")
 

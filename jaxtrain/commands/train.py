@@ -15,15 +15,15 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from jaxtrain import hostmem
-from jaxtrain.commands.common import run_absl
+from jaxtrain.commands.common import OVERRIDES_HELP, absl_argv, run_absl
 from jaxtrain.signals import STOP_SIGNALS
 
 STOPPED = 3  # the run stopped itself: too many non-finite steps in a row
 
 
-def _define_flags() -> dict:
+def _define_flags(argv: list[str]) -> dict:
     config = config_flags.DEFINE_config_file("config", None, "A config file from configs/.",
-                                             lock_config=True)
+                                             lock_config=True, sys_argv=argv)
     values = {
         "config": config,
         "workdir": flags.DEFINE_string("workdir", None, "Run directory (default "
@@ -65,8 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     # Before jax loads: a Ctrl-C during start-up is then a clean stop (jaxtrain/signals.py).
     STOP_SIGNALS.install()
-    values = _define_flags()
-    run_absl("train", lambda args: _train(values, started, args), argv)
+    values = _define_flags(absl_argv("train", argv))
+    run_absl("train", lambda args: _train(values, started, args), argv, paths=("workdir",),
+             epilog=OVERRIDES_HELP)
 
 
 if __name__ == "__main__":

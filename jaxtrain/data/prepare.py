@@ -159,6 +159,7 @@ def make_plan(r: Request) -> Plan:
                                            r.include_hidden, r.include_binary)
         if r.shard is not None and r.shard[0] != 0:
             skipped = {}  # every part finds the same ones: part 0 reports them, once
+    readers.require_packages(inputs)
     span = None
     if r.shard is not None:
         if streamed:

@@ -30,9 +30,12 @@ import pathlib
 import re
 from collections.abc import Iterator
 
-from jaxtrain.errors import DataError
+from jaxtrain.errors import DataError, require_package
 
 FORMATS = ("text", "jsonl", "parquet", "hf")
+# The package each input format is read with (text and JSON Lines need none); hf-stream is
+# a dataset --hf-dataset streams with datasets.load_dataset.
+FORMAT_PACKAGES = {"parquet": "pyarrow", "hf": "datasets", "hf-stream": "datasets"}
 TEXT_UNITS = ("file", "line")
 FILE_SKIPS = ("hidden_files", "binary_files")  # input files left out, with example paths
 SKIPS = ("malformed_json", "missing_field", "not_text", "empty") + FILE_SKIPS
@@ -138,6 +141,17 @@ def discover(patterns: list[str], fmt: str = "auto", include_hidden: bool = Fals
                 continue
             found.append(item)
     return found, skipped
+
+
+def require_packages(inputs: list[Input]) -> None:
+    """DataError (one line) for the first input whose format's package is missing, before
+    anything is read or written."""
+    for item in inputs:
+        module = FORMAT_PACKAGES.get(item.format)
+        if module is not None:
+            what = (f"--hf-dataset={item.path}" if item.format == "hf-stream"
+                    else f"input {item.path} ({item.format})")
+            require_package(module, what, error=DataError)
 
 
 def _note_file(skipped: dict, kind: str, example: str) -> None:

@@ -132,6 +132,8 @@ def _check_bin(c) -> None:
              "train.bin and val.bin")
     if c.data.dtype not in ("uint16", "uint32"):
         fail("data.dtype", c.data.dtype, "valid values are uint16, uint32")
+    if c.data.tokenizer:
+        tokenizers.require_tokenizer_package(c.data.tokenizer, "data.tokenizer")
 
 
 def _stdlib_fingerprint(c) -> dict:

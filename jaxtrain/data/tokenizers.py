@@ -30,12 +30,15 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import tokenizers as hf
 
-from jaxtrain.errors import DataError
+from jaxtrain.errors import DataError, require_package
 
 META_FILE = "jaxtrain_tokenizer.json"
 HF_FILE = "tokenizer.json"
 SPM_FILE = "tokenizer.model"
 TIKTOKEN_FILE = "tokenizer.tiktoken"
+# The package each kind of tokenizer runs on (bytes and tokenizer.json need none beyond
+# the tokenizers dependency).
+KIND_PACKAGES = {"tiktoken": "tiktoken", "sentencepiece": "sentencepiece"}
 # Special tokens recognised as end/begin of a document when a tokenizer.json says no more.
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>")
 BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>")
@@ -447,6 +450,7 @@ def load_tokenizer(spec, what: str = "--tokenizer") -> Tokenizer:
     spec = str(spec)
     if spec == "bytes":
         return ByteTokenizer()
+    require_tokenizer_package(spec, what)
     if spec.startswith("tiktoken:"):
         return _tiktoken_by_name(spec.split(":", 1)[1])
     path = pathlib.Path(os.path.expanduser(spec))
@@ -476,15 +480,42 @@ def _read_json(path: pathlib.Path) -> dict:
         raise DataError(f"{path}: unreadable ({e})") from None
 
 
+def kind_of(spec) -> str | None:
+    """The kind of tokenizer a spec names, told from its name and a directory's meta file
+    without loading it; None when only loading tells (a tokenizer.json, a model directory)."""
+    spec = str(spec)
+    if spec.startswith("tiktoken:"):
+        return "tiktoken"
+    path = pathlib.Path(os.path.expanduser(spec))
+    if path.is_file() and path.suffix == ".model":
+        return "sentencepiece"
+    return _directory_kind(path, _read_json(path / META_FILE)) if path.is_dir() else None
+
+
+def require_tokenizer_package(spec, what: str = "--tokenizer") -> None:
+    """DataError (one line) when the package that tokenizer `spec` runs on is missing:
+    checked before a prepare or a run writes anything, and without importing it."""
+    kind = kind_of(spec)
+    if kind in KIND_PACKAGES:
+        require_package(KIND_PACKAGES[kind], f"{what}={spec} (a {kind} tokenizer)",
+                        error=DataError)
+
+
+def _directory_kind(directory: pathlib.Path, meta: dict) -> str | None:
+    kind = meta.get("kind")
+    if kind is None and (directory / SPM_FILE).is_file() and not (directory / HF_FILE).is_file():
+        return "sentencepiece"  # a model directory with only a SentencePiece model
+    return kind
+
+
 def _load_directory(directory: pathlib.Path, what: str) -> Tokenizer:
     meta = _read_json(directory / META_FILE)
-    kind = meta.get("kind")
+    kind = _directory_kind(directory, meta)
     if kind == "bytes":
         return ByteTokenizer()
     if kind == "tiktoken":
         return _load_tiktoken_saved(directory, meta)
-    if kind == "sentencepiece" or (kind is None and (directory / SPM_FILE).is_file()
-                                   and not (directory / HF_FILE).is_file()):
+    if kind == "sentencepiece":
         return _sentencepiece(directory / SPM_FILE)
     if (directory / HF_FILE).is_file():
         config = meta or _read_json(directory / "tokenizer_config.json")

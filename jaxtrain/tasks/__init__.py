@@ -11,10 +11,9 @@ serve `jaxtrain eval --tasks` on a checkpoint and the training loop on its live 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from collections.abc import Callable
 
-from jaxtrain.errors import fail
+from jaxtrain.errors import require_package
 from jaxtrain.tasks import harness
 from jaxtrain.tasks.spec import TaskResults, TaskSpec, split_list
 
@@ -29,16 +28,14 @@ class TaskBackend:
     doc: str
     load: Callable  # TaskSpec -> an object with evaluate(scorer, tokenizer, ...) -> TaskResults
     module: str  # the Python package it runs on
-    install: str  # how to get it
+    install: str | None = None  # how to get it (None: errors.INSTALL's line)
 
     def check(self, key: str) -> None:
         """ConfigError (one line, naming key) when the backend's package is missing."""
-        if importlib.util.find_spec(self.module) is None:
-            fail(key, self.name, f"needs the {self.module} package: {self.install}")
+        require_package(self.module, f"{key}={self.name!r}", self.install)
 
 
 BACKENDS: dict[str, TaskBackend] = {b.name: b for b in (
     TaskBackend("lm_eval", "EleutherAI's lm-evaluation-harness: its task catalogue and any "
-                "local task YAML or JSONL file", harness.load, "lm_eval",
-                "pip install 'jaxtrain[eval]'"),
+                "local task YAML or JSONL file", harness.load, "lm_eval"),
 )}

@@ -7,6 +7,11 @@ file is rewritten at every logged step, so a killed session leaves its record up
 last log. The summary charges to `recomputed` the steps a session ran past the step the next
 session resumed at (they were done again), and to `restart` the gaps between sessions (a
 dead process, the scheduler's delay, the time after a session's last log).
+
+A session that ends deliberately (it reached its steps, or stopped on SIGTERM or Ctrl-C with
+its checkpoint durable) records so (`clean`); the gap until the next start is then the
+user's choice, not the job's loss: it is reported apart as `idle_s` and left out of the
+wall time goodput is a share of.
 """
 
 from __future__ import annotations
@@ -58,13 +63,21 @@ class Goodput:
         self.session["productive"].append([first, last, device_s])
         self.lose("data", data_s)
 
+    def finished(self, now: float | None = None) -> None:
+        """The session ends deliberately, its checkpoint durable: the time until the next
+        start is idle, not lost."""
+        self.session["end"] = time.time() if now is None else now
+        self.session["clean"] = True
+        self.save()
+
     def summary(self, now: float | None = None) -> dict:
-        """goodput and the lost seconds by cause, since the job first started."""
+        """goodput, the lost seconds by cause and the idle seconds, since the job first
+        started."""
         now = time.time() if now is None else now
         self.session["end"] = now
         sessions = self.previous + [self.session]
         wall = max(now - sessions[0]["start"], 1e-9)
-        productive, lost = 0.0, {cause: 0.0 for cause in LOST}
+        productive, idle, lost = 0.0, 0.0, {cause: 0.0 for cause in LOST}
         for i, session in enumerate(sessions):
             # Any later session may have gone back past this one's steps (a resume from an
             # older checkpoint after the next one's newest was damaged): the earliest counts.
@@ -77,8 +90,12 @@ class Goodput:
             for cause, seconds in session["lost"].items():
                 lost[cause] += seconds
             if i > 0:
-                lost["restart"] += max(session["start"] - sessions[i - 1]["end"], 0.0)
-        row = {"goodput": productive / wall, "wall_s": wall}
+                gap = max(session["start"] - sessions[i - 1]["end"], 0.0)
+                if sessions[i - 1].get("clean"):
+                    idle += gap
+                else:  # a crash, a kill, a dead rank: the job lost it
+                    lost["restart"] += gap
+        row = {"goodput": productive / max(wall - idle, 1e-9), "wall_s": wall, "idle_s": idle}
         row.update({f"lost_{cause}_s": seconds for cause, seconds in lost.items()})
         return row
 

@@ -56,6 +56,7 @@ def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None,
     setup = build(cfg, devices)  # validates the config before anything else happens
     batches = make_batches(cfg)  # and the data
     tasks = load_tasks(cfg)  # and the downstream tasks (eval.tasks)
+    data = record.run_data(cfg)  # and the data's tokenizer (its package, its vocabulary)
     prepare_workdir(workdir)
     main_process = jax.process_index() == 0
     say = _say if main_process else _quiet
@@ -64,7 +65,7 @@ def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None,
         writer = None
         try:
             # Before restoring: a resume on changed data is refused without reading the state.
-            record.check_and_store(workdir, *record.run_data(cfg),
+            record.check_and_store(workdir, *data,
                                    any(tier.steps() for tier in tiers.all),
                                    cfg.data.allow_changed, write=main_process)
             start, state, restored, restoring = restore_or_init(tiers, setup, workdir)
@@ -120,6 +121,7 @@ def _train(setup: Setup, batches, tasks, state, start: int, restored: bool, tier
             data = data_with_faults(batches.train_iter(start), cfg.debug, start)
             _steps(setup, state, train_step, data, start, hooks, logger, checkpointer,
                    watchdog)
+    goodput.finished()  # reached its steps, or stopped on request, its checkpoint durable
     return logger.rows
 
 

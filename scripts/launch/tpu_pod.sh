@@ -3,11 +3,14 @@
 # on every worker; jax.distributed finds the other workers from the TPU metadata.
 #   scripts/launch/tpu_pod.sh TPU_NAME ZONE configs/gpt13b.py [--config.KEY=VALUE ...]
 # Expects: the TPU VM created (gcloud compute tpus tpu-vm create ... --version=tpu-ubuntu2204-base),
-# and a GCS bucket or shared disk for --workdir so that every host writes its checkpoint shards.
+# and a directory every host sees for --workdir, so that every host writes its checkpoint shards:
+# a shared disk, or a GCS bucket mounted at the same path on every worker (gcsfuse
+# --implicit-dirs BUCKET /mnt/gcs); gs:// paths themselves are refused until object storage
+# is supported.
 # Check that it worked: worker 0 prints "on 64 tpu devices" for v5p-128 (4 chips × 16 hosts).
 set -euo pipefail
 TPU=${1:?tpu name}; ZONE=${2:?zone}; CONFIG=${3:?config}; shift 3
-WORKDIR=${WORKDIR:-gs://YOUR_BUCKET/jaxtrain/$(basename "$CONFIG" .py)}
+WORKDIR=${WORKDIR:-/mnt/gcs/jaxtrain/$(basename "$CONFIG" .py)}
 gcloud compute tpus tpu-vm ssh "$TPU" --zone "$ZONE" --worker=all --command "
   set -e
   [ -d jaxtrain ] || git clone https://example.invalid/your/jaxtrain.git jaxtrain
