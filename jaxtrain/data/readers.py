@@ -99,11 +99,6 @@ def is_hf_saved(path: pathlib.Path) -> bool:
     return path.is_dir() and any((path / m).is_file() for m in _HF_MARKERS)
 
 
-def find_inputs(patterns: list[str], fmt: str = "auto", include_hidden: bool = False,
-                include_binary: bool = False) -> list[Input]:
-    return discover(patterns, fmt, include_hidden, include_binary)[0]
-
-
 def discover(patterns: list[str], fmt: str = "auto", include_hidden: bool = False,
              include_binary: bool = False) -> tuple[list[Input], dict[str, list]]:
     """Files named by paths, directories (every file below, sorted, hidden ones left out) and
