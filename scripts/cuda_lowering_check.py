@@ -2,7 +2,8 @@
 holds: per attention kernel × precision of a small llama_1b-shaped model (GQA, RoPE,
 SwiGLU), the custom calls (cuDNN fused attention, Triton kernels), host fallbacks (Python
 callbacks: there should be none), and the matmuls' operand types (a 16-bit policy should
-run no float32×float32 matmul of model width; fp8 should run f8 matmuls).
+run no float32×float32 matmul: neither of model width nor a batched one of attention; fp8
+should run f8 matmuls).
 
     python scripts/cuda_lowering_check.py [--json] [--kernels cudnn,pallas] [--precisions fp8]
         [--packing documents]
@@ -119,6 +120,9 @@ def problems(row: dict) -> list[str]:
         out.append("no Triton kernel")
     if found["f32_weight_dots"]:
         out.append(f"{found['f32_weight_dots']} float32 weight matmuls in a {precision} "
+                   "policy")
+    if found["f32_batched_dots"]:  # P and dS belong in the compute dtype, as flash kernels do
+        out.append(f"{found['f32_batched_dots']} float32 attention matmuls in a {precision} "
                    "policy")
     if precision == "fp8" and not any("f8" in k for k in found["dot_operand_types"]):
         out.append("no fp8 matmul")

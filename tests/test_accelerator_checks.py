@@ -38,6 +38,23 @@ def test_lowering_check_flags_what_is_missing():
     assert any("fp8" in p for p in cuda.problems({"kernel": "xla", "precision": "fp8", **found}))
     f32 = cuda.inspect(text.replace("xbf16>", "xf32>"), cuda.SMALL["model.d_model"])
     assert f32["f32_weight_dots"] > 0
+    assert any("attention matmuls" in p for p in cuda.problems({"kernel": "xla",
+                                                                "precision": "bfloat16", **f32}))
+
+
+# The kernels written in XLA keep their backward's matmuls on 16-bit operands (P and dS cast
+# as flash kernels do, float32 accumulation): the chunked kernel unrolled (2 query chunks),
+# looped (17 chunks: lowered only, never compiled, so the long sequence costs seconds), and
+# the reference.
+@pytest.mark.parametrize("kernel,seq_len", [("chunked", 256), ("chunked", 2176), ("xla", 256)])
+def test_attention_matmuls_are_16_bit_in_a_16_bit_policy(kernel, seq_len):
+    from jaxtrain.models.chunked_attention import looped
+
+    assert looped(seq_len, 128) == (seq_len > 2048)  # the chunked kernel's 128-row chunks
+    found = cuda.inspect(cuda.lower_for_cuda(kernel, "bfloat16", {"model.seq_len": seq_len}),
+                         cuda.SMALL["model.d_model"])
+    assert found["f32_batched_dots"] == 0, found["dot_operand_types"]
+    assert cuda.problems({"kernel": kernel, "precision": "bfloat16", **found}) == []
 
 
 @pytest.mark.slow

@@ -142,11 +142,11 @@ def _attention_fwd(q_BLHK, k_BMGK, v_BMGK, segments_BL, block, window):
 
 
 def _transposed_matmul(a_BGNX, b_BGNY):
-    """aᵀb contracted over the rows N, [B, G, X, Y], with aᵀ materialised first: as a plain
-    row-major batched matmul XLA:CPU runs it about twice as fast as contracting the rows in
-    place (measured at the bench_cpu shapes)."""
+    """aᵀb contracted over the rows N, [B, G, X, Y] float32, with aᵀ materialised first: as a
+    plain row-major batched matmul XLA:CPU runs it about twice as fast as contracting the
+    rows in place (measured at the bench_cpu shapes)."""
     a_BGXN = jax.lax.optimization_barrier(jnp.swapaxes(a_BGNX, -1, -2))
-    return jnp.matmul(a_BGXN, b_BGNY.astype(a_BGXN.dtype), preferred_element_type=jnp.float32)
+    return jnp.matmul(a_BGXN, b_BGNY, preferred_element_type=jnp.float32)
 
 
 def _attention_bwd(block, window, residuals, dout_BLHK):
@@ -157,8 +157,9 @@ def _attention_bwd(block, window, residuals, dout_BLHK):
     q_BGRLK, do_BGRLK = _to_groups(q_BLHK, groups), _to_groups(dout_BLHK, groups)
     k_BGMK, v_BGMK = k_BMGK.transpose(0, 2, 1, 3), v_BMGK.transpose(0, 2, 1, 3)
     # delta = rowsum(dO ∘ O) = rowsum(P ∘ dP): the softmax backward's per-row correction.
-    delta_BLH = jnp.einsum("blhk,blhk->blh", dout_BLHK.astype(jnp.float32),
-                           out_BLHK.astype(jnp.float32))
+    # 16-bit products are exact in float32, so float32 accumulation alone keeps it exact.
+    delta_BLH = jnp.einsum("blhk,blhk->blh", dout_BLHK, out_BLHK,
+                           preferred_element_type=jnp.float32)
     delta_BGRL = delta_BLH.reshape(b, length, groups, r).transpose(0, 2, 3, 1)
     dk_BGMK = jnp.zeros(k_BGMK.shape, jnp.float32)
     dv_BGMK = jnp.zeros(v_BGMK.shape, jnp.float32)
@@ -183,10 +184,13 @@ def _attention_bwd(block, window, residuals, dout_BLHK):
         dpT_BGMQ = jnp.einsum("bgmk,bgqk->bgmq", v_chunk_BGMK, do_BGQK,
                               preferred_element_type=jnp.float32)
         dsT_BGMQ = pT_BGMQ * (dpT_BGMQ - delta_BG1Q)
+        # P and dS in the compute dtype for their matmuls (16-bit tensor cores), as flash
+        # kernels do; the products still accumulate in float32. A no-op under float32.
+        pT_BGMQ, dsT_BGMQ = pT_BGMQ.astype(q_BLHK.dtype), dsT_BGMQ.astype(q_BLHK.dtype)
         dv_BGMK = dv_BGMK.at[:, :, lo:end].add(
-            jnp.matmul(pT_BGMQ, do_BGQK.astype(jnp.float32)))
+            jnp.matmul(pT_BGMQ, do_BGQK, preferred_element_type=jnp.float32))
         dk_BGMK = dk_BGMK.at[:, :, lo:end].add(
-            jnp.matmul(dsT_BGMQ, q_BGQK.astype(jnp.float32)))
+            jnp.matmul(dsT_BGMQ, q_BGQK, preferred_element_type=jnp.float32))
         dqs.append(_unrows(_transposed_matmul(dsT_BGMQ, k_chunk_BGMK), r))
     dq_BLHK = _from_groups(jnp.concatenate(dqs, axis=3)).astype(q_BLHK.dtype)
     return (dq_BLHK, dk_BGMK.transpose(0, 2, 1, 3).astype(k_BMGK.dtype),

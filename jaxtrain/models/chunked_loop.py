@@ -123,8 +123,9 @@ def _attention_bwd(block, window, residuals, dout_BLHK):
     r = heads // groups
     q_BGRLK, do_BGRLK = _grouped(q_BLHK, groups), _grouped(dout_BLHK, groups)
     k_BGMK, v_BGMK = k_BMGK.transpose(0, 2, 1, 3), v_BMGK.transpose(0, 2, 1, 3)
-    delta_BGRL = jnp.einsum("bgrlk,bgrlk->bgrl", do_BGRLK.astype(jnp.float32),
-                            _grouped(out_BLHK, groups).astype(jnp.float32))
+    # 16-bit products are exact in float32: float32 accumulation keeps delta exact.
+    delta_BGRL = jnp.einsum("bgrlk,bgrlk->bgrl", do_BGRLK, _grouped(out_BLHK, groups),
+                            preferred_element_type=jnp.float32)
 
     def one_chunk(carry, i):
         chunk = _Chunk(i, q_BGRLK, segments_BL, block, kblock, window)

@@ -284,9 +284,11 @@ def _backward(q_BTHK, k_BTGK, v_BTGK, segments_BT, out_BTHK, lse_BGRT, dout_BTHK
               spec: ContextSpec, window):
     """One device's dQ, dK, dV: the blocks visited again in the forward's order."""
     dev = _Device(q_BTHK, k_BTGK.shape[2], segments_BT, spec, window)
-    do_BGRTK = dev.grouped(dout_BTHK).astype(jnp.float32)
-    delta_BGRT = jnp.einsum("bgrtk,bgrtk->bgrt", do_BGRTK,
-                            dev.grouped(out_BTHK).astype(jnp.float32))
+    # dO stays in the compute dtype for the tiles' matmuls (flash.tile_grads); 16-bit
+    # products are exact in float32, so float32 accumulation keeps delta exact.
+    do_BGRTK = dev.grouped(dout_BTHK)
+    delta_BGRT = jnp.einsum("bgrtk,bgrtk->bgrt", do_BGRTK, dev.grouped(out_BTHK),
+                            preferred_element_type=jnp.float32)
     grads_in = (do_BGRTK, lse_BGRT, delta_BGRT)
     block = _blocks(k_BTGK, v_BTGK, segments_BT)
     dq = jnp.zeros(dev.q.shape, jnp.float32)

@@ -79,15 +79,19 @@ def finish(acc):
 def tile_grads(q_BGQK, do_BGQK, lse_BGQ, delta_BGQ, k_BGMK, v_BGMK, seen):
     """One tile's float32 shares of dQ, dK and dV. delta = rowsum(dO ∘ O). Keys are the
     rows of the recomputed probabilities ([keys, queries]): dK = dSᵀQ and dV = PᵀdO are
-    then plain row-major matmuls, and only dSᵀ is contracted over its rows (for dQ)."""
+    then plain row-major matmuls, and only dSᵀ is contracted over its rows (for dQ).
+    Every matmul takes operands of q's dtype (P and dS cast to it, as flash kernels do:
+    16-bit tensor cores) and accumulates in float32; under float32 the casts are no-ops."""
+    f32, dt = jnp.float32, q_BGQK.dtype
+    do_BGQK = do_BGQK.astype(dt)
     seen_MQ = jnp.swapaxes(seen, -1, -2)
-    sT_BGMQ = jnp.einsum("bgmk,bgqk->bgmq", k_BGMK, q_BGQK, preferred_element_type=jnp.float32)
+    sT_BGMQ = jnp.einsum("bgmk,bgqk->bgmq", k_BGMK, q_BGQK, preferred_element_type=f32)
     pT_BGMQ = jnp.where(seen_MQ, jnp.exp(sT_BGMQ - lse_BGQ[:, :, None]), 0.0)
-    dpT_BGMQ = jnp.einsum("bgmk,bgqk->bgmq", v_BGMK, do_BGQK, preferred_element_type=jnp.float32)
-    dsT_BGMQ = pT_BGMQ * (dpT_BGMQ - delta_BGQ[:, :, None])
-    dv_BGMK = jnp.matmul(pT_BGMQ, do_BGQK.astype(jnp.float32))
-    dk_BGMK = jnp.matmul(dsT_BGMQ, q_BGQK.astype(jnp.float32))
-    dq_BGQK = jnp.einsum("bgmq,bgmk->bgqk", dsT_BGMQ, k_BGMK.astype(jnp.float32))
+    dpT_BGMQ = jnp.einsum("bgmk,bgqk->bgmq", v_BGMK, do_BGQK, preferred_element_type=f32)
+    dsT_BGMQ = (pT_BGMQ * (dpT_BGMQ - delta_BGQ[:, :, None])).astype(dt)
+    dv_BGMK = jnp.matmul(pT_BGMQ.astype(dt), do_BGQK, preferred_element_type=f32)
+    dk_BGMK = jnp.matmul(dsT_BGMQ, q_BGQK, preferred_element_type=f32)
+    dq_BGQK = jnp.einsum("bgmq,bgmk->bgqk", dsT_BGMQ, k_BGMK, preferred_element_type=f32)
     return dq_BGQK, dk_BGMK, dv_BGMK
 
 
