@@ -1,4 +1,4 @@
-r"""Hugging Face import and export (GPT2LMHeadModel, LlamaForCausalLM).
+r"""Hugging Face import and export (GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM).
 
     jaxtrain convert --from-hf DIR --config configs/NAME.py --workdir OUT \
         [--config.KEY=VALUE ...]
@@ -11,7 +11,7 @@ training refuses data prepared with another. Export writes config.json and safet
 `transformers.AutoModelForCausalLM.from_pretrained` loads with no custom code, and the run's
 tokenizer as tokenizer.json + tokenizer_config.json for `AutoTokenizer` (the same ids).
 The work is in jaxtrain/hf/: load.py (import), save.py (export), one mapping module per
-family (gpt2.py, llama.py); docs/interop.md has the name table.
+family (gpt2.py, llama.py, mixtral.py); docs/interop.md has the name tables.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def import_hf(cfg, hf_dir, workdir, devices: Sequence[jax.Device] | None = None
                         f"model_type={hf['model_type']!r} (jaxtrain family {family.FAMILY!r})")
     else:
         problems += family.check_config(hf, cfg.model)
-    if 0 < cfg.model.sliding_window < cfg.model.seq_len:
+    if not family.SLIDING_WINDOW and 0 < cfg.model.sliding_window < cfg.model.seq_len:
         problems.append(f"model.sliding_window={cfg.model.sliding_window} but "
                         f"{hf['model_type']} attends to every earlier token (use 0)")
     if problems:
