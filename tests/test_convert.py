@@ -469,3 +469,50 @@ def _llama_dir(tmp_path):
     cfg = _config("llama", **{"model.mlp_dim": 96})
     _hf_model(cfg).save_pretrained(tmp_path / "llama")
     return tmp_path / "llama"
+
+
+# ---------------------------------------------------------------------------------------
+# A model imported without a tokenizer: ids in and out work, text is not guessed.
+
+def test_an_import_without_a_tokenizer_records_none(tmp_path, devices):
+    """A 512-id model from a directory without tokenizer files, into a config on the byte
+    corpus: its ids are not bytes, so no tokenizer stands in for the missing one."""
+    from jaxtrain.data import record
+
+    cfg = _config("gpt2", **{"model.vocab_size": 512})
+    _hf_model(cfg).save_pretrained(tmp_path / "hf")
+    import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    assert record.run_tokenizer(tmp_path / "run", cfg) is None
+    # Fine-tuning it on the byte corpus makes bytes its tokenizer, as for any run.
+    record.check_and_store(tmp_path / "run", *record.run_data(cfg), True, False, True)
+    assert record.run_tokenizer(tmp_path / "run", cfg).kind == "bytes"
+
+
+@pytest.mark.slow
+def test_generate_and_eval_of_an_import_without_a_tokenizer(tmp_path, devices):
+    cfg = _config("gpt2", **{"model.vocab_size": 512})  # on the byte corpus
+    _hf_model(cfg).save_pretrained(tmp_path / "hf")
+    run = tmp_path / "run"
+    import_hf(cfg, tmp_path / "hf", run, devices[:1])
+
+    def cli(module, *args):
+        return subprocess.run([sys.executable, "-m", f"jaxtrain.commands.{module}", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    result = cli("generate", f"--workdir={run}", "--prompt_ids=300,400,511",
+                 "--max_new_tokens=4", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["prompt_ids"] == [300, 400, 511] and len(out["generated_ids"]) == 4
+    assert out["text"] is None
+    result = cli("generate", f"--workdir={run}", "--prompt=def ", "--max_new_tokens=4")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "jaxtrain: error: --prompt needs the model's tokenizer, and this run has none "
+        "(data.source='stdlib'); pass --prompt_ids"]
+    np.random.default_rng(0).integers(0, 512, 2000).astype(np.uint16).tofile(tmp_path / "t.bin")
+    result = cli("eval", f"--workdir={run}", f"--data={tmp_path / 't.bin'}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["bits_per_byte"] is None and out["loss"] > 0
+    assert "pass --bytes_per_token" in result.stderr

@@ -36,6 +36,9 @@ META_FILE = "jaxtrain_tokenizer.json"
 HF_FILE = "tokenizer.json"
 SPM_FILE = "tokenizer.model"
 TIKTOKEN_FILE = "tokenizer.tiktoken"
+# The meta kind of a directory that records that a model's ids have no known tokenizer (a
+# Hugging Face import without tokenizer files): nothing may stand in for it.
+NO_TOKENIZER = "none"
 # Special tokens recognised as end/begin of a document when a tokenizer.json says no more.
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>")
 BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>")
@@ -479,6 +482,8 @@ def _read_json(path: pathlib.Path) -> dict:
 def _load_directory(directory: pathlib.Path, what: str) -> Tokenizer:
     meta = _read_json(directory / META_FILE)
     kind = meta.get("kind")
+    if kind == NO_TOKENIZER:
+        raise DataError(f"{what}={directory}: records that the model has no tokenizer")
     if kind == "bytes":
         return ByteTokenizer()
     if kind == "tiktoken":
