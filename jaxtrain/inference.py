@@ -22,10 +22,10 @@ import numpy as np
 from jaxtrain import quantization as quantization_lib
 from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.config import base_config
+from jaxtrain.data import record
 from jaxtrain.data.batches import to_global
 from jaxtrain.data.packing import Packed, counted_targets
 from jaxtrain.data.sources import SOURCES, TokenWindows
-from jaxtrain.data.tokenizers import ByteTokenizer
 from jaxtrain.errors import CheckpointError, ConfigError, DataError
 from jaxtrain.scoring import Scorer
 from jaxtrain.tasks.harness import lm_class
@@ -127,24 +127,17 @@ def _quantization(workdir: pathlib.Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def byte_level(cfg) -> bool:
-    """Whether the run's tokens are bytes (text prompts, bits per byte)."""
-    return SOURCES[cfg.data.source].byte_level
-
-
 def prompt_tokens(cfg, text: str | None, ids: list[str] | None,
                   max_new_tokens: int = 0, tokenizer=None) -> list[int]:
     """The prompt as token ids; ConfigError (one line) for what this model cannot take.
-    Text is encoded with `tokenizer` (default: bytes for byte-level runs)."""
+    Text is encoded with `tokenizer`, the run's (data/record.py run_tokenizer): without one
+    there is no text, whatever the data source, since an import may have ids of its own."""
     if (text is None) == (ids is None):
         raise ConfigError("give exactly one of --prompt and --prompt_ids")
     if text is not None:
-        if tokenizer is None and byte_level(cfg):
-            tokenizer = ByteTokenizer()
         if tokenizer is None:
-            raise ConfigError(f"this model was trained on token ids (data.source="
-                              f"{cfg.data.source!r}) and has no tokenizer here; pass "
-                              "--prompt_ids")
+            raise ConfigError(f"--prompt needs the model's tokenizer, and this run has none "
+                              f"(data.source={cfg.data.source!r}); pass --prompt_ids")
         tokens = tokenizer.encode(text)
     else:
         try:
@@ -167,18 +160,45 @@ def prompt_tokens(cfg, text: str | None, ids: list[str] | None,
     return tokens
 
 
-def evaluation_windows(cfg, data: str | None, tokenizer=None):
-    """(name, windows source, tokens are bytes) for the run's validation split or a file
-    (a text file is encoded with `tokenizer`; bytes for byte-level runs)."""
+def decode_text(tokenizer, ids: Sequence[int]) -> tuple[str | None, str | None]:
+    """(text, None) of token ids; (None, why) where the tokenizer does not cover an id (bytes
+    cannot decode 300; tokenizers' decode would silently drop it); (None, None) without a
+    tokenizer: the ids are the output."""
+    if tokenizer is None:
+        return None, None
+    outside = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
+    if outside:
+        return None, (f"id {outside[0]} is outside the run's tokenizer "
+                      f"({tokenizer.describe()}): ids only, no text")
+    return tokenizer.decode(ids), None
+
+
+def _validation_windows(cfg, tokenizer):
+    """(windows, their tokenizer) of the run's validation split; DataError where the split's
+    ids are another tokenizer's than the run's (e.g. an import with its own tokenizer under
+    a config on the byte corpus): the loss would be of ids that mean other text."""
     source = SOURCES[cfg.data.source]
+    if not source.validation_text:
+        raise DataError(f"this run trained on data.source={cfg.data.source!r}: it has no "
+                        "validation text; pass --data")
+    made_by = record.data_tokenizer(cfg)
+    if tokenizer is not None and made_by is not None \
+            and made_by.fingerprint() != tokenizer.fingerprint():
+        raise DataError(f"the validation split's ids are {made_by.describe()} (data.source="
+                        f"{cfg.data.source!r}), but the run's tokenizer is "
+                        f"{tokenizer.describe()}: they would mean other text; pass --data")
+    if source.tokens is None:  # e.g. prepared datasets: the loop's validation windows
+        return source.splits(cfg)[1], made_by or tokenizer
+    return TokenWindows(source.tokens(cfg)[1], cfg.model.seq_len, "the validation split"), \
+        made_by or tokenizer
+
+
+def evaluation_windows(cfg, data: str | None, tokenizer=None):
+    """(name, windows source, the tokenizer of their ids or None) for the run's validation
+    split or a file; `tokenizer` is the run's: a .bin holds its ids, a text file is encoded
+    with it (and needs one)."""
     if data is None:
-        if not source.validation_text:
-            raise DataError(f"this run trained on data.source={cfg.data.source!r}: it has no "
-                            "validation text; pass --data")
-        if source.tokens is None:  # e.g. prepared datasets: the loop's validation windows
-            return "validation split", source.splits(cfg)[1], source.byte_level
-        return "validation split", TokenWindows(source.tokens(cfg)[1], cfg.model.seq_len,
-                                                "the validation split"), source.byte_level
+        return ("validation split", *_validation_windows(cfg, tokenizer))
     path = pathlib.Path(data)
     if not path.is_file():
         raise DataError(f"--data={data}: no such file")
@@ -188,15 +208,14 @@ def evaluation_windows(cfg, data: str | None, tokenizer=None):
         if top >= cfg.model.vocab_size:
             raise DataError(f"--data={data} holds token id {top}, outside the model's "
                             f"vocabulary of {cfg.model.vocab_size}")
-    elif tokenizer is not None and not source.byte_level:
-        tokens = np.asarray(tokenizer.encode(path.read_text(errors="replace")), dtype=np.int32)
-    else:
-        if not source.byte_level:
-            raise DataError(f"--data={data}: this model reads token ids and has no tokenizer "
-                            "here; pass a .bin token file")
+    elif tokenizer is None:
+        raise DataError(f"--data={data} is text and this run has no tokenizer (data.source="
+                        f"{cfg.data.source!r}); pass a .bin token file")
+    elif tokenizer.kind == "bytes":  # the file's own bytes, invalid UTF-8 included
         tokens = np.frombuffer(path.read_bytes(), dtype=np.uint8)
-    return str(path), TokenWindows(tokens, cfg.model.seq_len, f"--data={data}"), \
-        source.byte_level
+    else:
+        tokens = np.asarray(tokenizer.encode(path.read_text(errors="replace")), dtype=np.int32)
+    return str(path), TokenWindows(tokens, cfg.model.seq_len, f"--data={data}"), tokenizer
 
 
 def evaluate(loaded, windows, batches: int) -> dict:

@@ -290,7 +290,7 @@ def _mixtral_config(**overrides):
                                "model.rope_theta": 1e6, **overrides})
 
 
-def _hf_mixtral(cfg, seed: int = 0):
+def _hf_mixtral(cfg, seed: int = 0, **extra):
     """A random transformers Mixtral of cfg's shape (norms around 1, router logits spread so
     that top-2 choices are not decided by float noise)."""
     import torch
@@ -302,7 +302,7 @@ def _hf_mixtral(cfg, seed: int = 0):
         num_key_value_heads=m.num_kv_heads, intermediate_size=m.moe.expert_mlp_dim,
         num_local_experts=m.moe.num_experts, num_experts_per_tok=m.moe.top_k,
         vocab_size=m.vocab_size, max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps,
-        rope_theta=m.rope_theta, bos_token_id=0, eos_token_id=0)
+        rope_theta=m.rope_theta, bos_token_id=0, eos_token_id=0, **extra)
     model = transformers.MixtralForCausalLM(config)
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -416,7 +416,103 @@ def test_mixtral_mismatches_are_named(tmp_path, devices):
         import_hf(_mixtral_config(), _llama_dir(tmp_path), tmp_path / "run2", devices[:1])
 
 
+def test_mixtral_sliding_window_maps_both_ways(tmp_path, devices):
+    """config.json sliding_window <-> model.sliding_window (null <-> 0). transformers 5 applies
+    Mixtral's window in its default attention (sdpa) as in eager: keys (i - W, i]."""
+    import transformers
+
+    cfg = _mixtral_config(**{"model.sliding_window": 8})  # seq_len 32
+    model = _hf_mixtral(cfg, sliding_window=8)
+    model.save_pretrained(tmp_path / "hf")
+    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    tokens = _tokens(cfg)
+    want = _hf_logits(model, tokens)
+    err = np.abs(_jax_logits(setup, state.params, tokens) - want).max()
+    assert err < TOLERANCE, err
+    model.config.sliding_window = None  # the same weights, full causal attention
+    full = _hf_logits(model, tokens)
+    assert np.abs(full - want)[:, :8].max() < 1e-5 < 0.01 < np.abs(full - want)[:, 8:].max()
+    # Export writes the window; transformers' own loader gives the same logits.
+    export_hf(tmp_path / "run", tmp_path / "out", devices=devices[:1])
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["sliding_window"] == 8
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    err = np.abs(_hf_logits(exported, tokens) - want).max()
+    assert err < TOLERANCE, err
+    # A config that disagrees is named, before any tensor is read.
+    with pytest.raises(ConfigError, match="model.sliding_window=0 but config.json "
+                                          "sliding_window=8"):
+        import_hf(_mixtral_config(), tmp_path / "hf", tmp_path / "run2", devices[:1])
+    _hf_mixtral(_mixtral_config()).save_pretrained(tmp_path / "full")
+    with pytest.raises(ConfigError, match="model.sliding_window=8 but config.json "
+                                          "sliding_window=None"):
+        import_hf(cfg, tmp_path / "full", tmp_path / "run3", devices[:1])
+
+
+def test_a_llama_config_with_a_sliding_window_is_refused(tmp_path, devices):
+    """transformers' Llama ignores a sliding_window key (Mistral-style configs carry one): a
+    window that would matter within model.seq_len is refused, not silently dropped."""
+    directory = _llama_dir(tmp_path)
+    hf = json.loads((directory / "config.json").read_text())
+    cfg = _config("llama", **{"model.mlp_dim": 96})
+    (directory / "config.json").write_text(json.dumps({**hf, "sliding_window": 64}))
+    import_hf(cfg, directory, tmp_path / "run", devices[:1])  # 64 >= seq_len 32: the same
+    (directory / "config.json").write_text(json.dumps({**hf, "sliding_window": 16}))
+    with pytest.raises(ConfigError, match="config.json sliding_window=16 is not supported: "
+                                          "LlamaForCausalLM attends to every earlier token"):
+        import_hf(cfg, directory, tmp_path / "run2", devices[:1])
+    windowed = _config("llama", **{"model.mlp_dim": 96, "model.sliding_window": 16})
+    with pytest.raises(ConfigError, match="model.sliding_window=16 but llama attends to every"):
+        import_hf(windowed, directory, tmp_path / "run3", devices[:1])
+
+
 def _llama_dir(tmp_path):
     cfg = _config("llama", **{"model.mlp_dim": 96})
     _hf_model(cfg).save_pretrained(tmp_path / "llama")
     return tmp_path / "llama"
+
+
+# ---------------------------------------------------------------------------------------
+# A model imported without a tokenizer: ids in and out work, text is not guessed.
+
+def test_an_import_without_a_tokenizer_records_none(tmp_path, devices):
+    """A 512-id model from a directory without tokenizer files, into a config on the byte
+    corpus: its ids are not bytes, so no tokenizer stands in for the missing one."""
+    from jaxtrain.data import record
+
+    cfg = _config("gpt2", **{"model.vocab_size": 512})
+    _hf_model(cfg).save_pretrained(tmp_path / "hf")
+    import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    assert record.run_tokenizer(tmp_path / "run", cfg) is None
+    # Fine-tuning it on the byte corpus makes bytes its tokenizer, as for any run.
+    record.check_and_store(tmp_path / "run", *record.run_data(cfg), True, False, True)
+    assert record.run_tokenizer(tmp_path / "run", cfg).kind == "bytes"
+
+
+@pytest.mark.slow
+def test_generate_and_eval_of_an_import_without_a_tokenizer(tmp_path, devices):
+    cfg = _config("gpt2", **{"model.vocab_size": 512})  # on the byte corpus
+    _hf_model(cfg).save_pretrained(tmp_path / "hf")
+    run = tmp_path / "run"
+    import_hf(cfg, tmp_path / "hf", run, devices[:1])
+
+    def cli(module, *args):
+        return subprocess.run([sys.executable, "-m", f"jaxtrain.commands.{module}", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    result = cli("generate", f"--workdir={run}", "--prompt_ids=300,400,511",
+                 "--max_new_tokens=4", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["prompt_ids"] == [300, 400, 511] and len(out["generated_ids"]) == 4
+    assert out["text"] is None
+    result = cli("generate", f"--workdir={run}", "--prompt=def ", "--max_new_tokens=4")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "jaxtrain: error: --prompt needs the model's tokenizer, and this run has none "
+        "(data.source='stdlib'); pass --prompt_ids"]
+    np.random.default_rng(0).integers(0, 512, 2000).astype(np.uint16).tofile(tmp_path / "t.bin")
+    result = cli("eval", f"--workdir={run}", f"--data={tmp_path / 't.bin'}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["bits_per_byte"] is None and out["loss"] > 0
+    assert "pass --bytes_per_token" in result.stderr

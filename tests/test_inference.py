@@ -15,6 +15,8 @@ from flax import nnx
 from helpers import assert_cached_decoding_matches_full_forward
 
 from jaxtrain.config import load_config_file
+from jaxtrain.data.tokenizers import ByteTokenizer
+from jaxtrain.errors import ConfigError, DataError
 from jaxtrain.sampling import Sampling, make_generate, pick
 from jaxtrain.train.setup import build
 
@@ -146,7 +148,7 @@ def test_prompts_are_checked(devices):
     from jaxtrain.inference import prompt_tokens
 
     cfg = small_config()
-    assert prompt_tokens(cfg, "hé", None) == [104, 195, 169]
+    assert prompt_tokens(cfg, "hé", None, tokenizer=ByteTokenizer()) == [104, 195, 169]
     assert prompt_tokens(cfg, None, ["1", "2"]) == [1, 2]
     for text, ids, message in [(None, ["1", "300"], "token ids in [0, 256)"),
                                ("x", ["1"], "give exactly one of --prompt and --prompt_ids"),
@@ -156,6 +158,45 @@ def test_prompts_are_checked(devices):
     cfg.data.source = "bin"
     with pytest.raises(ValueError, match="pass --prompt_ids"):
         prompt_tokens(cfg, "x", None)
+
+
+def test_ids_always_work_and_text_needs_a_tokenizer_that_covers_them():
+    from jaxtrain.data.tokenizers import train_bpe
+    from jaxtrain.inference import decode_text, prompt_tokens
+
+    cfg = small_config(**{"model.vocab_size": 512})  # the byte corpus, a 512-id model
+    assert prompt_tokens(cfg, None, ["300", "511"]) == [300, 511]
+    with pytest.raises(ConfigError, match="--prompt needs the model's tokenizer, and this "
+                                          "run has none"):
+        prompt_tokens(cfg, "x", None)  # bytes are not assumed for a run without a tokenizer
+    assert decode_text(ByteTokenizer(), [104, 105]) == ("hi", None)
+    assert decode_text(None, [300]) == (None, None)  # no tokenizer: ids, as documented
+    text, why = decode_text(ByteTokenizer(), [104, 300])
+    assert text is None and why == ("id 300 is outside the run's tokenizer (bytes (UTF-8, "
+                                    "256 ids)): ids only, no text")
+    bpe = train_bpe(["alpha beta gamma"] * 4, 300)  # tokenizers' decode drops unknown ids
+    assert decode_text(bpe, [70, bpe.vocab_size])[0] is None
+
+
+def test_bits_per_byte_need_a_tokenizer_that_covers_the_ids(tmp_path):
+    from jaxtrain.commands.eval import target_bytes
+    from jaxtrain.data.sources import TokenWindows
+    from jaxtrain.data.tokenizers import train_bpe
+    from jaxtrain.inference import evaluation_windows
+
+    windows = TokenWindows(np.asarray([104, 105, 33, 300, 10]), 2, "ids")
+    assert target_bytes(ByteTokenizer(), windows, 1) == 2
+    assert target_bytes(ByteTokenizer(), windows, 2) is None  # 300: not a byte
+    cfg = small_config(**{"model.vocab_size": 512, "model.seq_len": 4})
+    (tmp_path / "a.txt").write_text("some text to evaluate on")
+    with pytest.raises(DataError, match="is text and this run has no tokenizer"):
+        evaluation_windows(cfg, str(tmp_path / "a.txt"), None)
+    _, _, tokenizer = evaluation_windows(cfg, None, None)  # the byte corpus: bytes
+    assert tokenizer.kind == "bytes"
+    bpe = train_bpe(["a b c"] * 4, 300)
+    with pytest.raises(DataError, match=r"the validation split's ids are bytes \(UTF-8, 256 "
+                                        r"ids\) \(data.source='stdlib'\), but the run's"):
+        evaluation_windows(cfg, None, bpe)
 
 
 @pytest.mark.slow

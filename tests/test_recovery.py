@@ -275,7 +275,7 @@ def test_a_prompt_longer_than_the_model_is_blamed_not_max_new_tokens():
     cfg = small_config()  # seq_len 32
     with pytest.raises(ConfigError, match=r"the prompt is 40 tokens: it must be shorter "
                        r"than the model's model.seq_len=32"):
-        prompt_tokens(cfg, "x" * 40, None, max_new_tokens=1)
+        prompt_tokens(cfg, None, ["1"] * 40, max_new_tokens=1)
     with pytest.raises(ConfigError, match=r"--max_new_tokens=30 is too many.*at most 22"):
-        prompt_tokens(cfg, "x" * 10, None, max_new_tokens=30)
+        prompt_tokens(cfg, None, ["1"] * 10, max_new_tokens=30)
     assert jax.device_count() == 8

@@ -1,4 +1,4 @@
-r"""Hugging Face import and export (GPT2LMHeadModel, LlamaForCausalLM).
+r"""Hugging Face import and export (GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM).
 
     jaxtrain convert --from-hf DIR --config configs/NAME.py --workdir OUT \
         [--config.KEY=VALUE ...]
@@ -7,16 +7,16 @@ r"""Hugging Face import and export (GPT2LMHeadModel, LlamaForCausalLM).
 Import writes a step-0 checkpoint (fresh optimizer state) and config.json into OUT, the way
 the training loop does, so `jaxtrain train` with the same config and overrides resumes
 from it; the directory's tokenizer, if it has one, becomes the run's (OUT/tokenizer), and
-training refuses data prepared with another. Export writes config.json and safetensors that
+training refuses data prepared with another (without one, OUT/tokenizer records none).
+Export writes config.json and safetensors that
 `transformers.AutoModelForCausalLM.from_pretrained` loads with no custom code, and the run's
 tokenizer as tokenizer.json + tokenizer_config.json for `AutoTokenizer` (the same ids).
 The work is in jaxtrain/hf/: load.py (import), save.py (export), one mapping module per
-family (gpt2.py, llama.py); docs/interop.md has the name table.
+family (gpt2.py, llama.py, mixtral.py); docs/interop.md has the name tables.
 """
 
 from __future__ import annotations
 
-import pathlib
 import sys
 
 import jax
@@ -25,7 +25,7 @@ from ml_collections import config_flags
 
 from jaxtrain.commands.common import OVERRIDES_HELP, absl_argv, run_absl
 from jaxtrain.data import record, tokenizers
-from jaxtrain.errors import ConfigError, DataError, require_package
+from jaxtrain.errors import ConfigError, require_package
 from jaxtrain.hf.load import import_hf
 from jaxtrain.hf.save import DTYPES, export_hf
 from jaxtrain.inference import run_config
@@ -51,21 +51,6 @@ def _define_flags(argv: list[str]) -> dict:
     }
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
-def hf_tokenizer(directory: str, vocab_size: int):
-    """The tokenizer of a Hugging Face model directory (None if it has none), checked to fit
-    the model's vocabulary."""
-    if not any((pathlib.Path(directory) / name).is_file() for name in TOKENIZER_FILES):
-        return None
-    tokenizer = tokenizers.load_tokenizer(directory, "--from-hf")
-    if tokenizer.vocab_size > vocab_size:
-        raise DataError(f"--from-hf={directory}: its tokenizer has {tokenizer.vocab_size} ids, "
-                        f"more than model.vocab_size={vocab_size}")
-    return tokenizer
-
-
 def _convert(flag: dict, argv) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
@@ -80,10 +65,7 @@ def _convert(flag: dict, argv) -> None:
         if config.value is None:
             raise ConfigError("--from-hf needs --config configs/NAME.py: the run the "
                               "imported weights will train with")
-        tokenizer = hf_tokenizer(source, config.value.model.vocab_size)
         setup, _ = import_hf(config.value, source, workdir)
-        if tokenizer is not None:
-            record.store_tokenizer(workdir, tokenizer)
         count = sum(x.size for x in jax.tree.leaves(setup.abstract_state().params))
         _say(f"jaxtrain: imported {source} ({count:,} parameters) into {workdir} at step 0; "
              f"fine-tune it with jaxtrain train, the same --config and overrides, and "

@@ -7,8 +7,10 @@ Loss, perplexity and bits per token/byte of a run's newest checkpoint (or a quan
 directory) as one JSON line: on the run's validation split by default, or on a token file
 (`.bin`, in the run's data.dtype) or a text file (any other name; encoded with the run's
 tokenizer). Bits per byte come from real byte counts: the UTF-8 bytes each evaluated target
-token stands for, by the run's tokenizer (WORKDIR/tokenizer); for a run without one, pass
---bytes_per_token (the tokenizer's average on that text) to get them.
+token stands for, by the tokenizer of the ids (the data source's for the validation split,
+else the run's, WORKDIR/tokenizer); where there is none, or an id is outside it (an import
+without a tokenizer), pass --bytes_per_token (the tokenizer's average on that text), else
+bits_per_byte is null and stderr says why.
 
 With --tasks: downstream tasks through lm-evaluation-harness (docs/evaluation.md), scored
 on a data × fsdp × tensor mesh with the run's tokenizer: a table on stderr, the scores as
@@ -53,18 +55,37 @@ def _define_flags() -> dict:
     return values
 
 
-def target_bytes(tokenizer, windows, count: int) -> int:
+def target_bytes(tokenizer, windows, count: int) -> int | None:
     """UTF-8 bytes of the text the target tokens of the first `count` windows stand for
-    (packed rows: their counted targets)."""
+    (packed rows: their counted targets); None where an id is outside the tokenizer."""
     table = tokenizer.token_bytes()
     total = 0
     for i in range(count):
         row = windows[i]
-        if isinstance(row, Packed):
-            total += int(table[row.tokens[1:][counted_targets(row.segments)]].sum())
-        else:
-            total += int(table[row[1:]].sum())
+        targets = row.tokens[1:][counted_targets(row.segments)] if isinstance(row, Packed) \
+            else row[1:]
+        if len(targets) and int(targets.max()) >= len(table):
+            return None
+        total += int(table[targets].sum())
     return total
+
+
+def per_byte(result: dict, tokenizer, windows, count: int,
+             bytes_per_token: float | None) -> dict:
+    """`bytes` and `bits_per_byte` of an evaluation: real byte counts by the tokenizer of the
+    windows' ids where it covers them, else --bytes_per_token; else null, said on stderr."""
+    counted = None if tokenizer is None else target_bytes(tokenizer, windows, count)
+    if counted is not None:
+        return {"bytes": counted,
+                "bits_per_byte": result["bits_per_token"] * result["tokens"] / counted}
+    if bytes_per_token is not None:
+        return {"bits_per_byte": result["bits_per_token"] / bytes_per_token}
+    why = ("the run has no tokenizer" if tokenizer is None
+           else f"the data holds ids outside the run's tokenizer ({tokenizer.describe()})")
+    print(f"jaxtrain: bits_per_byte is null: {why}, so the bytes a token stands for are "
+          "unknown; pass --bytes_per_token (the tokenizer's average on this text)",
+          file=sys.stderr)
+    return {"bits_per_byte": None}
 
 
 def _task_flags() -> dict:
@@ -127,7 +148,7 @@ def _evaluate(f: dict, argv) -> None:
     workdir, data = f["workdir"].value, f["data"].value
     step, cfg = inference.run_config(workdir)
     tokenizer = record.run_tokenizer(workdir, cfg)
-    name, windows, byte_level = inference.evaluation_windows(cfg, data, tokenizer)
+    name, windows, ids_of = inference.evaluation_windows(cfg, data, tokenizer)
     rows = cfg.train.global_batch
     batches = f["batches"].value or (cfg.eval_batches if data is None else len(windows) // rows)
     if batches < 1 or batches * rows > len(windows):
@@ -135,13 +156,7 @@ def _evaluate(f: dict, argv) -> None:
                         f"tokens: fewer than {max(batches, 1)} batches of {rows}")
     loaded = inference.load(workdir, data=f["devices"].value, batch=rows)
     result = inference.evaluate(loaded, windows, batches)
-    if tokenizer is not None:
-        result["bytes"] = target_bytes(tokenizer, windows, batches * rows)
-        result["bits_per_byte"] = result["bits_per_token"] * result["tokens"] / result["bytes"]
-    else:
-        per_byte = 1.0 if byte_level else f["bytes_per_token"].value
-        result["bits_per_byte"] = (None if per_byte is None
-                                   else result["bits_per_token"] / per_byte)
+    result.update(per_byte(result, ids_of, windows, batches * rows, f["bytes_per_token"].value))
     print(json.dumps({"workdir": str(workdir), "step": step, "data": name,
                       "quantized": loaded.quantization is not None, **result}))
 

@@ -5,7 +5,10 @@ Continues a prompt with the newest checkpoint of a run (or a quantized model dir
 decoding with a KV cache. Temperature 0 (the default) is greedy and deterministic. --prompt
 is encoded, and the output decoded, with the run's tokenizer (WORKDIR/tokenizer: bytes for
 the built-in corpus, the prepared dataset's otherwise); runs without one (synthetic data, a
-.bin without data.tokenizer) take --prompt_ids. --tensor N shards the model over N devices.
+.bin without data.tokenizer, a Hugging Face import without tokenizer files) take
+--prompt_ids and print ids. Ids always work; text is printed only where the tokenizer covers
+every id (else the ids, and a line on stderr saying why). --tensor N shards the model over N
+devices.
 """
 
 from __future__ import annotations
@@ -53,10 +56,11 @@ def _generate(f: dict, argv) -> None:
     sampling = Sampling(f["max_new_tokens"].value, f["temperature"].value, f["top_k"].value,
                         f["top_p"].value)
     sampling.check()
-    loaded = inference.load(f["workdir"].value, tensor=f["tensor"].value)
-    tokenizer = record.run_tokenizer(f["workdir"].value, loaded.cfg)
-    prompt = inference.prompt_tokens(loaded.cfg, f["prompt"].value, f["prompt_ids"].value,
+    _, cfg = inference.run_config(f["workdir"].value)  # the prompt is checked before loading
+    tokenizer = record.run_tokenizer(f["workdir"].value, cfg)
+    prompt = inference.prompt_tokens(cfg, f["prompt"].value, f["prompt_ids"].value,
                                      sampling.max_new_tokens, tokenizer)
+    loaded = inference.load(f["workdir"].value, tensor=f["tensor"].value)
     setup = loaded.setup
     with jax.set_mesh(setup.mesh):
         generate = make_generate(setup.graphdef, sampling, setup.spec.rules)
@@ -66,7 +70,9 @@ def _generate(f: dict, argv) -> None:
         start = time.perf_counter()
         tokens = np.asarray(jax.device_get(compiled(*args)))[0].tolist()
         seconds = time.perf_counter() - start
-    text = None if tokenizer is None else tokenizer.decode(prompt + tokens)
+    text, why = inference.decode_text(tokenizer, prompt + tokens)
+    if why:
+        print(f"jaxtrain: {why}", file=sys.stderr)
     if f["json"].value:
         print(json.dumps({"prompt_ids": prompt, "generated_ids": tokens, "text": text,
                           "step": loaded.step, "tokens_per_s": round(len(tokens) / seconds, 1)}))

@@ -81,8 +81,9 @@ def quantize_run(workdir, out, calibration_batches: int = 8, int8_activations: b
               "float32_val_loss": float_result["loss"], "int8_val_loss": int8_result["loss"]}
     (out / inference.QUANTIZATION_FILE).write_text(json.dumps(record, indent=2) + "\n")
     (out / "config.json").write_text(loaded.cfg.to_json_best_effort(indent=2) + "\n")
-    if tokenizer is not None:  # generate and eval read the model directory like a run
-        data_record.store_tokenizer(out, tokenizer)
+    # generate and eval read the model directory like a run (None: it records that there is
+    # no tokenizer, so that none is assumed there either).
+    data_record.store_tokenizer(out, tokenizer)
     int8_bytes = directory_bytes(out / "checkpoints")
     return {**record, "out": str(out), "float32_param_bytes": float_bytes,
             "int8_checkpoint_bytes": int8_bytes, "size_ratio": round(int8_bytes / float_bytes, 4),

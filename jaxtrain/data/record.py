@@ -5,7 +5,9 @@ built-in corpus with the Python that supplied it, .bin files, prepared datasets,
 weights, the validation split) and WORKDIR/tokenizer/ (the tokenizer that made the ids). A
 resume compares: data that changed is refused in one line naming what changed, unless
 `data.allow_changed=True` (then the change is appended to the record's history); a
-tokenizer that changed is always refused, since the ids would mean other text.
+tokenizer that changed is always refused, since the ids would mean other text. A run whose
+ids have no known tokenizer (a Hugging Face import without tokenizer files) records that
+too, so that no default stands in for it; its first training data's tokenizer replaces it.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def check_and_store(workdir, items: dict, tokenizer: tokenizers_lib.Tokenizer | 
     workdir = pathlib.Path(workdir)
     path = workdir / RECORD_FILE
     saved = json.loads(path.read_text()) if path.is_file() else None
-    saved_tokenizer = tokenizers_lib.read_meta(workdir / TOKENIZER_DIR)
+    saved_tokenizer = _saved_meta(workdir)
     if resumed and tokenizer is not None and saved_tokenizer is not None \
             and saved_tokenizer["fingerprint"] != tokenizer.fingerprint():
         raise DataError(f"the data was made with tokenizer {tokenizer.describe()}, but this "
@@ -80,6 +82,12 @@ def check_and_store(workdir, items: dict, tokenizer: tokenizers_lib.Tokenizer | 
     _store_tokenizer(workdir, tokenizer, saved_tokenizer if resumed else None, write)
 
 
+def _saved_meta(workdir: pathlib.Path) -> dict | None:
+    """The meta file of the run's tokenizer; None also where it records that there is none."""
+    meta = tokenizers_lib.read_meta(workdir / TOKENIZER_DIR)
+    return None if meta is None or meta.get("kind") == tokenizers_lib.NO_TOKENIZER else meta
+
+
 def _store_tokenizer(workdir: pathlib.Path, tokenizer, saved_meta, write: bool) -> None:
     if write and tokenizer is not None and saved_meta is None:
         tokenizer.save(workdir / TOKENIZER_DIR)
@@ -98,16 +106,27 @@ def _write_json(path: pathlib.Path, value: dict) -> None:
 
 
 def run_tokenizer(workdir, cfg) -> tokenizers_lib.Tokenizer | None:
-    """The tokenizer a run's ids belong to: WORKDIR/tokenizer, or for runs made before it was
-    stored, bytes when the run trained on the built-in corpus; None when unknown."""
+    """The tokenizer a run's ids belong to: WORKDIR/tokenizer (None where it records that
+    there is none), or for runs made before it was stored, bytes when the run trained on the
+    built-in corpus; None when unknown."""
     directory = pathlib.Path(workdir) / TOKENIZER_DIR
-    if tokenizers_lib.read_meta(directory) is not None:
+    meta = tokenizers_lib.read_meta(directory)
+    if meta is not None:
+        if meta.get("kind") == tokenizers_lib.NO_TOKENIZER:
+            return None
         return tokenizers_lib.load_tokenizer(directory, "the run's tokenizer")
     if SOURCES[cfg.data.source].byte_level:
         return tokenizers_lib.ByteTokenizer()
     return None
 
 
-def store_tokenizer(workdir, tokenizer: tokenizers_lib.Tokenizer) -> None:
-    """Puts a tokenizer into a workdir (convert --from-hf: the model directory's)."""
-    tokenizer.save(pathlib.Path(workdir) / TOKENIZER_DIR)
+def store_tokenizer(workdir, tokenizer: tokenizers_lib.Tokenizer | None) -> None:
+    """Puts a tokenizer into a workdir (convert --from-hf: the model directory's; quantize:
+    the run's). None records that the ids have no known tokenizer, so that run_tokenizer
+    does not fall back to bytes for a config on the byte corpus."""
+    directory = pathlib.Path(workdir) / TOKENIZER_DIR
+    if tokenizer is not None:
+        tokenizer.save(directory)
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_json(directory / tokenizers_lib.META_FILE, {"kind": tokenizers_lib.NO_TOKENIZER})

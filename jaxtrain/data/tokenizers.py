@@ -39,6 +39,9 @@ TIKTOKEN_FILE = "tokenizer.tiktoken"
 # The package each kind of tokenizer runs on (bytes and tokenizer.json need none beyond
 # the tokenizers dependency).
 KIND_PACKAGES = {"tiktoken": "tiktoken", "sentencepiece": "sentencepiece"}
+# The meta kind of a directory that records that a model's ids have no known tokenizer (a
+# Hugging Face import without tokenizer files): nothing may stand in for it.
+NO_TOKENIZER = "none"
 # Special tokens recognised as end/begin of a document when a tokenizer.json says no more.
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>")
 BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>")
@@ -511,6 +514,8 @@ def _directory_kind(directory: pathlib.Path, meta: dict) -> str | None:
 def _load_directory(directory: pathlib.Path, what: str) -> Tokenizer:
     meta = _read_json(directory / META_FILE)
     kind = _directory_kind(directory, meta)
+    if kind == NO_TOKENIZER:
+        raise DataError(f"{what}={directory}: records that the model has no tokenizer")
     if kind == "bytes":
         return ByteTokenizer()
     if kind == "tiktoken":

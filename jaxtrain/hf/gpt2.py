@@ -14,6 +14,7 @@ from jaxtrain.hf.mapping import Checks, HFTensor, Part, one, split_heads
 
 ARCHITECTURE = "GPT2LMHeadModel"
 FAMILY = "gpt2"  # the jaxtrain model.family it imports into
+SLIDING_WINDOW = False  # every query attends to every earlier token
 # Names transformers gives tanh-approximated GELU; jax.nn.gelu's default is that one.
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 

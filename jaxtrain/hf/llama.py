@@ -13,6 +13,7 @@ from jaxtrain.hf.mapping import Checks, HFTensor, linear, one, split_heads
 
 ARCHITECTURE = "LlamaForCausalLM"
 FAMILY = "llama"  # the jaxtrain model.family it imports into
+SLIDING_WINDOW = False  # transformers' Llama attends to every earlier token
 
 
 def rope_theta(hf: dict) -> float:
@@ -28,6 +29,14 @@ def check_config(hf: dict, m) -> list[str]:
     if m.moe.num_experts:
         c.problems.append(f"model.moe.num_experts={m.moe.num_experts} but a Llama checkpoint "
                           "has no experts (MixtralForCausalLM has)")
+    # Mistral-style configs saved as llama can carry a window that transformers' Llama
+    # ignores: a model trained with it is another function past the window, so a window
+    # that matters within seq_len is refused rather than dropped or guessed.
+    window = hf.get("sliding_window")
+    if window and window < m.seq_len:
+        c.refuse("sliding_window", window, "LlamaForCausalLM attends to every earlier token "
+                 "(transformers ignores the key); remove the key if the model was trained "
+                 "without a window")
     return c.problems
 
 

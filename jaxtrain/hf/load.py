@@ -16,32 +16,49 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from jaxtrain.checkpoint import Checkpoints
-from jaxtrain.errors import ConfigError
+from jaxtrain.data import record, tokenizers
+from jaxtrain.errors import ConfigError, DataError
 from jaxtrain.hf import family_of
 from jaxtrain.hf.files import SafetensorsDir, read_config
 from jaxtrain.train.setup import Setup, build, loss_scale_init
 from jaxtrain.train.state import LossScale, TrainState
 from jaxtrain.workdir import prepare_workdir, write_config
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
 
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def hf_tokenizer(directory, vocab_size: int) -> tokenizers.Tokenizer | None:
+    """The tokenizer of a Hugging Face model directory (None if it has none), checked to fit
+    the model's vocabulary."""
+    if not any((pathlib.Path(directory) / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    tokenizer = tokenizers.load_tokenizer(directory, "--from-hf")
+    if tokenizer.vocab_size > vocab_size:
+        raise DataError(f"--from-hf={directory}: its tokenizer has {tokenizer.vocab_size} ids, "
+                        f"more than model.vocab_size={vocab_size}")
+    return tokenizer
+
+
 def import_hf(cfg, hf_dir, workdir, devices: Sequence[jax.Device] | None = None
               ) -> tuple[Setup, TrainState]:
-    """Imports HF `hf_dir` into a step-0 checkpoint of `cfg` in `workdir`.
+    """Imports HF `hf_dir` into a step-0 checkpoint of `cfg` in `workdir`, with the
+    directory's tokenizer as the run's (WORKDIR/tokenizer; without tokenizer files, a record
+    that the run has none, so that bytes are not assumed for a config on the byte corpus).
 
     Everything is checked before any tensor is read: the directory, the architecture, every
-    config.json value against cfg.model (one error naming each mismatch), and every tensor's
-    shape in the safetensors headers. Then each parameter is read with safetensors (only the
-    slice it needs: q, k and v each read their third of GPT-2's fused c_attn) and placed
-    straight into its shards with device_put; a per-layer HF tensor goes to the devices
-    layer by layer and the stacked [layers, ...] parameter is assembled there by one jitted
-    stack. Peak host memory is about two copies of the largest single HF tensor read (the
-    slice and its transposed/reshaped copy), usually the embedding table; peak device memory
-    is the params plus, transiently, a second copy of one stacked parameter (its per-layer
-    pieces), and then the optimizer state the checkpoint needs.
+    config.json value against cfg.model (one error naming each mismatch), the tokenizer's
+    size, and every tensor's shape in the safetensors headers. Then each parameter is read
+    with safetensors (only the slice it needs: q, k and v each read their third of GPT-2's
+    fused c_attn) and placed straight into its shards with device_put; a per-layer HF tensor
+    goes to the devices layer by layer and the stacked [layers, ...] parameter is assembled
+    there by one jitted stack. Peak host memory is about two copies of the largest single HF
+    tensor read (the slice and its transposed/reshaped copy), usually the embedding table;
+    peak device memory is the params plus, transiently, a second copy of one stacked
+    parameter (its per-layer pieces), and then the optimizer state the checkpoint needs.
     """
     hf_dir, workdir = pathlib.Path(hf_dir), pathlib.Path(workdir)
     hf = read_config(hf_dir)
@@ -52,11 +69,12 @@ def import_hf(cfg, hf_dir, workdir, devices: Sequence[jax.Device] | None = None
                         f"model_type={hf['model_type']!r} (jaxtrain family {family.FAMILY!r})")
     else:
         problems += family.check_config(hf, cfg.model)
-    if 0 < cfg.model.sliding_window < cfg.model.seq_len:
+    if not family.SLIDING_WINDOW and 0 < cfg.model.sliding_window < cfg.model.seq_len:
         problems.append(f"model.sliding_window={cfg.model.sliding_window} but "
                         f"{hf['model_type']} attends to every earlier token (use 0)")
     if problems:
         raise ConfigError(f"{hf_dir} does not match the config: {'; '.join(problems)}")
+    tokenizer = hf_tokenizer(hf_dir, cfg.model.vocab_size)
     setup = build(cfg, devices)
     checkpoints_dir = workdir / "checkpoints"
     if checkpoints_dir.is_dir() and any(checkpoints_dir.iterdir()):
@@ -83,6 +101,7 @@ def import_hf(cfg, hf_dir, workdir, devices: Sequence[jax.Device] | None = None
     checkpoints.close()
     if jax.process_index() == 0:
         write_config(workdir, cfg)
+        record.store_tokenizer(workdir, tokenizer)
     return setup, state
 
 

@@ -6,7 +6,8 @@ block is stored as the Hub's Mixtral checkpoints keep it (and transformers 5 sti
 it): `block_sparse_moe.gate.weight` [E, D] (jaxtrain's router w_router [D, E]) and per
 expert `experts.{e}.w1` (gate), `w3` (up) [F, D] and `w2` (down) [D, F], stacked here as
 [layers, E, D, F] and [layers, E, F, D]. The routing is the same function: softmax over the
-E router logits in float32, top k, weights renormalised over the k.
+E router logits in float32, top k, weights renormalised over the k. config.json's
+sliding_window (null: none) is model.sliding_window (0: none), both ways: the same window.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from jaxtrain.hf.mapping import HFTensor, linear
 
 ARCHITECTURE = "MixtralForCausalLM"
 FAMILY = "llama"  # the jaxtrain model.family it imports into
+SLIDING_WINDOW = True  # config.json sliding_window (null: none) is model.sliding_window (0)
 
 
 def check_config(hf: dict, m) -> list[str]:
@@ -35,6 +37,11 @@ def check_config(hf: dict, m) -> list[str]:
     if moe.shared_experts:
         c.problems.append(f"model.moe.shared_experts={moe.shared_experts} but Mixtral has "
                           "no shared experts (use 0)")
+    # transformers' window is what jaxtrain's is: query i sees keys (i - W, i].
+    window = hf.get("sliding_window")
+    if (m.sliding_window or None) != window:
+        c.problems.append(f"model.sliding_window={m.sliding_window} but config.json "
+                          f"sliding_window={window} (0 is null: full causal attention)")
     if hf.get("router_jitter_noise", 0.0):
         c.refuse("router_jitter_noise", hf["router_jitter_noise"],
                  "jaxtrain's router has no input jitter")
@@ -65,7 +72,7 @@ def export_config(spec) -> dict:
         "architectures": [ARCHITECTURE], "model_type": "mixtral",
         "intermediate_size": moe.expert_mlp_dim, "num_local_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k, "router_jitter_noise": 0.0,
-        "output_router_logits": False, "sliding_window": None,
+        "output_router_logits": False, "sliding_window": spec.sliding_window or None,
         # transformers' load-balancing loss is top_k × jaxtrain's (models/moe.py).
         "router_aux_loss_coef": moe.aux_loss_weight / moe.top_k,
     }

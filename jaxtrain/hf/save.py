@@ -54,15 +54,16 @@ def export_hf(workdir, out_dir, max_shard_size: str | int = "2GB", dtype: str = 
                           "empty directory")
     setup, params, step = load_for_export(workdir, devices)
     spec = setup.spec
-    if 0 < spec.sliding_window < spec.seq_len:
+    family = module_for(spec)
+    if not family.SLIDING_WINDOW and 0 < spec.sliding_window < spec.seq_len:
         raise ConfigError(f"model.sliding_window={spec.sliding_window} cannot be exported: "
-                          f"HF {spec.family} attends to every earlier token")
+                          f"HF {spec.family} attends to every earlier token (of the "
+                          "families only Mixtral, a llama with model.moe, has a window)")
     if spec.moe is not None and (spec.moe.every_n_layers != 1 or spec.moe.shared_experts):
         raise ConfigError("an MoE model exports as MixtralForCausalLM, whose layers are all "
                           "MoE without shared experts: model.moe.every_n_layers="
                           f"{spec.moe.every_n_layers}, shared_experts="
                           f"{spec.moe.shared_experts} cannot be exported")
-    family = module_for(spec)
     hf_config = {**family.export_config(spec), "torch_dtype": dtype}
     flat = traverse_util.flatten_dict(params)
     tensors = family.tensors(spec)
