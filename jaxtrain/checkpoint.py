@@ -7,7 +7,9 @@ xxh3 checksum, computed on a background thread, never the training thread. A res
 the newest step's files against its manifest and falls back to the next older one when a
 file is missing, truncated or changed; a damaged step is moved to `<dir>_damaged/`, never
 deleted. A checkpoint whose tree does not fit what the run expects is a config error, not
-damage: nothing is moved.
+damage: nothing is moved. A step committed without a manifest (a crash between the commit
+and the checksums) gets one only once the run has checked the state it restored from it
+(train/restore_check.py, then `vouch`): its bytes had nothing to be checked against.
 
 Rotation is ours, not orbax's: `keep` counts only checkpoints known to be healthy (the run
 was training normally at or after that step: finite loss, no skipped step), so a checkpoint
@@ -153,14 +155,15 @@ class Checkpoints:
                 if self.on_commit is not None:
                     self.on_commit(step)
 
-    def _manifest_the_unmanifested(self) -> None:
-        """Once a run goes on from here: committed steps without a manifest (a crash between
-        orbax's commit and our checksums) get theirs, off the training thread. Not before:
-        a run refused for its config writes nothing."""
-        missing = {s for s in self.steps() if not self._manifest_path(s).exists()}
-        if missing and self.primary:
+    def vouch(self, step: int) -> None:
+        """The run has checked the state it restored from `step` (train/restore_check.py):
+        if the step was committed without a manifest (a crash between orbax's commit and our
+        checksums), it gets one now, off the training thread. Never before that check: its
+        bytes had nothing to be checked against, and a manifest would vouch for damage (nor
+        for a run refused for its config, which writes nothing)."""
+        if self.primary and not self._manifest_path(step).exists():
             with self._lock:
-                self._manifested -= missing
+                self._manifested.discard(step)
             self._executor.submit(self._write_manifests)
 
     def _write_manifest(self, step: int, manifest: dict) -> None:
@@ -208,10 +211,10 @@ class Checkpoints:
 
     def newest_intact(self, target: dict, check_config: Callable[[int, dict, str | None], None],
                       verify: bool = True, above: int = -1):
-        """(step, restored tree) of the newest intact checkpoint newer than `above`, or
-        None. Damaged steps are reported, set aside and skipped. check_config(step,
-        saved config, how the saved tree differs from `target` or None) raises ConfigError
-        for a checkpoint this run cannot continue."""
+        """(step, restored tree, saved config) of the newest intact checkpoint newer than
+        `above`, or None. Damaged steps are reported, set aside and skipped.
+        check_config(step, saved config, how the saved tree differs from `target` or None)
+        raises ConfigError for a checkpoint this run cannot continue."""
         for step in reversed([s for s in self.steps() if s > above]):
             problem = self.verify(step) if verify else None
             saved = None
@@ -234,12 +237,15 @@ class Checkpoints:
                             "moved") from e
                     problem = f"it cannot be restored ({_first_line(e)})"
                 else:
-                    self._manifest_the_unmanifested()
-                    return step, restored
-            moved = self.set_aside(step)
-            self.log(f"jaxtrain: checkpoint step {step} in {self.directory} is damaged: "
-                     f"{problem}; moved to {moved}, falling back to the previous one")
+                    return step, restored, saved
+            self.set_aside_damaged(step, problem)
         return None
+
+    def set_aside_damaged(self, step: int, problem: str) -> None:
+        """Sets a damaged step aside (`problem` says how it is damaged) and says so."""
+        moved = self.set_aside(step)
+        self.log(f"jaxtrain: checkpoint step {step} in {self.directory} is damaged: "
+                 f"{problem}; moved to {moved}, falling back to the previous one")
 
     def mismatch(self, step: int, target: dict) -> str | None:
         """How the saved tree differs from `target` ('lacks opt_state/...'), None if not."""
