@@ -287,15 +287,20 @@ def test_every_checkpoint_is_checksummed_and_same_size_corruption_falls_back(
     assert _committed(tmp_path) == [2, 4, 6]
 
 
-def _resave(workdir, step, cfg, devices, change):
-    """Step `step` saved again with change(its tree), committed without a manifest."""
+def _resave(workdir, step, cfg, devices, change, keep_sums=False):
+    """Step `step` saved again with change(its tree), committed without a manifest; with
+    keep_sums, the sums of squares recorded are the original ones (damage after the save)."""
     saved = Checkpoints(workdir / "checkpoints", keep=100)
     tree = saved.restore(step, build(cfg, devices[:1]).abstract_state().tree())
     config = saved.restore_config(step)
+    sums = workdir / "checkpoints" / str(step) / "sums" / "metadata"
+    recorded = sums.read_bytes() if keep_sums else None
     shutil.rmtree(workdir / "checkpoints" / str(step))
     saved.manager.reload()
     saved.save(step, change(tree), config)
     saved.close()
+    if recorded is not None:
+        sums.write_bytes(recorded)
     (workdir / "checkpoint_manifests" / f"{step}.json").unlink(missing_ok=True)
 
 
@@ -306,46 +311,58 @@ def _scale_embeddings(by):
     return change
 
 
+def _huge_query_weight(tree):
+    w_q = tree["params"]["blocks"]["attn"]["w_q"]
+    tree["params"]["blocks"]["attn"]["w_q"] = w_q.at[(0,) * w_q.ndim].set(-1.8576779e38)
+    return tree
+
+
 def test_a_damaged_checkpoint_without_a_manifest_is_set_aside_not_vouched_for(
         tmp_path, devices, capfd):
     # Issue 25, A.1: a crash between a step's commit and its manifest, and bytes damaged
-    # before they reached the disk. The run was killed at step 12, before its last save.
-    cfg = small_config(**{"steps": 12, "checkpoint.every_steps": 3, "checkpoint.keep": 5})
+    # before they reached the disk. The run was killed at step 15, before its last save.
+    cfg = small_config(**{"steps": 15, "checkpoint.every_steps": 3, "checkpoint.keep": 5})
     whole = run(cfg, tmp_path, devices[:1])
     manifests = tmp_path / "checkpoint_manifests"
-    shutil.rmtree(tmp_path / "checkpoints" / "12")
+    shutil.rmtree(tmp_path / "checkpoints" / "15")
+    (manifests / "15.json").unlink()
+    # Step 12: 8 bytes inverted, as in the issue (where they land varies: NaN, a negative
+    # second moment, or finite values far from the recorded sums of squares).
     (manifests / "12.json").unlink()
-    # Step 9: 8 bytes inverted, as in the issue (NaN or negative second moments).
-    (manifests / "9.json").unlink()
-    _flip_4kb(tmp_path / "checkpoints" / "9" / "state", size=8)
-    # Step 6: finite, but not what was trained (only the first step's loss shows it).
+    _flip_4kb(tmp_path / "checkpoints" / "12" / "state", size=8)
+    # Step 9: finite but absurd (seen from the issue's flip): only the sums show it.
+    _resave(tmp_path, 9, cfg, devices, _huge_query_weight, keep_sums=True)
+    # Step 6: damaged before it was saved: only the first step's loss shows it.
     _resave(tmp_path, 6, cfg, devices, _scale_embeddings(8))
     capfd.readouterr()
     resumed = run(cfg, tmp_path, devices[:1])
     err = capfd.readouterr().err
-    assert re.search(r"checkpoint step 9 in \S+ is damaged: (restored, |after the first step"
-                     r"|the first step).*; moved to", err), err
+    assert re.search(r"checkpoint step 12 in \S+ is damaged: (restored, |after the first step"
+                     r"|the first step|it cannot be restored).*; moved to", err), err
+    assert re.search(r"checkpoint step 9 in \S+ is damaged: restored, its contents are not "
+                     r"what was saved \(the sum of squares of params/blocks/attn/w_q is inf, "
+                     r"saved as [\d.]+\); moved to", err), err
     assert re.search(r"checkpoint step 6 in \S+ is damaged: the first step after restoring "
                      r"it has loss [\d.]+, but metrics.jsonl has [\d.]+ for step 7 .*; moved "
                      r"to", err), err
     # Back on step 3: the same run, bit for bit, every loss finite.
-    assert [r["step"] for r in resumed] == list(range(4, 13))
+    assert [r["step"] for r in resumed] == list(range(4, 16))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[3:]]
     assert all(np.isfinite(r["loss"]) for r in resumed)
     aside = sorted((tmp_path / "checkpoints_damaged").iterdir(),
                    key=lambda p: int(p.name.split("-")[0]))
-    assert [p.name.split("-")[0] for p in aside] == ["6", "9"], "set aside, not deleted"
-    # No manifest vouches for a damaged state: 6 and 9 have theirs for the saves that
-    # replaced them, which the set-aside copies do not match.
+    assert [p.name.split("-")[0] for p in aside] == ["6", "9", "12"], "set aside, not deleted"
+    # No manifest vouches for a damaged state: each has one for the save that replaced it,
+    # which the set-aside copy does not match.
     saved = Checkpoints(tmp_path / "checkpoints", keep=100)
-    for step, damaged in zip((6, 9), aside):
+    for step, damaged in zip((6, 9, 12), aside):
         assert saved.verify(step) is None
         files = json.loads((manifests / f"{step}.json").read_text())["files"]
         assert any(file_checksum(damaged / name) != digest
                    for name, (_, digest) in files.items()), step
     saved.close()
     # Every checkpoint damaged: a one-line error, not a fresh start at step 0.
-    for step in (6, 9, 12):
+    for step in (6, 9, 12, 15):
         shutil.rmtree(tmp_path / "checkpoints" / str(step))
     _resave(tmp_path, 3, cfg, devices, _scale_embeddings(np.nan))
     with pytest.raises(CheckpointError, match=r"none of the checkpoints in .* \(steps 3\) is "

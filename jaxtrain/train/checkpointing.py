@@ -19,7 +19,7 @@ import ml_collections
 from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.errors import CheckpointError, ConfigError
 from jaxtrain.train.hooks import Hook, StepInfo, due
-from jaxtrain.train.restore_check import RestoreRejected, state_problem
+from jaxtrain.train.restore_check import RestoreRejected, contents_problem, state_problem
 from jaxtrain.train.state import TrainState
 
 # Config keys that fix the shapes and structure of the checkpointed state, checked by name
@@ -79,11 +79,13 @@ def local_tier_dir(local_dir: str, workdir: pathlib.Path) -> pathlib.Path:
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-    """Where a restored state came from: its step, its tier, the config it was saved with."""
+    """Where a restored state came from: its step, its tier, the config it was saved with,
+    and its sums of squares as saved (None for a checkpoint from before they were)."""
 
     step: int
     tier: Checkpoints
     saved: dict
+    sums: dict[str, float] | None = None
 
 
 class Tiers:
@@ -121,7 +123,7 @@ class Tiers:
             found = tier.newest_intact(target, check, verify,
                                        above=-1 if best is None else best.step)
             if found is not None:
-                best, tree = Restored(found[0], tier, found[2]), found[1]
+                best, tree = Restored(found[0], tier, found[2], found[3]), found[1]
         if best is None and self.found:
             listed = "; ".join(f"{d} (steps {', '.join(map(str, s))})"
                                for d, s in self.found.items())
@@ -148,7 +150,8 @@ def restore_or_init(tiers: Tiers, setup, workdir: pathlib.Path
     if tree is None:
         return 0, setup.init_state(), None, time.perf_counter() - began
     state = TrainState.from_tree(tree)
-    if problem := state_problem(state, setup.shardings):
+    if problem := (state_problem(state, setup.shardings)
+                   or contents_problem(tree, restored.sums)):
         raise RestoreRejected(restored, f"restored, {problem}")
     return restored.step, state, restored, time.perf_counter() - began
 

@@ -6,7 +6,10 @@ checked against, and if its bytes were also damaged (a machine crash before they
 the disk) orbax restores the damage without complaint. So the state itself is checked:
 
 - on restore: every leaf finite, and Adam's second moments (sums of squares) not negative,
-  in one jitted pass on the devices (one bool per leaf comes back);
+  in one jitted pass on the devices (one bool per leaf comes back); and every floating
+  leaf's sum of squares as recorded when the step was saved (checkpoint.tree_sums: damage
+  that leaves the values finite, such as a weight of -1.9e38, or zeros where a page never
+  reached the disk);
 - after the first step: its loss finite, and near the loss metrics.jsonl logged for that
   step when there is such a row (a resume is bitwise the same run, so on the same mesh the
   two are equal; see LOSS_TOLERANCE), and the state the step produced finite (damage that
@@ -29,6 +32,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.checkpoint import tree_sums
 from jaxtrain.optim import adam_moments, skipped_steps
 from jaxtrain.train.hooks import Hook, StepInfo
 from jaxtrain.train.state import TrainState, on_device
@@ -39,6 +43,12 @@ from jaxtrain.train.state import TrainState, on_device
 # The damage this check is for (flipped exponent or sign bits: values of 1e30, or hundreds
 # where weights are ~0.02) moves it by far more than 1%, or to NaN.
 LOSS_TOLERANCE = 0.01
+# How far a leaf's sum of squares may be from the one recorded at save, relative to it. The
+# same mesh repeats it bit for bit; on another, float32 accumulation in another order moves
+# it by ~1e-7·sqrt(elements per device) at worst (1e-3 for a 1e8-element shard). A rejected
+# checkpoint costs the steps since the previous one, so this errs wide: the damage it is
+# for moves it by orders of magnitude (or to inf).
+SUM_TOLERANCE = 0.01
 
 
 class RestoreRejected(Exception):
@@ -81,6 +91,20 @@ def state_problem(state: TrainState, shardings: TrainState) -> str | None:
     paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(nu)[0]]
     return (f"Adam's second moment of {_name(paths[first - len(floats)])} holds negative "
             "values (it is a running mean of squares)")
+
+
+def contents_problem(tree: dict, saved: dict[str, float] | None) -> str | None:
+    """How a restored tree differs from the sums of squares recorded when it was saved
+    (None: it does not, or none were recorded)."""
+    if not saved:
+        return None
+    now = tree_sums(tree)
+    for name, before in saved.items():
+        after = now.get(name, before)
+        if not math.isclose(after, before, rel_tol=SUM_TOLERANCE):
+            return (f"its contents are not what was saved (the sum of squares of {name} is "
+                    f"{after:.6g}, saved as {before:.6g})")
+    return None
 
 
 def _name(path) -> str:
