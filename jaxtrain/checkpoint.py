@@ -7,7 +7,13 @@ xxh3 checksum, computed on a background thread, never the training thread. A res
 the newest step's files against its manifest and falls back to the next older one when a
 file is missing, truncated or changed; a damaged step is moved to `<dir>_damaged/`, never
 deleted. A checkpoint whose tree does not fit what the run expects is a config error, not
-damage: nothing is moved.
+damage: nothing is moved. A step committed without a manifest (a crash between the commit
+and the checksums) gets one only once the run has checked the state it restored from it
+(train/restore_check.py, then `vouch`): its bytes had nothing to be checked against.
+
+Each step also records, in a small item of its own (`sums`), every floating leaf's sum of
+squares as computed on the devices before the save: a fingerprint of the contents that a
+restore checks the arrays it read against, with or without a manifest, and on any mesh.
 
 Rotation is ours, not orbax's: `keep` counts only checkpoints known to be healthy (the run
 was training normally at or after that step: finite loss, no skipped step), so a checkpoint
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import json
 import pathlib
 import threading
@@ -25,11 +32,15 @@ import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 import xxhash
 from absl import logging as absl_logging
 from etils import epath
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxtrain.errors import CheckpointError
 
@@ -48,15 +59,45 @@ def file_checksum(path: pathlib.Path) -> str:
     return digest.hexdigest()
 
 
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
 def tree_signature(tree) -> dict[tuple, tuple]:
     """{path: (shape, dtype)} of a pytree of arrays or array metadata, path as strings."""
-    def name(key) -> str:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                return str(getattr(key, attr))
-        return str(key)
-    return {tuple(map(name, path)): (tuple(leaf.shape), str(leaf.dtype))
+    return {tuple(map(_key_name, path)): (tuple(leaf.shape), str(leaf.dtype))
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@functools.lru_cache(maxsize=8)
+def _sums_of_squares(mesh):
+    """jit(leaves) -> [sum of squares per leaf], in float32, replicated (every process of a
+    job can read it)."""
+    return jax.jit(lambda leaves: jnp.stack([jnp.sum(jnp.square(x.astype(jnp.float32)))
+                                             for x in leaves]),
+                   out_shardings=None if mesh is None else NamedSharding(mesh, P()))
+
+
+def tree_sums(tree) -> dict[str, float]:
+    """{'params/blocks/attn/w_q': sum of its squares, ...} of every floating leaf of a pytree
+    of arrays: a fingerprint of its contents, computed where the leaves lie (one jitted
+    pass; one small array comes back) and the same on any mesh up to float reassociation.
+    Leaves offloaded to host memory are brought to the devices for it."""
+    flat = [(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    if not flat:
+        return {}
+    leaves = [leaf if leaf.sharding.memory_kind in (None, "device")
+              else jax.device_put(leaf, leaf.sharding.with_memory_kind("device"))
+              for _, leaf in flat]
+    sharding = leaves[0].sharding
+    values = np.asarray(_sums_of_squares(
+        sharding.mesh if isinstance(sharding, NamedSharding) else None)(leaves))
+    return {"/".join(map(_key_name, path)): float(value)
+            for (path, _), value in zip(flat, values)}
 
 
 @contextlib.contextmanager
@@ -102,7 +143,7 @@ class Checkpoints:
                 post_finalization_callback=self._committed_async))
         with _quiet(read_only):
             self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                                 item_names=("state", "config"))
+                                                 item_names=("state", "config", "sums"))
         self.healthy = {s for s in self.steps() if self._manifest(s).get("healthy")}
         self._manifested = set(self.steps())  # committed before this run
 
@@ -112,10 +153,12 @@ class Checkpoints:
     # Saving
 
     def save(self, step: int, tree: dict, config: dict) -> None:
-        """Starts an async save of a pytree of arrays (the train state's tree()) and the
-        run's config (the device-to-host copy happens before this returns)."""
+        """Starts an async save of a pytree of arrays (the train state's tree()), the run's
+        config and the tree's sums of squares (the device-to-host copy happens before this
+        returns)."""
         self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(tree), config=ocp.args.JsonSave(config)), force=True)
+            state=ocp.args.StandardSave(tree), config=ocp.args.JsonSave(config),
+            sums=ocp.args.JsonSave({"sum_of_squares": tree_sums(tree)})), force=True)
 
     def wait(self) -> None:
         """Blocks until every started save is committed and has its manifest."""
@@ -153,14 +196,15 @@ class Checkpoints:
                 if self.on_commit is not None:
                     self.on_commit(step)
 
-    def _manifest_the_unmanifested(self) -> None:
-        """Once a run goes on from here: committed steps without a manifest (a crash between
-        orbax's commit and our checksums) get theirs, off the training thread. Not before:
-        a run refused for its config writes nothing."""
-        missing = {s for s in self.steps() if not self._manifest_path(s).exists()}
-        if missing and self.primary:
+    def vouch(self, step: int) -> None:
+        """The run has checked the state it restored from `step` (train/restore_check.py):
+        if the step was committed without a manifest (a crash between orbax's commit and our
+        checksums), it gets one now, off the training thread. Never before that check: its
+        bytes had nothing to be checked against, and a manifest would vouch for damage (nor
+        for a run refused for its config, which writes nothing)."""
+        if self.primary and not self._manifest_path(step).exists():
             with self._lock:
-                self._manifested -= missing
+                self._manifested.discard(step)
             self._executor.submit(self._write_manifests)
 
     def _write_manifest(self, step: int, manifest: dict) -> None:
@@ -208,16 +252,16 @@ class Checkpoints:
 
     def newest_intact(self, target: dict, check_config: Callable[[int, dict, str | None], None],
                       verify: bool = True, above: int = -1):
-        """(step, restored tree) of the newest intact checkpoint newer than `above`, or
-        None. Damaged steps are reported, set aside and skipped. check_config(step,
-        saved config, how the saved tree differs from `target` or None) raises ConfigError
-        for a checkpoint this run cannot continue."""
+        """(step, restored tree, saved config, saved sums or None) of the newest intact
+        checkpoint newer than `above`, or None. Damaged steps are reported, set aside and
+        skipped. check_config(step, saved config, how the saved tree differs from `target`
+        or None) raises ConfigError for a checkpoint this run cannot continue."""
         for step in reversed([s for s in self.steps() if s > above]):
             problem = self.verify(step) if verify else None
-            saved = None
+            saved = sums = None
             if problem is None:
                 try:
-                    saved = self.restore_config(step)
+                    saved, sums = self.restore_config(step), self.restore_sums(step)
                 except Exception as e:  # noqa: BLE001 - any failure to read is damage
                     problem = f"its config cannot be read ({_first_line(e)})"
             if problem is None:
@@ -234,12 +278,15 @@ class Checkpoints:
                             "moved") from e
                     problem = f"it cannot be restored ({_first_line(e)})"
                 else:
-                    self._manifest_the_unmanifested()
-                    return step, restored
-            moved = self.set_aside(step)
-            self.log(f"jaxtrain: checkpoint step {step} in {self.directory} is damaged: "
-                     f"{problem}; moved to {moved}, falling back to the previous one")
+                    return step, restored, saved, sums
+            self.set_aside_damaged(step, problem)
         return None
+
+    def set_aside_damaged(self, step: int, problem: str) -> None:
+        """Sets a damaged step aside (`problem` says how it is damaged) and says so."""
+        moved = self.set_aside(step)
+        self.log(f"jaxtrain: checkpoint step {step} in {self.directory} is damaged: "
+                 f"{problem}; moved to {moved}, falling back to the previous one")
 
     def mismatch(self, step: int, target: dict) -> str | None:
         """How the saved tree differs from `target` ('lacks opt_state/...'), None if not."""
@@ -284,6 +331,13 @@ class Checkpoints:
     def restore_config(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(
             config=ocp.args.JsonRestore())).config
+
+    def restore_sums(self, step: int) -> dict[str, float] | None:
+        """The tree_sums recorded when `step` was saved (None: saved before they were)."""
+        if not (self.directory / str(step) / "sums").exists():
+            return None
+        return self.manager.restore(step, args=ocp.args.Composite(
+            sums=ocp.args.JsonRestore())).sums["sum_of_squares"]
 
     def set_aside(self, step: int) -> pathlib.Path:
         """Moves a damaged step out of orbax's sight (so that the resumed run can save that

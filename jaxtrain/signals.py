@@ -1,6 +1,7 @@
 """SIGTERM and SIGINT, caught from the start of the process: a first signal asks the run to
-stop at the next step boundary with a checkpoint; a second one (a double Ctrl-C) does not
-lose that checkpoint; a third exits at once, saying which step the next run resumes at.
+stop at the next step boundary with a checkpoint (before the first step: at once, with
+nothing to save); a second one (a double Ctrl-C) does not lose that checkpoint; a third
+exits at once, saying which step the next run resumes at.
 
 This module imports nothing heavy, so `jaxtrain train` installs the handlers before jax
 loads: a Ctrl-C while jax starts up or compiles is then a clean stop, not a
@@ -26,6 +27,7 @@ class StopSignals:
         self.count = 0
         self.saving_step: int | None = None  # a checkpoint being written, if any
         self.resume_step = 0  # the newest durable checkpoint: where a next run starts
+        self.training = False  # steps have started (before: a stop has nothing to save)
         self.multi_process = False
         self._previous: dict = {}
 
@@ -51,6 +53,7 @@ class StopSignals:
     def reset(self) -> None:
         """Forgets signals (a new run in the same process)."""
         self.name, self.count, self.saving_step, self.resume_step = None, 0, None, 0
+        self.training = False
 
     def _say(self, message: str) -> None:
         print(f"jaxtrain: {message}", file=sys.stderr, flush=True)
@@ -64,8 +67,11 @@ class StopSignals:
         self.count += 1
         if self.count == 1:
             self.name = name
-            self._say(f"{name}: stopping at the end of this step with a checkpoint (a third "
-                      f"{name} exits at once, without it)")
+            if self.training or self.multi_process:
+                self._say(f"{name}: stopping at the end of this step with a checkpoint (a "
+                          f"third {name} exits at once, without it)")
+            else:
+                self._say(f"{name}: stopping the start-up; nothing to save yet")
         elif self.count == 2:
             what = (f"the checkpoint of step {self.saving_step} is being written"
                     if self.saving_step is not None else "the run is stopping")

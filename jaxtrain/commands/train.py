@@ -46,6 +46,7 @@ def _train(values: dict, started: float, argv) -> None:
     # anything touches devices.
     from jaxtrain import distributed
     from jaxtrain.train.loop import TrainingStopped, run
+    from jaxtrain.train.preemption import leave_if_abandoned
 
     distributed.initialize(values["coordinator"].value, values["num_processes"].value,
                            values["process_id"].value, cfg.distributed.heartbeat_timeout_s,
@@ -58,6 +59,7 @@ def _train(values: dict, started: float, argv) -> None:
     except TrainingStopped as e:
         print(f"jaxtrain: stopped: {e}", file=sys.stderr)
         sys.exit(STOPPED)
+    leave_if_abandoned()  # a stop during start-up does not wait for a compile to finish
 
 
 def main(argv: list[str] | None = None) -> None:

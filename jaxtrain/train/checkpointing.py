@@ -1,9 +1,11 @@
-"""The loop's checkpoints: restore or initialise the state, save on schedule and on demand,
-in one or two tiers (a durable directory, and optionally a fast local one saved more often).
+"""The loop's checkpoints: restore (and check) or initialise the state, save on schedule and
+on demand, in one or two tiers (a durable directory, and optionally a fast local one saved
+more often).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -17,6 +19,7 @@ import ml_collections
 from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.errors import CheckpointError, ConfigError
 from jaxtrain.train.hooks import Hook, StepInfo, due
+from jaxtrain.train.restore_check import RestoreRejected, contents_problem, state_problem
 from jaxtrain.train.state import TrainState
 
 # Config keys that fix the shapes and structure of the checkpointed state, checked by name
@@ -74,6 +77,17 @@ def local_tier_dir(local_dir: str, workdir: pathlib.Path) -> pathlib.Path:
     return pathlib.Path(local_dir) / f"{path.name}-{digest}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """Where a restored state came from: its step, its tier, the config it was saved with,
+    and its sums of squares as saved (None for a checkpoint from before they were)."""
+
+    step: int
+    tier: Checkpoints
+    saved: dict
+    sums: dict[str, float] | None = None
+
+
 class Tiers:
     """The run's checkpoint directories: durable (workdir/checkpoints) and, with
     checkpoint.local_dir, a local tier saved every checkpoint.local_every_steps."""
@@ -89,6 +103,9 @@ class Tiers:
             self.local = Checkpoints(local / "checkpoints", c.local_keep, log=log,
                                      manifests=local / "checkpoint_manifests",
                                      on_commit=on_commit)
+        # The steps there were when the run started: if every one of them is set aside (at
+        # restore, or a fallback's), the run stops rather than start afresh.
+        self.found = {str(tier.directory): tier.steps() for tier in self.all if tier.steps()}
 
     @property
     def all(self) -> list[Checkpoints]:
@@ -97,22 +114,23 @@ class Tiers:
     def newest_step(self) -> int:
         return max((s for tier in self.all for s in tier.steps()), default=0)
 
-    def restore(self, target: dict, check: Callable, verify: bool):
-        """(step, tree) of the newest intact checkpoint across the tiers (durable first on
-        a tie), or (0, None)."""
-        had = {str(tier.directory): tier.steps() for tier in self.all if tier.steps()}
-        best = None
+    def restore(self, target: dict, check: Callable, verify: bool
+                ) -> tuple[Restored | None, dict | None]:
+        """(where it came from, tree) of the newest intact checkpoint across the tiers
+        (durable first on a tie), or (None, None)."""
+        best, tree = None, None
         for tier in self.all:
             found = tier.newest_intact(target, check, verify,
-                                       above=-1 if best is None else best[0])
+                                       above=-1 if best is None else best.step)
             if found is not None:
-                best = found
-        if best is None and had:
-            listed = "; ".join(f"{d} (steps {', '.join(map(str, s))})" for d, s in had.items())
+                best, tree = Restored(found[0], tier, found[2], found[3]), found[1]
+        if best is None and self.found:
+            listed = "; ".join(f"{d} (steps {', '.join(map(str, s))})"
+                               for d, s in self.found.items())
             raise CheckpointError(f"none of the checkpoints in {listed} is usable (they were "
                                   "set aside as damaged); move the directory away to start "
                                   "afresh")
-        return best or (0, None)
+        return best, tree
 
     def close(self) -> None:
         for tier in self.all:
@@ -120,18 +138,22 @@ class Tiers:
 
 
 def restore_or_init(tiers: Tiers, setup, workdir: pathlib.Path
-                    ) -> tuple[int, TrainState, bool, float]:
-    """(step, state, restored, seconds restoring took): the newest intact checkpoint's,
-    else a fresh state at 0. restored is True at step 0 too for a checkpoint that
-    jaxtrain convert wrote."""
+                    ) -> tuple[int, TrainState, Restored | None, float]:
+    """(step, state, where it was restored from, seconds restoring took): the newest intact
+    checkpoint's, else a fresh state at 0 (restored None; a checkpoint that jaxtrain convert
+    wrote is restored at step 0). Raises RestoreRejected for a state that cannot be right
+    (train/restore_check.py)."""
     began = time.perf_counter()
-    start, tree = tiers.restore(setup.abstract_state().tree(),
-                                check_same_run(setup.cfg, workdir),
-                                setup.cfg.checkpoint.verify_on_restore)
-    seconds = time.perf_counter() - began
+    restored, tree = tiers.restore(setup.abstract_state().tree(),
+                                   check_same_run(setup.cfg, workdir),
+                                   setup.cfg.checkpoint.verify_on_restore)
     if tree is None:
-        return start, setup.init_state(), False, seconds
-    return start, TrainState.from_tree(tree), True, seconds
+        return 0, setup.init_state(), None, time.perf_counter() - began
+    state = TrainState.from_tree(tree)
+    if problem := (state_problem(state, setup.shardings)
+                   or contents_problem(tree, restored.sums)):
+        raise RestoreRejected(restored, f"restored, {problem}")
+    return restored.step, state, restored, time.perf_counter() - began
 
 
 class Checkpointer(Hook):

@@ -2,19 +2,27 @@
 
 run() builds the run (train/setup.py), locks the workdir, restores or initialises the state,
 compiles the step, then for every step fetches a batch, steps, and hands the result to the
-hooks (train/hooks.py), each of which decides itself whether the step is its: logging one
-step late, evaluation, checkpoints, the profiler window, the non-finite-step guard, and stop
-requests. A hook that ends the run raises Halt; the loop then saves that step and waits
-until the save is on disk before it says so.
+hooks (train/hooks.py), each of which decides itself whether the step is its: the check of
+the first step from a restored state, logging one step late, evaluation, checkpoints, the
+profiler window, the non-finite-step guard, and stop requests. A hook that ends the run
+raises Halt; the loop then saves that step and waits until the save is on disk before it
+says so. A restored state that fails its checks (train/restore_check.py) is set aside like
+a damaged checkpoint, and the run starts again from the previous one.
+
+A stop request before the first step ends the start-up at once (train/preemption.py): the
+loop checks for one between its phases and waits for the long ones (restoring, compiling,
+the first evaluation) in a way a stop interrupts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import pathlib
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import jax
 import numpy as np
@@ -26,31 +34,62 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.metrics import MetricsWriter, flops_per_token, peak_flops_per_device
 from jaxtrain.models.context_attention import computed_scores
 from jaxtrain.parallel.pipeline import microbatches_for_bubble
-from jaxtrain.train.checkpointing import Checkpointer, Tiers, restore_or_init
+from jaxtrain.train.checkpointing import Checkpointer, Restored, Tiers, restore_or_init
 from jaxtrain.train.evaluation import Evaluator
 from jaxtrain.train.faults import data_with_faults
 from jaxtrain.train.goodput import Goodput
 from jaxtrain.train.guards import BadStepGuard, StopOnRequest
 from jaxtrain.train.hooks import Halt, StepInfo
-from jaxtrain.train.preemption import StopRequest
+from jaxtrain.train.preemption import StartupStopped, StopRequest
 from jaxtrain.train.profiling import ProfileWindow
+from jaxtrain.train.restore_check import FirstStepCheck, RestoreRejected, expected_first_loss
 from jaxtrain.train.setup import Setup, build
 from jaxtrain.train.step_log import StepLogger
 from jaxtrain.train.task_eval import TaskEvaluator, load_tasks
 from jaxtrain.train.watchdog import Watchdog
-from jaxtrain.workdir import WorkdirLock, keep_metrics_up_to, prepare_workdir, write_config
+from jaxtrain.workdir import (
+    WorkdirLock,
+    keep_metrics_up_to,
+    prepare_workdir,
+    read_metrics,
+    write_config,
+)
+
+T = TypeVar("T")
 
 
 class TrainingStopped(RuntimeError):
     """The run stopped itself (too many non-finite steps); the last good state is saved."""
 
 
+@dataclasses.dataclass
+class _Run:
+    """What the sessions of one run share: a session restores, checks and trains, and a
+    restored state that fails its checks (train/restore_check.py) ends it for another one
+    from the previous checkpoint, with the same built pieces and the step compiled once."""
+
+    setup: Setup
+    batches: object
+    tasks: list
+    tiers: Tiers
+    stop: StopRequest
+    started: float
+    say: Callable[[str], None]
+    logged: dict[int, float]  # loss by step in metrics.jsonl as this run found it
+    compiled: dict = dataclasses.field(default_factory=dict)  # "train", "eval" steps
+
+    @property
+    def workdir(self) -> pathlib.Path:
+        return self.tiers.durable.directory.parent
+
+
 def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None,
         started: float | None = None) -> list[dict]:
     """Trains to cfg.steps, resuming from the newest good checkpoint; returns the logged rows.
 
-    Returns early, with a checkpoint, after SIGTERM/SIGINT; raises TrainingStopped after
-    train.max_consecutive_bad_steps non-finite steps in a row (also with a checkpoint).
+    Returns early, with a checkpoint, after SIGTERM/SIGINT (before the first step: at once,
+    with nothing to save); raises TrainingStopped after train.max_consecutive_bad_steps
+    non-finite steps in a row (also with a checkpoint).
     started: when the process started (time.time()), for goodput's start-up time."""
     started = time.time() if started is None else started
     setup = build(cfg, devices)  # validates the config before anything else happens
@@ -62,67 +101,122 @@ def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None,
     say = _say if main_process else _quiet
     with StopRequest() as stop, _locked(workdir, main_process, say):
         tiers = Tiers(cfg, workdir, say, on_commit=stop.durable)
-        writer = None
+        had_checkpoints = any(tier.steps() for tier in tiers.all)
         try:
             # Before restoring: a resume on changed data is refused without reading the state.
-            record.check_and_store(workdir, *data,
-                                   any(tier.steps() for tier in tiers.all),
+            record.check_and_store(workdir, *data, had_checkpoints,
                                    cfg.data.allow_changed, write=main_process)
-            start, state, restored, restoring = restore_or_init(tiers, setup, workdir)
-            stop.durable(start)
-            if start >= cfg.steps:
-                say(f"jaxtrain: nothing to do: the checkpoint at step {start} in {workdir} is "
-                    f"at or past steps={cfg.steps}; raise --config.steps to train further")
-                return []
-            if main_process:
-                keep_metrics_up_to(workdir / "metrics.jsonl", start, say)
-                write_config(workdir, cfg)
-            goodput = Goodput(workdir, started, start, enabled=main_process)
-            goodput.lose("checkpoint", restoring)
-            writer = MetricsWriter(workdir, cfg.steps, start, enabled=main_process, cfg=cfg)
-            return _train(setup, batches, tasks, state, start, restored, tiers, writer,
-                          goodput, stop)
+            r = _Run(setup, batches, tasks, tiers, stop, started, say,
+                     _logged_losses(workdir) if main_process else {})
+            while True:
+                try:
+                    return _session(r)
+                except RestoreRejected as rejected:
+                    rejected.set_aside()  # and the next session falls back
+        except StartupStopped as stopped:
+            say(_stopped_before_training(stop, stopped.phase, had_checkpoints))
+            return []
         finally:
-            tiers.close()
-            if writer is not None:
-                writer.close()
+            if stop.abandoned != "restoring":  # else the abandoned restore still uses them
+                tiers.close()
 
 
-def _train(setup: Setup, batches, tasks, state, start: int, restored: bool, tiers: Tiers,
-           writer: MetricsWriter, goodput: Goodput, stop: StopRequest) -> list[dict]:
+def _session(r: _Run) -> list[dict]:
+    """Restores the newest intact checkpoint (or initialises), checks it, and trains from
+    it; RestoreRejected if its state fails the checks."""
+    cfg, workdir, main_process = r.setup.cfg, r.workdir, jax.process_index() == 0
+    start, state, restored, restoring = r.stop.during(
+        "restoring", lambda: restore_or_init(r.tiers, r.setup, workdir))
+    r.stop.durable(start)
+    if start >= cfg.steps:
+        r.say(f"jaxtrain: nothing to do: the checkpoint at step {start} in {workdir} is "
+              f"at or past steps={cfg.steps}; raise --config.steps to train further")
+        return []
+    if main_process:
+        keep_metrics_up_to(workdir / "metrics.jsonl", start, r.say)
+        write_config(workdir, cfg)
+    goodput = Goodput(workdir, r.started, start, enabled=main_process)
+    goodput.lose("checkpoint", restoring)
+    r.stop.check("before compiling")
+    writer = MetricsWriter(workdir, cfg.steps, start, enabled=main_process, cfg=cfg)
+    try:
+        return _train(r, state, start, restored, writer, goodput)
+    finally:
+        writer.close()
+
+
+def _train(r: _Run, state, start: int, restored: Restored | None, writer: MetricsWriter,
+           goodput: Goodput) -> list[dict]:
     """Compiles, evaluates at step 0, and steps to cfg.steps through the hooks."""
-    cfg, workdir = setup.cfg, tiers.durable.directory.parent
+    setup, stop = r.setup, r.stop
+    cfg, workdir = setup.cfg, r.workdir
+    stop.check("before compiling")  # the writer took seconds; the peak may take more
     peak = peak_flops_per_device(cfg.train.precision)
     with Watchdog(cfg.train.step_timeout_s, writer.print) as watchdog:
         logger = StepLogger(writer, cfg.log_every_steps,
                             cfg.train.global_batch * cfg.model.seq_len,
                             flops_per_token(setup.spec), peak[0] * setup.mesh.devices.size,
                             cfg.train.mfu_floor, goodput, watchdog.beat)
-        val_batches = [to_global(b, setup.tokens_sharding) for b in batches.val_batches()]
+        val_batches = [to_global(b, setup.tokens_sharding) for b in r.batches.val_batches()]
         with jax.set_mesh(setup.mesh):
-            train_step = _compile(setup, state, val_batches[0], writer, peak,
-                                  f"resuming at step {start}" if restored
-                                  else "starting at step 0")
-            evaluator = Evaluator(setup.eval_step(), val_batches, cfg.eval_every_steps, logger)
+            train_step = _compiled(r, state, val_batches[0], writer, peak,
+                                   f"resuming at step {start}" if restored is not None
+                                   else "starting at step 0")
+            evaluator = Evaluator(r.compiled["eval"], val_batches, cfg.eval_every_steps, logger)
             if start == 0:
                 with logger.outside_steps("eval"):
-                    writer.write(0, {"val_loss": evaluator.evaluate(state.params)})
-            if stop.requested():
-                writer.print(f"jaxtrain: stopped on {stop.signal_name} before the first step; "
-                             f"nothing new to save; the next run resumes at step {start}")
-                return []
-            checkpointer = Checkpointer(tiers, cfg, logger, start, stop)
-            hooks = [ProfileWindow(workdir, cfg.profile.start_step, cfg.profile.num_steps,
+                    value = stop.during("evaluating", _meshed(
+                        setup.mesh, lambda: evaluator.evaluate(state.params)))
+                writer.write(0, {"val_loss": value})
+            stop.check("before the first step")
+            checkpointer = Checkpointer(r.tiers, cfg, logger, start, stop)
+            hooks = [*_first_step_check(r, state, restored),
+                     ProfileWindow(workdir, cfg.profile.start_step, cfg.profile.num_steps,
                                    writer.enabled, say=writer.print),
-                     logger, BadStepGuard(cfg.train.max_consecutive_bad_steps), evaluator,
-                     TaskEvaluator(tasks, setup, workdir, logger), checkpointer,
+                     logger, BadStepGuard(cfg.train.max_consecutive_bad_steps,
+                                          None if restored is None else start),
+                     evaluator, TaskEvaluator(r.tasks, setup, workdir, logger), checkpointer,
                      StopOnRequest(stop)]
             goodput.training_started()
-            data = data_with_faults(batches.train_iter(start), cfg.debug, start)
+            stop.training_started()
+            data = data_with_faults(r.batches.train_iter(start), cfg.debug, start)
             _steps(setup, state, train_step, data, start, hooks, logger, checkpointer,
                    watchdog)
     goodput.finished()  # reached its steps, or stopped on request, its checkpoint durable
     return logger.rows
+
+
+def _first_step_check(r: _Run, state, restored: Restored | None) -> list[FirstStepCheck]:
+    """The check of the first step from a restored state: first among the hooks."""
+    if restored is None:
+        return []
+    expected = expected_first_loss(r.logged, restored.step, r.setup.cfg, restored.saved)
+    return [FirstStepCheck(restored, state, r.setup.shardings, expected)]
+
+
+def _logged_losses(workdir: pathlib.Path) -> dict[int, float]:
+    """{step: loss} of metrics.jsonl, read before a resume drops the rows past its step."""
+    rows = read_metrics(workdir / "metrics.jsonl", say=_quiet)  # keep_metrics_up_to says it
+    return {int(row["step"]): float(row["loss"]) for row in rows
+            if "step" in row and isinstance(row.get("loss"), (int, float))}
+
+
+def _stopped_before_training(stop: StopRequest, phase: str, had_checkpoints: bool) -> str:
+    if stop.resume_at:  # restored (0: a fresh state, or a converted checkpoint)
+        then = f"resumes at step {stop.resume_at}"
+    else:
+        then = "resumes from the newest intact checkpoint" if had_checkpoints \
+            else "starts at step 0"
+    return (f"jaxtrain: stopped on {stop.signal_name} before training ({phase}); nothing "
+            f"new to save; the next run {then}")
+
+
+def _meshed(mesh, work: Callable[[], T]) -> Callable[[], T]:
+    """work, under the mesh on whichever thread runs it (jax.set_mesh is per thread)."""
+    def meshed() -> T:
+        with jax.set_mesh(mesh):
+            return work()
+    return meshed
 
 
 def _steps(setup: Setup, state, train_step, data, start: int, hooks, logger: StepLogger,
@@ -181,6 +275,20 @@ def _attention_text(spec) -> str:
     work = computed_scores(spec.context, spec.seq_len, spec.sliding_window or None)
     return (f"context-parallel attention ({spec.context.describe()}, causal work "
             f"max/mean {work.max() / work.mean():.2f})")
+
+
+def _compiled(r: _Run, state, example_batch, writer, peak: tuple[float, str],
+              starting: str):
+    """The compiled train step (compiled once per run: a fallback session reuses it), and
+    the eval step beside it in r.compiled."""
+    r.compiled.setdefault("eval", r.setup.eval_step())
+    if "train" in r.compiled:
+        writer.print(f"jaxtrain: {starting}")
+    else:
+        r.compiled["train"] = r.stop.during("compiling", _meshed(
+            r.setup.mesh, lambda: _compile(r.setup, state, example_batch, writer, peak,
+                                           starting)))
+    return r.compiled["train"]
 
 
 def _compile(setup: Setup, state, example_batch, writer, peak: tuple[float, str],
