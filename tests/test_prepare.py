@@ -206,8 +206,8 @@ def test_interrupted_prepare_resumes_to_the_same_bytes(corpus, tmp_path, monkeyp
     old.write_text(json.dumps({k: v for k, v in json.loads(old.read_text()).items()
                                if k != "stream"}))
     resumed = []
-    monkeypatch.setattr(P, "_work_unit", lambda unit, f=P._work_unit: resumed.append(unit)
-                        or f(unit))
+    monkeypatch.setattr(P.workers, "work_unit",
+                        lambda unit, f=P.workers.work_unit: resumed.append(unit) or f(unit))
     P.prepare(_request([root], tmp_path / "out", **small))
     assert _files(tmp_path / "out") == _files(tmp_path / "ref")
     assert 0 < len(resumed) < len(P.make_plan(_request([root], tmp_path / "x",

@@ -27,27 +27,22 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import ctypes
 import dataclasses
 import errno
 import hashlib
 import json
 import multiprocessing
-import multiprocessing.connection
 import os
 import pathlib
 import shutil
-import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 
-import numpy as np
 from tqdm import tqdm
 
 from jaxtrain.data import dataset as fmt
-from jaxtrain.data import fingerprints, readers
+from jaxtrain.data import readers, workers
 from jaxtrain.data import tokenizers as tokenizers_lib
 from jaxtrain.data.shards import Report, ShardWriter, UnitResult, committed
 from jaxtrain.errors import DataError
@@ -185,90 +180,6 @@ def make_plan(r: Request) -> Plan:
     return Plan(inputs, units, options, out, identity, streamed, tokenizer, skipped)
 
 
-# --- tokenizing a unit (runs in the workers) -------------------------------------------------
-
-_WORKER: dict = {}
-
-
-def _init_worker(tokenizer_dir: str, inputs: list[readers.Input], options: readers.Options,
-                 bos: int | None, eos: int | None, dtype: str) -> None:
-    # One thread per process: processes are the parallelism, and a forked/spawned process
-    # must not start a second thread pool per core.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER.update(tokenizer=tokenizers_lib.load_tokenizer(tokenizer_dir), inputs=inputs,
-                   options=options, bos=bos, eos=eos, dtype=np.dtype(dtype))
-
-
-def _init_spawned_worker(*worker_args) -> None:
-    _die_with_parent()
-    _init_worker(*worker_args)
-
-
-def _die_with_parent() -> None:
-    """Ends this worker when the prepare that spawned it ends, even by SIGKILL (which runs
-    no clean-up there, so the pool cannot stop it): on Linux the kernel sends it SIGKILL
-    (prctl PR_SET_PDEATHSIG); elsewhere a thread waits on the pipe from the parent that
-    closes when the parent dies. Once the workers are gone, the resource tracker they shared
-    with the parent sees its pipe close and exits too."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
-                if os.getppid() != parent.pid:  # the parent died before the prctl
-                    os._exit(1)
-                return
-        except (OSError, AttributeError):  # no libc or no prctl: the pipe below
-            pass
-    threading.Thread(target=_exit_when_closed, args=(parent.sentinel,), daemon=True,
-                     name="jaxtrain-parent-watch").start()
-
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _exit_when_closed(sentinel: int) -> None:
-    multiprocessing.connection.wait([sentinel])
-    os._exit(1)
-
-
-def _tokenize(docs: list[str], tally: readers.Tally, size: int) -> UnitResult:
-    w = _WORKER
-    encoded = w["tokenizer"].encode_batch(docs) if docs else []
-    pieces, lengths = [], np.empty(len(docs), dtype=np.int64)
-    bos = None if w["bos"] is None else np.asarray([w["bos"]], dtype=w["dtype"])
-    eos = None if w["eos"] is None else np.asarray([w["eos"]], dtype=w["dtype"])
-    for k, ids in enumerate(encoded):
-        if bos is not None:
-            pieces.append(bos)
-        pieces.append(ids.astype(w["dtype"], copy=False))
-        if eos is not None:
-            pieces.append(eos)
-        lengths[k] = len(ids) + (bos is not None) + (eos is not None)
-        tally.text_bytes += len(docs[k].encode("utf-8"))
-    tokens = np.concatenate(pieces) if pieces else np.empty(0, dtype=w["dtype"])
-    stream = {"tokens": fingerprints.stream_hash(tokens),
-              "lengths": fingerprints.stream_hash(lengths)}
-    return UnitResult(tokens, lengths, tally, size, stream)
-
-
-def _work_unit(unit: readers.Unit) -> UnitResult:
-    tally = readers.Tally()
-    docs = readers.read_unit(unit, _WORKER["inputs"], _WORKER["options"], tally)
-    return _tokenize(docs, tally, unit.size)
-
-
-def _work_rows(rows: tuple[int, list]) -> UnitResult:
-    first_row, records = rows
-    tally = readers.Tally()
-    docs = readers.read_stream_rows(records, _WORKER["options"].field, first_row, tally)
-    result = _tokenize(docs, tally, 0)
-    result.size = tally.text_bytes  # no file sizes to count progress in: text bytes instead
-    return result
-
-
 # --- the report ----------------------------------------------------------------------------
 
 # --- the tokenizer -------------------------------------------------------------------------
@@ -350,16 +261,17 @@ def _results(plan: Plan, request: Request, start_unit: int, records_start: int,
     """(unit index, records consumed after it, result) in unit order, from a pool of worker
     processes with a bounded number of units in flight."""
     if plan.streamed:
-        tasks = ((k, first + len(rows), _work_rows, (first, rows)) for k, (first, rows)
+        tasks = ((k, first + len(rows), workers.work_rows, (first, rows)) for k, (first, rows)
                  in enumerate(_stream_batches(plan, request, records_start), start=start_unit))
     else:
-        tasks = ((k, 0, _work_unit, plan.units[k]) for k in range(start_unit, len(plan.units)))
+        tasks = ((k, 0, workers.work_unit, plan.units[k])
+                 for k in range(start_unit, len(plan.units)))
     processes = request.processes or _cpus()
     if not plan.streamed:
         processes = min(processes, max(len(plan.units) - start_unit, 1))
     if processes == 1:
         previous = os.environ.get("TOKENIZERS_PARALLELISM")
-        _init_worker(*worker_args)
+        workers.init(*worker_args)
         try:
             for k, records, work, payload in tasks:
                 yield k, records, work(payload)
@@ -371,7 +283,7 @@ def _results(plan: Plan, request: Request, start_unit: int, records_start: int,
         return
     context = multiprocessing.get_context("spawn")  # the parent may hold threads (tokenizers)
     with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context,
-                                                initializer=_init_spawned_worker,
+                                                initializer=workers.init_spawned,
                                                 initargs=worker_args) as pool:
         pending = collections.deque()
         for k, records, work, payload in tasks:
