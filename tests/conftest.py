@@ -62,3 +62,24 @@ def small_config(family: str = "gpt2", **overrides):
 def devices():
     assert jax.device_count() == 8, "conftest must set 8 fake devices before jax loads"
     return jax.devices()
+
+
+# Object storage (tests/servers.py): one server of each kind per test process, started on
+# first use; `bucket` gives each test a new bucket on either, as a URL.
+_servers: dict = {}
+
+
+def object_server(scheme: str):
+    if scheme not in _servers:
+        from servers import start
+        _servers[scheme] = start(scheme)
+        atexit.register(_servers[scheme].stop)
+    return _servers[scheme]
+
+
+@pytest.fixture(params=["s3", "gs"])
+def bucket(request):
+    server = object_server(request.param)
+    server.proxy.delay_s = 0.0
+    server.proxy.up()
+    return server.bucket()

