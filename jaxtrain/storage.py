@@ -23,6 +23,9 @@ import pathlib
 import re
 import tempfile
 
+import fsspec
+from etils import epath
+
 from jaxtrain.errors import ConfigError, require_package
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -74,7 +77,6 @@ def as_path(value, key: str = "path"):
         return value
     check_path(value, key)
     if is_remote(value):
-        from etils import epath  # imports fsspec: only for URLs
         return epath.Path(str(value))
     return pathlib.Path(value).expanduser()
 
@@ -82,7 +84,6 @@ def as_path(value, key: str = "path"):
 def filesystem(path):
     """(fsspec filesystem, the path as that filesystem names it) for the calls epath does
     not offer: conditional creation, range reads, listing with sizes."""
-    import fsspec
     return fsspec.core.url_to_fs(str(path))
 
 

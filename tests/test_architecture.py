@@ -11,7 +11,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxtrain"
 
 # Lowest first. A module may import its own layer and the ones below, never one above.
 LAYERS = [
-    ("errors", "precision", "hostmem", "hardware", "distributed", "signals", "xla_flags"),
+    ("errors", "precision", "hostmem", "hardware", "distributed", "signals", "xla_flags",
+     "storage"),
     ("mesh",),
     ("parallel",),
     ("models",),
