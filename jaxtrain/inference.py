@@ -20,6 +20,7 @@ import ml_collections
 import numpy as np
 
 from jaxtrain import quantization as quantization_lib
+from jaxtrain import storage
 from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.config import base_config
 from jaxtrain.data import record
@@ -33,8 +34,7 @@ from jaxtrain.tasks.text import run_tokenizer
 from jaxtrain.train.setup import Setup, build
 from jaxtrain.train.state import abstract_model, param_axes
 from jaxtrain.train.step import loss_fn
-
-QUANTIZATION_FILE = "quantization.json"
+from jaxtrain.workdir import CHECKPOINTS, QUANTIZATION_FILE
 
 
 @dataclasses.dataclass
@@ -54,7 +54,8 @@ class LoadedModel:
 
 def run_config(workdir: pathlib.Path) -> tuple[int, ml_collections.ConfigDict]:
     """(step, config) of a run's newest intact checkpoint."""
-    directory = pathlib.Path(workdir) / "checkpoints"
+    workdir = storage.as_path(workdir, "--workdir")
+    directory = workdir / CHECKPOINTS
     if not directory.is_dir():
         raise CheckpointError(f"--workdir={workdir} holds no checkpoints/ directory: "
                               "train with jaxtrain train (python -m jaxtrain.main) first")
@@ -74,7 +75,7 @@ def load(workdir, *, data: int = 1, fsdp: int = 1, tensor: int = 1, batch: int |
     """The newest intact checkpoint of a run (or a quantized model directory) on a
     data × fsdp × tensor mesh of the first data·fsdp·tensor devices; `batch` replaces the
     run's train.global_batch (the rows an evaluation batch holds; data·fsdp must divide it)."""
-    workdir = pathlib.Path(workdir)
+    workdir = storage.as_path(workdir, "--workdir")
     step, cfg = run_config(workdir)
     cfg.mesh.update(data=data, pipeline=1, fsdp=fsdp, tensor=tensor, expert=1, context=1,
                     dcn_data=1, dcn_pipeline=1, dcn_fsdp=1, dcn_tensor=1, dcn_expert=1,
@@ -90,7 +91,7 @@ def load(workdir, *, data: int = 1, fsdp: int = 1, tensor: int = 1, batch: int |
     if quantization is not None:
         axes_by_path = param_axes(abstract_model(setup.spec))
         target = quantization_lib.abstract_quantized(target, axes_by_path)
-    checkpoints = Checkpoints(workdir / "checkpoints", keep=1_000_000, log=lambda _: None,
+    checkpoints = Checkpoints(workdir / CHECKPOINTS, keep=1_000_000, log=lambda _: None,
                               read_only=True)
     try:
         params = checkpoints.restore_params(step, target)

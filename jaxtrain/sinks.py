@@ -12,12 +12,14 @@ import dataclasses
 import json
 import math
 import pathlib
+import time
 from collections.abc import Callable
 from typing import Protocol
 
+from jaxtrain import storage
 from jaxtrain.errors import ConfigError, fail, require_package
+from jaxtrain.workdir import TENSORBOARD_DIR, WANDB_RUN_FILE
 
-WANDB_RUN_FILE = "wandb_run.json"  # the W&B run this workdir logs to, for resuming it
 WANDB_MODES = ("online", "offline", "disabled")
 
 
@@ -47,18 +49,36 @@ class JsonlSink:
 class TensorBoardSink:
     """WORKDIR/tensorboard: a scalar per key (non-finite values are left out)."""
 
+    PUBLISH_S = 120.0
+
     def __init__(self, workdir: pathlib.Path, cfg, start_step: int):
         from tensorboardX import SummaryWriter  # heavy import, only where it writes
 
-        self.writer = SummaryWriter(str(workdir / "tensorboard"))
+        target = workdir / TENSORBOARD_DIR
+        # Event files are appended to, which an object store cannot do: on gs:// or s3://
+        # they are written to this host's scratch disk and uploaded whole, at most every
+        # PUBLISH_S and at the end (one PUT per event file each time).
+        self.remote = target if storage.is_remote(target) else None
+        local = storage.scratch_dir(target, "tensorboard") if self.remote else target
+        self.local, self.published = local, time.monotonic()
+        self.writer = SummaryWriter(str(local))
 
     def write(self, step: int, row: dict) -> None:
         for key, value in row.items():
             if math.isfinite(value):
                 self.writer.add_scalar(key, value, step)
+        if self.remote is not None and time.monotonic() - self.published > self.PUBLISH_S:
+            self._publish()
+
+    def _publish(self) -> None:
+        self.writer.flush()
+        storage.upload_tree(self.local, self.remote)
+        self.published = time.monotonic()
 
     def close(self) -> None:
         self.writer.close()
+        if self.remote is not None:
+            storage.upload_tree(self.local, self.remote)
 
 
 class WandbSink:
@@ -82,8 +102,8 @@ class WandbSink:
             raise ConfigError(f"metrics.sinks={cfg.metrics.sinks!r}: W&B could not start a "
                               f"run ({message}); `wandb login`, or set "
                               "metrics.wandb.mode=offline") from None
-        stored.write_text(json.dumps({"id": self.run.id, "project": w.project,
-                                      "entity": w.entity}) + "\n")
+        storage.write_json(stored, {"id": self.run.id, "project": w.project,
+                                    "entity": w.entity})
 
     def write(self, step: int, row: dict) -> None:
         self.run.log(dict(row), step=int(step))

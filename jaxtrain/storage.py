@@ -109,9 +109,36 @@ def atomic_write(path, data: bytes | str) -> None:
         raise
 
 
-def write_json(path, obj, indent: int | None = None) -> None:
+def write_json(path, obj, indent: int | None = None, sort_keys: bool = False,
+               default=None) -> None:
     """atomic_write of `obj` as JSON (one line unless `indent`), newline-terminated."""
-    atomic_write(path, json.dumps(obj, indent=indent) + "\n")
+    atomic_write(path, json.dumps(obj, indent=indent, sort_keys=sort_keys, default=default)
+                 + "\n")
+
+
+def upload_tree(local: pathlib.Path, remote, last: str | None = None) -> int:
+    """Copies every file under the local directory to the same names under the remote
+    prefix, each as one upload (an object is replaced whole), the file named `last` last
+    (a marker: whoever sees it sees the rest); returns the number of files. For what is
+    staged on a local disk (TensorBoard events, profiles, a saved tokenizer)."""
+    fs, root = filesystem(remote)
+    files = [p for p in sorted(local.rglob("*")) if p.is_file()]
+    files.sort(key=lambda p: p.relative_to(local).as_posix() == last)
+    for path in files:
+        fs.put_file(str(path), f"{root}/{path.relative_to(local).as_posix()}")
+    return len(files)
+
+
+def download_tree(remote, local: pathlib.Path) -> pathlib.Path:
+    """Copies every object under the remote prefix into the local directory (created);
+    returns it."""
+    fs, root = filesystem(remote)
+    local.mkdir(parents=True, exist_ok=True)
+    for name in fs.find(root):
+        target = local / name[len(root):].lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(name, str(target))
+    return local
 
 
 def scratch_dir(remote, what: str) -> pathlib.Path:

@@ -1,6 +1,10 @@
-"""The run directory: created and checked before anything is written, locked while a run
-uses it, and the files the loop keeps in it besides checkpoints (metrics.jsonl,
-config.json); and the one check every command makes of the paths it is given."""
+"""The run directory: its layout (every file a run keeps in it, named here once), created
+and checked before anything is written, locked while a run uses it; and the one check every
+command makes of the paths it is given.
+
+A run directory is a local path or an object-storage prefix (gs://, s3://: storage.py); the
+layout is the same on both.
+"""
 
 from __future__ import annotations
 
@@ -9,39 +13,56 @@ import fcntl
 import json
 import os
 import pathlib
-import re
 import socket
 import sys
 
+from jaxtrain import storage
 from jaxtrain.errors import ConfigError
 
+# The layout of WORKDIR.
+CHECKPOINTS = "checkpoints"  # orbax steps (checkpoint.py), manifests beside them
+METRICS_FILE = "metrics.jsonl"  # the logged rows (sinks.py)
+CONFIG_FILE = "config.json"  # the config of the run's newest session
+RECORD_FILE = "data.json"  # what the run trains on (data/record.py)
+TOKENIZER_DIR = "tokenizer"  # the data's tokenizer, for generate/eval/export
+GOODPUT_FILE = "goodput.json"  # sessions and lost time (train/goodput.py)
+TENSORBOARD_DIR = "tensorboard"
+PROFILE_DIR = "profile"  # jax.profiler traces (train/profiling.py)
+RESULTS_DIR = "evals"  # downstream-task results (train/task_eval.py, eval)
+QUANTIZATION_FILE = "quantization.json"  # an int8 model directory (quantize)
+WANDB_RUN_FILE = "wandb_run.json"  # the W&B run a resume continues (sinks.py)
+REPORT_FILE = "report.png"  # jaxtrain report
 LOCK_FILE = ".lock"
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 def check_local_path(value, key: str) -> None:
-    """ConfigError (one line, naming the flag or key) for a URL such as gs://bucket/run.
-
-    Object storage is not supported yet, and taken as a local path a URL would become a
-    folder named 'gs:' holding the run. Every command checks every path it is given with
-    this, on the text as given (pathlib would fold the '//' away), before writing anything.
-    """
-    match = _URL.match(str(value))
-    if match:
-        raise ConfigError(f"{key}={value}: {match.group(1)}:// paths (object storage, URLs) "
-                          "are not supported yet; give a local path (a bucket mounted with "
-                          "gcsfuse or s3fs is one)")
+    """ConfigError (one line, naming the flag or key) for a URL where only a local path is
+    supported yet (object storage reaches these paths in a later change; taken as a local
+    path, gs://b/x would become a folder named 'gs:'). Checked on the text as given, before
+    anything is written."""
+    name = storage.scheme_of(value)
+    if name is not None:
+        raise ConfigError(f"{key}={value}: {name}:// paths (object storage, URLs) are not "
+                          "supported yet for this path; give a local path (a bucket mounted "
+                          "with gcsfuse or s3fs is one)")
 
 
-def prepare_workdir(workdir: pathlib.Path) -> None:
-    """Creates the directory; ConfigError (one line) when it cannot be written."""
+def prepare_workdir(workdir) -> None:
+    """Creates the directory (a prefix needs no creating) and checks that it can be written;
+    ConfigError (one line) when it cannot: the disk's reason, or the object store's
+    (credentials, bucket, permission)."""
+    probe = workdir / f".write_test_{socket.gethostname()}_{os.getpid()}"
     try:
-        workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / f".write_test_{os.getpid()}"
+        if not storage.is_remote(workdir):
+            workdir.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"--workdir={workdir} is not writable: {e.strerror}") from None
+        if not storage.is_remote(workdir):
+            raise ConfigError(f"--workdir={workdir} is not writable: {e.strerror}") from None
+        raise storage.user_error(e, "--workdir", workdir) or ConfigError(
+            f"--workdir={workdir} cannot be written: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
 
 class WorkdirLock:
@@ -152,4 +173,4 @@ def keep_metrics_up_to(path: pathlib.Path, step: int, say=print) -> None:
 
 
 def write_config(workdir: pathlib.Path, cfg) -> None:
-    (workdir / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
+    storage.atomic_write(workdir / CONFIG_FILE, cfg.to_json_best_effort(indent=2) + "\n")

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from absl import app, flags
 
+from jaxtrain import storage
 from jaxtrain.errors import ConfigError, JaxtrainError
 from jaxtrain.workdir import check_local_path
 
@@ -131,13 +132,20 @@ def command_help(module: str, epilog: str = "") -> str:
     return "\n\n".join(part for part in (doc, "flags:\n" + "\n".join(own), epilog) if part)
 
 
+# The path flags that may name object storage (gs://, s3://) in every command; the others
+# are local only, for now (workdir.check_local_path says so in one line).
+REMOTE_FLAGS = ("workdir",)
+
+
 def check_paths(names: tuple[str, ...]) -> None:
-    """check_local_path for the parsed flags `names` (list flags: each item)."""
+    """storage.check_path (REMOTE_FLAGS) or check_local_path for the parsed flags `names`
+    (list flags: each item)."""
     for name in names:
         value = flags.FLAGS[name].value
+        check = storage.check_path if name in REMOTE_FLAGS else check_local_path
         for item in value if isinstance(value, list) else [value]:
             if item:
-                check_local_path(item, f"--{name}")
+                check(item, f"--{name}")
 
 
 def absl_argv(command: str, argv: list[str] | None) -> list[str]:

@@ -26,7 +26,7 @@ import sys
 
 from absl import flags, logging
 
-from jaxtrain import inference
+from jaxtrain import inference, storage
 from jaxtrain.commands.common import run_absl
 from jaxtrain.data import record
 from jaxtrain.data.packing import Packed, counted_targets
@@ -115,7 +115,7 @@ def _task_flags() -> dict:
 def _evaluate_tasks(f: dict) -> None:
     """Loads the tasks (a misspelt task fails first), then the model, evaluates, and writes
     the results."""
-    workdir = pathlib.Path(f["workdir"].value)
+    workdir = storage.as_path(f["workdir"].value, "--workdir")
     backend = BACKENDS[f["backend"].value]
     backend.check("--backend")
     spec = TaskSpec(tuple(f["tasks"].value), tuple(f["task_dir"].value or ()),
@@ -134,8 +134,8 @@ def _evaluate_tasks(f: dict) -> None:
     about = {"workdir": str(workdir), "step": step, "tasks": list(spec.tasks),
              "mesh": dict(scorer.mesh.shape), "batch": scorer.batch,
              "tokenizer": tokenizer.describe(), "quantized": loaded.quantization is not None}
-    out.write_text(json.dumps({"jaxtrain": about, **results.details}, indent=2,
-                              default=tasks.json_default) + "\n")
+    storage.write_json(out, {"jaxtrain": about, **results.details}, indent=2,
+                       default=tasks.json_default)
     print(tasks.table(results.details), file=sys.stderr)
     print(json.dumps({**about, "scores": results.scores, "results": str(out)}))
 

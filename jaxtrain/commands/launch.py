@@ -23,9 +23,9 @@ import sys
 import threading
 import time
 
+from jaxtrain import storage
 from jaxtrain.commands.common import fail, flag_value
 from jaxtrain.errors import ConfigError
-from jaxtrain.workdir import check_local_path
 from jaxtrain.xla_flags import with_device_count
 
 GRACE_S = 10  # between SIGTERM and SIGKILL for the surviving ranks
@@ -136,7 +136,13 @@ def main(argv=None) -> None:
     if args.processes < 1 or args.devices_per_process < 1 or args.max_restarts < 0:
         parser.error("--processes and --devices-per-process must be >= 1, --max-restarts >= 0")
     try:  # here, not in each rank: one line, before any rank starts
-        check_local_path(flag_value(main_args, "workdir") or "", "--workdir")
+        workdir = flag_value(main_args, "workdir") or ""
+        storage.check_path(workdir, "--workdir")
+        if storage.is_remote(workdir) and args.processes > 1:
+            # Staged checkpoints (checkpoint.py) hold one process's shards on its own disk.
+            raise ConfigError(f"--workdir={workdir}: a job of several processes on object "
+                              "storage is not supported yet; use --processes 1, or a shared "
+                              "directory (a bucket mounted with gcsfuse is one)")
     except ConfigError as e:
         fail(str(e))
     sys.exit(launch(args.processes, args.devices_per_process, main_args, args.max_restarts))

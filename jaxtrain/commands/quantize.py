@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from absl import flags, logging
 
-from jaxtrain import inference
+from jaxtrain import inference, storage
 from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.commands.common import run_absl
 from jaxtrain.data import make_batches
@@ -27,6 +27,7 @@ from jaxtrain.data import record as data_record
 from jaxtrain.errors import ConfigError
 from jaxtrain.quantization import as_dicts, calibrate, directory_bytes, quantize_params
 from jaxtrain.train.state import TrainState, abstract_model, param_axes
+from jaxtrain.workdir import CHECKPOINTS, write_config
 
 
 def _define_flags() -> dict:
@@ -51,7 +52,7 @@ def quantize_run(workdir, out, calibration_batches: int = 8, int8_activations: b
     or DataError (one line) for bad input, before writing anything."""
 
     out = pathlib.Path(out)
-    if (out / "checkpoints").exists():
+    if (out / CHECKPOINTS).exists():
         raise ConfigError(f"--out={out} already holds a model; choose a new directory")
     if calibration_batches < 1:
         raise ConfigError(f"--calibration_batches={calibration_batches} is invalid: >= 1")
@@ -71,7 +72,7 @@ def quantize_run(workdir, out, calibration_batches: int = 8, int8_activations: b
     loaded.quantization = {"bits": 8, "int8_activations": bool(act_absmax)}
     int8_result = inference.evaluate(loaded, windows, loaded.cfg.eval_batches)
 
-    checkpoints = Checkpoints(out / "checkpoints", keep=1, log=lambda _: None)
+    checkpoints = Checkpoints(out / CHECKPOINTS, keep=1, log=lambda _: None)
     state = TrainState(step=jnp.asarray(step, jnp.int32), params=as_dicts(loaded.params),
                        opt_state={})
     checkpoints.save(step, state.tree(), loaded.cfg.to_dict())
@@ -79,12 +80,12 @@ def quantize_run(workdir, out, calibration_batches: int = 8, int8_activations: b
     record = {**loaded.quantization, "source": str(workdir), "step": step,
               "calibration_batches": calibration_batches if act_absmax else 0,
               "float32_val_loss": float_result["loss"], "int8_val_loss": int8_result["loss"]}
-    (out / inference.QUANTIZATION_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    (out / "config.json").write_text(loaded.cfg.to_json_best_effort(indent=2) + "\n")
+    storage.write_json(out / inference.QUANTIZATION_FILE, record, indent=2)
+    write_config(out, loaded.cfg)
     # generate and eval read the model directory like a run (None: it records that there is
     # no tokenizer, so that none is assumed there either).
     data_record.store_tokenizer(out, tokenizer)
-    int8_bytes = directory_bytes(out / "checkpoints")
+    int8_bytes = directory_bytes(out / CHECKPOINTS)
     return {**record, "out": str(out), "float32_param_bytes": float_bytes,
             "int8_checkpoint_bytes": int8_bytes, "size_ratio": round(int8_bytes / float_bytes, 4),
             "val_loss_change": int8_result["loss"] / float_result["loss"] - 1}

@@ -11,14 +11,16 @@ where the run has them, from RUN/metrics.jsonl.
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import pathlib
 import sys
 
+from jaxtrain import storage
 from jaxtrain.commands.common import fail
 from jaxtrain.errors import ConfigError
 from jaxtrain.train.goodput import LOST
-from jaxtrain.workdir import check_local_path, read_metrics
+from jaxtrain.workdir import REPORT_FILE, check_local_path, read_metrics
 
 TASK_PREFIX = "tasks/"
 
@@ -92,7 +94,12 @@ def draw(rows: list[dict], out: pathlib.Path, title: str) -> None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.suptitle(title)
-    fig.savefig(out, dpi=100)
+    if storage.is_remote(out):  # one upload of the whole PNG
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=100)
+        storage.atomic_write(out, buffer.getvalue())
+    else:
+        fig.savefig(out, dpi=100)
     plt.close(fig)
 
 
@@ -153,14 +160,14 @@ def main(argv=None) -> None:
     parser.add_argument("--workdir", required=True, help="the run directory")
     parser.add_argument("--out", help="the PNG to write (default WORKDIR/report.png)")
     args = parser.parse_args(argv)
-    for key in ("workdir", "out"):
-        try:
-            check_local_path(getattr(args, key) or "", f"--{key}")
-        except ConfigError as e:
-            fail(str(e))
-    workdir = pathlib.Path(args.workdir)
+    try:
+        storage.check_path(args.workdir, "--workdir")
+        check_local_path(args.out or "", "--out")
+    except ConfigError as e:
+        fail(str(e))
+    workdir = storage.as_path(args.workdir, "--workdir")
     rows = load_rows(workdir)
-    out = pathlib.Path(args.out) if args.out else workdir / "report.png"
+    out = pathlib.Path(args.out) if args.out else workdir / REPORT_FILE
     draw(rows, out, str(workdir))
     print(summary(rows))
     print(f"drawn: {out}")

@@ -14,7 +14,7 @@ import time
 from absl import flags, logging
 from ml_collections import config_flags
 
-from jaxtrain import hostmem
+from jaxtrain import hostmem, storage
 from jaxtrain.commands.common import OVERRIDES_HELP, absl_argv, run_absl
 from jaxtrain.signals import STOP_SIGNALS
 
@@ -53,7 +53,7 @@ def _train(values: dict, started: float, argv) -> None:
                            cfg.distributed.initialization_timeout_s)
     config_name = pathlib.Path(
         config_flags.get_config_filename(flags.FLAGS["config"])).stem
-    workdir = pathlib.Path(values["workdir"].value or f"runs/{config_name}")
+    workdir = storage.as_path(values["workdir"].value or f"runs/{config_name}", "--workdir")
     try:
         run(cfg, workdir, started=started)
     except TrainingStopped as e:

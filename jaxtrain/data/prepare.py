@@ -41,6 +41,7 @@ from collections.abc import Iterator
 
 from tqdm import tqdm
 
+from jaxtrain import storage
 from jaxtrain.data import dataset as fmt
 from jaxtrain.data import readers, workers
 from jaxtrain.data import tokenizers as tokenizers_lib
@@ -408,12 +409,7 @@ def _manifest(plan: Plan, tokenizer, special: dict, dtype: str, shards: list[dic
 
 
 def write_json(path: pathlib.Path, value: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(value, indent=1, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    storage.write_json(path, value, indent=1, sort_keys=True)
 
 
 def _publish(staging: pathlib.Path, out: pathlib.Path) -> None:

@@ -13,15 +13,13 @@ too, so that no default stands in for it; its first training data's tokenizer re
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 
+from jaxtrain import storage
 from jaxtrain.data import tokenizers as tokenizers_lib
 from jaxtrain.data.sources import SOURCES
 from jaxtrain.errors import DataError
-
-RECORD_FILE = "data.json"
-TOKENIZER_DIR = "tokenizer"
+from jaxtrain.workdir import RECORD_FILE, TOKENIZER_DIR
 
 
 def data_tokenizer(c) -> tokenizers_lib.Tokenizer | None:
@@ -56,7 +54,7 @@ def check_and_store(workdir, items: dict, tokenizer: tokenizers_lib.Tokenizer | 
                     resumed: bool, allow_changed: bool, write: bool) -> None:
     """Refuses a resume whose data or tokenizer changed (DataError, one line); writes the
     record and the tokenizer into the workdir (when `write`: process 0)."""
-    workdir = pathlib.Path(workdir)
+    workdir = storage.as_path(workdir, "--workdir")
     path = workdir / RECORD_FILE
     saved = json.loads(path.read_text()) if path.is_file() else None
     saved_tokenizer = _saved_meta(workdir)
@@ -100,20 +98,21 @@ def _describe_meta(meta: dict) -> str:
 
 
 def _write_json(path: pathlib.Path, value: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    storage.write_json(path, value, indent=2, sort_keys=True)
 
 
 def run_tokenizer(workdir, cfg) -> tokenizers_lib.Tokenizer | None:
     """The tokenizer a run's ids belong to: WORKDIR/tokenizer (None where it records that
     there is none), or for runs made before it was stored, bytes when the run trained on the
     built-in corpus; None when unknown."""
-    directory = pathlib.Path(workdir) / TOKENIZER_DIR
+    directory = storage.as_path(workdir, "--workdir") / TOKENIZER_DIR
     meta = tokenizers_lib.read_meta(directory)
     if meta is not None:
         if meta.get("kind") == tokenizers_lib.NO_TOKENIZER:
             return None
+        if storage.is_remote(directory):  # the libraries read local files
+            directory = storage.download_tree(
+                directory, storage.scratch_dir(directory, "tokenizer"))
         return tokenizers_lib.load_tokenizer(directory, "the run's tokenizer")
     if SOURCES[cfg.data.source].byte_level:
         return tokenizers_lib.ByteTokenizer()
@@ -124,9 +123,10 @@ def store_tokenizer(workdir, tokenizer: tokenizers_lib.Tokenizer | None) -> None
     """Puts a tokenizer into a workdir (convert --from-hf: the model directory's; quantize:
     the run's). None records that the ids have no known tokenizer, so that run_tokenizer
     does not fall back to bytes for a config on the byte corpus."""
-    directory = pathlib.Path(workdir) / TOKENIZER_DIR
+    directory = storage.as_path(workdir, "--workdir") / TOKENIZER_DIR
     if tokenizer is not None:
         tokenizer.save(directory)
         return
-    directory.mkdir(parents=True, exist_ok=True)
+    if not storage.is_remote(directory):  # a prefix needs no creating
+        directory.mkdir(parents=True, exist_ok=True)
     _write_json(directory / tokenizers_lib.META_FILE, {"kind": tokenizers_lib.NO_TOKENIZER})

@@ -13,6 +13,7 @@ import pathlib
 
 import numpy as np
 
+from jaxtrain import storage
 from jaxtrain.data import dataset as fmt
 from jaxtrain.data import fingerprints, readers
 
@@ -186,9 +187,7 @@ class ShardWriter:
                   "sha256": self.sha.hexdigest(), "stream": self.stream,
                   "report": report.to_json(),
                   "lines_before": {str(k): v for k, v in report.lines_before.items()}}
-        tmp = self.directory / (record_name + ".tmp")
-        tmp.write_text(json.dumps(record, sort_keys=True) + "\n")
-        os.replace(tmp, self.directory / record_name)
+        storage.write_json(self.directory / record_name, record, sort_keys=True)
         return record
 
     def abandon(self) -> None:

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import tokenizers as hf
 
+from jaxtrain import storage
 from jaxtrain.errors import DataError, require_package
 
 META_FILE = "jaxtrain_tokenizer.json"
@@ -103,7 +104,12 @@ class Tokenizer(abc.ABC):
 
     def save(self, directory) -> pathlib.Path:
         """Writes the tokenizer into `directory` (created); the meta file is written last."""
-        directory = pathlib.Path(directory)
+        directory = storage.as_path(directory)
+        if storage.is_remote(directory):  # the libraries write local files: stage them
+            with tempfile.TemporaryDirectory() as staged:
+                self.save(staged)
+                storage.upload_tree(pathlib.Path(staged), directory, last=META_FILE)
+            return directory
         directory.mkdir(parents=True, exist_ok=True)
         extra = self._save_files(directory)
         _write_json(directory / META_FILE, {**self.meta(), **extra})
@@ -135,9 +141,7 @@ class Tokenizer(abc.ABC):
 
 
 def _write_json(path: pathlib.Path, value) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    storage.write_json(path, value, indent=2, sort_keys=True)
 
 
 # --- bytes ---------------------------------------------------------------------------------
@@ -548,7 +552,7 @@ def _auto_tokenizer(directory: pathlib.Path, what: str) -> HFTokenizer:
 
 def read_meta(directory) -> dict | None:
     """The meta file of a saved tokenizer, or None."""
-    path = pathlib.Path(directory) / META_FILE
+    path = storage.as_path(directory) / META_FILE
     return json.loads(path.read_text()) if path.is_file() else None
 
 

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
+from jaxtrain import storage
 from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.data import record, tokenizers
 from jaxtrain.errors import ConfigError, DataError
@@ -22,7 +23,7 @@ from jaxtrain.hf import family_of
 from jaxtrain.hf.files import SafetensorsDir, read_config
 from jaxtrain.train.setup import Setup, build, loss_scale_init
 from jaxtrain.train.state import LossScale, TrainState
-from jaxtrain.workdir import prepare_workdir, write_config
+from jaxtrain.workdir import CHECKPOINTS, prepare_workdir, write_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -60,7 +61,7 @@ def import_hf(cfg, hf_dir, workdir, devices: Sequence[jax.Device] | None = None
     peak device memory is the params plus, transiently, a second copy of one stacked
     parameter (its per-layer pieces), and then the optimizer state the checkpoint needs.
     """
-    hf_dir, workdir = pathlib.Path(hf_dir), pathlib.Path(workdir)
+    hf_dir, workdir = pathlib.Path(hf_dir), storage.as_path(workdir, "--workdir")
     hf = read_config(hf_dir)
     family = family_of(hf, f"{hf_dir / 'config.json'}")
     problems = []
@@ -76,7 +77,7 @@ def import_hf(cfg, hf_dir, workdir, devices: Sequence[jax.Device] | None = None
         raise ConfigError(f"{hf_dir} does not match the config: {'; '.join(problems)}")
     tokenizer = hf_tokenizer(hf_dir, cfg.model.vocab_size)
     setup = build(cfg, devices)
-    checkpoints_dir = workdir / "checkpoints"
+    checkpoints_dir = workdir / CHECKPOINTS
     if checkpoints_dir.is_dir() and any(checkpoints_dir.iterdir()):
         raise ConfigError(f"--workdir={workdir} already holds checkpoints; import into a new "
                           "or empty directory")

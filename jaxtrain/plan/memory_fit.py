@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import pathlib
 
 import jax
 
+from jaxtrain import storage
 from jaxtrain.config import validate
 from jaxtrain.plan import memory
 from jaxtrain.plan.compile_check import load_config, single_granule
@@ -71,11 +73,7 @@ def store_cases(rows: list[dict]) -> None:
 
 def write(data: dict) -> None:
     """Atomically (a reader never sees half a file)."""
-    tmp = memory.FIT_FILE + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, memory.FIT_FILE)
+    storage.write_json(pathlib.Path(memory.FIT_FILE), data, indent=1)
 
 
 def config_of(case: dict):

@@ -21,6 +21,7 @@ from jaxtrain.errors import CheckpointError, ConfigError
 from jaxtrain.train.hooks import Hook, StepInfo, due
 from jaxtrain.train.restore_check import RestoreRejected, contents_problem, state_problem
 from jaxtrain.train.state import TrainState
+from jaxtrain.workdir import CHECKPOINTS
 
 # Config keys that fix the shapes and structure of the checkpointed state, checked by name
 # before the tree itself is compared (a clearer message for the common cases).
@@ -95,12 +96,12 @@ class Tiers:
     def __init__(self, cfg, workdir: pathlib.Path, log: Callable[[str], None],
                  on_commit: Callable[[int], None] | None = None):
         c = cfg.checkpoint
-        self.durable = Checkpoints(workdir / "checkpoints", c.keep, c.keep_period, log=log,
+        self.durable = Checkpoints(workdir / CHECKPOINTS, c.keep, c.keep_period, log=log,
                                    on_commit=on_commit)
         self.local = None
         if c.local_dir:
             local = local_tier_dir(c.local_dir, workdir)
-            self.local = Checkpoints(local / "checkpoints", c.local_keep, log=log,
+            self.local = Checkpoints(local / CHECKPOINTS, c.local_keep, log=log,
                                      manifests=local / "checkpoint_manifests",
                                      on_commit=on_commit)
         # The steps there were when the run started: if every one of them is set aside (at

@@ -21,7 +21,9 @@ import math
 import pathlib
 import time
 
-FILE = "goodput.json"
+from jaxtrain import storage
+from jaxtrain.workdir import GOODPUT_FILE as FILE
+
 # Causes of lost time within a session (restart and recomputed come from the sessions).
 CAUSES = ("startup", "checkpoint", "eval", "data")
 LOST = CAUSES + ("restart", "recomputed")
@@ -102,6 +104,4 @@ class Goodput:
     def save(self) -> None:
         if not self.enabled:
             return
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"sessions": self.previous + [self.session]}))
-        tmp.rename(self.path)
+        storage.write_json(self.path, {"sessions": self.previous + [self.session]})

@@ -8,7 +8,9 @@ import time
 
 import jax
 
+from jaxtrain import storage
 from jaxtrain.train.hooks import Hook, StepInfo
+from jaxtrain.workdir import PROFILE_DIR
 
 DATA_WAIT_WARNING = 0.05  # of step time
 
@@ -19,7 +21,12 @@ class ProfileWindow(Hook):
 
     def __init__(self, workdir: pathlib.Path, start: int, count: int, enabled: bool,
                  say=print):
-        self.directory = workdir / "profile"
+        self.directory = workdir / PROFILE_DIR
+        # jax.profiler writes local files: on object storage, to this host's scratch disk,
+        # uploaded when the window closes.
+        self.remote = self.directory if storage.is_remote(self.directory) else None
+        if self.remote is not None:
+            self.directory = storage.scratch_dir(self.remote, "profile")
         self.start, self.stop = start, start + count
         self.enabled = enabled and start >= 0
         self.active = False
@@ -38,7 +45,10 @@ class ProfileWindow(Hook):
         jax.profiler.stop_trace()
         jax.profiler.save_device_memory_profile(str(self.directory / "memory.prof"))
         self.active = False
-        self.say(f"jaxtrain: profiled steps {self.start}-{self.stop - 1} into {self.directory} "
+        if self.remote is not None:
+            storage.upload_tree(self.directory, self.remote)
+        self.say(f"jaxtrain: profiled steps {self.start}-{self.stop - 1} into "
+                 f"{self.remote or self.directory} "
                  "(open with TensorBoard's profile tab or Perfetto; memory.prof with pprof)")
 
 

@@ -8,17 +8,16 @@ the scorer compiles its few padded shapes at the first evaluation and reuses the
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import jax
 
+from jaxtrain import storage
 from jaxtrain.scoring import Scorer
 from jaxtrain.tasks import BACKENDS, TaskSpec
 from jaxtrain.tasks.text import data_tokenizer
 from jaxtrain.train.hooks import Hook, StepInfo, due
-
-RESULTS_DIR = "evals"
+from jaxtrain.workdir import RESULTS_DIR
 
 
 def load_tasks(cfg) -> tuple | None:
@@ -56,7 +55,5 @@ class TaskEvaluator(Hook):
         directory = self.workdir / RESULTS_DIR
         directory.mkdir(exist_ok=True)
         path = directory / f"{self.tasks.spec.key.replace('.', '_')}-step{step}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"step": step, **details}, indent=2,
-                                  default=self.tasks.json_default) + "\n")
-        tmp.replace(path)
+        storage.write_json(path, {"step": step, **details}, indent=2,
+                           default=self.tasks.json_default)
