@@ -33,13 +33,19 @@ _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 @dataclasses.dataclass(frozen=True)
 class Scheme:
-    """An object store: the fsspec package that speaks its protocol and the extra that
-    installs it."""
+    """An object store: the fsspec package that speaks its protocol, the extra that
+    installs it, and how its client finds credentials."""
     package: str
     extra: str
+    credentials: str
 
 
-SCHEMES = {"gs": Scheme("gcsfs", "gcs"), "s3": Scheme("s3fs", "s3")}
+SCHEMES = {
+    "gs": Scheme("gcsfs", "gcs", "`gcloud auth application-default login`, or "
+                 "GOOGLE_APPLICATION_CREDENTIALS naming a service-account key"),
+    "s3": Scheme("s3fs", "s3", "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, ~/.aws, or an "
+                 "instance role"),
+}
 
 
 def scheme_of(value) -> str | None:
@@ -153,6 +159,12 @@ def scratch_dir(remote, what: str) -> pathlib.Path:
     return directory
 
 
+def first_line(error: BaseException) -> str:
+    """'Kind: the first line of its message', for one-line reports."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+
+
 def user_error(error: BaseException, key: str, value) -> ConfigError | None:
     """The one-line ConfigError for an object-store failure that is the user's to fix
     (credentials, bucket, permission), or None for anything else (a server error, a lost
@@ -160,13 +172,13 @@ def user_error(error: BaseException, key: str, value) -> ConfigError | None:
     text = f"{type(error).__name__}: {error}"
     bucket = str(value).split("://", 1)[-1].split("/", 1)[0]
     if "NoCredentials" in text or "credentials" in text.lower() and "not" in text.lower():
-        return ConfigError(f"{key}={value}: no credentials for {scheme_of(value)}:// (set "
-                           "them up as the client expects: gcloud auth application-default "
-                           "login, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or ~/.aws)")
+        scheme = SCHEMES[scheme_of(value)]
+        return ConfigError(f"{key}={value}: no credentials for {scheme_of(value)}:// "
+                           f"({scheme.credentials})")
     if isinstance(error, PermissionError) or "AccessDenied" in text or "403" in text:
         return ConfigError(f"{key}={value}: no permission to write to bucket {bucket}")
-    if "NoSuchBucket" in text or (isinstance(error, FileNotFoundError)
-                                  and bucket in str(error)):
+    if "NoSuchBucket" in text or "bucket does not exist" in text.lower() or (
+            isinstance(error, FileNotFoundError) and bucket in str(error)):
         return ConfigError(f"{key}={value}: bucket {bucket} does not exist")
     return None
 

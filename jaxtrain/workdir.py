@@ -52,17 +52,20 @@ def prepare_workdir(workdir) -> None:
     ConfigError (one line) when it cannot: the disk's reason, or the object store's
     (credentials, bucket, permission)."""
     probe = workdir / f".write_test_{socket.gethostname()}_{os.getpid()}"
+    if storage.is_remote(workdir):
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except Exception as e:  # noqa: BLE001 - each client raises its own
+            raise storage.user_error(e, "--workdir", workdir) or ConfigError(
+                f"--workdir={workdir} cannot be written: {storage.first_line(e)}") from None
+        return
     try:
-        if not storage.is_remote(workdir):
-            workdir.mkdir(parents=True, exist_ok=True)
+        workdir.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        if not storage.is_remote(workdir):
-            raise ConfigError(f"--workdir={workdir} is not writable: {e.strerror}") from None
-        raise storage.user_error(e, "--workdir", workdir) or ConfigError(
-            f"--workdir={workdir} cannot be written: {type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        raise ConfigError(f"--workdir={workdir} is not writable: {e.strerror}") from None
 
 
 class WorkdirLock:
