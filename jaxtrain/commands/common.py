@@ -134,7 +134,7 @@ def command_help(module: str, epilog: str = "") -> str:
 
 # The path flags that may name object storage (gs://, s3://) in every command; the others
 # are local only, for now (workdir.check_local_path says so in one line).
-REMOTE_FLAGS = ("workdir",)
+REMOTE_FLAGS = ("workdir", "from-hf", "to-hf")
 
 
 def check_paths(names: tuple[str, ...]) -> None:

@@ -17,12 +17,15 @@ family (gpt2.py, llama.py, mixtral.py); docs/interop.md has the name tables.
 
 from __future__ import annotations
 
+import pathlib
 import sys
+import tempfile
 
 import jax
 from absl import flags, logging
 from ml_collections import config_flags
 
+from jaxtrain import storage
 from jaxtrain.commands.common import OVERRIDES_HELP, absl_argv, run_absl
 from jaxtrain.data import record, tokenizers
 from jaxtrain.errors import ConfigError, require_package
@@ -65,7 +68,11 @@ def _convert(flag: dict, argv) -> None:
         if config.value is None:
             raise ConfigError("--from-hf needs --config configs/NAME.py: the run the "
                               "imported weights will train with")
-        setup, _ = import_hf(config.value, source, workdir)
+        local = source
+        if storage.is_remote(source):  # the readers want local files: a copy on scratch
+            local = storage.download_tree(storage.as_path(source, "--from-hf"),
+                                          storage.scratch_dir(source, "hf"))
+        setup, _ = import_hf(config.value, local, workdir)
         count = sum(x.size for x in jax.tree.leaves(setup.abstract_state().params))
         _say(f"jaxtrain: imported {source} ({count:,} parameters) into {workdir} at step 0; "
              f"fine-tune it with jaxtrain train, the same --config and overrides, and "
@@ -78,10 +85,30 @@ def _convert(flag: dict, argv) -> None:
         tokenizer = record.run_tokenizer(workdir, run_config(workdir)[1])
         if tokenizer is not None and tokenizer.kind in tokenizers.KIND_PACKAGES:
             require_package("transformers", f"exporting the run's {tokenizer.kind} tokenizer")
-        export_hf(workdir, target, flag["max_shard_size"].value, flag["dtype"].value)
-        if tokenizer is not None:
-            tokenizer.save_hf(target)
-            _say(f"jaxtrain: wrote the run's tokenizer ({tokenizer.describe()}) to {target}")
+        if storage.is_remote(target):
+            _export_remote(flag, workdir, target, tokenizer)
+        else:
+            _export(flag, workdir, target, tokenizer)
+
+
+def _export(flag: dict, workdir, target, tokenizer) -> None:
+    export_hf(workdir, target, flag["max_shard_size"].value, flag["dtype"].value)
+    if tokenizer is not None:
+        tokenizer.save_hf(target)
+        _say(f"jaxtrain: wrote the run's tokenizer ({tokenizer.describe()}) to {target}")
+
+
+def _export_remote(flag: dict, workdir, target: str, tokenizer) -> None:
+    """Exports into a local staging directory, then uploads it, config.json last (what
+    transformers looks for first): safetensors are written by a library that wants files."""
+    remote = storage.as_path(target, "--to-hf")
+    if (remote / "config.json").exists() or list(remote.glob("*.safetensors")):
+        raise ConfigError(f"--to-hf={target} already holds a model; export into a new or "
+                          "empty prefix")
+    with tempfile.TemporaryDirectory(prefix="jaxtrain-export-") as staged:
+        _export(flag, workdir, staged, tokenizer)
+        count = storage.upload_tree(pathlib.Path(staged), remote, last="config.json")
+    _say(f"jaxtrain: uploaded {count} files to {target}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,157 @@
+"""Runs whose every path is on object storage, end to end through the CLI, against the real
+servers the tests start (moto's S3 server, fake-gcs-server: tests/servers.py): a kill -9 and
+a rerun on another host's empty scratch disk is bitwise the uninterrupted run; prepare,
+train, export and generate with nothing on a shared disk; and the user errors, one line."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from conftest import object_server
+from test_resilience import CLI_OVERRIDES, _cli_config
+
+from jaxtrain import storage
+from jaxtrain.checkpoint import Checkpoints
+from jaxtrain.metrics_log import read_metrics
+from jaxtrain.train.setup import build
+from jaxtrain.xla_flags import with_device_count
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _env(server, scratch: pathlib.Path) -> dict:
+    """A process on its own host: its scratch disk, the server's endpoint."""
+    return dict(os.environ, **server.env(), XLA_FLAGS=with_device_count(1),
+                JAXTRAIN_SCRATCH=str(scratch), JAXTRAIN_HUGE_PAGES="0")
+
+
+def _start(workdir: str, env: dict, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jaxtrain.main", "--config",
+                             "configs/tiny.py", *CLI_OVERRIDES, *extra, f"--workdir={workdir}"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _losses(workdir) -> dict[int, float]:
+    rows = read_metrics(storage.as_path(workdir), say=lambda _: None)
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _final_params(workdir, step: int = 24):
+    setup = build(_cli_config(), jax.devices()[:1])
+    checkpoints = Checkpoints(storage.as_path(workdir) / "checkpoints", keep=3,
+                              read_only=True)
+    tree = checkpoints.restore(step, setup.abstract_state().tree())
+    checkpoints.close()
+    return jax.tree.map(np.asarray, tree["params"])
+
+
+def _committed_steps(workdir: str) -> list[int]:
+    fs, root = storage.filesystem(workdir)
+    fs.invalidate_cache()
+    try:
+        names = fs.ls(f"{root}/checkpoint_manifests", detail=False)
+    except FileNotFoundError:
+        return []
+    return [int(pathlib.PurePosixPath(n).stem) for n in names if n.endswith(".json")]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The same run on a local disk: storage must not change a single bit."""
+    workdir = tmp_path_factory.mktemp("local")
+    env = dict(os.environ, XLA_FLAGS=with_device_count(1), JAXTRAIN_HUGE_PAGES="0")
+    process = _start(str(workdir), env)
+    _, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err[-2000:]
+    return _losses(workdir), _final_params(workdir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_kill_9_and_rerun_on_another_host_is_bitwise_the_same_run(scheme, tmp_path,
+                                                                   uninterrupted):
+    server = object_server(scheme)
+    workdir = server.bucket() + "/run"
+    process = _start(workdir, _env(server, tmp_path / "host-a"))
+    deadline = time.time() + 300
+    while not _committed_steps(workdir):
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.time() < deadline, "no checkpoint was committed"
+        time.sleep(0.2)
+    process.kill()
+    process.wait()
+    assert max(_committed_steps(workdir)) < 24, "killed before the end"
+    # Host b has nothing of host a's: every byte comes from the object store.
+    rerun = _start(workdir, _env(server, tmp_path / "host-b"))
+    _, err = rerun.communicate(timeout=600)
+    assert rerun.returncode == 0, err[-3000:]
+    assert "resuming at step" in err, err[-3000:]
+    losses, params = uninterrupted
+    assert _losses(workdir) == losses, "every step's loss, bit for bit, each row once"
+    for a, b in zip(jax.tree.leaves(_final_params(workdir)), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
+    fs, root = storage.filesystem(workdir)
+    fs.invalidate_cache()
+    assert not fs.exists(f"{root}/.lock"), "the lease is released at the end"
+    assert fs.exists(f"{root}/config.json") and fs.exists(f"{root}/data.json")
+    assert fs.find(f"{root}/tensorboard"), "TensorBoard events uploaded"
+
+
+def _jaxtrain(args: list[str], env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxtrain", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_prepare_train_export_generate_with_every_path_on_object_storage(tmp_path):
+    server = object_server("gs")
+    bucket = server.bucket()
+    env = _env(server, tmp_path / "scratch")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n"
+                              for i in range(400)))
+    steps = [
+        ["prepare", str(corpus), "--out", f"{bucket}/data", "--tokenizer", "bytes",
+         "--no-progress"],
+        ["train", "--config", "configs/tiny.py", *CLI_OVERRIDES, "--config.steps=6",
+         "--config.eval_every_steps=6", "--config.data.source=prepared",
+         f"--config.data.path={bucket}/data", "--workdir", f"{bucket}/run"],
+        ["convert", "--to-hf", f"{bucket}/hf", "--workdir", f"{bucket}/run"],
+        ["generate", "--workdir", f"{bucket}/run", "--prompt", "line 1", "--max_new_tokens",
+         "8"],
+    ]
+    for args in steps:
+        out = _jaxtrain(args, env)
+        assert out.returncode == 0, (args[0], out.stderr[-3000:])
+    fs, root = storage.filesystem(bucket)
+    fs.invalidate_cache()
+    assert fs.exists(f"{root}/hf/config.json") and fs.find(f"{root}/hf")
+    config = json.loads(fs.cat_file(f"{root}/hf/config.json"))
+    assert config["vocab_size"] == _cli_config().model.vocab_size
+    assert not list(tmp_path.glob("gs:*")), "no local folder named after the URL"
+
+
+def test_a_missing_bucket_or_credentials_is_one_line_and_exit_2(tmp_path):
+    server = object_server("s3")
+    env = _env(server, tmp_path / "scratch")
+    no_keys = {k: v for k, v in env.items() if k not in ("AWS_ACCESS_KEY_ID",
+                                                         "AWS_SECRET_ACCESS_KEY")}
+    no_keys.update(AWS_EC2_METADATA_DISABLED="true", AWS_SHARED_CREDENTIALS_FILE="/nonexistent",
+                   AWS_CONFIG_FILE="/nonexistent")
+    existing = server.bucket()
+    cases = [(env, "s3://no-such-bucket-jt/run", "bucket no-such-bucket-jt does not exist"),
+             (no_keys, f"{existing}/run", "no credentials for s3://")]
+    for case_env, workdir, message in cases:
+        out = _jaxtrain(["train", "--config", "configs/tiny.py", "--workdir", workdir],
+                        case_env, timeout=300)
+        assert out.returncode == 2, out.stderr[-2000:]
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(
+            f"jaxtrain: error: --workdir={workdir}: {message}"), lines
