@@ -5,8 +5,9 @@
 # Expects: the TPU VM created (gcloud compute tpus tpu-vm create ... --version=tpu-ubuntu2204-base),
 # and a directory every host sees for --workdir, so that every host writes its checkpoint shards:
 # a shared disk, or a GCS bucket mounted at the same path on every worker (gcsfuse
-# --implicit-dirs BUCKET /mnt/gcs); gs:// paths themselves are refused until object storage
-# is supported.
+# --implicit-dirs BUCKET /mnt/gcs). A gs:// --workdir works for a job of one process
+# (docs/operations.md, "Object storage"); for the several hosts of a pod slice it is refused
+# in one line until the checkpoint shards of every host can be committed there.
 # Check that it worked: worker 0 prints "on 64 tpu devices" for v5p-128 (4 chips × 16 hosts).
 set -euo pipefail
 TPU=${1:?tpu name}; ZONE=${2:?zone}; CONFIG=${3:?config}; shift 3
