@@ -43,9 +43,14 @@ class Proxy:
     the server sends back (latency per response); `down()` closes every connection and
     refuses new ones until `up()`."""
 
+    METHODS = (b"GET ", b"PUT ", b"POST ", b"HEAD ", b"DELETE ", b"PATCH ")
+
     def __init__(self, target_port: int):
         self.target = target_port
         self.delay_s = 0.0
+        # HTTP requests by method, counted where a client's chunk starts with one (clients
+        # send a request's head in one piece and do not pipeline): what a job pays for.
+        self.requests: dict[str, int] = {}
         self.port = free_port()
         self._open = threading.Event()
         self._open.set()
@@ -70,12 +75,17 @@ class Proxy:
                 continue
             with self._lock:
                 self._conns += [client, server]
-            threading.Thread(target=self._pipe, args=(client, server, 0.0), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, server, 0.0),
+                             daemon=True).start()
             threading.Thread(target=self._pipe, args=(server, client, None), daemon=True).start()
 
     def _pipe(self, src: socket.socket, dst: socket.socket, delay) -> None:
         try:
             while chunk := src.recv(1 << 16):
+                if delay is not None and chunk.startswith(self.METHODS):
+                    method = chunk.split(b" ", 1)[0].decode()
+                    with self._lock:
+                        self.requests[method] = self.requests.get(method, 0) + 1
                 if delay is None and self.delay_s:
                     time.sleep(self.delay_s)
                 dst.sendall(chunk)
