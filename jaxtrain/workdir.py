@@ -1,6 +1,6 @@
 """The run directory: created and checked before anything is written, locked while a run
-uses it, and the files the loop keeps in it besides checkpoints (metrics.jsonl,
-config.json); and the one check every command makes of the paths it is given."""
+uses it, and the files the loop keeps in it besides checkpoints (config.json; the metrics
+log is metrics_log.py's); and the one check every command makes of the paths it is given."""
 
 from __future__ import annotations
 
@@ -119,36 +119,6 @@ def _holder(path: pathlib.Path) -> str:
         return _describe(json.loads(path.read_text() or "{}"))
     except (OSError, ValueError):
         return "another process"
-
-
-def read_metrics(path: pathlib.Path, say=print) -> list[dict]:
-    """The rows of a metrics.jsonl; a partial last line (a run killed mid-write) is dropped
-    with a message, any other bad line is reported by its number and skipped."""
-    if not path.exists():
-        return []
-    rows = []
-    lines = path.read_text().splitlines()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            where = "its last line is partial (a run stopped while writing it)" \
-                if number == len(lines) else f"line {number} is not JSON"
-            say(f"jaxtrain: {path}: {where}; dropped")
-    return rows
-
-
-def keep_metrics_up_to(path: pathlib.Path, step: int, say=print) -> None:
-    """On resume, keep the logged rows up to the checkpoint's step (the resumed run logs the
-    later ones again); a run that starts afresh at step 0 keeps none."""
-    if not path.exists():
-        return
-    rows = [r for r in read_metrics(path, say) if 0 < step and r.get("step", 0) <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.rename(path)
 
 
 def write_config(workdir: pathlib.Path, cfg) -> None:
