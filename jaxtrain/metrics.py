@@ -78,6 +78,12 @@ class MetricsWriter:
                  if k in row}
         self.bar.set_postfix(shown, refresh=False)
 
+    def flush(self) -> None:
+        """Makes the rows written so far durable, in every sink that can (Sink.flush)."""
+        for sink in self.sinks:
+            if hasattr(sink, "flush"):  # optional: a sink may store each row as it comes
+                sink.flush()
+
     def advance(self, steps: int) -> None:
         if self.bar is not None:
             self.bar.update(steps)

@@ -18,32 +18,36 @@ from typing import Protocol
 
 from jaxtrain import storage
 from jaxtrain.errors import ConfigError, fail, require_package
+from jaxtrain.metrics_log import MetricsLog
 from jaxtrain.workdir import TENSORBOARD_DIR, WANDB_RUN_FILE
 
 WANDB_MODES = ("online", "offline", "disabled")
 
 
 class Sink(Protocol):
+    """Also, optionally, flush(): make the rows written so far durable (the loop calls it
+    before each checkpoint save, so a resume finds the rows up to its step)."""
+
     def write(self, step: int, row: dict) -> None: ...
 
     def close(self) -> None: ...
 
 
 class JsonlSink:
-    """WORKDIR/metrics.jsonl: one JSON object per row, floats exactly as Python holds them."""
+    """The run's metrics log (metrics_log.py: WORKDIR/metrics.jsonl, or segments on object
+    storage): one JSON object per row, floats exactly as Python holds them."""
 
     def __init__(self, workdir: pathlib.Path, cfg, start_step: int):
-        # Unbuffered: each row reaches the file in one write, so whoever reads the file of a
-        # live run (`jaxtrain report`, the tests) sees whole rows; a line-buffered text file
-        # could flush a row in two pieces around its buffer. (A row a killed run left half
-        # written is dropped on resume: workdir.keep_metrics_up_to.)
-        self.file = open(workdir / "metrics.jsonl", "ab", buffering=0)
+        self.log = MetricsLog(workdir)
 
     def write(self, step: int, row: dict) -> None:
-        self.file.write((json.dumps({"step": int(step), **row}) + "\n").encode())
+        self.log.write({"step": int(step), **row})
+
+    def flush(self) -> None:
+        self.log.flush()
 
     def close(self) -> None:
-        self.file.close()
+        self.log.close()
 
 
 class TensorBoardSink:

@@ -21,7 +21,8 @@ from jaxtrain.errors import ConfigError
 
 # The layout of WORKDIR.
 CHECKPOINTS = "checkpoints"  # orbax steps (checkpoint.py), manifests beside them
-METRICS_FILE = "metrics.jsonl"  # the logged rows (sinks.py)
+METRICS_FILE = "metrics.jsonl"  # the logged rows on disk (metrics_log.py)
+METRICS_DIR = "metrics"  # ... and on object storage, as segment objects
 CONFIG_FILE = "config.json"  # the config of the run's newest session
 RECORD_FILE = "data.json"  # what the run trains on (data/record.py)
 TOKENIZER_DIR = "tokenizer"  # the data's tokenizer, for generate/eval/export
@@ -143,36 +144,6 @@ def _holder(path: pathlib.Path) -> str:
         return _describe(json.loads(path.read_text() or "{}"))
     except (OSError, ValueError):
         return "another process"
-
-
-def read_metrics(path: pathlib.Path, say=print) -> list[dict]:
-    """The rows of a metrics.jsonl; a partial last line (a run killed mid-write) is dropped
-    with a message, any other bad line is reported by its number and skipped."""
-    if not path.exists():
-        return []
-    rows = []
-    lines = path.read_text().splitlines()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            where = "its last line is partial (a run stopped while writing it)" \
-                if number == len(lines) else f"line {number} is not JSON"
-            say(f"jaxtrain: {path}: {where}; dropped")
-    return rows
-
-
-def keep_metrics_up_to(path: pathlib.Path, step: int, say=print) -> None:
-    """On resume, keep the logged rows up to the checkpoint's step (the resumed run logs the
-    later ones again); a run that starts afresh at step 0 keeps none."""
-    if not path.exists():
-        return
-    rows = [r for r in read_metrics(path, say) if 0 < step and r.get("step", 0) <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.rename(path)
 
 
 def write_config(workdir: pathlib.Path, cfg) -> None:

@@ -19,17 +19,18 @@ import sys
 from jaxtrain import storage
 from jaxtrain.commands.common import fail
 from jaxtrain.errors import ConfigError
+from jaxtrain.metrics_log import location, read_metrics
 from jaxtrain.train.goodput import LOST
-from jaxtrain.workdir import REPORT_FILE, check_local_path, read_metrics
+from jaxtrain.workdir import REPORT_FILE, check_local_path
 
 TASK_PREFIX = "tasks/"
 
 
 def load_rows(workdir: pathlib.Path) -> list[dict]:
-    path = workdir / "metrics.jsonl"
+    path = location(workdir)  # metrics.jsonl, or the segments on object storage
     if not path.exists():
         fail(f"{path} does not exist; is --workdir a jaxtrain run?")
-    return read_metrics(path, say=lambda message: print(message, file=sys.stderr))
+    return read_metrics(workdir, say=lambda message: print(message, file=sys.stderr))
 
 
 def series(rows, key):

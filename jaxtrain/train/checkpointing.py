@@ -190,8 +190,9 @@ class Checkpointer(Hook):
         if step in self.saved[tier]:  # e.g. a stop request right after a periodic save
             return
         self.saved[tier].add(step)
-        self.logger.flush()  # the rows up to this step are written before it is saved
+        self.logger.flush()  # the rows up to this step are written before it is saved,
         with self.logger.outside_steps("checkpoint"):
+            self.logger.writer.flush()  # and stored (object storage: a metrics segment)
             tier.save(step, state.tree(), self.cfg.to_dict())
         self.unjudged.append((tier, step))
 

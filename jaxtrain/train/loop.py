@@ -32,6 +32,7 @@ from jaxtrain.data import record
 from jaxtrain.data.batches import make_batches, to_global
 from jaxtrain.errors import ConfigError
 from jaxtrain.metrics import MetricsWriter, flops_per_token, peak_flops_per_device
+from jaxtrain.metrics_log import keep_metrics_up_to, read_metrics
 from jaxtrain.models.context_attention import computed_scores
 from jaxtrain.parallel.pipeline import microbatches_for_bubble
 from jaxtrain.train.checkpointing import Checkpointer, Restored, Tiers, restore_or_init
@@ -47,13 +48,7 @@ from jaxtrain.train.setup import Setup, build
 from jaxtrain.train.step_log import StepLogger
 from jaxtrain.train.task_eval import TaskEvaluator, load_tasks
 from jaxtrain.train.watchdog import Watchdog
-from jaxtrain.workdir import (
-    WorkdirLock,
-    keep_metrics_up_to,
-    prepare_workdir,
-    read_metrics,
-    write_config,
-)
+from jaxtrain.workdir import WorkdirLock, prepare_workdir, write_config
 
 T = TypeVar("T")
 
@@ -133,7 +128,7 @@ def _session(r: _Run) -> list[dict]:
               f"at or past steps={cfg.steps}; raise --config.steps to train further")
         return []
     if main_process:
-        keep_metrics_up_to(workdir / "metrics.jsonl", start, r.say)
+        keep_metrics_up_to(workdir, start, r.say)
         write_config(workdir, cfg)
     goodput = Goodput(workdir, r.started, start, enabled=main_process)
     goodput.lose("checkpoint", restoring)
@@ -196,7 +191,7 @@ def _first_step_check(r: _Run, state, restored: Restored | None) -> list[FirstSt
 
 def _logged_losses(workdir: pathlib.Path) -> dict[int, float]:
     """{step: loss} of metrics.jsonl, read before a resume drops the rows past its step."""
-    rows = read_metrics(workdir / "metrics.jsonl", say=_quiet)  # keep_metrics_up_to says it
+    rows = read_metrics(workdir, say=_quiet)  # keep_metrics_up_to says it
     return {int(row["step"]): float(row["loss"]) for row in rows
             if "step" in row and isinstance(row.get("loss"), (int, float))}
 
