@@ -113,7 +113,7 @@ class Lease:
                     self._delete_if_unchanged(seen)
             except Exception as e:
                 self.say(f"jaxtrain: could not release the lease {self.path} ({_short(e)}); "
-                         f"the next run takes it over {self.stale_s:.0f}s after its last "
+                         f"the next run takes it over {self.stale_s:g}s after its last "
                          "heartbeat")
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -205,7 +205,7 @@ class Lease:
         when = "unknown" if age is None else f"{age:.0f}s ago"
         return ConfigError(f"--workdir={self.workdir} is in use by {_describe(seen)}, "
                            f"{_age_label(seen)} {when} ({self.path}; taken over after "
-                           f"{self.stale_s:.0f}s without a heartbeat); wait for that run to "
+                           f"{self.stale_s:g}s without a heartbeat); wait for that run to "
                            "end or stop it, or use another --workdir")
 
     # -- the heartbeat ----------------------------------------------------------------

@@ -244,6 +244,18 @@ def test_unreadable_lease_goes_stale_by_its_modification_time(bucket):
         "written Ns ago"]
 
 
+def test_an_empty_lease_is_free(bucket):
+    """An empty .lock is a released local lock (a run directory copied into the bucket); a
+    lease is never empty."""
+    workdir = f"{bucket}/run"
+    _forge(workdir, blob=b"")
+    said = []
+    with Lease(workdir, say=said.append) as lease:
+        assert _content(workdir)["id"] == lease.id
+    assert said == [f"jaxtrain: taking over the lease {workdir}/.lock, which was released (the "
+                    "object is empty)"]
+
+
 def test_missing_bucket_is_one_line(bucket):
     scheme = storage.scheme_of(bucket)
     name = f"jt-missing-{uuid.uuid4().hex[:8]}"
