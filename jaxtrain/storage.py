@@ -24,6 +24,7 @@ import re
 import tempfile
 
 import fsspec
+import fsspec.callbacks
 from etils import epath
 
 from jaxtrain.errors import ConfigError, require_package
@@ -122,16 +123,42 @@ def write_json(path, obj, indent: int | None = None, sort_keys: bool = False,
                  + "\n")
 
 
-def upload_tree(local: pathlib.Path, remote, last: str | None = None) -> int:
+class _Bytes(fsspec.callbacks.Callback):
+    """An fsspec transfer callback that hands each increase of the transferred bytes to
+    `update(n)` (a progress bar's), whichever of its calls the client makes."""
+
+    def __init__(self, update):
+        super().__init__()
+        self.update, self.seen = update, 0
+
+    def call(self, *args, **kwargs) -> None:
+        if self.value > self.seen:
+            self.update(self.value - self.seen)
+            self.seen = self.value
+
+
+def copy_file(fs, source: str, target: str, upload: bool, progress=None) -> None:
+    """fs.put_file (upload) or fs.get_file, reporting bytes to `progress(n)` (all of the
+    file's bytes by its end, however finely the client reports)."""
+    callback = _Bytes(progress or (lambda n: None))
+    (fs.put_file if upload else fs.get_file)(source, target, callback=callback)
+    size = os.path.getsize(source if upload else target)
+    if progress is not None and size > callback.seen:
+        progress(size - callback.seen)
+
+
+def upload_tree(local: pathlib.Path, remote, last: str | None = None, progress=None) -> int:
     """Copies every file under the local directory to the same names under the remote
     prefix, each as one upload (an object is replaced whole), the file named `last` last
     (a marker: whoever sees it sees the rest); returns the number of files. For what is
-    staged on a local disk (TensorBoard events, profiles, a saved tokenizer)."""
+    staged on a local disk (TensorBoard events, profiles, a saved tokenizer, a prepared
+    dataset). `progress(n)` is told each n bytes sent."""
     fs, root = filesystem(remote)
     files = [p for p in sorted(local.rglob("*")) if p.is_file()]
     files.sort(key=lambda p: p.relative_to(local).as_posix() == last)
     for path in files:
-        fs.put_file(str(path), f"{root}/{path.relative_to(local).as_posix()}")
+        copy_file(fs, str(path), f"{root}/{path.relative_to(local).as_posix()}", True,
+                  progress)
     return len(files)
 
 

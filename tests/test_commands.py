@@ -166,11 +166,8 @@ URL_CASES = [
     (["report", "--workdir", "run", "--out", "gs://bucket/r.png"], "--out=gs://bucket/r.png"),
     (["launch", "--processes", "2", "--", "--config", CONFIG, "--workdir=gs://bucket/run"],
      "--workdir=gs://bucket/run"),
-    (["prepare", "gs://bucket/a.jsonl", "--out", "data", "--tokenizer", "bytes"],
-     "input=gs://bucket/a.jsonl"),
-    (["prepare", "a.txt", "--out", "gs://bucket/data", "--tokenizer", "bytes"],
-     "--out=gs://bucket/data"),
-    (["prepare", "--merge", "gs://bucket/data"], "--merge=gs://bucket/data"),
+    (["prepare", "a.txt", "--out", "data", "--tokenizer", "gs://bucket/tokenizer.json"],
+     "--tokenizer=gs://bucket/tokenizer.json"),  # inputs, --out, --merge: test_remote_prepare
 ]
 
 

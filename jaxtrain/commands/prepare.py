@@ -5,6 +5,9 @@
     jaxtrain prepare --hf-dataset NAME --out DIR ...
     jaxtrain prepare INPUT... --out DIR --shard I/N ...   then   jaxtrain prepare --merge DIR
 
+INPUTs, --out DIR and --merge DIR may be gs:// or s3:// URLs: inputs are downloaded to a local
+cache first, and the dataset is prepared on local disk, then uploaded with its manifest last.
+
 INPUTs are files, directories (every file below but hidden ones) or globs (quote them; `**`
 recurses); binary files are left out (--include-hidden, --include-binary take them). The
 format comes from the name (.jsonl/.ndjson/.json[.gz]: JSON Lines, .parquet: Parquet, a
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxtrain import storage
 from jaxtrain.data import merge as merge_lib
 from jaxtrain.data import prepare as prepare_lib
 from jaxtrain.data.stdlib import stdlib_files
@@ -89,10 +93,13 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        # Inputs, --out and --merge may be on object storage (jaxtrain.data.remote); a
+        # --tokenizer file is read where it lies, so local only for now.
         for key, values in (("input", args.inputs), ("--out", [args.out]),
-                            ("--merge", [args.merge]), ("--tokenizer", [args.tokenizer])):
+                            ("--merge", [args.merge])):
             for value in values:
-                check_local_path(value or "", key)
+                storage.check_path(value or "", key)
+        check_local_path(args.tokenizer or "", "--tokenizer")
         if args.merge:
             merge_lib.merge(args.merge)
             return 0
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             max_bad_fraction=args.max_bad_fraction, overwrite=args.overwrite,
             progress=not args.no_progress)
         prepare_lib.prepare(request)
-    except JaxtrainError as e:  # DataError, and ConfigError from check_local_path
+    except JaxtrainError as e:  # DataError, and ConfigError (paths, object-store access)
         print(f"jaxtrain: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,14 +1,18 @@
 """One manifest over the parts of a prepare split across machines (`jaxtrain prepare
---merge OUT` after `--shard i/N` jobs): tokens are not copied, only referenced."""
+--merge OUT` after `--shard i/N` jobs): tokens are not copied, only referenced. OUT may be
+a gs:// or s3:// prefix the parts were uploaded under: the merge then reads the parts'
+manifests and writes the merged one (last, the commit marker) there, and copies nothing
+but the small tokenizer files."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import pathlib
+import re
 
+from jaxtrain import storage
 from jaxtrain.data import dataset as fmt
-from jaxtrain.data import readers
+from jaxtrain.data import readers, remote
 from jaxtrain.data import tokenizers as tokenizers_lib
 from jaxtrain.data.prepare import say, write_json
 from jaxtrain.errors import DataError
@@ -17,21 +21,23 @@ from jaxtrain.errors import DataError
 def merge(directory) -> dict:
     """One manifest over OUT/part-*-of-N (each a finished `--shard i/N` prepare): tokens are
     not copied; the parts must agree on tokenizer, policy and dtype."""
-    directory = pathlib.Path(directory).expanduser()
-    parts = sorted(p for p in directory.glob("part-*-of-*") if p.is_dir()
-                   and not p.name.endswith(fmt.PARTIAL_SUFFIX))
+    directory = storage.as_path(directory, "--merge")
+    with remote.errors("--merge", directory):
+        return _merge(directory)
+
+
+def _merge(directory) -> dict:
+    parts = _part_names(directory)
     if not parts:
         raise DataError(f"--merge={directory}: no part-I-of-N directories in it")
-    total = int(parts[0].name.rsplit("-", 1)[1])
-    names = {p.name for p in parts}
-    missing = [f"part-{i:05d}-of-{total:05d}" for i in range(total)
-               if f"part-{i:05d}-of-{total:05d}" not in names
-               or not (directory / f"part-{i:05d}-of-{total:05d}" / fmt.MANIFEST).is_file()]
+    total = int(parts[0].rsplit("-", 1)[1])
+    read = {f"part-{i:05d}-of-{total:05d}": _part_manifest(directory, i, total)
+            for i in range(total)}
+    missing = [name for name, manifest in read.items() if manifest is None]
     if missing:
         raise DataError(f"--merge={directory}: {len(missing)} of {total} parts are not finished "
                         f"(first: {missing[0]}); run their prepare first")
-    manifests = [json.loads((directory / f"part-{i:05d}-of-{total:05d}" / fmt.MANIFEST)
-                            .read_text()) for i in range(total)]
+    manifests = list(read.values())
     _check_parts(manifests)
     if not sum(m["num_documents"] for m in manifests):
         raise DataError(f"--merge={directory}: the inputs hold no documents (every part is "
@@ -54,12 +60,52 @@ def merge(directory) -> dict:
               "shards": shards,
               "report": _merge_reports([m["report"] for m in manifests]),
               "parts": total}
-    tokenizers_lib.copy_saved(directory / parts[0].name / fmt.TOKENIZER_DIR,
-                              directory / fmt.TOKENIZER_DIR)
+    _copy_tokenizer(directory / next(iter(read)) / fmt.TOKENIZER_DIR,
+                    directory / fmt.TOKENIZER_DIR)
     write_json(directory / fmt.MANIFEST, merged)
     say(f"jaxtrain: merged {total} parts into {directory} ({merged['num_documents']:,} "
         f"documents, {merged['num_tokens']:,} tokens)")
     return merged
+
+
+def _part_names(directory) -> list[str]:
+    """The names of the part directories (prefixes) in `directory`, sorted."""
+    if not storage.is_remote(directory):
+        return sorted(p.name for p in directory.glob("part-*-of-*") if p.is_dir()
+                      and not p.name.endswith(fmt.PARTIAL_SUFFIX))
+    fs, root = storage.filesystem(directory)
+    fs.invalidate_cache()  # the parts were uploaded by other processes
+    try:
+        names = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        if not fs.exists(root.split("/", 1)[0]):
+            raise  # the bucket: storage.user_error's line
+        return []
+    return sorted(n.rstrip("/").rsplit("/", 1)[-1] for n in names
+                  if re.fullmatch(r"part-\d+-of-\d+", n.rstrip("/").rsplit("/", 1)[-1]))
+
+
+def _part_manifest(directory, i: int, total: int) -> dict | None:
+    """Part i's manifest, or None while the part is not finished (no manifest yet)."""
+    path = directory / f"part-{i:05d}-of-{total:05d}" / fmt.MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _copy_tokenizer(source, target) -> None:
+    """The first part's tokenizer as the dataset's: on object storage copied object by
+    object within the store (its meta file last, so a partial copy is not a tokenizer)."""
+    if not storage.is_remote(source):
+        tokenizers_lib.copy_saved(source, target)
+        return
+    fs, src = storage.filesystem(source)
+    dst = storage.filesystem(target)[1]
+    names = sorted(n[len(src):].lstrip("/") for n in fs.find(src))
+    names.sort(key=lambda n: n == tokenizers_lib.META_FILE)
+    for name in names:
+        fs.copy(f"{src}/{name}", f"{dst}/{name}")
 
 
 def _check_parts(manifests: list[dict]) -> None:

@@ -21,6 +21,9 @@ How it keeps its promises:
   one manifest over the parts' shards without copying tokens, with the fingerprint of a
   one-machine prepare (dataset.content_fingerprint). The staged shards themselves are
   jaxtrain.data.shards.
+- On object storage (gs://, s3://): inputs are downloaded to a local cache, and an --out URL
+  is prepared into a local stand-in as above, then uploaded with the manifest last, the
+  commit marker (jaxtrain.data.remote).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from tqdm import tqdm
 
 from jaxtrain import storage
 from jaxtrain.data import dataset as fmt
-from jaxtrain.data import readers, workers
+from jaxtrain.data import readers, remote, workers
 from jaxtrain.data import tokenizers as tokenizers_lib
 from jaxtrain.data.shards import Report, ShardWriter, UnitResult, committed
 from jaxtrain.errors import DataError
@@ -90,11 +93,20 @@ class Plan:
     inputs: list[readers.Input]
     units: list[readers.Unit]
     options: readers.Options
-    out: pathlib.Path  # the dataset directory this prepare completes
+    out: pathlib.Path  # the dataset directory this prepare completes (or its URL)
     identity: dict  # what the output depends on; its hash names the plan
     streamed: bool = False
     tokenizer: tokenizers_lib.Tokenizer | None = None  # given (None: to be trained)
     skipped: dict = dataclasses.field(default_factory=dict)  # files left out (discover)
+    # {local cache folder: the gs:// or s3:// URL it holds a copy of} (remote.fetch_inputs)
+    shown: dict = dataclasses.field(default_factory=dict)
+
+    def name(self, path: str) -> str:
+        """An input's name in the manifest: its URL when it was fetched from one."""
+        for local, url in self.shown.items():
+            if path == local or path.startswith(local + "/"):
+                return url + path[len(local):]
+        return path
 
     @property
     def line_starts(self) -> dict[int, int]:
@@ -145,14 +157,15 @@ def _check_request(r: Request) -> None:
 def make_plan(r: Request) -> Plan:
     _check_request(r)
     options = readers.Options(field=r.field, text_unit=r.text_unit, split=r.split)
-    out = pathlib.Path(r.out).expanduser()
-    streamed, skipped = False, {}
+    out = storage.as_path(r.out, "--out")
+    streamed, skipped, shown = False, {}, {}
     if r.hf_dataset is not None and not readers.is_hf_saved(pathlib.Path(r.hf_dataset)):
         inputs = [readers.Input(r.hf_dataset, "hf-stream", 0)]
         streamed = True
     else:
-        inputs, skipped = readers.discover(r.inputs or [r.hf_dataset], r.format,
-                                           r.include_hidden, r.include_binary)
+        patterns, shown = remote.fetch_inputs(r.inputs or [r.hf_dataset], r.progress)
+        inputs, skipped = readers.discover(patterns, r.format, r.include_hidden,
+                                           r.include_binary)
         if r.shard is not None and r.shard[0] != 0:
             skipped = {}  # every part finds the same ones: part 0 reports them, once
     readers.require_packages(inputs)
@@ -164,9 +177,10 @@ def make_plan(r: Request) -> Plan:
         span = readers.part_span(inputs, i, n)
         out = out / f"part-{i:05d}-of-{n:05d}"
     units = [] if streamed else readers.plan_units(inputs, options, r.unit_bytes, span)
+    plan = Plan(inputs, units, options, out, {}, streamed, None, skipped, shown)
     identity = {
         "format": fmt.FORMAT,
-        "inputs": [[item.path, item.format, item.size] for item in inputs],
+        "inputs": [[plan.name(item.path), item.format, item.size] for item in inputs],
         "hf": [r.hf_config, r.split] if r.hf_dataset else None,
         "field": r.field, "text_unit": r.text_unit, "bos": r.bos, "eos": r.eos,
         "tokens_per_file": r.tokens_per_file, "unit_bytes": r.unit_bytes,
@@ -178,7 +192,7 @@ def make_plan(r: Request) -> Plan:
     else:  # what the tokenizer is, not where: a changed file at the same path is a new plan
         tokenizer = tokenizers_lib.load_tokenizer(r.tokenizer)
         identity["tokenizer"] = {"fingerprint": tokenizer.fingerprint()}
-    return Plan(inputs, units, options, out, identity, streamed, tokenizer, skipped)
+    return dataclasses.replace(plan, identity=identity, tokenizer=tokenizer)
 
 
 # --- the report ----------------------------------------------------------------------------
@@ -398,14 +412,23 @@ def _manifest(plan: Plan, tokenizer, special: dict, dtype: str, shards: list[dic
         "text_bytes": report.totals["text_bytes"],
         "tokenizer": tokenizer.meta(),
         "policy": {**policy, "bos_id": special["bos"], "eos_id": special["eos"]},
-        "sources": [{"path": item.path, "format": item.format, "bytes": item.size}
+        "sources": [{"path": plan.name(item.path), "format": item.format, "bytes": item.size}
                     for item in plan.inputs],
         "options": {"field": request.field, "text_unit": request.text_unit,
                     "hf_config": request.hf_config, "split": request.split},
         "shards": entries,
-        "report": report.to_json(),
+        "report": _named(report.to_json(), plan),
         **({"part": list(request.shard)} if request.shard else {}),
     }
+
+
+def _named(report: dict, plan: Plan) -> dict:
+    """The report with the places it names in fetched inputs named by their URLs."""
+    if not plan.shown:
+        return report
+    for value in [*report["skipped"].values(), report["invalid_utf8_replaced"]]:
+        value["first"] = [plan.name(where) for where in value["first"]]
+    return report
 
 
 def write_json(path: pathlib.Path, value: dict) -> None:
@@ -424,19 +447,30 @@ def _publish(staging: pathlib.Path, out: pathlib.Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _check_out(out: pathlib.Path, overwrite: bool, plan: Plan) -> dict | None:
+def _check_out(out, overwrite: bool, plan: Plan) -> dict | None:
     """The existing manifest when OUT already holds this very dataset, else None (also with
     `overwrite`); refuses to replace a directory that is not a prepared dataset, and,
-    without `overwrite`, a dataset prepared from other inputs or options."""
-    if not out.exists():
-        return None
+    without `overwrite`, a dataset prepared from other inputs or options. On object
+    storage, a prefix without the manifest that holds only what a prepare writes is an
+    interrupted upload (None)."""
     manifest = out / fmt.MANIFEST
-    if not manifest.is_file():
+    if storage.is_remote(out):
+        names = remote.listing(out, "--out")
+        if fmt.MANIFEST not in names:
+            if remote.foreign(names) is not None:
+                raise DataError(f"--out={out} holds objects that are not a prepared dataset "
+                                f"(first: {remote.foreign(names)}); choose another --out "
+                                "(nothing there is replaced)")
+            return None
+    elif not out.exists():
+        return None
+    elif not manifest.is_file():
         raise DataError(f"--out={out} exists and is not a prepared dataset; choose another "
                         "--out (nothing there is replaced)")
     if overwrite:
         return None
-    existing = json.loads(manifest.read_text())
+    with remote.errors("--out", out):
+        existing = json.loads(manifest.read_text())
     if existing.get("plan_id") == plan.plan_id:
         return existing
     raise DataError(f"--out={out} already holds a dataset prepared from "
@@ -448,11 +482,13 @@ def _made_from(existing: dict, plan: Plan) -> str:
     """What the dataset at OUT was made from, said against this plan."""
     sources = existing.get("sources", [])
     fingerprint = f"fingerprint {str(existing.get('fingerprint'))[:12]}"
-    if [[s["path"], s["bytes"]] for s in sources] == [[i.path, i.size] for i in plan.inputs]:
+    ours = [plan.name(i.path) for i in plan.inputs]
+    if [[s["path"], s["bytes"]] for s in sources] == [[p, i.size] for p, i in
+                                                       zip(ours, plan.inputs)]:
         return f"these inputs with other options or another tokenizer ({fingerprint})"
     paths = [s["path"] for s in sources]
     named = ", ".join(paths[:2]) + (f" and {len(paths) - 2:,} more" if len(paths) > 2 else "")
-    changed = ", whose sizes have changed since" if paths == [i.path for i in plan.inputs] else ""
+    changed = ", whose sizes have changed since" if paths == ours else ""
     return f"other inputs ({named or 'none'}{changed}; {fingerprint})"
 
 
@@ -466,6 +502,39 @@ def prepare(request: Request) -> dict:
         say(f"jaxtrain: {plan.out} is already prepared from these inputs and options "
             "(--overwrite to prepare it again)")
         return existing
+    if storage.is_remote(plan.out):
+        manifest = _prepare_remote(plan, request)
+    else:
+        manifest = _prepare_here(plan, request)
+    say(f"jaxtrain: wrote {plan.out} ({manifest['num_documents']:,} documents, "
+        f"{manifest['num_tokens']:,} tokens, {len(manifest['shards'])} shard(s), fingerprint "
+        f"{manifest['fingerprint'][:12]})")
+    return manifest
+
+
+def _prepare_remote(plan: Plan, request: Request) -> dict:
+    """Prepares into a local directory standing in for the remote --out, then uploads it
+    (jaxtrain.data.remote); one finished there by an earlier run is uploaded as it is."""
+    remote.check_writable(plan.out, "--out")
+    scratch = storage.scratch_dir(plan.out, "prepare")
+    local = scratch / "dataset"
+    manifest = None
+    if (local / fmt.MANIFEST).is_file() and not request.overwrite:
+        manifest = json.loads((local / fmt.MANIFEST).read_text())
+        if manifest.get("plan_id") == plan.plan_id:
+            say(f"jaxtrain: {local} holds this dataset, prepared; uploading it")
+        else:
+            manifest = None
+    if manifest is None:
+        shutil.rmtree(local, ignore_errors=True)  # another dataset: a local stand-in only
+        manifest = _prepare_here(dataclasses.replace(plan, out=local), request)
+    remote.publish(local, plan.out, "--out", request.progress)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return manifest
+
+
+def _prepare_here(plan: Plan, request: Request) -> dict:
+    """Prepares (or resumes) the plan into its local OUT.partial, then puts it at OUT."""
     staging = plan.staging
     plan_file = staging / "plan.json"
     if staging.exists() and (not plan_file.is_file()
@@ -499,9 +568,6 @@ def prepare(request: Request) -> dict:
         if error is not None:
             raise error from None
         raise
-    say(f"jaxtrain: wrote {plan.out} ({manifest['num_documents']:,} documents, "
-        f"{manifest['num_tokens']:,} tokens, {len(shards)} shard(s), fingerprint "
-        f"{manifest['fingerprint'][:12]})")
     return manifest
 
 
@@ -529,6 +595,8 @@ def _note_failure(staging: pathlib.Path, e: Exception) -> None:
 
 def _tokenizer_only(plan: Plan, request: Request) -> dict:
     out = plan.out
+    if storage.is_remote(out):
+        return _tokenizer_only_remote(plan, request)
     if out.exists() and tokenizers_lib.read_meta(out) is None and any(out.iterdir()):
         raise DataError(f"--out={out} exists and is not a tokenizer directory; choose another")
     tmp = out.with_name(out.name + fmt.PARTIAL_SUFFIX)
@@ -536,6 +604,23 @@ def _tokenizer_only(plan: Plan, request: Request) -> dict:
     tokenizer = _tokenizer(plan, request, tmp)
     _publish(tmp, out)
     say(f"jaxtrain: wrote {tokenizer.describe()} to {out}")
+    return tokenizer.meta()
+
+
+def _tokenizer_only_remote(plan: Plan, request: Request) -> dict:
+    """The tokenizer trained in local scratch, then uploaded (its meta file last)."""
+    names = remote.listing(plan.out, "--out")
+    if names and tokenizers_lib.META_FILE not in names and remote.foreign(names) is not None:
+        raise DataError(f"--out={plan.out} holds objects that are not a tokenizer (first: "
+                        f"{remote.foreign(names)}); choose another --out")
+    remote.check_writable(plan.out, "--out")
+    scratch = storage.scratch_dir(plan.out, "tokenizer")
+    shutil.rmtree(scratch / "tokenizer", ignore_errors=True)  # trained again, as locally
+    tokenizer = _tokenizer(plan, request, scratch / "tokenizer")
+    remote.publish(scratch / "tokenizer", plan.out, "--out", request.progress,
+                   last=tokenizers_lib.META_FILE)
+    shutil.rmtree(scratch, ignore_errors=True)
+    say(f"jaxtrain: wrote {tokenizer.describe()} to {plan.out}")
     return tokenizer.meta()
 
 

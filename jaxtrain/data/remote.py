@@ -1,0 +1,181 @@
+"""Object storage for `jaxtrain prepare`: inputs copied into a local cache, and a dataset
+prepared on local disk, then published under a gs:// or s3:// prefix.
+
+Object stores have no rename, so the last step of a local prepare (OUT.partial replaces OUT)
+becomes an upload whose last object is manifest.json, the commit marker: a prefix without it
+is not a dataset (jaxtrain.data.dataset), and a reader that sees it sees every shard. All
+before the upload is a local prepare, resumable as one, in a staging directory on this
+host's scratch disk (storage.scratch_dir); a prepare killed during its upload leaves the
+finished dataset there, and the same command uploads it again. An old dataset under the
+prefix loses its manifest before anything else of it goes, so no reader ever sees an old
+manifest over new shards.
+
+Inputs on object storage are downloaded whole into the cache, each object once while it
+stays the same (size and modification time), then read as local files; the manifest names
+them by their URLs, so every machine of a `--shard` prepare describes the same inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import pathlib
+import re
+import socket
+import sys
+
+from tqdm import tqdm
+
+from jaxtrain import storage
+from jaxtrain.data import dataset as fmt
+from jaxtrain.errors import DataError, JaxtrainError
+
+# What a prepare (or a merge, or a tokenizer-only prepare) writes under its --out: a prefix
+# holding only these is a dataset, or one whose upload was interrupted; anything else is
+# someone's other data, never replaced.
+_OURS = re.compile(r"(manifest\.json|tokenizer/.+|tokens-\d+\.bin|docs-\d+\.npy"
+                   r"|shard-\d+\.json|part-\d+-of-\d+/.+|\.write_test_.+"
+                   r"|jaxtrain_tokenizer\.json|tokenizer\.(json|model|tiktoken))")
+
+
+@contextlib.contextmanager
+def errors(key: str, value, after: str = ""):
+    """Turns an object store's exception into one line: storage.user_error's for what the
+    user must fix (credentials, bucket, permission), else the client's first line."""
+    try:
+        yield
+    except JaxtrainError:
+        raise
+    except Exception as e:  # noqa: BLE001 - each client raises its own
+        raise storage.user_error(e, key, value) or DataError(
+            f"{key}={value}: {storage.first_line(e)}{after}") from None
+
+
+def listing(remote, key: str) -> dict[str, int]:
+    """{name below the prefix: size} of every object under it (fresh, not fsspec's cached
+    listing: another machine may have written since)."""
+    fs, root = storage.filesystem(remote)
+    with errors(key, remote):
+        fs.invalidate_cache()
+        found = fs.find(root, detail=True)
+    return {name[len(root):].lstrip("/"): info.get("size", 0) for name, info in found.items()
+            if name[len(root):].lstrip("/")}
+
+
+def foreign(names) -> str | None:
+    """The first of `names` that no prepare writes, or None."""
+    return next((n for n in sorted(names) if not _OURS.fullmatch(n)), None)
+
+
+def check_writable(remote, key: str) -> None:
+    """A one-line error now, before the prepare, rather than after hours of it: writes and
+    deletes an empty object under the prefix."""
+    probe = remote / f".write_test_{socket.gethostname()}_{os.getpid()}"
+    with errors(key, remote, " (writing a test object)"):
+        probe.write_bytes(b"")
+        probe.unlink()
+
+
+def _bar(total: int, what: str, enabled: bool) -> tqdm:
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=what,
+                disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+def publish(local: pathlib.Path, remote, key: str, progress: bool,
+            last: str = fmt.MANIFEST) -> None:
+    """Uploads the finished directory `local` under the prefix `remote`, `last` (the commit
+    marker) last. What the prefix held goes first: its marker, then the objects the new
+    upload does not replace."""
+    fs, root = storage.filesystem(remote)
+    ours = {p.relative_to(local).as_posix(): p.stat().st_size for p in local.rglob("*")
+            if p.is_file()}
+    old = listing(remote, key)
+    with errors(key, remote, f"; the prepared data stays in {local}: run the same command "
+                "again to upload it"):
+        if last in old:
+            fs.rm_file(f"{root}/{last}")
+        stale = [f"{root}/{name}" for name in old if name not in ours and name != last]
+        if stale:
+            fs.rm(stale)
+        with _bar(sum(ours.values()), "upload", progress) as bar:
+            storage.upload_tree(local, remote, last=last, progress=bar.update)
+
+
+# --- inputs --------------------------------------------------------------------------------
+
+def fetch_inputs(patterns: list[str], progress: bool) -> tuple[list[str], dict[str, str]]:
+    """The input patterns with each gs:// or s3:// one (an object, a prefix, or a glob)
+    replaced by its copy in the local cache, and {cache folder: the URL it stands for}."""
+    local, shown = [], {}
+    for pattern in patterns:
+        if not storage.is_remote(pattern):
+            local.append(pattern)
+            continue
+        storage.check_path(pattern, "input")
+        base, fs, objects = _objects(pattern)
+        files = storage.scratch_dir(pattern, "input") / "files"
+        with errors("input", pattern):
+            _sync(fs, objects, files, progress)
+        rest = pattern.rstrip("/")[len(base):].lstrip("/")
+        local.append(str(files / rest) if rest else str(files))
+        shown[str(files)] = base
+    return local, shown
+
+
+def _objects(pattern: str):
+    """(the URL the input's names are relative to, its filesystem, {name below it: (object,
+    info)})."""
+    scheme = storage.scheme_of(pattern)
+    fs, path = storage.filesystem(pattern)
+    path = path.rstrip("/")
+    with errors("input", pattern):
+        fs.invalidate_cache()
+        if glob.has_magic(path):
+            parts = path.split("/")
+            base = "/".join(parts[:next(k for k, p in enumerate(parts) if glob.has_magic(p))])
+            found = fs.glob(path, detail=True)
+        elif fs.isfile(path):
+            base, found = path.rsplit("/", 1)[0], {path: fs.info(path)}
+        else:
+            base, found = path, fs.find(path, detail=True)
+    found = {name: info for name, info in found.items() if info.get("type") != "directory"}
+    if not found:
+        raise DataError(f"input {pattern}: no such object, or no object matches it")
+    return (f"{scheme}://{base}", fs,
+            {name[len(base):].lstrip("/"): (name, info) for name, info in found.items()})
+
+
+def _mtime_ns(info: dict) -> int | None:
+    """The object's modification time (S3 LastModified, GCS updated), in whole
+    microseconds as nanoseconds: what the cached copy's mtime is set to."""
+    when = info.get("LastModified") or info.get("mtime")
+    return None if when is None else round(when.timestamp() * 1e6) * 1000
+
+
+def _sync(fs, objects: dict[str, tuple[str, dict]], files: pathlib.Path,
+          progress: bool) -> None:
+    """Makes `files` hold exactly the objects: each downloaded unless its copy there has
+    its size and modification time; files of objects no longer there go."""
+    for path in [p for p in files.rglob("*") if p.is_file()] if files.exists() else []:
+        if path.relative_to(files).as_posix() not in objects:
+            path.unlink()
+    todo = []
+    for name, (obj, info) in sorted(objects.items()):
+        target, mtime = files / name, _mtime_ns(info)
+        if not (mtime is not None and target.is_file() and target.stat().st_size ==
+                info.get("size") and target.stat().st_mtime_ns == mtime):
+            todo.append((name, obj, mtime, info.get("size") or 0))
+    if not todo:
+        return
+    # Outside `files` (a killed download is never an input), and one per process: the parts
+    # of a --shard prepare on one machine share the cache.
+    tmp = files.parent / f"download-{os.getpid()}.tmp"
+    with _bar(sum(size for *_, size in todo), "download", progress) as bar:
+        for name, obj, mtime, _ in todo:
+            target = files / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            storage.copy_file(fs, obj, str(tmp), False, bar.update)
+            os.replace(tmp, target)
+            if mtime is not None:
+                os.utime(target, ns=(mtime, mtime))
