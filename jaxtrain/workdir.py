@@ -18,6 +18,7 @@ import sys
 
 from jaxtrain import storage
 from jaxtrain.errors import ConfigError
+from jaxtrain.lease import Lease
 
 # The layout of WORKDIR.
 CHECKPOINTS = "checkpoints"  # orbax steps (checkpoint.py), manifests beside them
@@ -67,6 +68,11 @@ def prepare_workdir(workdir) -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"--workdir={workdir} is not writable: {e.strerror}") from None
+
+
+def workdir_lock(workdir, say=print):
+    """The lock of a run directory: flock on disk, a lease object on object storage."""
+    return Lease(workdir, say) if storage.is_remote(workdir) else WorkdirLock(workdir, say)
 
 
 class WorkdirLock:

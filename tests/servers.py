@@ -10,8 +10,10 @@ AWS_ENDPOINT_URL for boto3/s3fs, STORAGE_EMULATOR_HOST for gcsfs.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +21,16 @@ import tempfile
 import threading
 import time
 import uuid
+
+
+def _die_with_parent() -> None:
+    """In the server's process before it execs: killed with the test process however that
+    ends (a timeout's SIGKILL included), so no server outlives its tests (Linux prctl)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere: atexit's stop() only
 
 
 def free_port() -> int:
@@ -147,7 +159,8 @@ class S3Server(_Server):
     def _start(self) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
                                  "-p", str(self.port)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                preexec_fn=_die_with_parent)
 
     def env(self) -> dict[str, str]:
         return {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.proxy.port}",
@@ -173,7 +186,8 @@ class GcsServer(_Server):
                                  "-backend", "filesystem", "-filesystem-root", self.root,
                                  "-host", "127.0.0.1", "-port", str(self.port),
                                  "-external-url", url],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                preexec_fn=_die_with_parent)
 
     def env(self) -> dict[str, str]:
         # gcsfs's hierarchical-namespace probe is not served by the emulator.

@@ -48,7 +48,7 @@ from jaxtrain.train.setup import Setup, build
 from jaxtrain.train.step_log import StepLogger
 from jaxtrain.train.task_eval import TaskEvaluator, load_tasks
 from jaxtrain.train.watchdog import Watchdog
-from jaxtrain.workdir import WorkdirLock, prepare_workdir, write_config
+from jaxtrain.workdir import prepare_workdir, workdir_lock, write_config
 
 T = TypeVar("T")
 
@@ -243,7 +243,7 @@ def _steps(setup: Setup, state, train_step, data, start: int, hooks, logger: Ste
 def _locked(workdir: pathlib.Path, main_process: bool, say):
     """The workdir's lock, taken by process 0 for the whole job; every process learns
     whether it got it, so that a refused job stops everywhere with one message."""
-    lock = WorkdirLock(workdir, say)
+    lock = workdir_lock(workdir, say)
     problem = None
     if main_process:
         try:
