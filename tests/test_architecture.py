@@ -16,7 +16,7 @@ LAYERS = [
     ("mesh",),
     ("parallel",),
     ("models",),
-    ("data", "optim", "checkpoint", "workdir", "metrics", "sinks", "tasks"),
+    ("data", "optim", "checkpoint", "checkpoint_mirror", "workdir", "metrics", "sinks", "tasks"),
     ("config",),
     ("train.state", "train.step", "train.setup", "train.faults", "train.hooks",
      "train.profiling", "train.preemption", "train.goodput", "train.watchdog"),
