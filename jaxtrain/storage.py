@@ -136,10 +136,13 @@ def user_error(error: BaseException, key: str, value) -> ConfigError | None:
         return ConfigError(f"{key}={value}: no credentials for {scheme_of(value)}:// (set "
                            "them up as the client expects: gcloud auth application-default "
                            "login, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or ~/.aws)")
-    if isinstance(error, PermissionError) or "AccessDenied" in text or "403" in text:
+    # Not a bare "403": a lost connection's message may hold a URL with 403 in a name.
+    if isinstance(error, PermissionError) or any(
+            sign in text for sign in ("AccessDenied", "(403)", "Forbidden")):
         return ConfigError(f"{key}={value}: no permission to write to bucket {bucket}")
-    if "NoSuchBucket" in text or (isinstance(error, FileNotFoundError)
-                                  and bucket in str(error)):
+    # s3fs says "The specified bucket does not exist" without naming it.
+    if "NoSuchBucket" in text or "specified bucket does not exist" in text or (
+            isinstance(error, FileNotFoundError) and bucket in str(error)):
         return ConfigError(f"{key}={value}: bucket {bucket} does not exist")
     return None
 
