@@ -169,6 +169,21 @@ def test_a_damaged_remote_step_falls_back_and_is_set_aside_in_the_bucket(
         assert [p for p in objects if p.startswith(f"checkpoints_damaged/{step}-")]
     fresh.close()
 
+    # Back on host a: its copies of the steps set aside are dropped, and a bad copy of step 1
+    # on its disk is replaced by the bucket's, not taken for damage of the step.
+    _on_host(monkeypatch, tmp_path, "a")
+    staged = storage.scratch_dir(storage.as_path(f"{bucket}/run") / "checkpoints",
+                                 "checkpoints")
+    local_file = max((p for p in (staged / "1").rglob("*") if p.is_file()),
+                     key=lambda p: p.stat().st_size)
+    local_file.write_bytes(b"\0" * local_file.stat().st_size)
+    lines.clear()
+    again = _open(bucket, lines)
+    assert sorted(p.name for p in staged.iterdir()) == ["1"]
+    assert _restored_step(again) == 1 and lines == []
+    assert _objects(bucket) == objects
+    again.close()
+
 
 def test_rotation_and_health_marks_reach_the_bucket(bucket, tmp_path, monkeypatch):
     _on_host(monkeypatch, tmp_path, "a")
@@ -198,7 +213,8 @@ def test_an_outage_during_an_upload_is_retried_and_the_upload_completes(
     deadline = time.monotonic() + 30
     while not checkpoints._manifest_path(1).exists() and time.monotonic() < deadline:
         time.sleep(0.01)  # committed here: the upload starts now
-    time.sleep(0.2)
+    time.sleep(0.05)
+    assert checkpoints.mirror.puts == 0, "the outage comes before the upload is done"
     server.proxy.down()
     threading.Timer(1.0, server.proxy.up).start()
     checkpoints.wait()
@@ -232,8 +248,17 @@ def test_a_server_down_for_good_says_so_in_one_line_and_keeps_the_previous_step(
     _on_host(monkeypatch, tmp_path, "b")
     fresh = _open(bucket)
     assert fresh.steps() == [1]
+    server.proxy.down()  # a restore that cannot download: one line, nothing set aside
+    try:
+        with pytest.raises(CheckpointError, match=r"download of step 1 failed .*retried for "
+                                                  r"1 s$"):
+            _restored_step(fresh)
+    finally:
+        server.proxy.up()
+    assert fresh.steps() == [1]
     assert _restored_step(fresh) == 1
     fresh.close()
+    assert not [p for p in _objects(bucket) if p.startswith("checkpoints_damaged")]
 
     _save(checkpoints, 3)  # host a goes on: the next save uploads step 2 too
     assert [p for p in _objects(bucket) if p.startswith("checkpoint_manifests/")] == [
