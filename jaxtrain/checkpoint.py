@@ -18,6 +18,12 @@ restore checks the arrays it read against, with or without a manifest, and on an
 Rotation is ours, not orbax's: `keep` counts only checkpoints known to be healthy (the run
 was training normally at or after that step: finite loss, no skipped step), so a checkpoint
 of a broken state never pushes the last good one out.
+
+A directory on object storage (gs://, s3://) is staged: orbax writes and reads a local
+directory and each committed step is mirrored to the bucket, its manifest object last as the
+commit marker (jaxtrain/checkpoint_mirror.py says why and how). Its steps are those on this
+host's disk and those in the bucket with a manifest; a step only in the bucket is downloaded
+and checked against its manifest before orbax restores it.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ import concurrent.futures
 import contextlib
 import functools
 import json
+import os
 import pathlib
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -42,7 +50,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.errors import CheckpointError
+from jaxtrain import storage
+from jaxtrain.checkpoint_mirror import Mirror, Unreachable, first_line
+from jaxtrain.errors import CheckpointError, JaxtrainError
 
 __all__ = ["CheckpointError", "Checkpoints", "file_checksum"]
 
@@ -118,20 +128,34 @@ def _quiet(read_only: bool):
 class Checkpoints:
     """One directory of checkpoints (a tier) with its manifests beside it."""
 
-    def __init__(self, directory: pathlib.Path, keep: int, keep_period: int = 0,
-                 log: Callable[[str], None] = print, manifests: pathlib.Path | None = None,
+    def __init__(self, directory, keep: int, keep_period: int = 0,
+                 log: Callable[[str], None] = print, manifests=None,
                  on_commit: Callable[[int], None] | None = None, read_only: bool = False):
-        """on_commit(step) is called (on a background thread) once a step is on disk with
-        its manifest. read_only: for reading a run that may be training right now (eval,
-        generate, export): nothing is created, cleaned up or deleted."""
-        self.directory = pathlib.Path(directory).absolute()
+        """directory: a local path, or a gs:// or s3:// epath.Path (staged, see the module
+        docstring). on_commit(step) is called (on a background thread) once a step is on
+        disk with its manifest (in the bucket, for a remote directory). read_only: for
+        reading a run that may be training right now (eval, generate, export): nothing is
+        created, cleaned up or deleted (a remote one downloads what it restores into a
+        cache of its own)."""
         self.on_commit = on_commit
-        self.manifests = (manifests or self.directory.parent / "checkpoint_manifests").absolute()
         self.keep, self.keep_period, self.log = keep, keep_period, log
         # Process 0 writes manifests and moves damaged steps; a reader writes nothing.
         self.primary = jax.process_index() == 0 and not read_only
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "jaxtrain-manifest")
         self._lock = threading.Lock()
+        self.mirror: Mirror | None = None
+        self._remote: set[int] = set()  # steps in the bucket with their manifest
+        self._remote_manifests: dict[int, dict] = {}
+        self._unuploaded: set[int] = set()  # committed here, not yet sent to the bucket
+        self._failed: set[int] = set()  # their upload ran out of retries: the next save's
+        self._failure: JaxtrainError | None = None  # a user error met on the background thread
+        if storage.is_remote(directory):
+            self._stage(directory, manifests, read_only)
+        else:
+            self.directory = pathlib.Path(directory).absolute()
+            self.staging = self.directory  # where orbax writes
+            self.manifests = pathlib.Path(
+                manifests or self.directory.parent / "checkpoint_manifests").absolute()
         options = ocp.CheckpointManagerOptions(
             # A reader's options are the ones orbax would force for read_only anyway, so it
             # has nothing to warn about on the one-line error paths of generate/eval.
@@ -142,13 +166,50 @@ class Checkpoints:
             async_options=ocp.options.AsyncOptions(
                 post_finalization_callback=self._committed_async))
         with _quiet(read_only):
-            self.manager = ocp.CheckpointManager(self.directory, options=options,
+            self.manager = ocp.CheckpointManager(self.staging, options=options,
                                                  item_names=("state", "config", "sums"))
         self.healthy = {s for s in self.steps() if self._manifest(s).get("healthy")}
         self._manifested = set(self.steps())  # committed before this run
+        if self._unuploaded:
+            self._executor.submit(self._upload_pending)
+
+    def _stage(self, directory, manifests, read_only: bool) -> None:
+        """Sets up a remote directory: the bucket's committed steps, incomplete uploads
+        deleted, this host's staged copies reconciled with the bucket."""
+        if jax.process_count() > 1:
+            raise CheckpointError(
+                f"checkpoints in {directory}: a job of {jax.process_count()} processes cannot "
+                "checkpoint to object storage yet (one process can); give --workdir a local "
+                "directory every process shares")
+        self.directory = directory
+        self.mirror = Mirror(directory, manifests or directory.parent / "checkpoint_manifests")
+        # A reader (eval, generate on the training host) caches apart from the run.
+        tag = "-read" if read_only else ""
+        self.staging = storage.scratch_dir(directory, "checkpoints" + tag)
+        self.manifests = storage.scratch_dir(directory, "checkpoint_manifests" + tag)
+        self._downloads = storage.scratch_dir(directory, "checkpoint_downloads" + tag)
+        self._remote, present = self.mirror.listing()
+        if self.primary:  # the run holds the workdir: nobody else uses its staging
+            for name in os.listdir(self._downloads):  # left by a kill during a download
+                shutil.rmtree(self._downloads / name, ignore_errors=True)
+            for step in sorted(present - self._remote):
+                self.mirror.delete(step)
+                self.log(f"jaxtrain: deleted checkpoint step {step} from {directory}: its "
+                         "upload did not finish (no manifest)")
+        for name in os.listdir(self.staging):
+            if not name.isdigit():
+                continue
+            step = int(name)
+            if self._uploaded_path(step).exists() and step not in self._remote:
+                # Uploaded once, deleted from the bucket since (rotated, set aside, moved
+                # away): this copy is of nothing.
+                shutil.rmtree(self.staging / name)
+                self._forget_local(step)
+            elif step not in self._remote and self._manifest_path(step).exists():
+                self._unuploaded.add(step)  # committed here, never uploaded
 
     def steps(self) -> list[int]:
-        return sorted(self.manager.all_steps())
+        return sorted(set(self.manager.all_steps()) | self._remote)
 
     # Saving
 
@@ -156,32 +217,40 @@ class Checkpoints:
         """Starts an async save of a pytree of arrays (the train state's tree()), the run's
         config and the tree's sums of squares (the device-to-host copy happens before this
         returns)."""
+        self._raise_failure()
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(tree), config=ocp.args.JsonSave(config),
             sums=ocp.args.JsonSave({"sum_of_squares": tree_sums(tree)})), force=True)
 
     def wait(self) -> None:
-        """Blocks until every started save is committed and has its manifest."""
+        """Blocks until every started save is committed and has its manifest (and, for a
+        remote directory, is uploaded or has run out of retries)."""
         self.manager.wait_until_finished()
         self._executor.submit(self._write_manifests).result()
+        self._raise_failure()
 
     def close(self) -> None:
         self.wait()
         self._executor.shutdown()
         self.manager.close()
 
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
     def _committed_async(self) -> None:
         """orbax's post-finalization callback, on its thread just before it renames the
-        step's temporary directory to its final name: checksums on ours, once renamed."""
-        self._executor.submit(self._write_manifests, _COMMIT_WAIT_S)
+        step's temporary directory to its final name: checksums on ours, once renamed; and
+        another try for uploads that ran out of retries before."""
+        self._executor.submit(self._write_manifests, _COMMIT_WAIT_S, True)
 
-    def _write_manifests(self, wait_s: float = 0.0) -> None:
+    def _write_manifests(self, wait_s: float = 0.0, retry_failed: bool = False) -> None:
         deadline = time.monotonic() + wait_s
         with self._lock:
             for step in sorted(self.manager.all_steps()):
                 if step in self._manifested:
                     continue
-                root = self.directory / str(step)
+                root = self.staging / str(step)
                 while not root.exists() and time.monotonic() < deadline:
                     time.sleep(0.02)
                 if not root.exists():
@@ -193,8 +262,11 @@ class Checkpoints:
                     self._write_manifest(step, {"format": 2, "files": files,
                                                 "healthy": step in self.healthy})
                 self._manifested.add(step)
-                if self.on_commit is not None:
+                if self.mirror is not None:
+                    self._unuploaded.add(step)  # durable once uploaded
+                elif self.on_commit is not None:
                     self.on_commit(step)
+        self._upload_pending(retry_failed)  # outside the lock: it may retry for minutes
 
     def vouch(self, step: int) -> None:
         """The run has checked the state it restored from `step` (train/restore_check.py):
@@ -208,10 +280,64 @@ class Checkpoints:
             self._executor.submit(self._write_manifests)
 
     def _write_manifest(self, step: int, manifest: dict) -> None:
-        path = self._manifest_path(step)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(manifest, indent=0))
-        tmp.rename(path)
+        storage.write_json(self._manifest_path(step), manifest, indent=0)
+
+    # The bucket (a remote directory only), on the background thread
+
+    def _upload_pending(self, retry_failed: bool = False) -> None:
+        """Uploads every step committed here and not yet in the bucket, oldest first. One
+        that runs out of retries is said in one line and tried again after the next save."""
+        if self.mirror is None or not self.primary or self._failure is not None:
+            return
+        if retry_failed:
+            self._unuploaded |= self._failed
+            self._failed.clear()
+        for step in sorted(self._unuploaded):
+            self._unuploaded.discard(step)
+            try:
+                self._upload(step)
+            except Unreachable as e:
+                self._not_uploaded(step, e.reason)
+            except JaxtrainError as e:
+                self._failure = e  # raised by the next save or wait
+                return
+            except Exception as e:  # noqa: BLE001 - an answer not foreseen: the run goes on
+                self._not_uploaded(step, first_line(e))
+
+    def _not_uploaded(self, step: int, reason: str) -> None:
+        self._failed.add(step)
+        self.log(f"jaxtrain: checkpoint step {step} could not be uploaded to {self.directory}: "
+                 f"{reason}; the run goes on, step {step} stays local only")
+
+    def _upload(self, step: int) -> None:
+        if step not in self.manager.all_steps():
+            return  # rotated or set aside since it was committed
+        manifest = self._manifest_path(step).read_bytes()
+        try:
+            self.mirror.upload(step, self.staging / str(step), manifest,
+                               json.loads(manifest)["files"])
+        except FileNotFoundError as e:
+            if step not in self.manager.all_steps():
+                return  # rotated while it was being uploaded; its delete comes next
+            raise storage.user_error(e, "checkpoints", self.directory) or CheckpointError(
+                f"checkpoint step {step} could not be uploaded to {self.directory}: "
+                f"{first_line(e)}") from e
+        self._uploaded_path(step).touch()
+        self._remote.add(step)
+        self._remote_manifests[step] = json.loads(manifest)
+        if self.on_commit is not None:
+            self.on_commit(step)
+
+    def _delete_remote(self, step: int) -> None:
+        try:
+            self.mirror.delete(step)
+        except Unreachable as e:
+            self.log(f"jaxtrain: checkpoint step {step} could not be deleted from "
+                     f"{self.directory}: {e.reason}; a later rotation deletes it")
+        except JaxtrainError as e:
+            self._failure = e
+        self._remote.discard(step)
+        self._remote_manifests.pop(step, None)
 
     # Health and rotation
 
@@ -224,11 +350,23 @@ class Checkpoints:
         self.rotate()
 
     def _record_health(self, step: int) -> None:
-        """Persists the mark (a step not yet committed gets it with its manifest)."""
+        """Persists the mark (a step not yet committed gets it with its manifest; one in
+        the bucket gets its manifest object rewritten)."""
         with self._lock:
-            manifest = self._manifest(step)
-            if self.primary and manifest and not manifest.get("healthy"):
-                self._write_manifest(step, {**manifest, "healthy": True})
+            manifest = _read_manifest(self._manifest_path(step))
+            if not (self.primary and manifest and not manifest.get("healthy")):
+                return
+            self._write_manifest(step, {**manifest, "healthy": True})
+            self._remote_manifests.pop(step, None)
+        if self.mirror is None or step not in self._remote:
+            return  # its upload, still to come, takes the new manifest
+        try:
+            self.mirror.put_manifest(step, self._manifest_path(step).read_bytes())
+        except Unreachable as e:
+            self.log(f"jaxtrain: the health mark of checkpoint step {step} could not be "
+                     f"written to {self.directory}: {e.reason}")
+        except JaxtrainError as e:
+            self._failure = e
 
     def rotate(self) -> None:
         """Deletes healthy checkpoints older than the newest `keep` healthy ones (but every
@@ -240,13 +378,18 @@ class Checkpoints:
         kept = sorted(self.healthy)[-self.keep:]
         if not kept:
             return
+        local = set(self.manager.all_steps())
         for step in self.steps():
             if step >= kept[0] or (self.keep_period and step % self.keep_period == 0):
                 continue
-            self.manager.delete(step)
+            if step in local:
+                self.manager.delete(step)
             self.healthy.discard(step)
             if self.primary:
-                self._manifest_path(step).unlink(missing_ok=True)
+                self._forget_local(step)
+                if self.mirror is not None:  # after an upload in flight, if any
+                    self._remote.discard(step)
+                    self._executor.submit(self._delete_remote, step)
 
     # Restoring
 
@@ -257,7 +400,9 @@ class Checkpoints:
         skipped. check_config(step, saved config, how the saved tree differs from `target`
         or None) raises ConfigError for a checkpoint this run cannot continue."""
         for step in reversed([s for s in self.steps() if s > above]):
-            problem = self.verify(step) if verify else None
+            # A step only in the bucket is downloaded, and so checked, whatever `verify`.
+            problem = (self.verify(step, checksums=verify)
+                       if verify or self._remote_only(step) else None)
             saved = sums = None
             if problem is None:
                 try:
@@ -291,7 +436,7 @@ class Checkpoints:
     def mismatch(self, step: int, target: dict) -> str | None:
         """How the saved tree differs from `target` ('lacks opt_state/...'), None if not."""
         saved = tree_signature(ocp.StandardCheckpointHandler().metadata(
-            epath.Path(self.directory / str(step) / "state")))
+            epath.Path(self._local(step) / "state")))
         wanted = tree_signature(target)
         if saved == wanted:
             return None
@@ -307,12 +452,14 @@ class Checkpoints:
     def restore(self, step: int, target: dict) -> dict:
         """Restores into `target`'s shapes and shardings (a pytree of ShapeDtypeStructs with
         shardings: any mesh, orbax reshards)."""
+        self._local(step)
         return self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target))).state
 
     def restore_params(self, step: int, target_params: dict) -> dict:
         """Only the parameters of a step (no optimizer state), into `target_params`' shapes
         and shardings: what generation, evaluation and export read."""
+        self._local(step)
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(
                 item={"params": target_params},
@@ -329,22 +476,27 @@ class Checkpoints:
         raise CheckpointError(f"no intact checkpoint in {self.directory}")
 
     def restore_config(self, step: int) -> dict:
+        self._local(step)
         return self.manager.restore(step, args=ocp.args.Composite(
             config=ocp.args.JsonRestore())).config
 
     def restore_sums(self, step: int) -> dict[str, float] | None:
         """The tree_sums recorded when `step` was saved (None: saved before they were)."""
-        if not (self.directory / str(step) / "sums").exists():
+        if not (self._local(step) / "sums").exists():
             return None
         return self.manager.restore(step, args=ocp.args.Composite(
             sums=ocp.args.JsonRestore())).sums["sum_of_squares"]
 
-    def set_aside(self, step: int) -> pathlib.Path:
+    def set_aside(self, step: int):
         """Moves a damaged step out of orbax's sight (so that the resumed run can save that
-        step again) into <dir>_damaged/, keeping it for inspection."""
-        aside = self.directory.parent / f"{self.directory.name}_damaged" / \
-            f"{step}-{int(time.time())}"
-        if self.primary:
+        step again) into <dir>_damaged/, keeping it for inspection (for a remote directory:
+        copied there in the bucket, then deleted; a step never uploaded moves on local
+        disk). Returns where it went."""
+        stamp = int(time.time())
+        aside = self.directory.parent / f"{self.directory.name}_damaged" / f"{step}-{stamp}"
+        if self.mirror is not None:
+            aside = self._set_aside_staged(step, aside, stamp)
+        elif self.primary:
             aside.parent.mkdir(parents=True, exist_ok=True)
             (self.directory / str(step)).rename(aside)
             self._manifest_path(step).unlink(missing_ok=True)
@@ -355,19 +507,93 @@ class Checkpoints:
         self._manifested.discard(step)  # the run saves this step again: a new manifest
         return aside
 
+    def _set_aside_staged(self, step: int, aside, stamp: int):
+        if not self.primary:
+            return aside
+        local = self.staging / str(step)
+        if step in self._remote:
+            # On the background thread, after any upload or delete in flight.
+            self._executor.submit(self.mirror.set_aside, step, aside).result()
+            shutil.rmtree(local, ignore_errors=True)  # a copy of what was set aside
+        else:  # never uploaded: this copy is the only one
+            aside = storage.scratch_dir(self.directory, "checkpoints_damaged") / \
+                f"{step}-{stamp}"
+            if local.exists():
+                local.rename(aside)
+        self._remote.discard(step)
+        self._remote_manifests.pop(step, None)
+        self._forget_local(step)
+        return aside
+
+    # Staged copies of a remote directory's steps
+
+    def _remote_only(self, step: int) -> bool:
+        return self.mirror is not None and step not in self.manager.all_steps()
+
+    def _local(self, step: int) -> pathlib.Path:
+        """The directory orbax reads `step` from, downloaded first if only in the bucket."""
+        if self._remote_only(step):
+            if problem := self._download(step, checksums=False):
+                raise CheckpointError(f"checkpoint step {step} in {self.directory} is "
+                                      f"damaged: {problem}")
+        return self.staging / str(step)
+
+    def _download(self, step: int, checksums: bool) -> str | None:
+        """Downloads a step only in the bucket into the staging directory, once its files
+        match their manifest; else what is wrong with them. A lost server raises
+        Unreachable (a CheckpointError): nothing is judged damaged for it."""
+        files = self._remote_manifest(step).get("files")
+        shown = self.directory / str(step)
+        if not files:
+            return f"its manifest {self.mirror.manifests}/{step}.json cannot be read"
+        target = self._downloads / f"{step}-{os.getpid()}"  # readers may share the cache
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            self.mirror.download(step, files, target)
+        except FileNotFoundError as e:
+            shutil.rmtree(target, ignore_errors=True)
+            return f"{e} is missing"
+        if problem := _files_problem(target, files, checksums, shown):
+            shutil.rmtree(target, ignore_errors=True)
+            return problem
+        self._write_manifest(step, self._remote_manifest(step))  # as uploaded, health too
+        self._uploaded_path(step).touch()
+        try:
+            os.replace(target, self.staging / str(step))
+        except OSError:  # another reader on this host has put it there first
+            shutil.rmtree(target, ignore_errors=True)
+        self.manager.reload()
+        self._manifested.add(step)
+        return None
+
+    def _remote_manifest(self, step: int) -> dict:
+        if step not in self._remote_manifests:
+            data = self.mirror.manifest(step)
+            try:
+                self._remote_manifests[step] = json.loads(data) if data else {}
+            except ValueError:
+                self._remote_manifests[step] = {}
+        return self._remote_manifests[step]
+
+    def _uploaded_path(self, step: int) -> pathlib.Path:
+        """Marks a staged step as once in the bucket (its absence there then means it was
+        deleted there, not that it still has to be uploaded)."""
+        return self.manifests / f"{step}.uploaded"
+
+    def _forget_local(self, step: int) -> None:
+        self._manifest_path(step).unlink(missing_ok=True)
+        if self.mirror is not None:
+            self._uploaded_path(step).unlink(missing_ok=True)
+
     # Manifests: relative path -> [size, xxh3] of every file of a committed step.
 
     def _manifest_path(self, step: int) -> pathlib.Path:
         return self.manifests / f"{step}.json"
 
     def _manifest(self, step: int) -> dict:
-        path = self._manifest_path(step)
-        try:
-            manifest = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return {}
-        if manifest.get("format") != 2:  # before checksums: {path: size}
-            manifest = {"files": {k: [v, None] for k, v in manifest.items()}}
+        manifest = _read_manifest(self._manifest_path(step))
+        if not manifest and step in self._remote and self._remote_only(step):
+            return self._remote_manifest(step)
         return manifest
 
     def _checksummed(self, step: int) -> bool:
@@ -376,20 +602,45 @@ class Checkpoints:
 
     def verify(self, step: int, checksums: bool = True) -> str | None:
         """What is wrong with a step's files (None: nothing, or no manifest yet: orbax's
-        atomic commit vouches for it)."""
-        root = self.directory / str(step)
-        for name, (size, digest) in self._manifest(step).get("files", {}).items():
-            path = root / name
-            if not path.exists():
-                return f"{path} is missing"
-            actual = path.stat().st_size
-            if actual != size:
-                return f"{path} is truncated ({actual} of {size} bytes)"
-            if checksums and digest is not None and file_checksum(path) != digest:
-                return f"{path} has changed (checksum {file_checksum(path)}, recorded {digest})"
-        return None
+        atomic commit vouches for it). A remote directory's step is checked on this host's
+        copy, downloaded if there is none; a bad copy of a step in the bucket is replaced
+        by the bucket's before the step is judged."""
+        if self._remote_only(step):
+            return self._download(step, checksums)
+        problem = _files_problem(self.staging / str(step),
+                                 self._manifest(step).get("files", {}), checksums)
+        if problem and self.mirror is not None and step in self._remote:
+            shutil.rmtree(self.staging / str(step))
+            self._forget_local(step)
+            self.manager.reload()
+            return self._download(step, checksums)
+        return problem
 
 
-def _first_line(error: Exception) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+def _read_manifest(path: pathlib.Path) -> dict:
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if manifest.get("format") != 2:  # before checksums: {path: size}
+        manifest = {"files": {k: [v, None] for k, v in manifest.items()}}
+    return manifest
+
+
+def _files_problem(root: pathlib.Path, files: dict, checksums: bool,
+                   shown=None) -> str | None:
+    """What is wrong with the files under `root` by their manifest's {name: [size, xxh3]}
+    (named under `shown`, e.g. the URL they were downloaded from)."""
+    for name, (size, digest) in files.items():
+        path, named = root / name, (shown or root) / name
+        if not path.exists():
+            return f"{named} is missing"
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{named} is truncated ({actual} of {size} bytes)"
+        if checksums and digest is not None and file_checksum(path) != digest:
+            return f"{named} has changed (checksum {file_checksum(path)}, recorded {digest})"
+    return None
+
+
+_first_line = first_line

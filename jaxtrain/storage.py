@@ -204,8 +204,11 @@ def user_error(error: BaseException, key: str, value) -> ConfigError | None:
         scheme = SCHEMES[scheme_of(value)]
         return ConfigError(f"{key}={value}: no credentials for {scheme_of(value)}:// "
                            f"({scheme.credentials})")
-    if isinstance(error, PermissionError) or "AccessDenied" in text or "403" in text:
+    # Not a bare "403": a lost connection's message may hold a URL with 403 in a name.
+    if isinstance(error, PermissionError) or any(
+            sign in text for sign in ("AccessDenied", "(403)", "Forbidden")):
         return ConfigError(f"{key}={value}: no permission to write to bucket {bucket}")
+    # s3fs says "The specified bucket does not exist" without naming it.
     if "NoSuchBucket" in text or "bucket does not exist" in text.lower() or (
             isinstance(error, FileNotFoundError) and bucket in str(error)):
         return ConfigError(f"{key}={value}: bucket {bucket} does not exist")
