@@ -25,6 +25,9 @@ from jaxtrain import storage
 from jaxtrain.workdir import GOODPUT_FILE as FILE
 
 # Causes of lost time within a session (restart and recomputed come from the sessions).
+# On object storage each save is a PUT (billed): at most one per this many seconds, and at
+# the end; a killed session's record then ends up to this long before its last log.
+REMOTE_SAVE_S = 60.0
 CAUSES = ("startup", "checkpoint", "eval", "data")
 LOST = CAUSES + ("restart", "recomputed")
 
@@ -38,6 +41,7 @@ class Goodput:
         self.session = {"start": started, "end": started, "resumed_at": resumed_at,
                         "productive": [], "lost": {cause: 0.0 for cause in CAUSES}}
         self._startup_open = True
+        self._saved = -math.inf
 
     def _load(self, resumed_at: int) -> list[dict]:
         try:
@@ -70,7 +74,7 @@ class Goodput:
         start is idle, not lost."""
         self.session["end"] = time.time() if now is None else now
         self.session["clean"] = True
-        self.save()
+        self.save(force=True)
 
     def summary(self, now: float | None = None) -> dict:
         """goodput, the lost seconds by cause and the idle seconds, since the job first
@@ -101,7 +105,11 @@ class Goodput:
         row.update({f"lost_{cause}_s": seconds for cause, seconds in lost.items()})
         return row
 
-    def save(self) -> None:
+    def save(self, force: bool = False) -> None:
         if not self.enabled:
             return
+        if storage.is_remote(self.path) and not force:
+            if time.monotonic() - self._saved < REMOTE_SAVE_S:
+                return
+            self._saved = time.monotonic()
         storage.write_json(self.path, {"sessions": self.previous + [self.session]})
