@@ -128,12 +128,14 @@ def test_a_host_reads_only_the_blocks_of_its_rows(tmp_path, bucket, monkeypatch)
 
 
 def test_a_missing_prefix_is_one_line_naming_the_key(bucket):
-    for source, key in (("prepared", "data.path"), ("bin", "data.path")):
-        cfg = _cfg(**{"data.source": source, key: f"{bucket}/nothing/here"})
+    missing = f"{bucket}/nothing/here"
+    for source, message in (
+            ("prepared", f"data.path={missing} is not a prepared dataset (no manifest.json); "
+                         "make one with jaxtrain prepare"),
+            ("bin", f"data.path: token file {missing} does not exist")):
         with pytest.raises(DataError) as e:
-            make_batches(cfg)
-        assert "\n" not in str(e.value) and f"{bucket}/nothing/here" in str(e.value)
-        assert str(e.value).startswith("data.path")
+            make_batches(_cfg(**{"data.source": source, "data.path": missing}))
+        assert str(e.value) == message
 
 
 def test_latency_and_a_server_that_comes_back(local_data, bucket):

@@ -122,8 +122,9 @@ class PreparedDataset:
         self.path = storage.as_path(path, what)
         self.remote = storage.is_remote(self.path)
         self.cache = cache
+        blob = _read_manifest(self.path, what)
         try:
-            self.manifest = json.loads(_read_manifest(self.path, what))
+            self.manifest = json.loads(blob)
         except ValueError as e:
             raise DataError(f"{what}={path}: {MANIFEST} is unreadable ({e})") from None
         if self.manifest.get("format") != FORMAT:
