@@ -16,6 +16,7 @@ import pathlib
 import ml_collections
 
 from jaxtrain.data.packing import PACKINGS
+from jaxtrain.data.remote_file import check_cache_config
 from jaxtrain.data.sources import SOURCES
 from jaxtrain.errors import ConfigError, divisors, fail
 from jaxtrain.mesh import (
@@ -36,6 +37,7 @@ from jaxtrain.optim import SCHEDULES
 from jaxtrain.parallel.context import VARIANTS as CONTEXT_VARIANTS
 from jaxtrain.precision import PRECISIONS
 from jaxtrain.sinks import validate_sinks
+from jaxtrain.storage import check_path
 from jaxtrain.tasks import BACKENDS, split_list
 from jaxtrain.tasks.text import check_text
 from jaxtrain.workdir import check_local_path
@@ -175,6 +177,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.tokenizer = ""
     # Resume even though the data's fingerprint changed since the run started (data.json).
     c.data.allow_changed = False
+    # Data on gs:// or s3:// (docs/data.md): read by range requests of block_kb KiB into an
+    # in-memory LRU cache of cache_mb MiB per process (jaxtrain.data.remote_file).
+    c.data.cache_mb = 512
+    c.data.block_kb = 256
 
     # Downstream tasks during training (docs/evaluation.md): scored on the live parameters
     # every tasks_every_steps and at the end, logged beside val_loss as tasks/TASK/METRIC.
@@ -265,12 +271,16 @@ def _choice(c, key: str, choices) -> None:
 
 
 def _check_paths(c) -> None:
-    """Every path of the config is local (workdir.check_local_path): object storage is not
-    supported yet."""
+    """The data may be on object storage (storage.check_path: gs://, s3://, their client
+    installed), read through a cache whose sizes are checked here; every other path of the
+    config is local (workdir.check_local_path)."""
     d, e = c.data, c.eval
     for key, values in (("data.path", [d.path]), ("data.val_path", [d.val_path]),
-                        ("data.mixture", split_list(d.mixture)),
-                        ("data.tokenizer", [d.tokenizer]),
+                        ("data.mixture", split_list(d.mixture))):
+        for value in values:
+            check_path(value, key)
+    check_cache_config(c)
+    for key, values in (("data.tokenizer", [d.tokenizer]),
                         ("checkpoint.local_dir", [c.checkpoint.local_dir]),
                         ("eval.tasks", split_list(e.tasks)),
                         ("eval.task_dir", split_list(e.task_dir))):

@@ -151,8 +151,9 @@ def run_commands(argvs: list[list[str]], cwd) -> list[tuple[int, str, str]]:
 # (tests/test_object_storage.py); only a job of several processes there is refused.
 CONFIG = str(ROOT / "configs" / "tiny.py")
 URL_CASES = [
-    (["train", "--config", CONFIG, "--config.data.source=prepared",
-      "--config.data.path=gs://bucket/data", "--workdir", "run"], "data.path=gs://bucket/data"),
+    (["train", "--config", CONFIG, "--config.data.source=bin", "--config.data.path=x.bin",
+      "--config.data.tokenizer=gs://bucket/tok.json", "--workdir", "run"],
+     "data.tokenizer=gs://bucket/tok.json"),
     (["eval", "--workdir", "run", "--data", "gs://bucket/val.bin"], "--data=gs://bucket/val.bin"),
     (["eval", "--workdir", "run", "--tasks", "arc_easy", "--out", "gs://bucket/r.json"],
      "--out=gs://bucket/r.json"),
@@ -184,8 +185,7 @@ def test_local_only_paths_refuse_object_storage_in_one_line(tmp_path):
     assert not any((tmp_path / "run").iterdir())
 
 
-@pytest.mark.parametrize("key,value", [
-    ("data.path", "gs://b/d"), ("data.val_path", "s3://b/v"), ("data.mixture", "a:1,gs://b/m:1"),
+@pytest.mark.parametrize("key,value", [  # data.path, val_path, mixture: test_remote_data.py
     ("data.tokenizer", "gs://b/tokenizer.json"), ("checkpoint.local_dir", "gs://b/fast"),
     ("eval.tasks", "arc_easy,gs://b/t.yaml"), ("eval.task_dir", "gs://b/tasks"),
 ])

@@ -9,18 +9,27 @@
 
 A merged dataset (prepare --shard i/N on many machines, then --merge) lists shards in its
 part directories (`part-00000-of-00004/tokens-00000.bin`). Shards are memory-mapped, so a
-dataset larger than RAM is normal: only the pages a batch touches are read.
+dataset larger than RAM is normal: only the pages a batch touches are read. DIR may be a
+gs:// or s3:// prefix: then the token shards are read by range requests into a bounded
+block cache (jaxtrain.data.remote_file), the small files (manifest, document indexes) whole,
+and the tokenizer is copied to local scratch for the libraries that read it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import os
 import pathlib
+import shutil
+import tempfile
+import threading
 
 import numpy as np
 
-from jaxtrain.data import fingerprints
+from jaxtrain import storage
+from jaxtrain.data import fingerprints, remote_file
 from jaxtrain.data import tokenizers as tokenizers_lib
 from jaxtrain.errors import DataError
 
@@ -29,6 +38,9 @@ MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 PARTIAL_SUFFIX = ".partial"
 FAILED = "failed.json"  # in DIR.partial: the error that stopped its prepare
+# Opening a shard on first use: grain's reader threads may ask for it at once, and on object
+# storage each opening is a request (a size check, or a document index read whole).
+_OPENING = threading.Lock()
 
 
 def shard_names(index: int) -> tuple[str, str, str]:
@@ -71,17 +83,48 @@ def _unfinished(path: pathlib.Path) -> str:
     return f"; its prepare failed ({partial}): {error}; fix that, then prepare it again"
 
 
-class PreparedDataset:
-    """Random access to the tokens and documents of a complete prepared dataset."""
+def _read_manifest(path, what: str) -> bytes:
+    """DIR/manifest.json's bytes; DataError (one line) when DIR is no dataset, ConfigError
+    for an object store's credentials, bucket or permission."""
+    manifest = path / MANIFEST
+    if storage.is_remote(path):
+        blob = remote_file.read_whole(manifest, what, missing_ok=True)
+    else:
+        blob = manifest.read_bytes() if manifest.is_file() else None
+    if blob is None:
+        raise DataError(f"{what}={path} is not a prepared dataset (no {MANIFEST})"
+                        f"{_unfinished(path)}")
+    return blob
 
-    def __init__(self, path, what: str = "data.path"):
-        self.path = pathlib.Path(path).expanduser()
-        manifest = self.path / MANIFEST
-        if not manifest.is_file():
-            raise DataError(f"{what}={path} is not a prepared dataset (no {MANIFEST})"
-                            f"{_unfinished(self.path)}")
+
+def _local_copy(remote, version: str) -> pathlib.Path:
+    """A copy of a small remote directory on this host's scratch disk, named by `version`
+    (a content hash: a copy is never stale) and made once: downloaded beside it, then
+    renamed into place, so that processes sharing the host never read a half-made one."""
+    target = storage.scratch_dir(remote, "copy") / version
+    if not target.is_dir():
+        partial = pathlib.Path(tempfile.mkdtemp(dir=target.parent, prefix=".partial-"))
+        storage.download_tree(remote, partial)
         try:
-            self.manifest = json.loads(manifest.read_text())
+            os.rename(partial, target)
+        except OSError:  # another process of this host made it first
+            shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+class PreparedDataset:
+    """Random access to the tokens and documents of a complete prepared dataset.
+
+    `cache`: the block cache for a dataset on object storage (default: the process's)."""
+
+    def __init__(self, path, what: str = "data.path",
+                 cache: remote_file.BlockCache | None = None):
+        self.path = storage.as_path(path, what)
+        self.remote = storage.is_remote(self.path)
+        self.cache = cache
+        blob = _read_manifest(self.path, what)
+        try:
+            self.manifest = json.loads(blob)
         except ValueError as e:
             raise DataError(f"{what}={path}: {MANIFEST} is unreadable ({e})") from None
         if self.manifest.get("format") != FORMAT:
@@ -96,6 +139,7 @@ class PreparedDataset:
         self.doc_starts = np.concatenate([[0], np.cumsum(docs, dtype=np.int64)])
         self._tokens: list = [None] * len(self.shards)
         self._index: list = [None] * len(self.shards)
+        self._local_tokenizer: pathlib.Path | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -115,25 +159,51 @@ class PreparedDataset:
 
     @property
     def tokenizer_dir(self) -> pathlib.Path:
-        return self.path / TOKENIZER_DIR
+        """DIR/tokenizer, or for a dataset on object storage its copy on local scratch (the
+        tokenizer libraries read local files), made on first use."""
+        if not self.remote:
+            return self.path / TOKENIZER_DIR
+        if self._local_tokenizer is None:
+            self._local_tokenizer = _local_copy(self.path / TOKENIZER_DIR,
+                                                self.tokenizer_meta["fingerprint"][:16])
+        return self._local_tokenizer
 
     def tokenizer(self) -> tokenizers_lib.Tokenizer:
         return tokenizers_lib.load_tokenizer(self.tokenizer_dir, what=self.what)
 
-    def _shard_tokens(self, k: int) -> np.ndarray:
+    def _shard_tokens(self, k: int):
+        """Shard k's tokens: a memmap on disk, a RemoteArray on object storage (both read
+        only what is sliced and converted)."""
         if self._tokens[k] is None:
-            path = self.path / self.shards[k]["tokens"]
-            expected = self.shards[k]["num_tokens"] * self.dtype.itemsize
-            if not path.is_file() or path.stat().st_size != expected:
-                raise DataError(f"{self.what}={self.path}: shard {path.name} is missing or "
-                                f"not {expected} bytes; the dataset is damaged: prepare it "
-                                "again")
-            self._tokens[k] = np.memmap(path, dtype=self.dtype, mode="r")
+            with _OPENING:
+                if self._tokens[k] is None:
+                    self._tokens[k] = self._open_tokens(k)
         return self._tokens[k]
 
+    def _open_tokens(self, k: int):
+        path = self.path / self.shards[k]["tokens"]
+        expected = self.shards[k]["num_tokens"] * self.dtype.itemsize
+        if self.remote:
+            size = remote_file.object_size(path, self.what)
+        else:
+            size = path.stat().st_size if path.is_file() else None
+        if size != expected:
+            raise DataError(f"{self.what}={self.path}: shard {path.name} is missing or not "
+                            f"{expected} bytes; the dataset is damaged: prepare it again")
+        if self.remote:
+            return remote_file.RemoteArray(path, self.dtype, self.cache, size, self.what)
+        return np.memmap(path, dtype=self.dtype, mode="r")
+
     def _shard_index(self, k: int) -> np.ndarray:
+        """Shard k's document index ([documents, 2]): memory-mapped on disk, read whole from
+        object storage (16 bytes a document; the binary searches need all of it)."""
         if self._index[k] is None:
-            self._index[k] = np.load(self.path / self.shards[k]["index"], mmap_mode="r")
+            with _OPENING:
+                if self._index[k] is None:
+                    path = self.path / self.shards[k]["index"]
+                    self._index[k] = (
+                        np.load(io.BytesIO(remote_file.read_whole(path, self.what)))
+                        if self.remote else np.load(path, mmap_mode="r"))
         return self._index[k]
 
     def read(self, start: int, length: int) -> np.ndarray:
@@ -145,7 +215,7 @@ class PreparedDataset:
             k = int(np.searchsorted(self.shard_starts, position, side="right")) - 1
             local = position - int(self.shard_starts[k])
             take = min(length - done, int(self.shard_starts[k + 1]) - position)
-            out[done:done + take] = self._shard_tokens(k)[local:local + take]
+            out[done:done + take] = np.asarray(self._shard_tokens(k)[local:local + take])
             done += take
         return out
 

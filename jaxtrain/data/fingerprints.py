@@ -13,6 +13,9 @@ import platform
 
 import numpy as np
 
+from jaxtrain import storage
+from jaxtrain.data import remote_file
+
 # Files up to this size are hashed whole; bigger ones by 64 evenly spaced 1 MiB blocks (and
 # their size), so that starting or resuming a run does not reread terabytes.
 FULL_HASH_BYTES = 1 << 28
@@ -35,19 +38,33 @@ def stdlib_corpus(files: list[pathlib.Path]) -> dict:
                         f"({len(files):,} files, {size:,} bytes, sha256 {digest[:12]})")
 
 
-def token_file(path: pathlib.Path) -> dict:
-    size = path.stat().st_size
-    h = hashlib.sha256(str(size).encode())
+def _spans(size: int) -> tuple[list[tuple[int, int]], str]:
+    """The byte ranges a token file's fingerprint hashes: all of it in 16 MiB reads, or
+    SAMPLE_BLOCKS evenly spaced blocks of a big one."""
+    if size <= FULL_HASH_BYTES:
+        return [(s, min(s + (1 << 24), size)) for s in range(0, size, 1 << 24)], "sha256"
+    starts = [(size - SAMPLE_BYTES) * k // (SAMPLE_BLOCKS - 1) for k in range(SAMPLE_BLOCKS)]
+    return [(s, s + SAMPLE_BYTES) for s in starts], "sampled sha256"
+
+
+def _file_blocks(path, spans):
     with open(path, "rb") as f:
-        if size <= FULL_HASH_BYTES:
-            for block in iter(lambda: f.read(1 << 24), b""):
-                h.update(block)
-            how = "sha256"
-        else:
-            for k in range(SAMPLE_BLOCKS):
-                f.seek((size - SAMPLE_BYTES) * k // (SAMPLE_BLOCKS - 1))
-                h.update(f.read(SAMPLE_BYTES))
-            how = "sampled sha256"
+        for start, end in spans:
+            f.seek(start)
+            yield f.read(end - start)
+
+
+def token_file(path) -> dict:
+    """A .bin file's fingerprint: the same for its bytes on disk and on object storage (read
+    there by range requests, jaxtrain.data.remote_file), so data may move to a bucket."""
+    remote = storage.is_remote(path)
+    size = remote_file.object_size(path) if remote else path.stat().st_size
+    spans, how = _spans(size)
+    blocks = ((remote_file.read_range(path, start, end) for start, end in spans) if remote
+              else _file_blocks(path, spans))
+    h = hashlib.sha256(str(size).encode())
+    for block in blocks:
+        h.update(block)
     digest = h.hexdigest()
     return item(digest, f"{path} ({size:,} bytes, {how} {digest[:12]})")
 

@@ -10,6 +10,7 @@
   run reads exactly what the uninterrupted run would have. Validation mixes the components'
   held-out tails by the same weights, or is `data.val_path`.
 
+Any of the paths may be a gs:// or s3:// prefix (read through jaxtrain.data.remote_file).
 Every dataset must have been prepared with the same tokenizer, whose vocabulary must fit
 model.vocab_size. `check`, `splits`, `fingerprint` and `tokenizer` make its entry in the
 data-source registry (jaxtrain.data.sources).
@@ -20,7 +21,7 @@ from __future__ import annotations
 import grain
 import numpy as np
 
-from jaxtrain.data import fingerprints, tokenizers
+from jaxtrain.data import fingerprints, remote_file, tokenizers
 from jaxtrain.data.dataset import PreparedDataset
 from jaxtrain.data.packing import PackedDocuments
 from jaxtrain.errors import ConfigError, DataError
@@ -58,18 +59,24 @@ def check(c) -> None:
                           "0 and 1")
 
 
+def _open(c, path, what: str) -> PreparedDataset:
+    """A dataset of the config; on object storage read through the process's block cache as
+    data.cache_mb and data.block_kb size it."""
+    return PreparedDataset(path, what, remote_file.cache_for(c))
+
+
 def _components(c) -> list[tuple[PreparedDataset, float, str]]:
     if c.data.mixture:
-        return [(PreparedDataset(path, f"data.mixture entry {path}"), weight,
+        return [(_open(c, path, f"data.mixture entry {path}"), weight,
                  f"data.mixture entry {path}")
                 for path, weight in parse_mixture(c.data.mixture)]
-    return [(PreparedDataset(c.data.path, "data.path"), 1.0, "data.path")]
+    return [(_open(c, c.data.path, "data.path"), 1.0, "data.path")]
 
 
 def open_all(c) -> tuple[list[tuple[PreparedDataset, float, str]], PreparedDataset | None]:
     """The datasets of the config, checked to share one tokenizer that fits the model."""
     components = _components(c)
-    val = PreparedDataset(c.data.val_path, "data.val_path") if c.data.val_path else None
+    val = _open(c, c.data.val_path, "data.val_path") if c.data.val_path else None
     everyone = [(ds, what) for ds, _, what in components] + ([(val, "data.val_path")]
                                                              if val else [])
     first, first_what = everyone[0]
@@ -191,4 +198,4 @@ def fingerprint(c) -> dict[str, dict]:
 def tokenizer(c) -> tokenizers.Tokenizer:
     """The tokenizer the datasets were prepared with (open_all checks they share one)."""
     ds, _, what = _components(c)[0]
-    return tokenizers.load_tokenizer(ds.tokenizer_dir, what)
+    return tokenizers.load_tokenizer(ds.tokenizer_dir, what)  # a local copy if remote
