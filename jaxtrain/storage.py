@@ -207,10 +207,13 @@ def user_error(error: BaseException, key: str, value) -> ConfigError | None:
     # Not a bare "403": a lost connection's message may hold a URL with 403 in a name.
     if isinstance(error, PermissionError) or any(
             sign in text for sign in ("AccessDenied", "(403)", "Forbidden")):
-        return ConfigError(f"{key}={value}: no permission to write to bucket {bucket}")
+        return ConfigError(f"{key}={value}: no permission for bucket {bucket} (the "
+                           "credentials in use may not read or write it)")
     # s3fs says "The specified bucket does not exist" without naming it.
+    # gcsfs names a missing bucket by its listing path, b/BUCKET/o (an object: b/BUCKET/o/KEY).
     if "NoSuchBucket" in text or "bucket does not exist" in text.lower() or (
-            isinstance(error, FileNotFoundError) and bucket in str(error)):
+            isinstance(error, FileNotFoundError)
+            and str(error).strip().rstrip("/").endswith(f"b/{bucket}/o")):
         return ConfigError(f"{key}={value}: bucket {bucket} does not exist")
     return None
 
