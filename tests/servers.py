@@ -52,9 +52,10 @@ def wait_for_port(port: int, timeout: float = 30.0) -> None:
 
 
 class Proxy:
-    """Forwards 127.0.0.1:port to the server's port. `delay_s` is slept before each chunk
-    the server sends back (latency per response); `down()` closes every connection and
-    refuses new ones until `up()`."""
+    """Forwards 127.0.0.1:port to the server's port. `delay_s` is slept once before the
+    first bytes of the server's answer to each request (a first-byte latency per request,
+    what a distant bucket adds; the body then streams at loopback speed); `down()` closes
+    every connection and refuses new ones until `up()`."""
 
     METHODS = (b"GET ", b"PUT ", b"POST ", b"HEAD ", b"DELETE ", b"PATCH ")
 
@@ -88,19 +89,25 @@ class Proxy:
                 continue
             with self._lock:
                 self._conns += [client, server]
-            threading.Thread(target=self._pipe, args=(client, server, 0.0),
+            asked = threading.Event()  # a request went out; its answer is not begun yet
+            threading.Thread(target=self._pipe, args=(client, server, asked, True),
                              daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, None), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, asked, False),
+                             daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, delay) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, asked: threading.Event,
+              upstream: bool) -> None:
         try:
             while chunk := src.recv(1 << 16):
-                if delay is not None and chunk.startswith(self.METHODS):
+                if upstream and chunk.startswith(self.METHODS):
                     method = chunk.split(b" ", 1)[0].decode()
                     with self._lock:
                         self.requests[method] = self.requests.get(method, 0) + 1
-                if delay is None and self.delay_s:
-                    time.sleep(self.delay_s)
+                    asked.set()
+                if not upstream and asked.is_set():
+                    asked.clear()
+                    if self.delay_s:
+                        time.sleep(self.delay_s)
                 dst.sendall(chunk)
         except OSError:
             pass
