@@ -91,6 +91,41 @@ def _sums_of_squares(mesh):
                    out_shardings=None if mesh is None else NamedSharding(mesh, P()))
 
 
+def _as_words(x):
+    """A leaf's bits as unsigned words (one per element; two for 64-bit types)."""
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+@functools.lru_cache(maxsize=8)
+def _bit_sums(mesh):
+    """jit(leaves) -> [sum of each leaf's bits as uint32 words, wrapping], replicated:
+    integer addition modulo 2**32 is exact in any order, so the figure is the same on any
+    mesh and changes with almost any change of any bit."""
+    return jax.jit(lambda leaves: jnp.stack([jnp.sum(_as_words(x), dtype=jnp.uint32)
+                                             for x in leaves]),
+                   out_shardings=None if mesh is None else NamedSharding(mesh, P()))
+
+
+def tree_bits(tree) -> dict[str, int]:
+    """{'params/blocks/attn/w_q': the wrapping sum of its bits, ...} of every numeric leaf
+    (floating and integer): an exact fingerprint of the contents, where the sums of squares
+    (tree_sums) miss damage that leaves a leaf's magnitude (tiny values of Adam's second
+    moments turned tinier, an integer counter)."""
+    flat = [(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if jnp.issubdtype(leaf.dtype, jnp.number)]
+    if not flat:
+        return {}
+    leaves = [leaf if leaf.sharding.memory_kind in (None, "device")
+              else jax.device_put(leaf, leaf.sharding.with_memory_kind("device"))
+              for _, leaf in flat]
+    sharding = leaves[0].sharding
+    values = np.asarray(_bit_sums(
+        sharding.mesh if isinstance(sharding, NamedSharding) else None)(leaves))
+    return {"/".join(map(_key_name, path)): int(value)
+            for (path, _), value in zip(flat, values)}
+
+
 def tree_sums(tree) -> dict[str, float]:
     """{'params/blocks/attn/w_q': sum of its squares, ...} of every floating leaf of a pytree
     of arrays: a fingerprint of its contents, computed where the leaves lie (one jitted
@@ -220,7 +255,8 @@ class Checkpoints:
         self._raise_failure()
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(tree), config=ocp.args.JsonSave(config),
-            sums=ocp.args.JsonSave({"sum_of_squares": tree_sums(tree)})), force=True)
+            sums=ocp.args.JsonSave({"sum_of_squares": tree_sums(tree),
+                                    "bit_sums": tree_bits(tree)})), force=True)
 
     def wait(self) -> None:
         """Blocks until every started save is committed and has its manifest (and, for a
@@ -480,12 +516,14 @@ class Checkpoints:
         return self.manager.restore(step, args=ocp.args.Composite(
             config=ocp.args.JsonRestore())).config
 
-    def restore_sums(self, step: int) -> dict[str, float] | None:
-        """The tree_sums recorded when `step` was saved (None: saved before they were)."""
+    def restore_sums(self, step: int) -> dict | None:
+        """The fingerprints recorded when `step` was saved: {"sum_of_squares": tree_sums,
+        "bit_sums": tree_bits (absent before they were recorded)}; None: saved before
+        either was."""
         if not (self._local(step) / "sums").exists():
             return None
-        return self.manager.restore(step, args=ocp.args.Composite(
-            sums=ocp.args.JsonRestore())).sums["sum_of_squares"]
+        return dict(self.manager.restore(step, args=ocp.args.Composite(
+            sums=ocp.args.JsonRestore())).sums)
 
     def set_aside(self, step: int):
         """Moves a damaged step out of orbax's sight (so that the resumed run can save that

@@ -6,6 +6,7 @@ takes effect at once (B.12)."""
 
 import contextlib
 import json
+import math
 import os
 import pathlib
 import re
@@ -17,11 +18,14 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import small_config
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxtrain.checkpoint import Checkpoints, file_checksum
+from jaxtrain.checkpoint import Checkpoints, file_checksum, tree_bits, tree_sums
 from jaxtrain.commands import report
 from jaxtrain.data import make_batches
 from jaxtrain.errors import CheckpointError, ConfigError, DataError
@@ -30,7 +34,7 @@ from jaxtrain.train.evaluation import Evaluator
 from jaxtrain.train.guards import BadStepGuard
 from jaxtrain.train.hooks import Halt, StepInfo
 from jaxtrain.train.loop import run
-from jaxtrain.train.restore_check import first_loss_problem
+from jaxtrain.train.restore_check import contents_problem, first_loss_problem
 from jaxtrain.train.setup import build
 from jaxtrain.xla_flags import with_device_count
 
@@ -287,6 +291,34 @@ def test_every_checkpoint_is_checksummed_and_same_size_corruption_falls_back(
     assert _committed(tmp_path) == [2, 4, 6]
 
 
+def _flip_values(workdir, step, cfg, devices, size=8):
+    """Inverts `size` bytes of the step's largest state file where they change what the
+    step restores (or make it unreadable): in the middle, else further on. Where bytes land
+    in orbax's files varies with the order its writes finished; some are no value's (index,
+    padding), and damage there is no damage."""
+    target = build(cfg, devices[:1]).abstract_state().tree()
+    reader = Checkpoints(workdir / "checkpoints", keep=100, read_only=True)
+    before = jax.tree.map(np.asarray, reader.restore(step, target))
+    victim = max((p for p in (workdir / "checkpoints" / str(step) / "state").rglob("*")
+                  if p.is_file()), key=lambda p: p.stat().st_size)
+    original = victim.read_bytes()
+    for fraction in (0.5, 0.4, 0.6, 0.3, 0.7):
+        at = int(len(original) * fraction)
+        data = bytearray(original)
+        data[at:at + size] = bytes(b ^ 0xFF for b in data[at:at + size])
+        victim.write_bytes(bytes(data))
+        try:
+            after = jax.tree.map(np.asarray, reader.restore(step, target))
+        except Exception:  # noqa: BLE001 - unreadable is damage too
+            break
+        if any(not np.array_equal(a, b, equal_nan=True)
+               for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before))):
+            break
+    else:
+        pytest.fail(f"no flip of {size} bytes in {victim} changed step {step}")
+    reader.close()
+
+
 def _resave(workdir, step, cfg, devices, change, keep_sums=False):
     """Step `step` saved again with change(its tree), committed without a manifest; with
     keep_sums, the sums of squares recorded are the original ones (damage after the save)."""
@@ -329,7 +361,7 @@ def test_a_damaged_checkpoint_without_a_manifest_is_set_aside_not_vouched_for(
     # Step 12: 8 bytes inverted, as in the issue (where they land varies: NaN, a negative
     # second moment, or finite values far from the recorded sums of squares).
     (manifests / "12.json").unlink()
-    _flip_4kb(tmp_path / "checkpoints" / "12" / "state", size=8)
+    _flip_values(tmp_path, 12, cfg, devices)
     # Step 9: finite but absurd (seen from the issue's flip): only the sums show it.
     _resave(tmp_path, 9, cfg, devices, _huge_query_weight, keep_sums=True)
     # Step 6: damaged before it was saved: only the first step's loss shows it.
@@ -465,3 +497,23 @@ def test_a_prompt_longer_than_the_model_is_blamed_not_max_new_tokens():
     with pytest.raises(ConfigError, match=r"--max_new_tokens=30 is too many.*at most 22"):
         prompt_tokens(cfg, None, ["1"] * 10, max_new_tokens=30)
     assert jax.device_count() == 8
+
+
+def test_bit_sums_are_exact_on_any_mesh_and_see_what_squares_miss(devices):
+    # Adam's second moments are tiny: one made tinier leaves the sum of squares within its
+    # 1% tolerance, and only the exact bit sum (checkpoint.tree_bits) sees it.
+    nu = jnp.full((64, 32), 1e-8, jnp.float32).at[0, 0].set(4e-8)
+    tree = {"nu": nu, "count": jnp.array(12, jnp.int32), "w": jnp.arange(8, dtype=jnp.bfloat16)}
+    mesh = jax.sharding.Mesh(np.array(devices[:8]).reshape(8, 1), ("a", "b"))
+    spread = {"nu": jax.device_put(nu, NamedSharding(mesh, P("a", "b"))),
+              "count": tree["count"], "w": tree["w"]}
+    assert tree_bits(spread) == tree_bits(tree)  # wrapping integer sums: any order
+    damaged = dict(tree, nu=nu.at[0, 0].set(1e-30))
+    assert math.isclose(tree_sums(damaged)["nu"], tree_sums(tree)["nu"], rel_tol=0.01)
+    assert tree_bits(damaged)["nu"] != tree_bits(tree)["nu"]
+    assert tree_bits(dict(tree, count=jnp.array(13, jnp.int32)))["count"] == \
+        tree_bits(tree)["count"] + 1
+    saved = {"sum_of_squares": tree_sums(tree), "bit_sums": tree_bits(tree)}
+    assert contents_problem(tree, saved) is None
+    assert contents_problem(damaged, saved).startswith(
+        "its contents are not what was saved (the bits of nu sum to 0x")

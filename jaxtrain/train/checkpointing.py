@@ -82,12 +82,12 @@ def local_tier_dir(local_dir: str, workdir: pathlib.Path) -> pathlib.Path:
 @dataclasses.dataclass(frozen=True)
 class Restored:
     """Where a restored state came from: its step, its tier, the config it was saved with,
-    and its sums of squares as saved (None for a checkpoint from before they were)."""
+    and its fingerprints as saved (Checkpoints.restore_sums; None before they were)."""
 
     step: int
     tier: Checkpoints
     saved: dict
-    sums: dict[str, float] | None = None
+    sums: dict | None = None
 
 
 class Tiers:

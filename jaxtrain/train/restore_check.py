@@ -9,7 +9,9 @@ the disk) orbax restores the damage without complaint. So the state itself is ch
   in one jitted pass on the devices (one bool per leaf comes back); and every floating
   leaf's sum of squares as recorded when the step was saved (checkpoint.tree_sums: damage
   that leaves the values finite, such as a weight of -1.9e38, or zeros where a page never
-  reached the disk);
+  reached the disk), and every numeric leaf's exact sum of its bits (checkpoint.tree_bits:
+  damage the sums of squares cannot see, such as tiny second moments made tinier or an
+  integer counter);
 - after the first step: its loss finite, and near the loss metrics.jsonl logged for that
   step when there is such a row (a resume is bitwise the same run, so on the same mesh the
   two are equal; see LOSS_TOLERANCE), and the state the step produced finite (damage that
@@ -32,7 +34,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.checkpoint import tree_sums
+from jaxtrain.checkpoint import tree_bits, tree_sums
 from jaxtrain.optim import adam_moments, skipped_steps
 from jaxtrain.train.hooks import Hook, StepInfo
 from jaxtrain.train.state import TrainState, on_device
@@ -93,17 +95,26 @@ def state_problem(state: TrainState, shardings: TrainState) -> str | None:
             "values (it is a running mean of squares)")
 
 
-def contents_problem(tree: dict, saved: dict[str, float] | None) -> str | None:
-    """How a restored tree differs from the sums of squares recorded when it was saved
-    (None: it does not, or none were recorded)."""
+def contents_problem(tree: dict, saved: dict | None) -> str | None:
+    """How a restored tree differs from the fingerprints recorded when it was saved
+    (Checkpoints.restore_sums; None: it does not, or none were recorded): the sums of
+    squares first (their message says how far off a leaf is), then the exact bit sums."""
     if not saved:
         return None
     now = tree_sums(tree)
-    for name, before in saved.items():
+    for name, before in saved.get("sum_of_squares", {}).items():
         after = now.get(name, before)
         if not math.isclose(after, before, rel_tol=SUM_TOLERANCE):
             return (f"its contents are not what was saved (the sum of squares of {name} is "
                     f"{after:.6g}, saved as {before:.6g})")
+    bits = saved.get("bit_sums")
+    if bits:
+        now_bits = tree_bits(tree)
+        for name, before in bits.items():
+            after = now_bits.get(name, before)
+            if after != before:
+                return (f"its contents are not what was saved (the bits of {name} sum to "
+                        f"{after:#010x}, saved as {before:#010x})")
     return None
 
 
