@@ -107,42 +107,37 @@ def _bit_sums(mesh):
                    out_shardings=None if mesh is None else NamedSharding(mesh, P()))
 
 
+def _per_leaf(tree, kind, reducer) -> dict[str, np.ndarray]:
+    """{'params/blocks/attn/w_q': reducer's figure for that leaf, ...} for the leaves of
+    dtype `kind`, computed where they lie in one jitted pass (one small array comes back;
+    leaves offloaded to host memory are brought to the devices for it)."""
+    flat = [(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if jnp.issubdtype(leaf.dtype, kind)]
+    if not flat:
+        return {}
+    leaves = [leaf if leaf.sharding.memory_kind in (None, "device")
+              else jax.device_put(leaf, leaf.sharding.with_memory_kind("device"))
+              for _, leaf in flat]
+    sharding = leaves[0].sharding
+    values = np.asarray(reducer(
+        sharding.mesh if isinstance(sharding, NamedSharding) else None)(leaves))
+    return {"/".join(map(_key_name, path)): value for (path, _), value in zip(flat, values)}
+
+
 def tree_bits(tree) -> dict[str, int]:
     """{'params/blocks/attn/w_q': the wrapping sum of its bits, ...} of every numeric leaf
     (floating and integer): an exact fingerprint of the contents, where the sums of squares
     (tree_sums) miss damage that leaves a leaf's magnitude (tiny values of Adam's second
     moments turned tinier, an integer counter)."""
-    flat = [(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-            if jnp.issubdtype(leaf.dtype, jnp.number)]
-    if not flat:
-        return {}
-    leaves = [leaf if leaf.sharding.memory_kind in (None, "device")
-              else jax.device_put(leaf, leaf.sharding.with_memory_kind("device"))
-              for _, leaf in flat]
-    sharding = leaves[0].sharding
-    values = np.asarray(_bit_sums(
-        sharding.mesh if isinstance(sharding, NamedSharding) else None)(leaves))
-    return {"/".join(map(_key_name, path)): int(value)
-            for (path, _), value in zip(flat, values)}
+    return {name: int(v) for name, v in _per_leaf(tree, jnp.number, _bit_sums).items()}
 
 
 def tree_sums(tree) -> dict[str, float]:
     """{'params/blocks/attn/w_q': sum of its squares, ...} of every floating leaf of a pytree
-    of arrays: a fingerprint of its contents, computed where the leaves lie (one jitted
-    pass; one small array comes back) and the same on any mesh up to float reassociation.
-    Leaves offloaded to host memory are brought to the devices for it."""
-    flat = [(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-            if jnp.issubdtype(leaf.dtype, jnp.floating)]
-    if not flat:
-        return {}
-    leaves = [leaf if leaf.sharding.memory_kind in (None, "device")
-              else jax.device_put(leaf, leaf.sharding.with_memory_kind("device"))
-              for _, leaf in flat]
-    sharding = leaves[0].sharding
-    values = np.asarray(_sums_of_squares(
-        sharding.mesh if isinstance(sharding, NamedSharding) else None)(leaves))
-    return {"/".join(map(_key_name, path)): float(value)
-            for (path, _), value in zip(flat, values)}
+    of arrays: a fingerprint of its contents, the same on any mesh up to float
+    reassociation."""
+    return {name: float(v)
+            for name, v in _per_leaf(tree, jnp.floating, _sums_of_squares).items()}
 
 
 @contextlib.contextmanager
