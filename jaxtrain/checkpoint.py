@@ -51,7 +51,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import storage
-from jaxtrain.checkpoint_mirror import Mirror, Unreachable, first_line
+from jaxtrain.checkpoint_mirror import Mirror, Unreachable
 from jaxtrain.errors import CheckpointError, JaxtrainError
 
 __all__ = ["CheckpointError", "Checkpoints", "file_checksum"]
@@ -333,7 +333,7 @@ class Checkpoints:
                 self._failure = e  # raised by the next save or wait
                 return
             except Exception as e:  # noqa: BLE001 - an answer not foreseen: the run goes on
-                self._not_uploaded(step, first_line(e))
+                self._not_uploaded(step, storage.first_line(e))
 
     def _not_uploaded(self, step: int, reason: str) -> None:
         self._failed.add(step)
@@ -352,7 +352,7 @@ class Checkpoints:
                 return  # rotated while it was being uploaded; its delete comes next
             raise storage.user_error(e, "checkpoints", self.directory) or CheckpointError(
                 f"checkpoint step {step} could not be uploaded to {self.directory}: "
-                f"{first_line(e)}") from e
+                f"{storage.first_line(e)}") from e
         self._uploaded_path(step).touch()
         self._remote.add(step)
         self._remote_manifests[step] = json.loads(manifest)
@@ -439,7 +439,7 @@ class Checkpoints:
                 try:
                     saved, sums = self.restore_config(step), self.restore_sums(step)
                 except Exception as e:  # noqa: BLE001 - any failure to read is damage
-                    problem = f"its config cannot be read ({_first_line(e)})"
+                    problem = f"its config cannot be read ({storage.first_line(e)})"
             if problem is None:
                 check_config(step, saved, self.mismatch(step, target))
                 try:
@@ -450,9 +450,9 @@ class Checkpoints:
                         # (memory, I/O, a bug), so it stays where it is.
                         raise CheckpointError(
                             f"checkpoint step {step} in {self.directory} passed its checksums "
-                            f"but could not be restored ({_first_line(e)}); nothing was "
+                            f"but could not be restored ({storage.first_line(e)}); nothing was "
                             "moved") from e
-                    problem = f"it cannot be restored ({_first_line(e)})"
+                    problem = f"it cannot be restored ({storage.first_line(e)})"
                 else:
                     return step, restored, saved, sums
             self.set_aside_damaged(step, problem)
@@ -675,5 +675,3 @@ def _files_problem(root: pathlib.Path, files: dict, checksums: bool,
             return f"{named} has changed (checksum {file_checksum(path)}, recorded {digest})"
     return None
 
-
-_first_line = first_line

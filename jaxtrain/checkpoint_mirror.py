@@ -63,11 +63,6 @@ class Unreachable(CheckpointError):
         self.reason = reason
 
 
-def first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
-
-
 def _transient(error: BaseException) -> bool:
     """A lost connection, a timeout or a server error: worth trying again."""
     if isinstance(error, (FileNotFoundError, PermissionError)):
@@ -115,7 +110,7 @@ class Mirror:
             manifests = self._call("list", "_find", self.manifests)
         except FileNotFoundError as e:  # a prefix that does not exist lists as empty
             raise storage.user_error(e, "checkpoints", self.url) or CheckpointError(
-                f"checkpoints={self.url} cannot be listed ({first_line(e)})") from e
+                f"checkpoints={self.url} cannot be listed ({storage.first_line(e)})") from e
         return _steps(manifests, self.manifests, ".json"), _steps(objects, self.root)
 
     def manifest(self, step: int) -> bytes | None:
@@ -238,7 +233,7 @@ class Mirror:
                     raise
                 if time.monotonic() + delay > deadline:
                     raise Unreachable(
-                        f"checkpoints={self.url}: {what} failed ({first_line(e)}); retried "
-                        f"for {self.budget_s:g} s", first_line(e)) from e
+                        f"checkpoints={self.url}: {what} failed ({storage.first_line(e)}); retried "
+                        f"for {self.budget_s:g} s", storage.first_line(e)) from e
                 time.sleep(delay)
                 delay = min(2 * delay, 30.0)

@@ -80,7 +80,7 @@ class Lease:
             raise error from None
 
     def _acquire(self) -> None:
-        self._since = _now()
+        self._since = now()
         taken, seen = None, None
         for _ in range(4):  # a lease that vanishes or changes under us: look again
             if self._create():
@@ -112,9 +112,9 @@ class Lease:
                 if seen is not None and self._ours(seen):
                     self._delete_if_unchanged(seen)
             except Exception as e:
-                self.say(f"jaxtrain: could not release the lease {self.path} ({_short(e)}); "
-                         f"the next run takes it over {self.stale_s:g}s after its last "
-                         "heartbeat")
+                self.say(f"jaxtrain: could not release the lease {self.path} "
+                         f"({storage.first_line(e)}); the next run takes it over "
+                         f"{self.stale_s:g}s after its last heartbeat")
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
@@ -231,7 +231,7 @@ class Lease:
                 except Exception as e:  # the store unreachable: try again next beat
                     if not failing:
                         self.say(f"jaxtrain: could not renew the lease {self.path} "
-                                 f"({_short(e)}); retrying every {self.heartbeat_s:g}s")
+                                 f"({storage.first_line(e)}); retrying every {self.heartbeat_s:g}s")
                     failing = True
 
     def _renew(self) -> bool:
@@ -239,8 +239,8 @@ class Lease:
         `lost` set) when another run has taken it over."""
         seen = self._read()
         if seen is None or not self._ours(seen):
-            now = "it is gone" if seen is None else f"it is now held by {_describe(seen)}"
-            self.say(f"jaxtrain: lost the lease {self.path}: {now}; its heartbeat stopped")
+            where = "it is gone" if seen is None else f"it is now held by {_describe(seen)}"
+            self.say(f"jaxtrain: lost the lease {self.path}: {where}; its heartbeat stopped")
             self.lost.set()
             return False
         storage.atomic_write(self.path, self._blob())
@@ -274,7 +274,7 @@ def _seconds(name: str, given, default: float) -> float:
     return value
 
 
-def _now() -> str:
+def now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
@@ -349,9 +349,11 @@ def _describe(seen: Seen | None) -> str:
     holder = seen.holder if seen is not None else None
     if holder is None:
         return "another process (its lease is unreadable)"
+    return describe_holder(holder)
+
+
+def describe_holder(holder: dict) -> str:
+    """'pid 4242 on node-7 since ...': who holds a workdir, by lease or by flock."""
     return (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} since "
             f"{holder.get('since', '?')}")
 
-
-def _short(error: BaseException) -> str:
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"

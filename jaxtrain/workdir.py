@@ -8,7 +8,6 @@ layout is the same on both.
 
 from __future__ import annotations
 
-import datetime
 import fcntl
 import json
 import os
@@ -18,7 +17,7 @@ import sys
 
 from jaxtrain import storage
 from jaxtrain.errors import ConfigError
-from jaxtrain.lease import Lease
+from jaxtrain.lease import Lease, describe_holder, now
 
 # The layout of WORKDIR.
 CHECKPOINTS = "checkpoints"  # orbax steps (checkpoint.py), manifests beside them
@@ -102,12 +101,12 @@ class WorkdirLock:
                               "another --workdir") from None
         left = _read(handle)
         if left:
-            self.say(f"jaxtrain: taking over the lock of {_describe(left)}, which is no "
+            self.say(f"jaxtrain: taking over the lock of {describe_holder(left)}, which is no "
                      "longer running")
         handle.seek(0)
         handle.truncate()
         handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                 "since": _now(), "argv": sys.argv}) + "\n")
+                                 "since": now(), "argv": sys.argv}) + "\n")
         handle.flush()
         self.handle = handle
 
@@ -128,9 +127,6 @@ class WorkdirLock:
         self.release()
 
 
-def _now() -> str:
-    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-
 
 def _read(handle) -> dict:
     handle.seek(0)
@@ -140,14 +136,10 @@ def _read(handle) -> dict:
         return {}
 
 
-def _describe(holder: dict) -> str:
-    return (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} since "
-            f"{holder.get('since', '?')}")
-
 
 def _holder(path: pathlib.Path) -> str:
     try:
-        return _describe(json.loads(path.read_text() or "{}"))
+        return describe_holder(json.loads(path.read_text() or "{}"))
     except (OSError, ValueError):
         return "another process"
 
