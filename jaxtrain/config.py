@@ -31,10 +31,12 @@ from jaxtrain.mesh import (
 from jaxtrain.models import moe as moe_lib
 from jaxtrain.models import rope as rope_lib
 from jaxtrain.models.attention import KERNELS, resolve_attention
+from jaxtrain.models.context_attention import VARIANTS as CONTEXT_VARIANTS
+from jaxtrain.models.context_attention import resolve_variant
 from jaxtrain.models.families import FAMILIES
 from jaxtrain.models.remat import REMATS
 from jaxtrain.optim import SCHEDULES
-from jaxtrain.parallel.context import VARIANTS as CONTEXT_VARIANTS
+from jaxtrain.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from jaxtrain.precision import PRECISIONS
 from jaxtrain.sinks import validate_sinks
 from jaxtrain.storage import check_path
@@ -367,6 +369,23 @@ def _check_eval(c) -> None:
         check_text(c)
 
 
+def _check_on_mesh(c, sizes: dict[str, int], platform: str | None) -> None:
+    """Each chosen registry entry's own rules against the mesh sizes (what it cannot run
+    under); mesh.py checks only what the sizes must divide."""
+    m = c.model
+    PIPELINE_SCHEDULES[c.pipeline.schedule].validate(c, sizes)
+    if m.attention != "auto":
+        KERNELS[m.attention].check_mesh(c, sizes)
+    if sizes["context"] > 1:
+        variant = resolve_variant(m.context_attention, m.num_heads,
+                                  m.num_kv_heads or m.num_heads)
+        CONTEXT_VARIANTS[variant].validate(c, sizes)
+    if m.moe.num_experts:
+        dispatch = moe_lib.resolve_dispatch(m.moe.dispatch, platform or "")
+        moe_lib.DISPATCHES[dispatch].validate(c, sizes)
+    BACKENDS[c.eval.backend].check_mesh(c, sizes)
+
+
 def _check_batch(c, sizes: dict[str, int]) -> None:
     t = c.train
     if t.microbatches < 1 or t.global_batch % t.microbatches:
@@ -397,7 +416,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int,
                           ("model.remat", REMATS), ("train.precision", PRECISIONS),
                           ("optimizer.schedule", SCHEDULES), ("data.source", SOURCES),
                           ("eval.backend", BACKENDS), ("data.packing", PACKINGS),
-                          ("model.context_attention", CONTEXT_VARIANTS)):
+                          ("model.context_attention", ("auto", *CONTEXT_VARIANTS)),
+                          ("pipeline.schedule", PIPELINE_SCHEDULES)):
         _choice(c, key, tuple(registry))
     _check_model(c, platform)
     _check_eval(c)
@@ -405,5 +425,6 @@ def validate(c: ml_collections.ConfigDict, num_devices: int,
     SOURCES[c.data.source].validate(c)
     sizes = resolve_mesh_shape(c.mesh, num_devices)
     validate_axes(c, sizes)
+    _check_on_mesh(c, sizes, platform)
     _check_batch(c, sizes)
     return sizes

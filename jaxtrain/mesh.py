@@ -68,41 +68,6 @@ def _check_tensor(c, size: int) -> None:
              "mesh.sequence_parallel")
 
 
-def _check_pipeline(c, stages: int) -> None:
-    pc = c.pipeline
-    if pc.schedule not in ("gpipe", "circular"):
-        fail("pipeline.schedule", pc.schedule, "valid values are gpipe, circular")
-    if pc.microbatches < 1:
-        fail("pipeline.microbatches", pc.microbatches, "must be >= 1")
-    if pc.schedule == "gpipe" and pc.repeats != 1:
-        fail("pipeline.repeats", pc.repeats, "the gpipe schedule has one chunk per stage: "
-             "use 1, or pipeline.schedule='circular'")
-    if pc.schedule == "circular" and pc.repeats < 2:
-        fail("pipeline.repeats", pc.repeats, "the circular schedule needs >= 2 chunks per stage")
-    if stages == 1:
-        return
-    if pc.schedule == "circular" and pc.microbatches < stages:
-        fail("pipeline.microbatches", pc.microbatches,
-             f"the circular schedule needs at least mesh.pipeline={stages} micro-batches")
-    chunks = stages * pc.repeats
-    layers = c.model.num_layers
-    if c.model.moe.num_experts and c.model.moe.every_n_layers > 1:
-        # The pipeline splits the groups of every_n_layers layers the model scans over.
-        groups = layers // c.model.moe.every_n_layers
-        if groups % chunks:
-            fail("model.moe.every_n_layers", c.model.moe.every_n_layers,
-                 f"the {groups} groups of layers (one MoE layer each) must divide into "
-                 f"mesh.pipeline×pipeline.repeats={stages}×{pc.repeats} equal stages")
-    if layers % chunks:
-        below, above = layers - layers % chunks, layers + chunks - layers % chunks
-        options = [str(n) for n in (below, above) if n > 0]
-        repeats = [r for r in range(2, layers + 1) if layers % (stages * r) == 0]
-        hint = f"; or pipeline.repeats in {repeats}" if repeats and pc.schedule == "circular" \
-            else ""
-        fail("model.num_layers", layers, f"must divide into mesh.pipeline×pipeline.repeats="
-             f"{stages}×{pc.repeats} equal stages: use {' or '.join(options)}{hint}")
-
-
 def _check_expert(c, size: int) -> None:
     experts = c.model.moe.num_experts
     if size > 1 and not experts:
@@ -112,24 +77,9 @@ def _check_expert(c, size: int) -> None:
         fail("model.moe.num_experts", experts, f"must be divisible by mesh.expert={size}")
 
 
-# The context kernel (models/context_attention.py) visits a run in tiles of positions: query
-# tiles are folded with their R heads into R·QUERY_TILE rows, so a score tile is
-# [R·QUERY_TILE, KEY_TILE] float32 per (example, kv head). _check_context
-# refuses a run whose query tiles would fall under MIN_TILE positions.
-QUERY_TILE = 128
-KEY_TILE = 512
-MIN_TILE = 16
-
-
-def tile_size(length: int, limit: int) -> int:
-    """The largest divisor of a run's `length` that is at most `limit`: a tile's size."""
-    return next(length // n for n in range(1, length + 1)
-                if length % n == 0 and length // n <= limit)
-
-
 def _check_context(c, size: int) -> None:
     """Context parallelism (parallel/context.py): the sequence splits into C (2C balanced)
-    equal runs; attention is its own XLA kernel; what is not built for it is refused."""
+    equal runs. What runs under it is each registry entry's own check (config.validate)."""
     if size == 1:
         return
     m, runs = c.model, size * (2 if c.mesh.context_load_balance else 1)
@@ -137,33 +87,10 @@ def _check_context(c, size: int) -> None:
         how = f"2×mesh.context={runs} chunks (mesh.context_load_balance)" \
             if c.mesh.context_load_balance else f"mesh.context={size}"
         fail("model.seq_len", m.seq_len, f"must divide into {how}")
-    run = m.seq_len // runs
-    # A long run with no divisor of MIN_TILE..QUERY_TILE would loop over tiles of a few
-    # positions (a prime run: one).
-    query_tile = tile_size(run, QUERY_TILE)
-    if query_tile < min(run, MIN_TILE):
-        fail("model.seq_len", m.seq_len, f"leaves runs of {run} positions per context "
-             f"chunk, whose largest divisor up to {QUERY_TILE} is {query_tile}: the attention "
-             f"would run in tiles of {query_tile}; pick a length whose run has a divisor in "
-             f"{MIN_TILE}..{QUERY_TILE}")
     tensor = c.mesh.tensor * c.mesh.dcn_tensor
     if c.mesh.sequence_parallel and tensor > 0 and m.seq_len % (size * tensor):
         fail("model.seq_len", m.seq_len, f"must be divisible by mesh.context×mesh.tensor="
              f"{size * tensor} under mesh.sequence_parallel")
-    if m.attention not in ("auto", "xla", "chunked"):
-        fail("model.attention", m.attention, f"mesh.context={size} runs the context-parallel "
-             "attention (XLA blocks, model.context_attention); use auto, xla or chunked")
-    if c.mesh.pipeline != 1 or c.mesh.dcn_pipeline != 1:
-        fail("mesh.pipeline", c.mesh.pipeline, f"mesh.context={size} does not run under a "
-             "pipeline yet; use mesh.pipeline=1")
-    if c.model.moe.num_experts:
-        # Its routing statistics are per row, summed inside its shard_map: a row split over
-        # context would report one device's share.
-        fail("model.moe.num_experts", c.model.moe.num_experts, f"MoE layers do not run "
-             f"under mesh.context={size} yet; use 0 (dense) or mesh.context=1")
-    if str(c.eval.tasks).strip():
-        fail("eval.tasks", c.eval.tasks, f"task scoring does not run on a mesh with "
-             f"mesh.context={size}; score checkpoints with `jaxtrain eval --tasks`")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,8 +111,8 @@ class MeshAxis:
 # In mesh order, outermost first: the innermost axis gets the fastest links.
 AXES: dict[str, MeshAxis] = {a.name: a for a in (
     MeshAxis("data", "replicas of the model, each on a slice of the batch", batch=True),
-    MeshAxis("pipeline", "consecutive layers per stage, micro-batches flowing through",
-             _check_pipeline),
+    MeshAxis("pipeline", "consecutive layers per stage, micro-batches flowing through "
+             "(what it must divide: the schedule's check, parallel/pipeline.py SCHEDULES)"),
     MeshAxis("fsdp", "parameters, gradients and optimizer state sharded (ZeRO-3), batch "
              "split", _check_fsdp, batch=True),
     MeshAxis("expert", "MoE experts sharded, tokens exchanged by all-to-all; the batch "

@@ -153,55 +153,117 @@ def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
 
 
 def _entry_cases():
-    """(config overrides, registry, name, entry): a new choice, added as one entry."""
+    """(config overrides, registry, name, entry, devices): a new choice, added as one
+    entry; the first override is the choice, the others what it needs to run (an MoE
+    model, a context or pipeline axis of `devices`)."""
     import jax
 
     from jaxtrain.data.sources import SOURCES, DataSource, SyntheticWindows
     from jaxtrain.models.attention import KERNELS, AttentionKernel, xla_attention
+    from jaxtrain.models.context_attention import VARIANTS, ContextVariant
     from jaxtrain.models.families import FAMILIES, Family
+    from jaxtrain.models.moe import DISPATCHES, Dispatch, check_mesh
     from jaxtrain.models.remat import REMATS, Remat
+    from jaxtrain.parallel.pipeline import SCHEDULES, Schedule
     from jaxtrain.precision import PRECISIONS, Precision
 
     def constant_splits(c):
         return (SyntheticWindows(c.model.vocab_size, c.model.seq_len, 7),
                 SyntheticWindows(c.model.vocab_size, c.model.seq_len, 8, size=64))
 
+    moe = {"model.family": "llama", "model.num_kv_heads": 4, "model.moe.num_experts": 4,
+           "model.moe.top_k": 2}
+    ring = VARIANTS["ring"]
     return {
         "remat": ({"model.remat": "save_qkv"}, REMATS, "save_qkv", Remat(
             "save_qkv", "keep q, k, v", jax.checkpoint_policies.save_only_these_names(
-                "query_proj", "key_proj", "value_proj"), saves="input", recomputes="forward")),
+                "query_proj", "key_proj", "value_proj"), saves="input", recomputes="forward"),
+            1),
         "attention": ({"model.attention": "xla_copy"}, KERNELS, "xla_copy", AttentionKernel(
             "xla_copy", xla_attention, "the reference again", ("cpu", "gpu", "tpu"),
-            full_scores=True)),
+            full_scores=True), 1),
         "precision": ({"train.precision": "bf16_plain"}, PRECISIONS, "bf16_plain", Precision(
-            "bf16_plain", jax.numpy.bfloat16, "bf16 compute")),
+            "bf16_plain", jax.numpy.bfloat16, "bf16 compute"), 1),
         "data": ({"data.source": "seven"}, SOURCES, "seven", DataSource(
-            "seven", "synthetic tokens of another seed", constant_splits)),
+            "seven", "synthetic tokens of another seed", constant_splits), 1),
         "family": ({"model.family": "gpt2_rms"}, FAMILIES, "gpt2_rms", Family(
             "gpt2_rms", "GPT-2 with RMSNorm", norm="rms", bias=True, rope=False,
-            tied_embeddings=True, mlp="gelu")),
+            tied_embeddings=True, mlp="gelu"), 1),
+        # A dispatch path: buffers of every row (capacity_factor E/k: nothing drops).
+        "dispatch": ({"model.moe.dispatch": "padded_all", **moe,
+                      "model.moe.capacity_factor": 2.0}, DISPATCHES, "padded_all", Dispatch(
+            "padded_all", "capacity buffers", DISPATCHES["capacity"].run, (), check_mesh,
+            padded=True), 1),
+        "context": ({"model.context_attention": "ring2", "mesh.context": 2}, VARIANTS,
+                    "ring2", ContextVariant(
+            "ring2", "the ring again", ring.forward, ring.backward, grouped_kv=False,
+            check=ring.check, kv_blocks=2, hops=True), 2),
+        "schedule": ({"pipeline.schedule": "gpipe2", "mesh.pipeline": 2,
+                      "pipeline.microbatches": 2}, SCHEDULES, "gpipe2", Schedule(
+            "gpipe2", "one block per stage", SCHEDULES["gpipe"].check), 2),
     }
 
 
 @pytest.mark.slow  # trains two steps per case: a compile each
-@pytest.mark.parametrize("case", ["remat", "attention", "precision", "data", "family"])
+@pytest.mark.parametrize("case", ["remat", "attention", "precision", "data", "family",
+                                  "dispatch", "context", "schedule"])
 def test_a_new_choice_is_one_registry_entry(case, monkeypatch, devices):
-    """Adding a remat policy, an attention kernel, a precision, a data source or a model
-    family is one registry entry: validation accepts it, a typo lists it, and it trains."""
+    """Adding a remat policy, an attention kernel, a precision, a data source, a model
+    family, an MoE dispatch path, a context variant or a pipeline schedule is one
+    registry entry: validation accepts it, a typo lists it, the planner reads its
+    facts, and it trains."""
     import math
 
     from conftest import small_config
     from helpers import train_steps
 
+    from jaxtrain import hardware
     from jaxtrain.config import validate
     from jaxtrain.errors import ConfigError
+    from jaxtrain.plan.planner import make_plan
 
-    overrides, registry, name, entry = _entry_cases()[case]
+    overrides, registry, name, entry, count = _entry_cases()[case]
     key = next(iter(overrides))
     with pytest.raises(ConfigError, match=rf"{key}='{name}' is invalid"):
-        validate(small_config(**overrides), 1, "cpu")
+        validate(small_config(**overrides), count, "cpu")
     monkeypatch.setitem(registry, name, entry)
     with pytest.raises(ConfigError, match=rf"valid values are .*{name}"):
-        validate(small_config(**{key: name + "x"}), 1, "cpu")
-    losses, _, _ = train_steps(small_config(**overrides), devices[:1], steps=2)
+        validate(small_config(**{**overrides, key: name + "x"}), count, "cpu")
+    if case != "precision":  # hardware.MATMUL_PRECISION still maps precisions by name
+        plan = make_plan(small_config(**overrides), hardware.get("H100-SXM"), count)
+        assert plan["memory"]["total_bytes_per_device"] > 0
+    losses, _, _ = train_steps(small_config(**overrides), devices[:count], steps=2)
     assert all(math.isfinite(v) for v in losses) and losses[1] < losses[0] + 0.5
+
+
+# The choices whose names the planner must never branch on: it reads their entries' facts.
+def _feature_names() -> set[str]:
+    from jaxtrain.models.attention import KERNELS
+    from jaxtrain.models.context_attention import VARIANTS
+    from jaxtrain.models.moe import DISPATCHES
+    from jaxtrain.parallel.pipeline import SCHEDULES
+
+    return {*KERNELS, *VARIANTS, *DISPATCHES, *SCHEDULES}
+
+
+# plan/ modules that hold config values as data, not as branches: the test grid's configs
+# and the overrides the search generates.
+PLAN_DATA = ("grid.py", "search.py")
+
+
+def test_the_planner_names_no_kernel_or_variant():
+    """plan/ reads the facts of the registry entries (attention kernels, context variants,
+    MoE dispatch paths, pipeline schedules): no module compares against one's
+    name, and outside the config data (PLAN_DATA) none spells one."""
+    names = _feature_names()
+    for path in sorted((PACKAGE / "plan").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                for part in [node.left, *node.comparators]:
+                    assert not (isinstance(part, ast.Constant) and part.value in names), (
+                        f"plan/{path.name}:{node.lineno} branches on {part.value!r}")
+            if path.name not in PLAN_DATA and isinstance(node, ast.Constant):
+                assert node.value not in names, (
+                    f"plan/{path.name}:{node.lineno} names {node.value!r}: read a registry "
+                    "entry's fact instead")

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxtrain.errors import fail
 from jaxtrain.mesh import constrain
 from jaxtrain.models.chunked_attention import chunked_attention
 from jaxtrain.models.context_attention import context_attention
@@ -158,6 +159,9 @@ class AttentionKernel:
     # (0: none outside the kernel); its unrolled loop keeps several chunks' alive at once.
     query_chunk: int = 0
     sharded_by_rules: bool = False  # a custom call that shards itself by the logical rules
+    # Under mesh.context > 1 the context kernel (models/context_attention.py) runs in its
+    # place: naming it is accepted (it is an XLA kernel too); a custom kernel is refused.
+    under_context: bool = False
 
     def __call__(self, q_BLHK, k_BMGK, v_BMGK, window: int | None = None, rules=None,
                  segments_BL=None):
@@ -167,6 +171,14 @@ class AttentionKernel:
         if self.sharded_by_rules:
             extra["rules"] = rules
         return self.fn(q_BLHK, k_BMGK, v_BMGK, window, **extra)
+
+    def check_mesh(self, c, sizes: dict[str, int]) -> None:
+        """ConfigError when the mesh leaves this kernel out: under context parallelism."""
+        if sizes.get("context", 1) > 1 and not self.under_context:
+            able = ", ".join(k.name for k in KERNELS.values() if k.under_context)
+            fail("model.attention", c.model.attention, f"mesh.context={sizes['context']} "
+                 "runs the context-parallel attention (XLA blocks, model.context_attention); "
+                 f"use auto or {able}")
 
     def problem(self, precision: str, platform: str | None, seq_len: int,
                 window: int, documents: bool = False) -> str | None:
@@ -203,9 +215,9 @@ KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
                     window=False),
     AttentionKernel("chunked", chunked_attention, "flash-style causal attention in XLA: "
                     "query chunks, skipped masked blocks, no L×L buffers kept",
-                    ("cpu", "gpu", "tpu"), query_chunk=128),
+                    ("cpu", "gpu", "tpu"), query_chunk=128, under_context=True),
     AttentionKernel("xla", xla_attention, "the reference: full score matrix, mask, softmax",
-                    ("cpu", "gpu", "tpu"), full_scores=True),
+                    ("cpu", "gpu", "tpu"), full_scores=True, under_context=True),
 )}
 
 

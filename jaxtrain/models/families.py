@@ -28,6 +28,11 @@ class Family:
     def gated_mlp(self) -> bool:
         return self.mlp == "swiglu"
 
+    @property
+    def takes_experts(self) -> bool:
+        """MoE layers (models/moe.py) fit it: their experts are SwiGLU without biases."""
+        return self.gated_mlp and not self.bias
+
     def check(self, head_dim: int) -> None:
         """Raises ConfigError for a model shape this family cannot take."""
         if self.rope and head_dim % 2:

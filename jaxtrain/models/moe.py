@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -35,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.errors import fail
 from jaxtrain.mesh import logical_to_spec
+from jaxtrain.models.families import FAMILIES
 from jaxtrain.models.layers import param
 from jaxtrain.models.mlp import Mlp
 
@@ -47,23 +49,35 @@ STAT_NAMES = ("load", "prob", "z", "dropped")
 
 @dataclasses.dataclass(frozen=True)
 class Dispatch:
-    """One `model.moe.dispatch` value."""
+    """One `model.moe.dispatch` value: how an MoE layer runs its experts, its checks, and
+    the facts the planner counts its buffers and traffic from."""
 
     name: str
     doc: str
+    # (moe, axes, x_TD, route, experts, drop) -> (y_AD, dropped_A), both in the route's
+    # sorted row order.
+    run: Callable
     default_on: tuple[str, ...]  # 'auto' picks it on these platforms
+    # (config, mesh axis sizes) -> None, raising ConfigError: what it cannot run under.
+    check: Callable | None = None
+    # Planner: its buffers hold capacity_factor·k rows per token, padding included (else
+    # exactly the k routed rows), and the exchange moves the whole buffers;
+    padded: bool = False
+    # under expert parallelism each device provides room for every expert-axis peer's rows
+    # (the worst case: _dropless_exchanged);
+    peer_buffers: bool = False
+    # its experts are grouped matmuls (ragged_dot), which XLA:CPU expands into one masked
+    # dense matmul per local expert.
+    grouped_matmuls: bool = False
+
+    def validate(self, c, sizes: dict[str, int]) -> None:
+        if self.check is not None:
+            self.check(c, sizes)
 
 
-# XLA:CPU and (by default) XLA:GPU expand ragged_dot into E dense, masked matmuls (E× the
-# FLOPs: 7.3× slower than the dense matmul at 8 experts on this CPU, docs/benchmarks.md),
-# so 'auto' takes the capacity path there; TPUs run ragged_dot as a grouped matmul.
-DISPATCHES: dict[str, Dispatch] = {d.name: d for d in (
-    Dispatch("dropless", "tokens sorted by expert, grouped matmuls (jax.lax.ragged_dot); "
-             "nothing dropped", ("tpu",)),
-    Dispatch("capacity", "fixed [experts, capacity] buffers and batched matmuls; tokens past "
-             "an expert's capacity dropped", ("cpu", "gpu")),
-)}
-DISPATCH_CHOICES = ("auto", *DISPATCHES)
+def dispatch_choices() -> tuple[str, ...]:
+    """model.moe.dispatch's valid values (read when asked, so a new entry is one)."""
+    return ("auto", *DISPATCHES)
 
 
 def resolve_dispatch(name: str, platform: str) -> str:
@@ -129,9 +143,10 @@ def check(c, platform: str | None) -> None:
         return
     if moe.num_experts < 2:
         fail("model.moe.num_experts", moe.num_experts, "must be 0 (a dense model) or >= 2")
-    if m.family != "llama":
+    if not FAMILIES[m.family].takes_experts:
+        able = " or ".join(f"{f.name!r}" for f in FAMILIES.values() if f.takes_experts)
         fail("model.moe.num_experts", moe.num_experts, "experts are SwiGLU without biases: "
-             "MoE needs model.family='llama'")
+             f"MoE needs model.family={able}")
     if not 1 <= moe.top_k <= moe.num_experts:
         fail("model.moe.top_k", moe.top_k, f"must be between 1 and model.moe.num_experts="
              f"{moe.num_experts}")
@@ -150,8 +165,9 @@ def check(c, platform: str | None) -> None:
             fail(f"model.moe.{key}", moe[key], "must be >= 0")
     if moe.capacity_factor <= 0:
         fail("model.moe.capacity_factor", moe.capacity_factor, "must be > 0")
-    if moe.dispatch not in DISPATCH_CHOICES:
-        fail("model.moe.dispatch", moe.dispatch, f"valid values are {', '.join(DISPATCH_CHOICES)}")
+    if moe.dispatch not in dispatch_choices():
+        fail("model.moe.dispatch", moe.dispatch,
+             f"valid values are {', '.join(dispatch_choices())}")
 
 
 class MoeMlp(nnx.Module):
@@ -229,10 +245,7 @@ def _local(spec, axes: _Axes, drop: bool, x_BLD, w_router_DE, w_up_EDF, w_gate_E
     experts = (w_up_EDF.astype(dt), w_gate_EDF.astype(dt), w_down_EFD.astype(dt))
     x_TD = x_BLD.reshape(b * length, d)
     route = _route(moe, x_TD, w_router_DE)
-    if moe.dispatch == "dropless":
-        y_AD, dropped_A = _dropless(moe, axes, x_TD, route, experts)
-    else:
-        y_AD, dropped_A = _capacity(moe, axes, x_TD, route, experts, drop)
+    y_AD, dropped_A = DISPATCHES[moe.dispatch].run(moe, axes, x_TD, route, experts, drop)
     # Back to token order and summed over each token's k choices with its router weights.
     y_TKD = y_AD[route.inverse].reshape(b * length, moe.top_k, d)
     y_TD = jnp.einsum("tkd,tk->td", y_TKD, route.weights_TK.astype(y_TKD.dtype))
@@ -316,9 +329,11 @@ def _capacity(moe: MoeSpec, axes: _Axes, x_TD, route: _Route, experts, drop: boo
     return y_AD, ~kept_A
 
 
-def _dropless(moe: MoeSpec, axes: _Axes, x_TD, route: _Route, experts):
+def _dropless(moe: MoeSpec, axes: _Axes, x_TD, route: _Route, experts, drop: bool):
     """Sorted rows through grouped matmuls; across the expert axis, the rows for each
-    device's experts are exchanged (ragged) and regrouped by local expert there."""
+    device's experts are exchanged (ragged) and regrouped by local expert there. Nothing
+    drops, whatever `drop` says."""
+    del drop
     rows_AD = x_TD[route.order // moe.top_k]
     dropped_A = jnp.zeros(rows_AD.shape[0], bool)
     if axes.expert_shards == 1:
@@ -395,6 +410,28 @@ def _gathered_all_to_all(operand, output, input_offsets, send_sizes, output_offs
     source_R = jnp.argmax(hit_RS, axis=1)
     row_R = jnp.clip(from_S[source_R] + r[:, 0] - starts_S[source_R], 0, operand.shape[0] - 1)
     return jnp.where(hit_RS.any(1)[:, None], everyone[source_R, row_R], output)
+
+
+def check_mesh(c, sizes: dict[str, int]) -> None:
+    """What no dispatch path runs under yet: a row split over the context axis. Its
+    routing statistics are per row, summed inside the layer's shard_map: a row split over
+    context would report one device's share."""
+    if sizes.get("context", 1) > 1:
+        fail("model.moe.num_experts", c.model.moe.num_experts, f"MoE layers do not run "
+             f"under mesh.context={sizes['context']} yet; use 0 (dense) or mesh.context=1")
+
+
+# XLA:CPU and (by default) XLA:GPU expand ragged_dot into E dense, masked matmuls (E× the
+# FLOPs: 7.3× slower than the dense matmul at 8 experts on this CPU, docs/benchmarks.md),
+# so 'auto' takes the capacity path there; TPUs run ragged_dot as a grouped matmul.
+DISPATCHES: dict[str, Dispatch] = {d.name: d for d in (
+    Dispatch("dropless", "tokens sorted by expert, grouped matmuls (jax.lax.ragged_dot); "
+             "nothing dropped", _dropless, ("tpu",), check_mesh, peer_buffers=True,
+             grouped_matmuls=True),
+    Dispatch("capacity", "fixed [experts, capacity] buffers and batched matmuls; tokens past "
+             "an expert's capacity dropped", _capacity, ("cpu", "gpu"), check_mesh,
+             padded=True),
+)}
 
 
 def routing_losses(stats: dict, moe: MoeSpec, tokens: int) -> tuple[jax.Array, dict]:

@@ -12,6 +12,7 @@ from flax import nnx
 
 from jaxtrain.mesh import active_rules, constrain
 from jaxtrain.models.attention import Attention, resolve_attention
+from jaxtrain.models.context_attention import resolve_variant
 from jaxtrain.models.embedding import embed
 from jaxtrain.models.families import FAMILIES, Family
 from jaxtrain.models.layers import Norm, param
@@ -19,7 +20,7 @@ from jaxtrain.models.mlp import Mlp
 from jaxtrain.models.moe import STAT_NAMES, MoeMlp, MoeSpec, routing_losses
 from jaxtrain.models.remat import REMATS
 from jaxtrain.models.rope import RopeScaling
-from jaxtrain.parallel.context import ContextSpec, resolve_variant
+from jaxtrain.parallel.context import ContextSpec
 from jaxtrain.parallel.pipeline import PipelineSpec, pipeline
 from jaxtrain.precision import PRECISIONS
 

@@ -27,8 +27,6 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-VARIANTS = ("auto", "allgather", "ring")
-
 
 @dataclasses.dataclass(frozen=True)
 class ContextSpec:
@@ -36,7 +34,7 @@ class ContextSpec:
     whether the row is in the zig-zag order."""
 
     size: int
-    variant: str  # allgather | ring (resolved from auto)
+    variant: str  # a models/context_attention.py VARIANTS entry (resolved from auto)
     load_balance: bool
 
     def describe(self) -> str:
@@ -58,16 +56,6 @@ class ContextSpec:
             return np.arange(length, dtype=np.int32).reshape(c, length // c)
         chunks = np.arange(length, dtype=np.int32).reshape(2 * c, length // (2 * c))
         return np.concatenate([chunks[:c], chunks[c:][::-1]], axis=1)
-
-
-def resolve_variant(name: str, num_heads: int, num_kv_heads: int) -> str:
-    """`auto`: all-gather K/V when kv heads are grouped (GQA/MQA: K/V are a fraction of the
-    activations, so holding the row's K/V costs little and one collective replaces C−1
-    dependent hops), else the ring (each hop's transfer overlaps a block's compute, and a
-    device holds only two K/V blocks)."""
-    if name != "auto":
-        return name
-    return "allgather" if num_kv_heads < num_heads else "ring"
 
 
 def to_layout(x_BL, spec: ContextSpec | None):

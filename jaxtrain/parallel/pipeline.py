@@ -23,6 +23,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.errors import fail
 from jaxtrain.mesh import constrain
 
 
@@ -39,6 +40,69 @@ class PipelineSpec:
     @property
     def bubble(self) -> float:
         return (self.stages - 1) / self.iterations
+
+
+def _check_gpipe(c, stages: int) -> None:
+    if c.pipeline.repeats != 1:
+        fail("pipeline.repeats", c.pipeline.repeats, "the gpipe schedule has one chunk per "
+             "stage: use 1, or pipeline.schedule='circular'")
+
+
+def _check_circular(c, stages: int) -> None:
+    pc = c.pipeline
+    if pc.repeats < 2:
+        fail("pipeline.repeats", pc.repeats, "the circular schedule needs >= 2 chunks per stage")
+    if stages > 1 and pc.microbatches < stages:
+        fail("pipeline.microbatches", pc.microbatches,
+             f"the circular schedule needs at least mesh.pipeline={stages} micro-batches")
+
+
+def _check_stages(c, stages: int) -> None:
+    """What every schedule needs of the model: layers (and MoE layer groups) that divide
+    into mesh.pipeline × pipeline.repeats equal chunks."""
+    pc = c.pipeline
+    chunks = stages * pc.repeats
+    layers = c.model.num_layers
+    if c.model.moe.num_experts and c.model.moe.every_n_layers > 1:
+        # The pipeline splits the groups of every_n_layers layers the model scans over.
+        groups = layers // c.model.moe.every_n_layers
+        if groups % chunks:
+            fail("model.moe.every_n_layers", c.model.moe.every_n_layers,
+                 f"the {groups} groups of layers (one MoE layer each) must divide into "
+                 f"mesh.pipeline×pipeline.repeats={stages}×{pc.repeats} equal stages")
+    if layers % chunks:
+        below, above = layers - layers % chunks, layers + chunks - layers % chunks
+        options = [str(n) for n in (below, above) if n > 0]
+        repeats = [r for r in range(2, layers + 1) if layers % (stages * r) == 0]
+        hint = f"; or pipeline.repeats in {repeats}" if repeats and pc.repeats > 1 else ""
+        fail("model.num_layers", layers, f"must divide into mesh.pipeline×pipeline.repeats="
+             f"{stages}×{pc.repeats} equal stages: use {' or '.join(options)}{hint}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """One `pipeline.schedule` value. Every schedule runs in `pipeline` below, which the
+    number of chunks per stage (pipeline.repeats) shapes; the entry says which repeats it
+    takes (its check: (config, stages) -> None, raising ConfigError)."""
+
+    name: str
+    doc: str
+    check: Callable
+
+    def validate(self, c, sizes: dict[str, int]) -> None:
+        if c.pipeline.microbatches < 1:
+            fail("pipeline.microbatches", c.pipeline.microbatches, "must be >= 1")
+        self.check(c, sizes["pipeline"])
+        if sizes["pipeline"] > 1:
+            _check_stages(c, sizes["pipeline"])
+
+
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
+    Schedule("gpipe", "one contiguous block of layers per stage (pipeline.repeats=1)",
+             _check_gpipe),
+    Schedule("circular", "pipeline.repeats chunks per stage, visited in turn (a smaller "
+             "bubble; needs micro-batches >= stages)", _check_circular),
+)}
 
 
 def bubble_fraction(stages: int, repeats: int, microbatches: int) -> float:

@@ -18,12 +18,14 @@ import os
 import jax
 from flax import nnx
 
-from jaxtrain.mesh import KEY_TILE, QUERY_TILE, batch_shards, logical_to_spec
+from jaxtrain.mesh import batch_shards, logical_to_spec
 from jaxtrain.models import ModelSpec, Transformer
 from jaxtrain.models.attention import KERNELS
 from jaxtrain.models.chunked_attention import looped
 from jaxtrain.models.chunked_loop import key_block
+from jaxtrain.models.context_attention import KEY_TILE, QUERY_TILE, VARIANTS
 from jaxtrain.models.head_loss import chunk_size
+from jaxtrain.models.moe import DISPATCHES
 from jaxtrain.models.remat import REMATS
 
 F32 = 4
@@ -252,7 +254,8 @@ def _context_working(spec: ModelSpec, rows: float, sizes: dict, c: int) -> float
     gradients."""
     t, cp = sizes["tensor"], sizes["context"]
     kv_row = rows * spec.seq_len * 2 * spec.num_kv_heads * spec.head_dim / t
-    held = kv_row if spec.context.variant == "allgather" else 2 * kv_row / cp
+    blocks = VARIANTS[spec.context.variant].kv_blocks  # None: the row's C blocks
+    held = kv_row if blocks is None else blocks * kv_row / cp
     dq = rows * spec.seq_len / cp * spec.num_heads * spec.head_dim / t * F32
     run = spec.seq_len / cp / spec.context.chunks_per_device
     tile = rows * spec.num_heads / t * min(run, QUERY_TILE) * min(run, KEY_TILE) * F32
@@ -279,9 +282,10 @@ def routed_rows(spec: ModelSpec, tokens: float, sizes: dict[str, int]) -> float:
     dropless expert parallelism the worst-case buffer every device provides (all rows of
     all expert-axis peers: expert·T·k, models/moe.py _dropless_exchanged)."""
     moe = spec.moe
+    dispatch = DISPATCHES[moe.dispatch]
     per_token = min(moe.num_experts, moe.capacity_factor * moe.top_k) \
-        if moe.dispatch == "capacity" else moe.top_k
-    if moe.dispatch == "dropless" and sizes.get("expert", 1) > 1:
+        if dispatch.padded else moe.top_k
+    if dispatch.peer_buffers and sizes.get("expert", 1) > 1:
         per_token *= sizes["expert"]
     return tokens * per_token
 
@@ -297,7 +301,8 @@ def _moe_layer_delta(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     tokens = rows * spec.seq_len
     routed = routed_rows(spec, tokens, sizes)
     f_e, d = moe.expert_mlp_dim / t, spec.d_model
-    if saved == "all" and moe.dispatch == "dropless" and not moe.ragged_collectives:
+    if saved == "all" and DISPATCHES[moe.dispatch].grouped_matmuls \
+            and not moe.ragged_collectives:
         # XLA:CPU expands ragged_dot into one masked dense matmul per (local) expert: while
         # a layer runs, its hidden activations exist once per expert.
         f_e *= moe.num_experts / sizes.get("expert", 1)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from jaxtrain.mesh import batch_shards
 from jaxtrain.models import ModelSpec
 from jaxtrain.models.attention import KERNELS
+from jaxtrain.models.context_attention import VARIANTS
 from jaxtrain.models.flops import attention_flops_per_token, flops_per_token, matmul_params
 from jaxtrain.models.remat import REMATS
 from jaxtrain.parallel.context import imbalance
@@ -135,8 +136,8 @@ def _expert(x: Ctx) -> Traffic:
         return Traffic(0.0, 0)
     p, t, f = x.sizes["pipeline"], x.sizes["tensor"], x.sizes["fsdp"]
     layers = moe.layers(x.spec.num_layers) // p
-    rows = routed_rows(x.spec, x.rows * x.spec.seq_len, {}) if moe.dispatch == "capacity" \
-        else x.rows * x.spec.seq_len * moe.top_k  # ragged: only the rows routed
+    # The rows exchanged: the whole padded buffers, or (ragged) only the rows routed.
+    rows = routed_rows(x.spec, x.rows * x.spec.seq_len, {})
     n = x.micro * layers * x.passes * 2
     exchange = n * _ring(e) * rows * x.spec.d_model * x.c
     experts_here = layers * moe.num_experts / e * 3 * x.spec.d_model * moe.expert_mlp_dim \
@@ -157,7 +158,7 @@ def _context(x: Ctx) -> Traffic:
         return Traffic(0.0, 0)
     layers = spec.num_layers // x.sizes["pipeline"]
     kv_elems = spec.seq_len * 2 * spec.num_kv_heads * spec.head_dim / x.sizes["tensor"]
-    hops = (cp - 1) if spec.context.variant == "ring" else 1
+    hops = (cp - 1) if VARIANTS[spec.context.variant].hops else 1
     per_layer = x.passes * kv_elems * x.c + kv_elems * F32  # K/V each pass, dK/dV once
     n = x.micro * layers
     return Traffic(n * x.rows * _ring(cp) * per_layer, n * x.passes * hops)

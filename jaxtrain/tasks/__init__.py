@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from jaxtrain.errors import require_package
+from jaxtrain.errors import fail, require_package
 from jaxtrain.tasks import harness
 from jaxtrain.tasks.spec import TaskResults, TaskSpec, split_list
 
@@ -33,6 +33,14 @@ class TaskBackend:
     def check(self, key: str) -> None:
         """ConfigError (one line, naming key) when the backend's package is missing."""
         require_package(self.module, f"{key}={self.name!r}", self.install)
+
+    def check_mesh(self, c, sizes: dict[str, int]) -> None:
+        """ConfigError when the loop's task scoring (scoring.Scorer, which every backend
+        scores with) cannot run on this mesh: a sequence split over context."""
+        if str(c.eval.tasks).strip() and sizes.get("context", 1) > 1:
+            fail("eval.tasks", c.eval.tasks, f"task scoring does not run on a mesh with "
+                 f"mesh.context={sizes['context']}; score checkpoints with `jaxtrain eval "
+                 "--tasks`")
 
 
 BACKENDS: dict[str, TaskBackend] = {b.name: b for b in (
