@@ -35,7 +35,7 @@ from jaxtrain.models.context_attention import VARIANTS as CONTEXT_VARIANTS
 from jaxtrain.models.context_attention import resolve_variant
 from jaxtrain.models.families import FAMILIES
 from jaxtrain.models.remat import REMATS
-from jaxtrain.optim import SCHEDULES
+from jaxtrain.optim import OPTIMIZERS, SCHEDULES
 from jaxtrain.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from jaxtrain.precision import PRECISIONS
 from jaxtrain.sinks import validate_sinks
@@ -146,6 +146,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.profile.num_steps = 3
 
     c.optimizer = ml_collections.ConfigDict()
+    c.optimizer.name = "adamw"  # optim.py OPTIMIZERS: adamw, lion
     c.optimizer.lr = 3e-4
     c.optimizer.warmup_steps = 10
     c.optimizer.schedule = "cosine"
@@ -417,12 +418,14 @@ def validate(c: ml_collections.ConfigDict, num_devices: int,
                           ("optimizer.schedule", SCHEDULES), ("data.source", SOURCES),
                           ("eval.backend", BACKENDS), ("data.packing", PACKINGS),
                           ("model.context_attention", ("auto", *CONTEXT_VARIANTS)),
-                          ("pipeline.schedule", PIPELINE_SCHEDULES)):
+                          ("pipeline.schedule", PIPELINE_SCHEDULES),
+                          ("optimizer.name", OPTIMIZERS)):
         _choice(c, key, tuple(registry))
     _check_model(c, platform)
     _check_eval(c)
     validate_sinks(c)
     SOURCES[c.data.source].validate(c)
+    OPTIMIZERS[c.optimizer.name].validate(c)
     sizes = resolve_mesh_shape(c.mesh, num_devices)
     validate_axes(c, sizes)
     _check_on_mesh(c, sizes, platform)

@@ -1,7 +1,10 @@
-"""Optimizer: AdamW with warmup and decay, global-norm clipping, a weight-decay mask, and
-skipping of non-finite steps."""
+"""Optimizer: one OPTIMIZERS entry (AdamW, Lion) with warmup and decay, global-norm
+clipping, a weight-decay mask, and skipping of non-finite steps."""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import jax
 import optax
@@ -41,12 +44,50 @@ def decay_mask(params, decay_embeddings: bool):
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """One `optimizer.name` value: the optax update rule, its checks, and the planner's
+    fact about its state."""
+
+    name: str
+    doc: str
+    # (schedule, cfg.optimizer, decay mask: params -> bool tree) -> the update rule, before
+    # clipping and the non-finite skip (make_optimizer adds both).
+    make: Callable
+    # Planner: float32 values of optimizer state per parameter (sharded like the params).
+    state_per_param: int
+    check: Callable | None = None  # (config) -> None, raising ConfigError
+
+    def validate(self, c) -> None:
+        if self.check is not None:
+            self.check(c)
+
+
+def _adamw(schedule, o, mask):
+    return optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                       mask=mask)
+
+
+def _lion(schedule, o, mask):
+    # Lion's update is a sign: every entry moves by lr, so it wants 3-10× AdamW's lr
+    # smaller and its weight decay that much larger (Chen et al. 2023).
+    return optax.lion(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=mask)
+
+
+OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
+    Optimizer("adamw", "Adam with decoupled weight decay (b1, b2, eps)", _adamw,
+              state_per_param=2),
+    Optimizer("lion", "Lion (sign of an interpolated momentum; b1, b2): one moment, half "
+              "AdamW's state", _lion, state_per_param=1),
+)}
+
+
 def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
     o = cfg.optimizer
     schedule = make_schedule(cfg)
-    adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                        mask=lambda p: decay_mask(p, o.decay_embeddings))
-    inner = optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw) if o.clip_norm > 0 else adamw
+    rule = OPTIMIZERS[o.name].make(schedule, o, lambda p: decay_mask(p, o.decay_embeddings))
+    inner = optax.chain(optax.clip_by_global_norm(o.clip_norm), rule) if o.clip_norm > 0 \
+        else rule
     # A step with non-finite gradients leaves params and moments untouched, however many come
     # in a row: the loop, not optax, stops the run after train.max_consecutive_bad_steps.
     return optax.apply_if_finite(inner, max_consecutive_errors=NEVER), schedule
@@ -63,5 +104,6 @@ def skipped_steps(opt_state) -> tuple:
 
 
 def adam_moments(opt_state) -> tuple:
-    """(mu, nu): Adam's first and second moments, trees shaped like the parameters."""
+    """(mu, nu): Adam's first and second moments, trees shaped like the parameters (None
+    for a moment the optimizer does not keep: Lion has no nu)."""
     return optax.tree_utils.tree_get(opt_state, "mu"), optax.tree_utils.tree_get(opt_state, "nu")

@@ -157,6 +157,7 @@ def _entry_cases():
     entry; the first override is the choice, the others what it needs to run (an MoE
     model, a context or pipeline axis of `devices`)."""
     import jax
+    import optax
 
     from jaxtrain.data.sources import SOURCES, DataSource, SyntheticWindows
     from jaxtrain.models.attention import KERNELS, AttentionKernel, xla_attention
@@ -164,6 +165,7 @@ def _entry_cases():
     from jaxtrain.models.families import FAMILIES, Family
     from jaxtrain.models.moe import DISPATCHES, Dispatch, check_mesh
     from jaxtrain.models.remat import REMATS, Remat
+    from jaxtrain.optim import OPTIMIZERS, Optimizer
     from jaxtrain.parallel.pipeline import SCHEDULES, Schedule
     from jaxtrain.precision import PRECISIONS, Precision
 
@@ -201,16 +203,21 @@ def _entry_cases():
         "schedule": ({"pipeline.schedule": "gpipe2", "mesh.pipeline": 2,
                       "pipeline.microbatches": 2}, SCHEDULES, "gpipe2", Schedule(
             "gpipe2", "one block per stage", SCHEDULES["gpipe"].check), 2),
+        "optimizer": ({"optimizer.name": "sgd_momentum", "optimizer.lr": 0.1}, OPTIMIZERS,
+                      "sgd_momentum", Optimizer(
+            "sgd_momentum", "SGD with heavy-ball momentum b1",
+            lambda schedule, o, mask: optax.sgd(schedule, momentum=o.b1),
+            state_per_param=1), 1),
     }
 
 
 @pytest.mark.slow  # trains two steps per case: a compile each
 @pytest.mark.parametrize("case", ["remat", "attention", "precision", "data", "family",
-                                  "dispatch", "context", "schedule"])
+                                  "dispatch", "context", "schedule", "optimizer"])
 def test_a_new_choice_is_one_registry_entry(case, monkeypatch, devices):
     """Adding a remat policy, an attention kernel, a precision, a data source, a model
-    family, an MoE dispatch path, a context variant or a pipeline schedule is one
-    registry entry: validation accepts it, a typo lists it, the planner reads its
+    family, an MoE dispatch path, a context variant, a pipeline schedule or an optimizer
+    is one registry entry: validation accepts it, a typo lists it, the planner reads its
     facts, and it trains."""
     import math
 
@@ -241,9 +248,10 @@ def _feature_names() -> set[str]:
     from jaxtrain.models.attention import KERNELS
     from jaxtrain.models.context_attention import VARIANTS
     from jaxtrain.models.moe import DISPATCHES
+    from jaxtrain.optim import OPTIMIZERS
     from jaxtrain.parallel.pipeline import SCHEDULES
 
-    return {*KERNELS, *VARIANTS, *DISPATCHES, *SCHEDULES}
+    return {*KERNELS, *VARIANTS, *DISPATCHES, *SCHEDULES, *OPTIMIZERS}
 
 
 # plan/ modules that hold config values as data, not as branches: the test grid's configs
@@ -253,7 +261,7 @@ PLAN_DATA = ("grid.py", "search.py")
 
 def test_the_planner_names_no_kernel_or_variant():
     """plan/ reads the facts of the registry entries (attention kernels, context variants,
-    MoE dispatch paths, pipeline schedules): no module compares against one's
+    MoE dispatch paths, pipeline schedules, optimizers): no module compares against one's
     name, and outside the config data (PLAN_DATA) none spells one."""
     names = _feature_names()
     for path in sorted((PACKAGE / "plan").glob("*.py")):

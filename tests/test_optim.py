@@ -90,3 +90,23 @@ def test_a_rule_listing_several_mesh_axes_is_all_or_nothing():
     rules = (("batch", ("data", "fsdp")), ("embed", "fsdp"), ("other", ("fsdp", "tensor")))
     assert logical_to_spec(("embed", "other"), rules) == P("fsdp", None)
     assert logical_to_spec(("other", "embed"), rules) == P(("fsdp", "tensor"), None)
+
+
+def test_lion_trains_and_the_planner_counts_its_one_moment(devices):
+    """Lion (optim.OPTIMIZERS) lowers the loss, keeps one moment (no Adam nu), and the
+    planner's optimizer state is half AdamW's, from the entry's state_per_param."""
+    from helpers import train_steps
+
+    from jaxtrain.config import validate
+    from jaxtrain.optim import adam_moments
+    from jaxtrain.plan import memory
+
+    cfg = small_config(**{"optimizer.name": "lion", "optimizer.lr": 3e-4, "steps": 100})
+    losses, _, state = train_steps(cfg, devices[:1], steps=4)
+    assert losses[-1] < losses[0]
+    mu, nu = adam_moments(state.opt_state)
+    assert mu is not None and nu is None
+    sizes = validate(cfg, 1)
+    lion = memory.estimate(cfg, sizes)["optimizer"]
+    adamw = memory.estimate(small_config(), sizes)["optimizer"]
+    assert lion == adamw / 2

@@ -27,6 +27,7 @@ from jaxtrain.models.context_attention import KEY_TILE, QUERY_TILE, VARIANTS
 from jaxtrain.models.head_loss import chunk_size
 from jaxtrain.models.moe import DISPATCHES
 from jaxtrain.models.remat import REMATS
+from jaxtrain.optim import OPTIMIZERS
 
 F32 = 4
 # How close the estimate is held to XLA's compiled figure (estimate / XLA) on every stored
@@ -381,7 +382,8 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
                                                                          saved, c, k)
 
     params = shards["total"] * F32  # float32 master weights, whatever train.precision
-    opt = 2 * shards["total"] * F32  # Adam mu and nu mirror the params
+    # The optimizer's state mirrors the params (AdamW: mu and nu).
+    opt = OPTIMIZERS[cfg.optimizer.name].state_per_param * shards["total"] * F32
     # Gradients in float32 like the params; accumulating over micro-batches holds the sum
     # and the current micro-batch's gradients at once.
     grads = shards["total"] * F32 * (2 if micro > 1 else 1)
