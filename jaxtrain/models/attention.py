@@ -32,7 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.errors import fail
 from jaxtrain.mesh import constrain
-from jaxtrain.models.chunked_attention import chunked_attention
+from jaxtrain.models.chunked_attention import chunked_attention, loop_tile
 from jaxtrain.models.context_attention import context_attention
 from jaxtrain.models.cudnn_attention import cudnn_attention
 from jaxtrain.models.layers import dense, param
@@ -158,6 +158,9 @@ class AttentionKernel:
     # Planner: rows of the query chunks whose float32 scores against their keys XLA forms
     # (0: none outside the kernel); its unrolled loop keeps several chunks' alive at once.
     query_chunk: int = 0
+    # Planner: (seq_len, query_chunk) -> key columns of the [query chunk, key] float32 tile
+    # a looped form keeps instead (0: it unrolls at this length); None: never loops.
+    loop_tile: Callable | None = None
     sharded_by_rules: bool = False  # a custom call that shards itself by the logical rules
     # Under mesh.context > 1 the context kernel (models/context_attention.py) runs in its
     # place: naming it is accepted (it is an XLA kernel too); a custom kernel is refused.
@@ -215,7 +218,8 @@ KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
                     window=False),
     AttentionKernel("chunked", chunked_attention, "flash-style causal attention in XLA: "
                     "query chunks, skipped masked blocks, no L×L buffers kept",
-                    ("cpu", "gpu", "tpu"), query_chunk=128, under_context=True),
+                    ("cpu", "gpu", "tpu"), query_chunk=128, loop_tile=loop_tile,
+                    under_context=True),
     AttentionKernel("xla", xla_attention, "the reference: full score matrix, mask, softmax",
                     ("cpu", "gpu", "tpu"), full_scores=True, under_context=True),
 )}

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.models.chunked_loop import attention as _looped_attention
+from jaxtrain.models.chunked_loop import key_block
 
 # The unrolled kernel below serves sequences of up to this many query chunks (2048 tokens in
 # 128-row chunks): each chunk is one large matmul against its whole key prefix, the fastest
@@ -216,3 +217,9 @@ def looped(length: int, block: int) -> bool:
     """Whether a sequence of `length` goes through the looped kernel: more query chunks than
     UNROLL_MAX_CHUNKS, and whole chunks (the loop slices fixed-size blocks)."""
     return length % block == 0 and length // block > UNROLL_MAX_CHUNKS
+
+
+def loop_tile(length: int, block: int) -> int:
+    """Key columns of the [query chunk, key block] tile the looped kernel forms for a
+    sequence of `length` (0: the unrolled kernel runs it): the planner's fact."""
+    return key_block(length, block) if looped(length, block) else 0

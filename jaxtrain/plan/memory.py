@@ -21,8 +21,6 @@ from flax import nnx
 from jaxtrain.mesh import batch_shards, logical_to_spec
 from jaxtrain.models import ModelSpec, Transformer
 from jaxtrain.models.attention import KERNELS
-from jaxtrain.models.chunked_attention import looped
-from jaxtrain.models.chunked_loop import key_block
 from jaxtrain.models.context_attention import KEY_TILE, QUERY_TILE, VARIANTS
 from jaxtrain.models.head_loss import chunk_size
 from jaxtrain.models.moe import DISPATCHES
@@ -263,15 +261,16 @@ def _context_working(spec: ModelSpec, rows: float, sizes: dict, c: int) -> float
     return held * (c + F32) + dq + 4 * tile
 
 
-def _chunked_working(spec: ModelSpec, rows: float, t: int, block: int, k: Factors) -> float:
+def _chunked_working(spec: ModelSpec, rows: float, t: int, kernel, k: Factors) -> float:
     """The chunked kernel's float32 score buffers while a layer's attention runs: up to
     UNROLL_MAX_CHUNKS query chunks its unrolled loop forms each chunk against its key
     prefix, and XLA keeps several chunks' alive at once; longer sequences loop over
     [chunk, key block] tiles (chunked_loop.py), one tile's scores, probabilities and their
     gradients at a time."""
-    heads = rows * spec.num_heads / t
-    if looped(spec.seq_len, block):
-        return k.loop_tiles * heads * block * key_block(spec.seq_len, block) * F32
+    heads, block = rows * spec.num_heads / t, kernel.query_chunk
+    tile = kernel.loop_tile(spec.seq_len, block) if kernel.loop_tile else 0
+    if tile:
+        return k.loop_tiles * heads * block * tile * F32
     chunks = math.ceil(spec.seq_len / block)
     return (k.chunk_scores + k.chunk_scores_per_chunk * chunks) * (
         heads * min(block, spec.seq_len) * spec.seq_len * F32)
@@ -345,9 +344,9 @@ def _backward_working(spec: ModelSpec, rows: float, sizes: dict, saved: str, c: 
     working += k.grad_working * one_layer + k.rope_f32 * _rotated(spec, rows, sizes)
     if spec.context is not None:
         return working + _context_working(spec, rows, sizes, c)
-    block = KERNELS[spec.attention].query_chunk
-    if block:
-        working += _chunked_working(spec, rows, sizes["tensor"], block, k)
+    kernel = KERNELS[spec.attention]
+    if kernel.query_chunk:
+        working += _chunked_working(spec, rows, sizes["tensor"], kernel, k)
     return working
 
 
