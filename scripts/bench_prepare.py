@@ -8,7 +8,7 @@ Both sides tokenize the same files (this Python's standard library, each file on
 (trained here once, or --tokenizer) through the same call
 (`tokenizers.Tokenizer.encode_batch_fast`), one thread per process
 (TOKENIZERS_PARALLELISM=false), N processes:
-- ours: `jaxtrain.data.prepare.prepare(...)` from the files to a finished dataset directory
+- ours: `jaxtrain.prepare.pipeline.prepare(...)` from the files to a finished dataset directory
   (read, decode, tokenize, write shards and index, manifest);
 - theirs: `datasets.load_dataset("text", sample_by="document", encoding_errors="replace")`
   (a few stdlib files are not UTF-8) then
@@ -41,9 +41,9 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before tokenizers is imported 
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from jaxtrain.data import prepare as prepare_lib  # noqa: E402
 from jaxtrain.data.stdlib import stdlib_files  # noqa: E402
 from jaxtrain.data.tokenizers import HF_FILE, load_tokenizer  # noqa: E402
+from jaxtrain.prepare import pipeline as prepare_lib  # noqa: E402
 
 
 def cpu_seconds() -> float:

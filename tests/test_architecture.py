@@ -3,6 +3,7 @@ imports except where a dependency must load late (jax after a re-exec or fake-de
 or is heavy and optional."""
 
 import ast
+import os
 import pathlib
 
 import pytest
@@ -16,7 +17,7 @@ LAYERS = [
     ("mesh",),
     ("parallel",),
     ("models",),
-    ("data", "optim", "checkpoint", "checkpoint_mirror", "workdir", "metrics", "sinks",
+    ("data", "prepare", "optim", "checkpoint", "checkpoint_mirror", "workdir", "metrics", "sinks",
      "metrics_log", "tasks"),
     ("config",),
     ("train.state", "train.step", "train.setup", "train.faults", "train.hooks",
@@ -136,6 +137,39 @@ def test_function_level_imports_only_where_needed():
             found.append(f"jaxtrain/{path.relative_to(PACKAGE)}:{line} imports {name} inside "
                          "a function")
     assert not found, "\n".join(found)
+
+
+# Who may import the offline preparation package (jaxtrain/prepare/): its command only.
+# Training, evaluation and the rest read prepared datasets through jaxtrain.data.
+PREPARE_IMPORTED_BY = ("prepare", "commands.prepare")
+
+
+def test_only_the_prepare_command_imports_the_offline_package():
+    found = [f"jaxtrain/{path.relative_to(PACKAGE)}:{line} {module} imports {target}"
+             for module, path in _modules() if module
+             and not module.startswith(PREPARE_IMPORTED_BY)
+             for target, line, _ in _package_imports(path)
+             if target == "prepare" or target.startswith("prepare.")]
+    assert not found, "\n".join(found)
+
+
+def test_the_offline_package_imports_no_jax():
+    """Every module of jaxtrain/prepare/, imported in a fresh process, loads neither jax nor
+    grain: a prepare and each of its spawned workers stay light (jaxtrain.data's lazy
+    __getattr__ is what keeps `import jaxtrain.data.x` from loading the grain pipeline)."""
+    import subprocess
+    import sys
+
+    modules = sorted(f"jaxtrain.{m}" for m, _ in _modules() if m.startswith("prepare"))
+    code = ("import importlib, sys\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'grain'))\n"
+            "print(heavy)\n"
+            "sys.exit(1 if heavy else 0)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=PACKAGE.parent, env={**os.environ,
+                                                    "PYTHONPATH": str(PACKAGE.parent)})
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):

@@ -13,11 +13,11 @@ from flax import nnx
 from helpers import assert_params_close, train_steps
 
 from jaxtrain.config import validate
-from jaxtrain.data import prepare as P
 from jaxtrain.data.batches import make_batches
 from jaxtrain.data.dataset import PreparedDataset
 from jaxtrain.data.packing import Packed, PackedDocuments
 from jaxtrain.errors import ConfigError
+from jaxtrain.prepare import pipeline as P
 from jaxtrain.train.setup import build
 from jaxtrain.train.step import counted_targets, loss_fn
 

@@ -14,11 +14,11 @@ import pytest
 
 from jaxtrain.commands import prepare as command
 from jaxtrain.data import fingerprints
-from jaxtrain.data import prepare as P
 from jaxtrain.data.dataset import PreparedDataset
-from jaxtrain.data.merge import merge
 from jaxtrain.data.tokenizers import load_tokenizer
 from jaxtrain.errors import DataError
+from jaxtrain.prepare import pipeline as P
+from jaxtrain.prepare.merge import merge
 
 
 def _texts(n: int = 24) -> list[str]:

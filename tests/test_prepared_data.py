@@ -9,10 +9,10 @@ import pytest
 from conftest import small_config
 
 from jaxtrain.data import fingerprints, prepared_source, record
-from jaxtrain.data import prepare as P
 from jaxtrain.data.batches import make_batches
 from jaxtrain.data.dataset import PreparedDataset
 from jaxtrain.errors import ConfigError, DataError
+from jaxtrain.prepare import pipeline as P
 
 
 def _prepare(tmp_path, name: str, texts: list[str], **more) -> str:

@@ -1,4 +1,4 @@
-"""jaxtrain prepare with object storage (jaxtrain/data/remote.py), against the real S3 and
+"""jaxtrain prepare with object storage (jaxtrain/prepare/remote.py), against the real S3 and
 GCS servers the `bucket` fixture starts: inputs and --out on gs:// and s3://, parts
 uploaded and merged there, an interrupted upload, and one-line user errors."""
 
@@ -12,9 +12,9 @@ import pytest
 
 from jaxtrain import storage
 from jaxtrain.commands import prepare as command
-from jaxtrain.data import prepare as P
-from jaxtrain.data.merge import merge
 from jaxtrain.errors import DataError
+from jaxtrain.prepare import pipeline as P
+from jaxtrain.prepare.merge import merge
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAST = ["--tokenizer", "bytes", "--processes", "1", "--no-progress"]

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from conftest import small_config
 
-from jaxtrain.data import prepare as P
 from jaxtrain.data import record
 from jaxtrain.data.dataset import PreparedDataset
 from jaxtrain.errors import DataError
+from jaxtrain.prepare import pipeline as P
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORDS = ["alpha", "beta", "gamma", "delta", "return", "value", "print", "def", "class"]

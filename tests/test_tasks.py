@@ -213,7 +213,7 @@ def test_a_runs_own_bpe_tokenizer_scores_tasks_in_the_loop_and_from_its_checkpoi
     log-likelihoods are the model's on that tokenizer's ids (lm_eval splits context and
     continuation after encoding them together)."""
     from jaxtrain import inference
-    from jaxtrain.data import prepare
+    from jaxtrain.prepare import pipeline as prepare
     from jaxtrain.tasks import BACKENDS, TaskSpec
     from jaxtrain.tasks.text import run_tokenizer
     from jaxtrain.train.loop import run

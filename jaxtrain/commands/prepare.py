@@ -21,10 +21,10 @@ import argparse
 import sys
 
 from jaxtrain import storage
-from jaxtrain.data import merge as merge_lib
-from jaxtrain.data import prepare as prepare_lib
 from jaxtrain.data.stdlib import stdlib_files
 from jaxtrain.errors import DataError, JaxtrainError
+from jaxtrain.prepare import merge as merge_lib
+from jaxtrain.prepare import pipeline as prepare_lib
 from jaxtrain.workdir import check_local_path
 
 
@@ -93,7 +93,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        # Inputs, --out and --merge may be on object storage (jaxtrain.data.remote); a
+        # Inputs, --out and --merge may be on object storage (jaxtrain.prepare.remote); a
         # --tokenizer file is read where it lies, so local only for now.
         for key, values in (("input", args.inputs), ("--out", [args.out]),
                             ("--merge", [args.merge])):

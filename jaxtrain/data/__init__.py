@@ -1,6 +1,6 @@
 """Data: sources, tokenizers, prepared datasets, the grain pipeline.
 
-The names below load lazily, so that the data-preparation processes (jaxtrain.data.prepare
+The names below load lazily, so that the data-preparation processes (jaxtrain.prepare.pipeline
 and its spawned workers) do not import jax and grain, which they never use.
 """
 

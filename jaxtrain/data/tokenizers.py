@@ -62,7 +62,7 @@ def _sha256(*parts: bytes | str) -> str:
 class Tokenizer(abc.ABC):
     """Text <-> token ids. Documents are encoded without special tokens, and text spelling
     one is encoded as text: whether a document gets a BOS/EOS is the dataset's policy
-    (jaxtrain.data.prepare), not the tokenizer's."""
+    (jaxtrain.prepare.pipeline), not the tokenizer's."""
 
     kind: str
     vocab_size: int

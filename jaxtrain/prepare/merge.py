@@ -12,10 +12,10 @@ import re
 
 from jaxtrain import storage
 from jaxtrain.data import dataset as fmt
-from jaxtrain.data import readers, remote
 from jaxtrain.data import tokenizers as tokenizers_lib
-from jaxtrain.data.prepare import say, write_json
 from jaxtrain.errors import DataError
+from jaxtrain.prepare import readers, remote
+from jaxtrain.prepare.pipeline import say, write_json
 
 
 def merge(directory) -> dict:

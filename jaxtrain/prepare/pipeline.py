@@ -2,7 +2,7 @@
 
 How it keeps its promises:
 - Deterministic: the inputs are cut into units independently of the process count
-  (jaxtrain.data.readers), results are written in unit order, and a shard closes at the first
+  (jaxtrain.prepare.readers), results are written in unit order, and a shard closes at the first
   unit boundary past `tokens_per_file`; the manifest holds no times or absolute paths.
 - Resumable: work goes to `OUT.partial/` with the plan (inputs, sizes, options, tokenizer);
   each shard is written to temporary names and committed by renaming its data and then its
@@ -17,13 +17,13 @@ How it keeps its promises:
   bounded; the main process only writes.
 - Past one machine: `shard=(i, n)` prepares the records that start in the i-th of n equal
   byte ranges of the inputs laid end to end (readers.plan_units) into OUT/part-i-of-n/
-  (SLURM arrays, Kubernetes indexed jobs); `merge(OUT)` (jaxtrain.data.merge) then writes
+  (SLURM arrays, Kubernetes indexed jobs); `merge(OUT)` (jaxtrain.prepare.merge) then writes
   one manifest over the parts' shards without copying tokens, with the fingerprint of a
   one-machine prepare (dataset.content_fingerprint). The staged shards themselves are
-  jaxtrain.data.shards.
+  jaxtrain.prepare.shards.
 - On object storage (gs://, s3://): inputs are downloaded to a local cache, and an --out URL
   is prepared into a local stand-in as above, then uploaded with the manifest last, the
-  commit marker (jaxtrain.data.remote).
+  commit marker (jaxtrain.prepare.remote).
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ from tqdm import tqdm
 
 from jaxtrain import storage
 from jaxtrain.data import dataset as fmt
-from jaxtrain.data import readers, remote, workers
 from jaxtrain.data import tokenizers as tokenizers_lib
-from jaxtrain.data.shards import Report, ShardWriter, UnitResult, committed
 from jaxtrain.errors import DataError
+from jaxtrain.prepare import readers, remote, workers
+from jaxtrain.prepare.shards import Report, ShardWriter, UnitResult, committed
 
 POLICIES = ("auto", "yes", "no")
 
@@ -514,7 +514,7 @@ def prepare(request: Request) -> dict:
 
 def _prepare_remote(plan: Plan, request: Request) -> dict:
     """Prepares into a local directory standing in for the remote --out, then uploads it
-    (jaxtrain.data.remote); one finished there by an earlier run is uploaded as it is."""
+    (jaxtrain.prepare.remote); one finished there by an earlier run is uploaded as it is."""
     remote.check_writable(plan.out, "--out")
     scratch = storage.scratch_dir(plan.out, "prepare")
     local = scratch / "dataset"

@@ -1,4 +1,4 @@
-"""The staged shards of a prepare (jaxtrain.data.prepare): a unit's tokenized result, the
+"""The staged shards of a prepare (jaxtrain.prepare.pipeline): a unit's tokenized result, the
 counts over all units with where bad input was first seen, and the writer that commits a
 shard by renaming its tokens, then its index, then writing the record that marks it done
 (so that a rerun keeps exactly the shards whose record exists)."""
@@ -15,7 +15,8 @@ import numpy as np
 
 from jaxtrain import storage
 from jaxtrain.data import dataset as fmt
-from jaxtrain.data import fingerprints, readers
+from jaxtrain.data import fingerprints
+from jaxtrain.prepare import readers
 
 
 @dataclasses.dataclass

@@ -16,9 +16,10 @@ import threading
 
 import numpy as np
 
-from jaxtrain.data import fingerprints, readers
+from jaxtrain.data import fingerprints
 from jaxtrain.data import tokenizers as tokenizers_lib
-from jaxtrain.data.shards import UnitResult
+from jaxtrain.prepare import readers
+from jaxtrain.prepare.shards import UnitResult
 
 _WORKER: dict = {}
 
