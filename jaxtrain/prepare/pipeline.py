@@ -48,7 +48,7 @@ from jaxtrain import storage
 from jaxtrain.data import dataset as fmt
 from jaxtrain.data import tokenizers as tokenizers_lib
 from jaxtrain.errors import DataError
-from jaxtrain.prepare import readers, remote, workers
+from jaxtrain.prepare import bpe, readers, remote, workers
 from jaxtrain.prepare.shards import Report, ShardWriter, UnitResult, committed
 
 POLICIES = ("auto", "yes", "no")
@@ -215,7 +215,7 @@ def _tokenizer(plan: Plan, request: Request, directory: pathlib.Path) -> tokeniz
     if request.train_tokenizer is not None:
         say(f"jaxtrain: training a byte-level BPE of {request.train_tokenizer} ids on the "
             "inputs")
-        tokenizer = tokenizers_lib.train_bpe(
+        tokenizer = bpe.train_bpe(
             _documents_for_training(plan, request), request.train_tokenizer,
             length=None if plan.streamed else sum(u.last - u.first for u in plan.units),
             show_progress=request.progress)
