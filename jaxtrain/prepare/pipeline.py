@@ -49,6 +49,8 @@ from jaxtrain.data import dataset as fmt
 from jaxtrain.data import tokenizers as tokenizers_lib
 from jaxtrain.errors import DataError
 from jaxtrain.prepare import bpe, readers, remote, workers
+from jaxtrain.prepare.formats import hf
+from jaxtrain.prepare.records import BAD, TEXT_UNITS, Input, Options, Tally, Unit
 from jaxtrain.prepare.shards import Report, ShardWriter, UnitResult, committed
 
 POLICIES = ("auto", "yes", "no")
@@ -90,9 +92,9 @@ def say(message: str) -> None:
 
 @dataclasses.dataclass
 class Plan:
-    inputs: list[readers.Input]
-    units: list[readers.Unit]
-    options: readers.Options
+    inputs: list[Input]
+    units: list[Unit]
+    options: Options
     out: pathlib.Path  # the dataset directory this prepare completes (or its URL)
     identity: dict  # what the output depends on; its hash names the plan
     streamed: bool = False
@@ -131,9 +133,9 @@ def _check_request(r: Request) -> None:
     for key, value in (("--bos", r.bos), ("--eos", r.eos)):
         if value not in POLICIES:
             raise DataError(f"{key}={value} is invalid: valid values are {', '.join(POLICIES)}")
-    if r.text_unit not in readers.TEXT_UNITS:
+    if r.text_unit not in TEXT_UNITS:
         raise DataError(f"--text-unit={r.text_unit} is invalid: valid values are "
-                        f"{', '.join(readers.TEXT_UNITS)}")
+                        f"{', '.join(TEXT_UNITS)}")
     if (r.tokenizer is None) == (r.train_tokenizer is None):
         raise DataError("give one of --tokenizer SPEC and --train-tokenizer VOCAB")
     if r.tokenizer_only and r.train_tokenizer is None:
@@ -156,11 +158,11 @@ def _check_request(r: Request) -> None:
 
 def make_plan(r: Request) -> Plan:
     _check_request(r)
-    options = readers.Options(field=r.field, text_unit=r.text_unit, split=r.split)
+    options = Options(field=r.field, text_unit=r.text_unit, split=r.split)
     out = storage.as_path(r.out, "--out")
     streamed, skipped, shown = False, {}, {}
-    if r.hf_dataset is not None and not readers.is_hf_saved(pathlib.Path(r.hf_dataset)):
-        inputs = [readers.Input(r.hf_dataset, "hf-stream", 0)]
+    if r.hf_dataset is not None and not hf.is_saved(pathlib.Path(r.hf_dataset)):
+        inputs = [Input(r.hf_dataset, hf.STREAM, 0)]
         streamed = True
     else:
         patterns, shown = remote.fetch_inputs(r.inputs or [r.hf_dataset], r.progress)
@@ -202,10 +204,10 @@ def make_plan(r: Request) -> Plan:
 def _documents_for_training(plan: Plan, request: Request) -> Iterator[str]:
     if plan.streamed:
         for _, rows in _stream_batches(plan, request, 0):
-            yield from readers.read_stream_rows(rows, plan.options.field, 0, readers.Tally())
+            yield from readers.read_stream_rows(rows, plan.options.field, 0, Tally())
         return
     for unit in plan.units:
-        yield from readers.read_unit(unit, plan.inputs, plan.options, readers.Tally())
+        yield from readers.read_unit(unit, plan.inputs, plan.options, Tally())
 
 
 def _tokenizer(plan: Plan, request: Request, directory: pathlib.Path) -> tokenizers_lib.Tokenizer:
@@ -344,7 +346,7 @@ def _check_bad(report: Report, limit: float, final: bool, field: str) -> None:
     records, bad = report.totals["records"], report.bad()
     if not records or bad / records <= limit or (not final and records < 1000):
         return
-    first = [loc for kind in readers.BAD for loc in report.first.get(kind, [])][:3]
+    first = [loc for kind in BAD for loc in report.first.get(kind, [])][:3]
     hint = report.field_hint(field) or "fix the input or raise --max-bad-fraction"
     raise DataError(f"{bad:,} of {records:,} records were unusable ({bad / records:.2%}, over "
                     f"--max-bad-fraction={limit}): {report.summary()}; first: "
