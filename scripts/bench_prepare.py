@@ -57,8 +57,9 @@ def ours(files: list[str], tokenizer_dir: str, processes: int, work: pathlib.Pat
     out = work / f"ours_{processes}"
     shutil.rmtree(out, ignore_errors=True)
     load, cpu, start = os.getloadavg()[0], cpu_seconds(), time.perf_counter()
-    prepare_lib.prepare(prepare_lib.Request(inputs=files, out=str(out), tokenizer=tokenizer_dir,
-                                            processes=processes, progress=False))
+    prepare_lib.prepare(prepare_lib.Request.build(inputs=files, out=str(out),
+                                                  tokenizer=tokenizer_dir,
+                                                  processes=processes, progress=False))
     seconds = time.perf_counter() - start
     shutil.rmtree(out)
     return {"seconds": seconds, "cpu": cpu_seconds() - cpu, "load": load}
@@ -154,9 +155,9 @@ def main() -> None:
     tokenizer_dir = args.tokenizer
     if tokenizer_dir is None:
         tokenizer_dir = str(work / "tokenizer")
-        prepare_lib.prepare(prepare_lib.Request(inputs=files, out=tokenizer_dir,
-                                                train_tokenizer=args.vocab, tokenizer_only=True,
-                                                progress=False))
+        prepare_lib.prepare(prepare_lib.Request.build(inputs=files, out=tokenizer_dir,
+                                                      train_tokenizer=args.vocab,
+                                                      tokenizer_only=True, progress=False))
     tokenizer = load_tokenizer(tokenizer_dir)
     text_bytes = sum(os.path.getsize(f) for f in files)
     counts = [int(n) for n in args.processes.split(",")]

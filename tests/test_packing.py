@@ -135,8 +135,8 @@ def _prepared(tmp_path) -> str:
     for i in range(60):
         text = "".join(rng.choice(list("abcdefghij"), int(rng.integers(5, 150))))
         (tmp_path / "in" / f"{i:03d}.txt").write_text(text)
-    P.prepare(P.Request(inputs=[str(tmp_path / "in")], out=str(tmp_path / "ds"),
-                        progress=False, processes=1, tokenizer="bytes"))
+    P.prepare(P.Request.build(inputs=[str(tmp_path / "in")], out=str(tmp_path / "ds"),
+                              progress=False, processes=1, tokenizer="bytes"))
     return str(tmp_path / "ds")
 
 

@@ -28,4 +28,5 @@ class InputFormat:
     package: str | None = None  # what it is read with (pip install 'jaxtrain[data]')
     whole_files: Callable = _never
     binary_checked: bool = False
+    lines: bool = False  # its records are lines: reports number them by line
     fallback: bool = False

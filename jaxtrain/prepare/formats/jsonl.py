@@ -49,4 +49,4 @@ def _units(i, item, options, unit_bytes, lo, hi):
     return records.byte_range_units(i, item, unit_bytes, lo, hi)
 
 
-FORMAT = InputFormat("jsonl", units=_units, read=_read, claims=_claims)
+FORMAT = InputFormat("jsonl", units=_units, read=_read, claims=_claims, lines=True)

@@ -24,4 +24,4 @@ def _units(i, item, options, unit_bytes, lo, hi):
 
 FORMAT = InputFormat("text", units=_units, read=_read,
                      whole_files=lambda options: options.text_unit == "file",
-                     binary_checked=True, fallback=True)
+                     binary_checked=True, lines=True, fallback=True)
