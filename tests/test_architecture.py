@@ -239,3 +239,51 @@ def test_a_new_choice_is_one_registry_entry(case, monkeypatch, devices):
         validate(small_config(**{key: name + "x"}), 1, "cpu")
     losses, _, _ = train_steps(small_config(**overrides), devices[:1], steps=2)
     assert all(math.isfinite(v) for v in losses) and losses[1] < losses[0] + 0.5
+
+
+def test_a_new_tokenizer_kind_or_input_format_is_one_registry_entry(tmp_path, monkeypatch):
+    """The offline side's choices: a tokenizer backend (data/tokenizers KINDS) and an input
+    format (prepare/formats FORMATS) are each one entry. No config key picks them, so each is
+    checked through a prepare: a typo lists the new name, and a dataset comes out of it."""
+    from jaxtrain.data import tokenizers
+    from jaxtrain.data.dataset import PreparedDataset
+    from jaxtrain.data.tokenizers import ByteTokenizer, TokenizerKind
+    from jaxtrain.errors import DataError
+    from jaxtrain.prepare import formats, records
+    from jaxtrain.prepare import pipeline as P
+    from jaxtrain.prepare.formats import InputFormat
+
+    class Shouting(ByteTokenizer):
+        kind = "shouting"
+
+        def encode(self, text):
+            return super().encode(text.upper())
+
+        def encode_batch(self, texts):
+            return super().encode_batch([t.upper() for t in texts])
+
+        def fingerprint(self):
+            return tokenizers.base.sha256("shouting")
+
+    def read_tsv(unit, i, item, options, tally, docs):  # the document is the second column
+        for where, line in records.numbered_lines(unit, i, item, tally):
+            tally.records += 1
+            records.keep(records.decode(line.split(b"\t")[1], tally, where), docs, tally, where)
+
+    monkeypatch.setitem(tokenizers.KINDS, "shouting", TokenizerKind(
+        "shouting", "shouting", load_saved=lambda directory, meta, what: Shouting(),
+        names=lambda spec: spec == "shouting", load_spec=lambda spec, what: Shouting()))
+    monkeypatch.setitem(formats.FORMATS, "tsv", InputFormat(
+        "tsv", units=formats.FORMATS["jsonl"].units, read=read_tsv,
+        claims=lambda path: path.suffix == ".tsv", lines=True))
+    with pytest.raises(DataError, match="give bytes, .*shouting"):
+        tokenizers.load_tokenizer("shoutingx")
+    (tmp_path / "a.tsv").write_text("1\tfirst doc\n2\tsecond\n")
+    with pytest.raises(DataError, match="valid values are auto, .*tsv"):
+        P.layout_inputs(P.Request.build([tmp_path / "a.tsv"], tmp_path / "x", format="tsvx",
+                                        tokenizer="bytes"))
+    P.prepare(P.Request.build([tmp_path / "a.tsv"], tmp_path / "ds", tokenizer="shouting",
+                              processes=1, progress=False))  # in this process: patched
+    ds = PreparedDataset(tmp_path / "ds")
+    assert bytes(ds.read(0, ds.num_tokens).tolist()) == b"FIRST DOCSECOND"
+    assert tokenizers.load_tokenizer(tmp_path / "ds" / "tokenizer").kind == "shouting"
