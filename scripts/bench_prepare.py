@@ -8,7 +8,7 @@ Both sides tokenize the same files (this Python's standard library, each file on
 (trained here once, or --tokenizer) through the same call
 (`tokenizers.Tokenizer.encode_batch_fast`), one thread per process
 (TOKENIZERS_PARALLELISM=false), N processes:
-- ours: `jaxtrain.data.prepare.prepare(...)` from the files to a finished dataset directory
+- ours: `jaxtrain.prepare.pipeline.prepare(...)` from the files to a finished dataset directory
   (read, decode, tokenize, write shards and index, manifest);
 - theirs: `datasets.load_dataset("text", sample_by="document", encoding_errors="replace")`
   (a few stdlib files are not UTF-8) then
@@ -41,9 +41,9 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before tokenizers is imported 
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from jaxtrain.data import prepare as prepare_lib  # noqa: E402
 from jaxtrain.data.stdlib import stdlib_files  # noqa: E402
 from jaxtrain.data.tokenizers import HF_FILE, load_tokenizer  # noqa: E402
+from jaxtrain.prepare import pipeline as prepare_lib  # noqa: E402
 
 
 def cpu_seconds() -> float:
@@ -57,8 +57,9 @@ def ours(files: list[str], tokenizer_dir: str, processes: int, work: pathlib.Pat
     out = work / f"ours_{processes}"
     shutil.rmtree(out, ignore_errors=True)
     load, cpu, start = os.getloadavg()[0], cpu_seconds(), time.perf_counter()
-    prepare_lib.prepare(prepare_lib.Request(inputs=files, out=str(out), tokenizer=tokenizer_dir,
-                                            processes=processes, progress=False))
+    prepare_lib.prepare(prepare_lib.Request.build(inputs=files, out=str(out),
+                                                  tokenizer=tokenizer_dir,
+                                                  processes=processes, progress=False))
     seconds = time.perf_counter() - start
     shutil.rmtree(out)
     return {"seconds": seconds, "cpu": cpu_seconds() - cpu, "load": load}
@@ -154,9 +155,9 @@ def main() -> None:
     tokenizer_dir = args.tokenizer
     if tokenizer_dir is None:
         tokenizer_dir = str(work / "tokenizer")
-        prepare_lib.prepare(prepare_lib.Request(inputs=files, out=tokenizer_dir,
-                                                train_tokenizer=args.vocab, tokenizer_only=True,
-                                                progress=False))
+        prepare_lib.prepare(prepare_lib.Request.build(inputs=files, out=tokenizer_dir,
+                                                      train_tokenizer=args.vocab,
+                                                      tokenizer_only=True, progress=False))
     tokenizer = load_tokenizer(tokenizer_dir)
     text_bytes = sum(os.path.getsize(f) for f in files)
     counts = [int(n) for n in args.processes.split(",")]

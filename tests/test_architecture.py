@@ -3,6 +3,7 @@ imports except where a dependency must load late (jax after a re-exec or fake-de
 or is heavy and optional."""
 
 import ast
+import os
 import pathlib
 
 import pytest
@@ -16,7 +17,7 @@ LAYERS = [
     ("mesh",),
     ("parallel",),
     ("models",),
-    ("data", "optim", "checkpoint", "checkpoint_mirror", "workdir", "metrics", "sinks",
+    ("data", "prepare", "optim", "checkpoint", "checkpoint_mirror", "workdir", "metrics", "sinks",
      "metrics_log", "tasks"),
     ("config",),
     ("train.state", "train.step", "train.setup", "train.faults", "train.hooks",
@@ -136,6 +137,39 @@ def test_function_level_imports_only_where_needed():
             found.append(f"jaxtrain/{path.relative_to(PACKAGE)}:{line} imports {name} inside "
                          "a function")
     assert not found, "\n".join(found)
+
+
+# Who may import the offline preparation package (jaxtrain/prepare/): its command only.
+# Training, evaluation and the rest read prepared datasets through jaxtrain.data.
+PREPARE_IMPORTED_BY = ("prepare", "commands.prepare")
+
+
+def test_only_the_prepare_command_imports_the_offline_package():
+    found = [f"jaxtrain/{path.relative_to(PACKAGE)}:{line} {module} imports {target}"
+             for module, path in _modules() if module
+             and not module.startswith(PREPARE_IMPORTED_BY)
+             for target, line, _ in _package_imports(path)
+             if target == "prepare" or target.startswith("prepare.")]
+    assert not found, "\n".join(found)
+
+
+def test_the_offline_package_imports_no_jax():
+    """Every module of jaxtrain/prepare/, imported in a fresh process, loads neither jax nor
+    grain: a prepare and each of its spawned workers stay light (jaxtrain.data's lazy
+    __getattr__ is what keeps `import jaxtrain.data.x` from loading the grain pipeline)."""
+    import subprocess
+    import sys
+
+    modules = sorted(f"jaxtrain.{m}" for m, _ in _modules() if m.startswith("prepare"))
+    code = ("import importlib, sys\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'grain'))\n"
+            "print(heavy)\n"
+            "sys.exit(1 if heavy else 0)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=PACKAGE.parent, env={**os.environ,
+                                                    "PYTHONPATH": str(PACKAGE.parent)})
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
@@ -275,3 +309,51 @@ def test_the_planner_names_no_kernel_or_variant():
                 assert node.value not in names, (
                     f"plan/{path.name}:{node.lineno} names {node.value!r}: read a registry "
                     "entry's fact instead")
+
+
+def test_a_new_tokenizer_kind_or_input_format_is_one_registry_entry(tmp_path, monkeypatch):
+    """The offline side's choices: a tokenizer backend (data/tokenizers KINDS) and an input
+    format (prepare/formats FORMATS) are each one entry. No config key picks them, so each is
+    checked through a prepare: a typo lists the new name, and a dataset comes out of it."""
+    from jaxtrain.data import tokenizers
+    from jaxtrain.data.dataset import PreparedDataset
+    from jaxtrain.data.tokenizers import ByteTokenizer, TokenizerKind
+    from jaxtrain.errors import DataError
+    from jaxtrain.prepare import formats, records
+    from jaxtrain.prepare import pipeline as P
+    from jaxtrain.prepare.formats import InputFormat
+
+    class Shouting(ByteTokenizer):
+        kind = "shouting"
+
+        def encode(self, text):
+            return super().encode(text.upper())
+
+        def encode_batch(self, texts):
+            return super().encode_batch([t.upper() for t in texts])
+
+        def fingerprint(self):
+            return tokenizers.base.sha256("shouting")
+
+    def read_tsv(unit, i, item, options, tally, docs):  # the document is the second column
+        for where, line in records.numbered_lines(unit, i, item, tally):
+            tally.records += 1
+            records.keep(records.decode(line.split(b"\t")[1], tally, where), docs, tally, where)
+
+    monkeypatch.setitem(tokenizers.KINDS, "shouting", TokenizerKind(
+        "shouting", "shouting", load_saved=lambda directory, meta, what: Shouting(),
+        names=lambda spec: spec == "shouting", load_spec=lambda spec, what: Shouting()))
+    monkeypatch.setitem(formats.FORMATS, "tsv", InputFormat(
+        "tsv", units=formats.FORMATS["jsonl"].units, read=read_tsv,
+        claims=lambda path: path.suffix == ".tsv", lines=True))
+    with pytest.raises(DataError, match="give bytes, .*shouting"):
+        tokenizers.load_tokenizer("shoutingx")
+    (tmp_path / "a.tsv").write_text("1\tfirst doc\n2\tsecond\n")
+    with pytest.raises(DataError, match="valid values are auto, .*tsv"):
+        P.layout_inputs(P.Request.build([tmp_path / "a.tsv"], tmp_path / "x", format="tsvx",
+                                        tokenizer="bytes"))
+    P.prepare(P.Request.build([tmp_path / "a.tsv"], tmp_path / "ds", tokenizer="shouting",
+                              processes=1, progress=False))  # in this process: patched
+    ds = PreparedDataset(tmp_path / "ds")
+    assert bytes(ds.read(0, ds.num_tokens).tolist()) == b"FIRST DOCSECOND"
+    assert tokenizers.load_tokenizer(tmp_path / "ds" / "tokenizer").kind == "shouting"

@@ -161,8 +161,8 @@ def test_prompts_are_checked(devices):
 
 
 def test_ids_always_work_and_text_needs_a_tokenizer_that_covers_them():
-    from jaxtrain.data.tokenizers import train_bpe
     from jaxtrain.inference import decode_text, prompt_tokens
+    from jaxtrain.prepare.bpe import train_bpe
 
     cfg = small_config(**{"model.vocab_size": 512})  # the byte corpus, a 512-id model
     assert prompt_tokens(cfg, None, ["300", "511"]) == [300, 511]
@@ -181,8 +181,8 @@ def test_ids_always_work_and_text_needs_a_tokenizer_that_covers_them():
 def test_bits_per_byte_need_a_tokenizer_that_covers_the_ids(tmp_path):
     from jaxtrain.commands.eval import target_bytes
     from jaxtrain.data.sources import TokenWindows
-    from jaxtrain.data.tokenizers import train_bpe
     from jaxtrain.inference import evaluation_windows
+    from jaxtrain.prepare.bpe import train_bpe
 
     windows = TokenWindows(np.asarray([104, 105, 33, 300, 10]), 2, "ids")
     assert target_bytes(ByteTokenizer(), windows, 1) == 2

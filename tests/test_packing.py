@@ -13,11 +13,11 @@ from flax import nnx
 from helpers import assert_params_close, train_steps
 
 from jaxtrain.config import validate
-from jaxtrain.data import prepare as P
 from jaxtrain.data.batches import make_batches
 from jaxtrain.data.dataset import PreparedDataset
 from jaxtrain.data.packing import Packed, PackedDocuments
 from jaxtrain.errors import ConfigError
+from jaxtrain.prepare import pipeline as P
 from jaxtrain.train.setup import build
 from jaxtrain.train.step import counted_targets, loss_fn
 
@@ -135,8 +135,8 @@ def _prepared(tmp_path) -> str:
     for i in range(60):
         text = "".join(rng.choice(list("abcdefghij"), int(rng.integers(5, 150))))
         (tmp_path / "in" / f"{i:03d}.txt").write_text(text)
-    P.prepare(P.Request(inputs=[str(tmp_path / "in")], out=str(tmp_path / "ds"),
-                        progress=False, processes=1, tokenizer="bytes"))
+    P.prepare(P.Request.build(inputs=[str(tmp_path / "in")], out=str(tmp_path / "ds"),
+                              progress=False, processes=1, tokenizer="bytes"))
     return str(tmp_path / "ds")
 
 

@@ -14,11 +14,11 @@ import pytest
 
 from jaxtrain.commands import prepare as command
 from jaxtrain.data import fingerprints
-from jaxtrain.data import prepare as P
 from jaxtrain.data.dataset import PreparedDataset
-from jaxtrain.data.merge import merge
 from jaxtrain.data.tokenizers import load_tokenizer
 from jaxtrain.errors import DataError
+from jaxtrain.prepare import pipeline as P
+from jaxtrain.prepare.merge import merge
 
 
 def _texts(n: int = 24) -> list[str]:
@@ -43,8 +43,8 @@ def corpus(tmp_path):
 
 
 def _request(inputs, out, **more) -> P.Request:
-    return P.Request(inputs=[str(i) for i in inputs], out=str(out),
-                     **{"tokenizer": "bytes", "progress": False, "processes": 1, **more})
+    return P.Request.build(inputs=[str(i) for i in inputs], out=str(out),
+                           **{"tokenizer": "bytes", "progress": False, "processes": 1, **more})
 
 
 def _files(directory: pathlib.Path) -> dict[str, bytes]:
@@ -210,7 +210,7 @@ def test_interrupted_prepare_resumes_to_the_same_bytes(corpus, tmp_path, monkeyp
                         lambda unit, f=P.workers.work_unit: resumed.append(unit) or f(unit))
     P.prepare(_request([root], tmp_path / "out", **small))
     assert _files(tmp_path / "out") == _files(tmp_path / "ref")
-    assert 0 < len(resumed) < len(P.make_plan(_request([root], tmp_path / "x",
+    assert 0 < len(resumed) < len(P.layout_inputs(_request([root], tmp_path / "x",
                                                        **small)).units)
     # Once complete, the same command has nothing to do.
     again = P.prepare(_request([root], tmp_path / "out", **small))
@@ -434,9 +434,9 @@ def test_directory_inputs_skip_hidden_and_binary_files(tmp_path, capsys):
     assert (f"skipped 3 hidden files (first: {repo}/.git/, {repo}/.gitignore); skipped 2 "
             f"binary files (first: {repo}/koi8.txt, {repo}/logo.png)") in err
     # A file named on its own is taken whatever its name; binary ones are still skipped.
-    named = P.make_plan(_request([repo / ".gitignore", repo / "logo.png"], tmp_path / "x"))
+    named = P.layout_inputs(_request([repo / ".gitignore", repo / "logo.png"], tmp_path / "x"))
     assert [i.path for i in named.inputs] == [str(repo / ".gitignore")]
-    everything = P.make_plan(_request([repo], tmp_path / "x", include_hidden=True,
+    everything = P.layout_inputs(_request([repo], tmp_path / "x", include_hidden=True,
                                       include_binary=True))
     assert len(everything.inputs) == 8
     assert [count for count, _ in everything.skipped.values()] == [0, 0]

@@ -9,10 +9,10 @@ import pytest
 from conftest import small_config
 
 from jaxtrain.data import fingerprints, prepared_source, record
-from jaxtrain.data import prepare as P
 from jaxtrain.data.batches import make_batches
 from jaxtrain.data.dataset import PreparedDataset
 from jaxtrain.errors import ConfigError, DataError
+from jaxtrain.prepare import pipeline as P
 
 
 def _prepare(tmp_path, name: str, texts: list[str], **more) -> str:
@@ -21,8 +21,8 @@ def _prepare(tmp_path, name: str, texts: list[str], **more) -> str:
     for i, text in enumerate(texts):
         (root / f"{i:04d}.txt").write_text(text)
     out = tmp_path / name
-    P.prepare(P.Request(inputs=[str(root)], out=str(out), progress=False, processes=1,
-                        **{"tokenizer": "bytes", **more}))
+    P.prepare(P.Request.build(inputs=[str(root)], out=str(out), progress=False, processes=1,
+                              **{"tokenizer": "bytes", **more}))
     return str(out)
 
 
@@ -212,8 +212,8 @@ def test_a_mixture_member_whose_prepare_failed_says_what_failed(tmp_path):
     bad = tmp_path / "bad"
 
     def prepare(limit):
-        return P.prepare(P.Request(inputs=[str(broken)], out=str(bad), tokenizer="bytes",
-                                   progress=False, processes=1, max_bad_fraction=limit))
+        return P.prepare(P.Request.build(inputs=[str(broken)], out=str(bad), tokenizer="bytes",
+                                         progress=False, processes=1, max_bad_fraction=limit))
 
     with pytest.raises(DataError, match="5 of 10 records were unusable"):
         prepare(0.01)

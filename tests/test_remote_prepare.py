@@ -1,4 +1,4 @@
-"""jaxtrain prepare with object storage (jaxtrain/data/remote.py), against the real S3 and
+"""jaxtrain prepare with object storage (jaxtrain/prepare/remote.py), against the real S3 and
 GCS servers the `bucket` fixture starts: inputs and --out on gs:// and s3://, parts
 uploaded and merged there, an interrupted upload, and one-line user errors."""
 
@@ -12,9 +12,9 @@ import pytest
 
 from jaxtrain import storage
 from jaxtrain.commands import prepare as command
-from jaxtrain.data import prepare as P
-from jaxtrain.data.merge import merge
 from jaxtrain.errors import DataError
+from jaxtrain.prepare import pipeline as P
+from jaxtrain.prepare.merge import merge
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAST = ["--tokenizer", "bytes", "--processes", "1", "--no-progress"]
@@ -65,17 +65,17 @@ def test_prepare_to_object_storage_writes_a_local_prepares_files(bucket, corpus,
 
 def test_parts_uploaded_then_merged_on_object_storage(bucket, corpus, tmp_path):
     options = dict(tokenizer="bytes", progress=False, processes=1, unit_bytes=200)
-    single = P.prepare(P.Request([str(corpus)], str(tmp_path / "single"), **options))
+    single = P.prepare(P.Request.build([str(corpus)], str(tmp_path / "single"), **options))
     out = f"{bucket}/parts"
-    P.prepare(P.Request([str(corpus)], out, shard=(0, 2), **options))
+    P.prepare(P.Request.build([str(corpus)], out, shard=(0, 2), **options))
     with pytest.raises(DataError, match=r"^--merge=.*: 1 of 2 parts are not finished \(first: "
                                         r"part-00001-of-00002\); run their prepare first$"):
         merge(out)
-    P.prepare(P.Request([str(corpus)], out, shard=(1, 2), **options))
+    P.prepare(P.Request.build([str(corpus)], out, shard=(1, 2), **options))
     merged = merge(out)
     assert merged["fingerprint"] == single["fingerprint"]
     for i in range(2):  # the same parts, locally, merge to the same manifest
-        P.prepare(P.Request([str(corpus)], str(tmp_path / "local"), shard=(i, 2), **options))
+        P.prepare(P.Request.build([str(corpus)], str(tmp_path / "local"), shard=(i, 2), **options))
     assert merge(tmp_path / "local") == merged
     assert _remote_files(out) == _local_files(tmp_path / "local")  # tokens not copied
 
@@ -105,19 +105,19 @@ def test_an_interrupted_upload_is_not_a_dataset_and_a_rerun_finishes_it(
 def test_inputs_on_object_storage_are_named_by_their_urls(bucket, corpus, tmp_path,
                                                           monkeypatch):
     storage.upload_tree(corpus, storage.as_path(f"{bucket}/in"))
-    local = P.prepare(P.Request([str(corpus)], str(tmp_path / "local"), tokenizer="bytes",
-                                progress=False, processes=1))
+    local = P.prepare(P.Request.build([str(corpus)], str(tmp_path / "local"), tokenizer="bytes",
+                                      progress=False, processes=1))
     urls = [f"{bucket}/in/{s['path'][len(str(corpus)) + 1:]}" for s in local["sources"]]
     for i, inputs in enumerate([[f"{bucket}/in"],  # a prefix, an object and a glob
                                 [f"{bucket}/in/docs.jsonl", f"{bucket}/in/text/*.txt"]]):
-        made = P.prepare(P.Request(inputs, str(tmp_path / f"out{i}"), tokenizer="bytes",
-                                   progress=False, processes=1))
+        made = P.prepare(P.Request.build(inputs, str(tmp_path / f"out{i}"), tokenizer="bytes",
+                                         progress=False, processes=1))
         assert made["fingerprint"] == local["fingerprint"]
         assert [s["path"] for s in made["sources"]] == urls
     fetched = []
     monkeypatch.setattr(storage, "copy_file", lambda *a, **k: fetched.append(a))
-    P.prepare(P.Request([f"{bucket}/in"], str(tmp_path / "again"), tokenizer="bytes",
-                        progress=False, processes=1))
+    P.prepare(P.Request.build([f"{bucket}/in"], str(tmp_path / "again"), tokenizer="bytes",
+                              progress=False, processes=1))
     assert not fetched, "unchanged objects come from the cache"
 
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from conftest import small_config
 
-from jaxtrain.data import prepare as P
 from jaxtrain.data import record
 from jaxtrain.data.dataset import PreparedDataset
 from jaxtrain.errors import DataError
+from jaxtrain.prepare import pipeline as P
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORDS = ["alpha", "beta", "gamma", "delta", "return", "value", "print", "def", "class"]
@@ -39,8 +39,8 @@ def bpe_run(tmp_path_factory, devices):
     (tmp / "in").mkdir()
     for i in range(60):
         (tmp / "in" / f"{i:03d}.txt").write_text(" ".join(rng.choice(WORDS, 80)) + "\n")
-    P.prepare(P.Request(inputs=[str(tmp / "in")], out=str(tmp / "data"), train_tokenizer=320,
-                        eos="no", progress=False, processes=1))
+    P.prepare(P.Request.build(inputs=[str(tmp / "in")], out=str(tmp / "data"), train_tokenizer=320,
+                              eos="no", progress=False, processes=1))
     cfg = small_config(**{"data.source": "prepared", "data.path": str(tmp / "data"),
                           "model.vocab_size": 384, "steps": 10, "eval_every_steps": 10,
                           "train.global_batch": 8, "eval_batches": 2,

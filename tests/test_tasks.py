@@ -213,7 +213,7 @@ def test_a_runs_own_bpe_tokenizer_scores_tasks_in_the_loop_and_from_its_checkpoi
     log-likelihoods are the model's on that tokenizer's ids (lm_eval splits context and
     continuation after encoding them together)."""
     from jaxtrain import inference
-    from jaxtrain.data import prepare
+    from jaxtrain.prepare import pipeline as prepare
     from jaxtrain.tasks import BACKENDS, TaskSpec
     from jaxtrain.tasks.text import run_tokenizer
     from jaxtrain.train.loop import run
@@ -223,8 +223,8 @@ def test_a_runs_own_bpe_tokenizer_scores_tasks_in_the_loop_and_from_its_checkpoi
     (tmp_path / "in").mkdir()
     for i in range(40):
         (tmp_path / "in" / f"{i:03d}.txt").write_text(" ".join(rng.choice(words, 80)) + "\n")
-    prepare.prepare(prepare.Request(inputs=[str(tmp_path / "in")], out=str(tmp_path / "data"),
-                                    train_tokenizer=320, eos="no", progress=False, processes=1))
+    prepare.prepare(prepare.Request.build(inputs=[str(tmp_path / "in")], out=str(tmp_path / "data"),
+                                          train_tokenizer=320, eos="no", progress=False, processes=1))
     items = _write_lines(tmp_path / "bpe_items.jsonl", [
         {"question": "def alpha", "choices": ["beta gamma", "return value"], "label": 0},
         {"question": "print", "choices": ["delta", "class alpha beta"], "label": 1}])

@@ -8,6 +8,7 @@ import pytest
 
 from jaxtrain.data import tokenizers as T
 from jaxtrain.errors import DataError
+from jaxtrain.prepare.bpe import train_bpe
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld 🙂 — naïve café",
@@ -25,7 +26,7 @@ def _corpus() -> list[str]:
 
 @pytest.fixture(scope="module")
 def bpe():
-    return T.train_bpe(_corpus(), 400)
+    return train_bpe(_corpus(), 400)
 
 
 def _same_ids_through_auto_tokenizer(tokenizer, directory):
@@ -65,8 +66,8 @@ def test_bytes_are_the_identity_and_export_as_such(tmp_path):
 
 def test_trained_bpe_is_deterministic_and_round_trips(bpe, tmp_path):
     assert bpe.vocab_size == 400 and bpe.eos_id == 0
-    assert T.train_bpe(_corpus(), 400).fingerprint() == bpe.fingerprint()
-    assert T.train_bpe(_corpus()[1:], 400).fingerprint() != bpe.fingerprint()
+    assert train_bpe(_corpus(), 400).fingerprint() == bpe.fingerprint()
+    assert train_bpe(_corpus()[1:], 400).fingerprint() != bpe.fingerprint()
     for text in TEXTS:
         assert bpe.decode(bpe.encode(text)) == text
     code = "".join(_corpus())
@@ -169,7 +170,7 @@ def test_bad_specs_are_one_line(tmp_path):
     with pytest.raises(DataError, match="not a readable tokenizer.json"):
         T.load_tokenizer(tmp_path / "broken.json")
     with pytest.raises(DataError, match="at least 257 ids"):
-        T.train_bpe(["abc"], 100)
+        train_bpe(["abc"], 100)
     empty = tmp_path / "empty_dir"
     empty.mkdir()
     with pytest.raises(DataError, match="no tokenizer found there"):

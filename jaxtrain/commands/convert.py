@@ -83,8 +83,9 @@ def _convert(flag: dict, argv) -> None:
                               "config from its checkpoint")
         # The tokenizer first: a package it needs that is missing fails before any export.
         tokenizer = record.run_tokenizer(workdir, run_config(workdir)[1])
-        if tokenizer is not None and tokenizer.kind in tokenizers.KIND_PACKAGES:
-            require_package("transformers", f"exporting the run's {tokenizer.kind} tokenizer")
+        converter = tokenizer and tokenizers.KINDS[tokenizer.kind].export_package
+        if converter:
+            require_package(converter, f"exporting the run's {tokenizer.kind} tokenizer")
         if storage.is_remote(target):
             _export_remote(flag, workdir, target, tokenizer)
         else:

@@ -21,10 +21,12 @@ import argparse
 import sys
 
 from jaxtrain import storage
-from jaxtrain.data import merge as merge_lib
-from jaxtrain.data import prepare as prepare_lib
 from jaxtrain.data.stdlib import stdlib_files
 from jaxtrain.errors import DataError, JaxtrainError
+from jaxtrain.prepare import merge as merge_lib
+from jaxtrain.prepare import pipeline as prepare_lib
+from jaxtrain.prepare.records import Options
+from jaxtrain.prepare.request import Inputs, Output, Run, TokenizerChoice
 from jaxtrain.workdir import check_local_path
 
 
@@ -93,7 +95,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        # Inputs, --out and --merge may be on object storage (jaxtrain.data.remote); a
+        # Inputs, --out and --merge may be on object storage (jaxtrain.prepare.remote); a
         # --tokenizer file is read where it lies, so local only for now.
         for key, values in (("input", args.inputs), ("--out", [args.out]),
                             ("--merge", [args.merge])):
@@ -107,15 +109,17 @@ def main(argv: list[str] | None = None) -> int:
             raise DataError("--out DIR is required: the dataset directory to write")
         inputs = list(args.inputs) + ([str(p) for p in stdlib_files()] if args.stdlib else [])
         request = prepare_lib.Request(
-            inputs=inputs, out=args.out, tokenizer=args.tokenizer,
-            train_tokenizer=args.train_tokenizer, tokenizer_only=args.tokenizer_only,
-            field=args.field, format=args.format, text_unit=args.text_unit,
-            include_hidden=args.include_hidden, include_binary=args.include_binary,
-            hf_dataset=args.hf_dataset, hf_config=args.hf_config, split=args.split,
-            bos=args.bos, eos=args.eos, processes=args.processes, shard=args.shard,
-            tokens_per_file=args.tokens_per_file, unit_bytes=args.unit_bytes,
-            max_bad_fraction=args.max_bad_fraction, overwrite=args.overwrite,
-            progress=not args.no_progress)
+            inputs=Inputs(paths=inputs, hf_dataset=args.hf_dataset, hf_config=args.hf_config,
+                          format=args.format, include_hidden=args.include_hidden,
+                          include_binary=args.include_binary),
+            reading=Options(field=args.field, text_unit=args.text_unit, split=args.split),
+            tokenizer=TokenizerChoice(spec=args.tokenizer, train=args.train_tokenizer,
+                                      only=args.tokenizer_only),
+            output=Output(path=args.out, bos=args.bos, eos=args.eos,
+                          tokens_per_file=args.tokens_per_file, unit_bytes=args.unit_bytes,
+                          overwrite=args.overwrite),
+            run=Run(processes=args.processes, shard=args.shard,
+                    max_bad_fraction=args.max_bad_fraction, progress=not args.no_progress))
         prepare_lib.prepare(request)
     except JaxtrainError as e:  # DataError, and ConfigError (paths, object-store access)
         print(f"jaxtrain: error: {e}", file=sys.stderr)

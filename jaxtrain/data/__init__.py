@@ -1,7 +1,10 @@
 """Data: sources, tokenizers, prepared datasets, the grain pipeline.
 
-The names below load lazily, so that the data-preparation processes (jaxtrain.data.prepare
-and its spawned workers) do not import jax and grain, which they never use.
+Runtime input (sources, batches, packing, the prepared source) and what the offline
+preparation (jaxtrain.prepare) shares with it: the dataset format, fingerprints, tokenizers.
+The names below load lazily, so that jaxtrain.prepare and its spawned workers, which import
+modules of this package, do not import jax and grain, which they never use
+(tests/test_architecture.py checks it).
 """
 
 import importlib

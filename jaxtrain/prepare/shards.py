@@ -1,4 +1,4 @@
-"""The staged shards of a prepare (jaxtrain.data.prepare): a unit's tokenized result, the
+"""The staged shards of a prepare (jaxtrain.prepare.pipeline): a unit's tokenized result, the
 counts over all units with where bad input was first seen, and the writer that commits a
 shard by renaming its tokens, then its index, then writing the record that marks it done
 (so that a rerun keeps exactly the shards whose record exists)."""
@@ -15,14 +15,15 @@ import numpy as np
 
 from jaxtrain import storage
 from jaxtrain.data import dataset as fmt
-from jaxtrain.data import fingerprints, readers
+from jaxtrain.data import fingerprints
+from jaxtrain.prepare import readers, records
 
 
 @dataclasses.dataclass
 class UnitResult:
     tokens: np.ndarray
     lengths: np.ndarray  # tokens of each kept document, in order
-    tally: readers.Tally
+    tally: records.Tally
     size: int  # input bytes, for the progress bar
     # fingerprints.stream_hash of the tokens and of the lengths, computed in the worker
     stream: dict = dataclasses.field(default_factory=dict)
@@ -35,7 +36,7 @@ class Report:
     """Counts over the whole prepare, with the first locations of each kind of bad input as
     'path:line' / 'path row N' / 'path'."""
 
-    def __init__(self, inputs: list[readers.Input], starts: dict[int, int] | None = None,
+    def __init__(self, inputs: list[records.Input], starts: dict[int, int] | None = None,
                  skipped_files: dict | None = None):
         self.inputs = inputs
         # line-based inputs read from a byte inside them (a part of a `--shard` prepare), by
@@ -61,7 +62,7 @@ class Report:
             self.counts[kind] = self.counts.get(kind, 0) + count
             kept = self.first.setdefault(kind, [])
             for where in tally.first[kind]:
-                if len(kept) < readers.FIRST_KEPT:
+                if len(kept) < records.FIRST_KEPT:
                     kept.append(self._where(where))
         if tally.lines:
             self.lines_before[unit_first] = self.lines_before.get(unit_first, 0) + tally.lines
@@ -79,11 +80,11 @@ class Report:
         return f"{path} row {number}" if kind == "row" else path
 
     def bad(self) -> int:
-        return sum(self.counts.get(k, 0) for k in readers.BAD)
+        return sum(self.counts.get(k, 0) for k in records.BAD)
 
     def to_json(self) -> dict:
         skipped = {k: {"count": self.counts.get(k, 0), "first": self.first.get(k, [])}
-                   for k in readers.SKIPS}
+                   for k in records.SKIPS}
         if self.fields is not None:
             skipped["missing_field"]["fields"] = self.fields
         return {**self.totals, "skipped": skipped,
@@ -105,9 +106,9 @@ class Report:
 
     def summary(self) -> str:
         parts = [f"{self.totals['documents']:,} documents, {self.totals['tokens']:,} tokens"]
-        for kind in readers.SKIPS:
+        for kind in records.SKIPS:
             if self.counts.get(kind):
-                shown = 3 if kind in readers.FILE_SKIPS else 1  # files: what was left out
+                shown = 3 if kind in records.FILE_SKIPS else 1  # files: what was left out
                 parts.append(f"skipped {self.counts[kind]:,} {kind.replace('_', ' ')} "
                              f"(first: {', '.join(self.first[kind][:shown])})")
         if self.counts.get("invalid_utf8"):
@@ -199,20 +200,20 @@ class ShardWriter:
 
 def committed(staging: pathlib.Path) -> list[dict]:
     """Shard records 0..k-1 present in order (a gap ends the list); later leftovers go."""
-    records = []
+    kept = []
     while True:
-        path = staging / fmt.shard_names(len(records))[2]
+        path = staging / fmt.shard_names(len(kept))[2]
         if not path.is_file():
             break
         record = json.loads(path.read_text())
         if "stream" not in record:  # left by a jaxtrain before stream hashes: redone
             break
-        records.append(record)
+        kept.append(record)
     for leftover in staging.glob("*.tmp"):
         leftover.unlink()
-    index = len(records)
+    index = len(kept)
     while any((staging / name).exists() for name in fmt.shard_names(index)):
         for name in fmt.shard_names(index):
             (staging / name).unlink(missing_ok=True)
         index += 1
-    return records
+    return kept

@@ -16,14 +16,15 @@ import threading
 
 import numpy as np
 
-from jaxtrain.data import fingerprints, readers
+from jaxtrain.data import fingerprints
 from jaxtrain.data import tokenizers as tokenizers_lib
-from jaxtrain.data.shards import UnitResult
+from jaxtrain.prepare import readers, records
+from jaxtrain.prepare.shards import UnitResult
 
 _WORKER: dict = {}
 
 
-def init(tokenizer_dir: str, inputs: list[readers.Input], options: readers.Options,
+def init(tokenizer_dir: str, inputs: list[records.Input], options: records.Options,
                  bos: int | None, eos: int | None, dtype: str) -> None:
     # One thread per process: processes are the parallelism, and a forked/spawned process
     # must not start a second thread pool per core.
@@ -67,7 +68,7 @@ def _exit_when_closed(sentinel: int) -> None:
     os._exit(1)
 
 
-def _tokenize(docs: list[str], tally: readers.Tally, size: int) -> UnitResult:
+def _tokenize(docs: list[str], tally: records.Tally, size: int) -> UnitResult:
     w = _WORKER
     encoded = w["tokenizer"].encode_batch(docs) if docs else []
     pieces, lengths = [], np.empty(len(docs), dtype=np.int64)
@@ -87,16 +88,16 @@ def _tokenize(docs: list[str], tally: readers.Tally, size: int) -> UnitResult:
     return UnitResult(tokens, lengths, tally, size, stream)
 
 
-def work_unit(unit: readers.Unit) -> UnitResult:
-    tally = readers.Tally()
+def work_unit(unit: records.Unit) -> UnitResult:
+    tally = records.Tally()
     docs = readers.read_unit(unit, _WORKER["inputs"], _WORKER["options"], tally)
     return _tokenize(docs, tally, unit.size)
 
 
 def work_rows(rows: tuple[int, list]) -> UnitResult:
-    first_row, records = rows
-    tally = readers.Tally()
-    docs = readers.read_stream_rows(records, _WORKER["options"].field, first_row, tally)
+    first_row, batch = rows
+    tally = records.Tally()
+    docs = readers.read_stream_rows(batch, _WORKER["options"].field, first_row, tally)
     result = _tokenize(docs, tally, 0)
     result.size = tally.text_bytes  # no file sizes to count progress in: text bytes instead
     return result

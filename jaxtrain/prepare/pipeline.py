@@ -2,9 +2,9 @@
 
 How it keeps its promises:
 - Deterministic: the inputs are cut into units independently of the process count
-  (jaxtrain.data.readers), results are written in unit order, and a shard closes at the first
+  (jaxtrain.prepare.readers), results are written in unit order, and a shard closes at the first
   unit boundary past `tokens_per_file`; the manifest holds no times or absolute paths.
-- Resumable: work goes to `OUT.partial/` with the plan (inputs, sizes, options, tokenizer);
+- Resumable: work goes to `OUT.partial/` with the layout (inputs, sizes, options, tokenizer);
   each shard is written to temporary names and committed by renaming its data and then its
   record (`shard-K.json`) last. A rerun of the same command keeps the committed shards and
   continues at the first unit after them.
@@ -17,13 +17,13 @@ How it keeps its promises:
   bounded; the main process only writes.
 - Past one machine: `shard=(i, n)` prepares the records that start in the i-th of n equal
   byte ranges of the inputs laid end to end (readers.plan_units) into OUT/part-i-of-n/
-  (SLURM arrays, Kubernetes indexed jobs); `merge(OUT)` (jaxtrain.data.merge) then writes
+  (SLURM arrays, Kubernetes indexed jobs); `merge(OUT)` (jaxtrain.prepare.merge) then writes
   one manifest over the parts' shards without copying tokens, with the fingerprint of a
   one-machine prepare (dataset.content_fingerprint). The staged shards themselves are
-  jaxtrain.data.shards.
+  jaxtrain.prepare.shards.
 - On object storage (gs://, s3://): inputs are downloaded to a local cache, and an --out URL
   is prepared into a local stand-in as above, then uploaded with the manifest last, the
-  commit marker (jaxtrain.data.remote).
+  commit marker (jaxtrain.prepare.remote).
 """
 
 from __future__ import annotations
@@ -46,60 +46,44 @@ from tqdm import tqdm
 
 from jaxtrain import storage
 from jaxtrain.data import dataset as fmt
-from jaxtrain.data import readers, remote, workers
 from jaxtrain.data import tokenizers as tokenizers_lib
-from jaxtrain.data.shards import Report, ShardWriter, UnitResult, committed
 from jaxtrain.errors import DataError
-
-POLICIES = ("auto", "yes", "no")
-
-
-@dataclasses.dataclass
-class Request:
-    """One prepare: the command's options."""
-
-    inputs: list[str]
-    out: str
-    tokenizer: str | None = None
-    train_tokenizer: int | None = None
-    tokenizer_only: bool = False
-    field: str = "text"
-    format: str = "auto"
-    include_hidden: bool = False  # files and directories whose name starts with "."
-    include_binary: bool = False  # text files that readers.is_binary
-    text_unit: str = "file"
-    hf_dataset: str | None = None
-    hf_config: str | None = None
-    split: str = "train"
-    bos: str = "auto"
-    eos: str = "auto"
-    processes: int = 0  # 0: one per CPU
-    shard: tuple[int, int] | None = None
-    tokens_per_file: int = 1 << 27
-    unit_bytes: int = 1 << 20
-    max_bad_fraction: float = 0.01
-    overwrite: bool = False
-    progress: bool = True
+from jaxtrain.prepare import bpe, readers, remote, workers
+from jaxtrain.prepare import request as request_lib
+from jaxtrain.prepare.formats import FORMATS, hf
+from jaxtrain.prepare.records import BAD, Input, Options, Unit
+from jaxtrain.prepare.request import Request
+from jaxtrain.prepare.shards import Report, ShardWriter, UnitResult, committed
+from jaxtrain.prepare.work import FileUnits, StreamedRows
 
 
 def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-# --- the plan ------------------------------------------------------------------------------
+# --- the layout ----------------------------------------------------------------------------
 
 @dataclasses.dataclass
-class Plan:
-    inputs: list[readers.Input]
-    units: list[readers.Unit]
-    options: readers.Options
+class InputLayout:
+    """What one prepare reads and writes: its inputs laid out as work (units of files or
+    streamed rows), the dataset directory it completes and what that output depends on."""
+
+    inputs: list[Input]
+    work: FileUnits | StreamedRows
     out: pathlib.Path  # the dataset directory this prepare completes (or its URL)
     identity: dict  # what the output depends on; its hash names the plan
-    streamed: bool = False
     tokenizer: tokenizers_lib.Tokenizer | None = None  # given (None: to be trained)
     skipped: dict = dataclasses.field(default_factory=dict)  # files left out (discover)
     # {local cache folder: the gs:// or s3:// URL it holds a copy of} (remote.fetch_inputs)
     shown: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def units(self) -> list[Unit]:
+        return self.work.units
+
+    @property
+    def options(self) -> Options:
+        return self.work.options
 
     def name(self, path: str) -> str:
         """An input's name in the manifest: its URL when it was fetched from one."""
@@ -114,12 +98,13 @@ class Plan:
         prepare): index -> byte, for the report's line numbers."""
         starts = {}
         for unit in reversed(self.units):
-            if self.inputs[unit.first].format in ("text", "jsonl"):
+            if FORMATS[self.inputs[unit.first].format].lines:
                 starts[unit.first] = unit.start
         return {index: start for index, start in starts.items() if start > 0}
 
     @property
     def plan_id(self) -> str:
+        """The hash of the identity (the manifest's `plan_id`)."""
         return hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()
 
     @property
@@ -127,100 +112,69 @@ class Plan:
         return self.out.with_name(self.out.name + fmt.PARTIAL_SUFFIX)
 
 
-def _check_request(r: Request) -> None:
-    for key, value in (("--bos", r.bos), ("--eos", r.eos)):
-        if value not in POLICIES:
-            raise DataError(f"{key}={value} is invalid: valid values are {', '.join(POLICIES)}")
-    if r.text_unit not in readers.TEXT_UNITS:
-        raise DataError(f"--text-unit={r.text_unit} is invalid: valid values are "
-                        f"{', '.join(readers.TEXT_UNITS)}")
-    if (r.tokenizer is None) == (r.train_tokenizer is None):
-        raise DataError("give one of --tokenizer SPEC and --train-tokenizer VOCAB")
-    if r.tokenizer_only and r.train_tokenizer is None:
-        raise DataError("--tokenizer-only goes with --train-tokenizer VOCAB")
-    if r.train_tokenizer is not None and r.shard is not None:
-        raise DataError("--train-tokenizer with --shard would train a different tokenizer on "
-                        "each part: train one first (--train-tokenizer V --tokenizer-only) and "
-                        "pass it to every part with --tokenizer")
-    if not 0.0 <= r.max_bad_fraction <= 1.0:
-        raise DataError(f"--max-bad-fraction={r.max_bad_fraction} is invalid: between 0 and 1")
-    if r.tokens_per_file < 1 or r.unit_bytes < 1:
-        raise DataError("--tokens-per-file and --unit-bytes must be >= 1")
-    if bool(r.inputs) == bool(r.hf_dataset):
-        raise DataError("give input files, or --hf-dataset NAME, not both or neither")
-    if r.shard is not None:
-        i, n = r.shard
-        if not 0 <= i < n:
-            raise DataError(f"--shard={i}/{n} is invalid: i/N with 0 <= i < N")
-
-
-def make_plan(r: Request) -> Plan:
-    _check_request(r)
-    options = readers.Options(field=r.field, text_unit=r.text_unit, split=r.split)
-    out = storage.as_path(r.out, "--out")
-    streamed, skipped, shown = False, {}, {}
-    if r.hf_dataset is not None and not readers.is_hf_saved(pathlib.Path(r.hf_dataset)):
-        inputs = [readers.Input(r.hf_dataset, "hf-stream", 0)]
-        streamed = True
-    else:
-        patterns, shown = remote.fetch_inputs(r.inputs or [r.hf_dataset], r.progress)
-        inputs, skipped = readers.discover(patterns, r.format, r.include_hidden,
-                                           r.include_binary)
-        if r.shard is not None and r.shard[0] != 0:
-            skipped = {}  # every part finds the same ones: part 0 reports them, once
-    readers.require_packages(inputs)
-    span = None
-    if r.shard is not None:
-        if streamed:
+def layout_inputs(r: Request) -> InputLayout:
+    """Checks the request, finds its inputs and lays them out as work; the one place that
+    tells a streamed dataset from files."""
+    request_lib.check(r)
+    out = storage.as_path(r.output.path, "--out")
+    skipped, shown = {}, {}
+    if r.inputs.hf_dataset is not None and not hf.is_saved(pathlib.Path(r.inputs.hf_dataset)):
+        inputs = [Input(r.inputs.hf_dataset, hf.STREAM, 0)]
+        readers.require_packages(inputs)
+        if r.run.shard is not None:
             raise DataError("--shard splits input files; a streamed dataset has none")
-        i, n = r.shard
-        span = readers.part_span(inputs, i, n)
-        out = out / f"part-{i:05d}-of-{n:05d}"
-    units = [] if streamed else readers.plan_units(inputs, options, r.unit_bytes, span)
-    plan = Plan(inputs, units, options, out, {}, streamed, None, skipped, shown)
+        work = StreamedRows(r.inputs.hf_dataset, r.inputs.hf_config, r.reading,
+                            r.output.unit_bytes)
+    else:
+        patterns, shown = remote.fetch_inputs(r.inputs.paths or [r.inputs.hf_dataset],
+                                              r.run.progress)
+        inputs, skipped = readers.discover(patterns, r.inputs.format, r.inputs.include_hidden,
+                                           r.inputs.include_binary)
+        readers.require_packages(inputs)
+        span = None
+        if r.run.shard is not None:
+            i, n = r.run.shard
+            span = readers.part_span(inputs, i, n)
+            out = out / f"part-{i:05d}-of-{n:05d}"
+            if i != 0:
+                skipped = {}  # every part finds the same ones: part 0 reports them, once
+        work = FileUnits(inputs, readers.plan_units(inputs, r.reading, r.output.unit_bytes,
+                                                    span), r.reading)
+    layout = InputLayout(inputs, work, out, {}, None, skipped, shown)
     identity = {
         "format": fmt.FORMAT,
-        "inputs": [[plan.name(item.path), item.format, item.size] for item in inputs],
-        "hf": [r.hf_config, r.split] if r.hf_dataset else None,
-        "field": r.field, "text_unit": r.text_unit, "bos": r.bos, "eos": r.eos,
-        "tokens_per_file": r.tokens_per_file, "unit_bytes": r.unit_bytes,
-        "shard": list(r.shard) if r.shard else None,
+        "inputs": [[layout.name(item.path), item.format, item.size] for item in inputs],
+        "hf": [r.inputs.hf_config, r.reading.split] if r.inputs.hf_dataset else None,
+        "field": r.reading.field, "text_unit": r.reading.text_unit, "bos": r.output.bos,
+        "eos": r.output.eos, "tokens_per_file": r.output.tokens_per_file,
+        "unit_bytes": r.output.unit_bytes, "shard": list(r.run.shard) if r.run.shard else None,
     }
     tokenizer = None
-    if r.train_tokenizer is not None:
-        identity["tokenizer"] = {"train": r.train_tokenizer}
+    if r.tokenizer.train is not None:
+        identity["tokenizer"] = {"train": r.tokenizer.train}
     else:  # what the tokenizer is, not where: a changed file at the same path is a new plan
-        tokenizer = tokenizers_lib.load_tokenizer(r.tokenizer)
+        tokenizer = tokenizers_lib.load_tokenizer(r.tokenizer.spec)
         identity["tokenizer"] = {"fingerprint": tokenizer.fingerprint()}
-    return dataclasses.replace(plan, identity=identity, tokenizer=tokenizer)
+    return dataclasses.replace(layout, identity=identity, tokenizer=tokenizer)
 
 
 # --- the report ----------------------------------------------------------------------------
 
 # --- the tokenizer -------------------------------------------------------------------------
 
-def _documents_for_training(plan: Plan, request: Request) -> Iterator[str]:
-    if plan.streamed:
-        for _, rows in _stream_batches(plan, request, 0):
-            yield from readers.read_stream_rows(rows, plan.options.field, 0, readers.Tally())
-        return
-    for unit in plan.units:
-        yield from readers.read_unit(unit, plan.inputs, plan.options, readers.Tally())
-
-
-def _tokenizer(plan: Plan, request: Request, directory: pathlib.Path) -> tokenizers_lib.Tokenizer:
-    """The plan's tokenizer, saved in `directory` (reused there when a rerun resumes)."""
+def _tokenizer(layout: InputLayout, request: Request,
+               directory: pathlib.Path) -> tokenizers_lib.Tokenizer:
+    """The layout's tokenizer, saved in `directory` (reused there when a rerun resumes)."""
     if tokenizers_lib.read_meta(directory) is not None:
         return tokenizers_lib.load_tokenizer(directory)
-    if request.train_tokenizer is not None:
-        say(f"jaxtrain: training a byte-level BPE of {request.train_tokenizer} ids on the "
+    if request.tokenizer.train is not None:
+        say(f"jaxtrain: training a byte-level BPE of {request.tokenizer.train} ids on the "
             "inputs")
-        tokenizer = tokenizers_lib.train_bpe(
-            _documents_for_training(plan, request), request.train_tokenizer,
-            length=None if plan.streamed else sum(u.last - u.first for u in plan.units),
-            show_progress=request.progress)
+        tokenizer = bpe.train_bpe(layout.work.documents(), request.tokenizer.train,
+                                  length=layout.work.count(),
+                                  show_progress=request.run.progress)
     else:
-        tokenizer = plan.tokenizer
+        tokenizer = layout.tokenizer
     tokenizer.save(directory)
     return tokenizer
 
@@ -230,7 +184,7 @@ def _special_ids(tokenizer: tokenizers_lib.Tokenizer, request: Request) -> dict:
     that differs from its EOS (Llama-style); yes/no force it, yes failing without the id."""
     chosen = {}
     for role, token_id in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id)):
-        policy = getattr(request, role)
+        policy = getattr(request.output, role)
         if policy == "yes" and token_id is None:
             raise DataError(f"--{role}=yes: the tokenizer ({tokenizer.describe()}) has no "
                             f"{role.upper()} token")
@@ -244,46 +198,12 @@ def _special_ids(tokenizer: tokenizers_lib.Tokenizer, request: Request) -> dict:
 
 # --- running -------------------------------------------------------------------------------
 
-def _stream_batches(plan: Plan, request: Request, skip: int) -> Iterator[tuple[int, list]]:
-    """(first row, rows) of a streamed Hugging Face dataset, about unit_bytes at a time."""
-    try:
-        import datasets
-    except ImportError:
-        raise DataError("--hf-dataset needs the datasets package: pip install "
-                        "'jaxtrain[data]'") from None
-    try:
-        stream = datasets.load_dataset(request.hf_dataset, name=request.hf_config,
-                                       split=request.split, streaming=True)
-    except Exception as e:  # noqa: BLE001 - hub, network and builder errors vary widely
-        raise DataError(f"--hf-dataset={request.hf_dataset}: cannot be loaded "
-                        f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-    if skip:
-        stream = stream.skip(skip)
-    rows, size, first = [], 0, skip
-    for row in stream:
-        rows.append(row)
-        value = row.get(request.field) if isinstance(row, dict) else None
-        size += len(value) if isinstance(value, str) else 1
-        if size >= request.unit_bytes:
-            yield first, rows
-            first, rows, size = first + len(rows), [], 0
-    if rows:
-        yield first, rows
-
-
-def _results(plan: Plan, request: Request, start_unit: int, records_start: int,
+def _results(layout: InputLayout, request: Request, start_unit: int, records_start: int,
              worker_args: tuple) -> Iterator[tuple[int, int, UnitResult]]:
     """(unit index, records consumed after it, result) in unit order, from a pool of worker
     processes with a bounded number of units in flight."""
-    if plan.streamed:
-        tasks = ((k, first + len(rows), workers.work_rows, (first, rows)) for k, (first, rows)
-                 in enumerate(_stream_batches(plan, request, records_start), start=start_unit))
-    else:
-        tasks = ((k, 0, workers.work_unit, plan.units[k])
-                 for k in range(start_unit, len(plan.units)))
-    processes = request.processes or _cpus()
-    if not plan.streamed:
-        processes = min(processes, max(len(plan.units) - start_unit, 1))
+    tasks = layout.work.tasks(start_unit, records_start)
+    processes = layout.work.processes(request.run.processes or _cpus(), start_unit)
     if processes == 1:
         previous = os.environ.get("TOKENIZERS_PARALLELISM")
         workers.init(*worker_args)
@@ -322,11 +242,10 @@ def _cpus() -> int:
 class _Progress:
     """A tqdm bar over input bytes (ETA) showing documents and tokens/s."""
 
-    def __init__(self, plan: Plan, enabled: bool, done_bytes: int):
-        total = None if plan.streamed else sum(u.size for u in plan.units)
-        self.bar = tqdm(total=total, initial=done_bytes, unit="B", unit_scale=True,
-                        unit_divisor=1024, desc="prepare", disable=not enabled, file=sys.stderr,
-                        dynamic_ncols=True)
+    def __init__(self, layout: InputLayout, enabled: bool, done_bytes: int):
+        self.bar = tqdm(total=layout.work.total_bytes(), initial=done_bytes, unit="B",
+                        unit_scale=True, unit_divisor=1024, desc="prepare",
+                        disable=not enabled, file=sys.stderr, dynamic_ncols=True)
         self.start, self.tokens, self.docs = time.perf_counter(), 0, 0
 
     def update(self, result: UnitResult, documents: int) -> None:
@@ -344,40 +263,40 @@ def _check_bad(report: Report, limit: float, final: bool, field: str) -> None:
     records, bad = report.totals["records"], report.bad()
     if not records or bad / records <= limit or (not final and records < 1000):
         return
-    first = [loc for kind in readers.BAD for loc in report.first.get(kind, [])][:3]
+    first = [loc for kind in BAD for loc in report.first.get(kind, [])][:3]
     hint = report.field_hint(field) or "fix the input or raise --max-bad-fraction"
     raise DataError(f"{bad:,} of {records:,} records were unusable ({bad / records:.2%}, over "
                     f"--max-bad-fraction={limit}): {report.summary()}; first: "
                     f"{', '.join(first)}; {hint}")
 
 
-def _process(plan: Plan, request: Request, tokenizer, staging: pathlib.Path,
+def _process(layout: InputLayout, request: Request, tokenizer, staging: pathlib.Path,
              special: dict, dtype: str) -> tuple[list[dict], Report]:
     records = committed(staging)
     start_unit = records[-1]["units"][1] if records else 0
     records_start = records[-1]["records_end"] if records else 0
-    report = (Report.from_json(plan.inputs, records[-1]["report"], records[-1]["lines_before"],
-                               plan.line_starts)
-              if records else Report(plan.inputs, plan.line_starts, plan.skipped))
+    report = (Report.from_json(layout.inputs, records[-1]["report"], records[-1]["lines_before"],
+                               layout.line_starts)
+              if records else Report(layout.inputs, layout.line_starts, layout.skipped))
     if records:
         say(f"jaxtrain: resuming {staging}: {len(records)} shard(s) done, continuing at unit "
             f"{start_unit}")
-    done_bytes = sum(u.size for u in plan.units[:start_unit])
-    progress = _Progress(plan, request.progress, done_bytes)
+    done_bytes = layout.work.done_bytes(start_unit)
+    progress = _Progress(layout, request.run.progress, done_bytes)
     writer = None
-    worker_args = (str(staging / fmt.TOKENIZER_DIR), plan.inputs, plan.options,
+    worker_args = (str(staging / fmt.TOKENIZER_DIR), layout.inputs, layout.options,
                    special["bos"], special["eos"], dtype)
     try:
-        for k, records_end, result in _results(plan, request, start_unit, records_start,
+        for k, records_end, result in _results(layout, request, start_unit, records_start,
                                                worker_args):
             if writer is None:
                 writer = ShardWriter(staging, len(records), k, dtype)
             writer.add(k, result)
             writer.records_end = records_end
-            report.add(plan.units[k].first if not plan.streamed else 0, result)
+            report.add(layout.work.input_of(k), result)
             progress.update(result, report.totals["documents"])
-            _check_bad(report, request.max_bad_fraction, False, request.field)
-            if writer.num_tokens >= request.tokens_per_file:
+            _check_bad(report, request.run.max_bad_fraction, False, request.reading.field)
+            if writer.num_tokens >= request.output.tokens_per_file:
                 records.append(writer.commit(report))
                 writer = None
         if writer is not None:
@@ -387,7 +306,7 @@ def _process(plan: Plan, request: Request, tokenizer, staging: pathlib.Path,
         if writer is not None:
             writer.abandon()
         rate = progress.close()
-    _check_bad(report, request.max_bad_fraction, True, request.field)
+    _check_bad(report, request.run.max_bad_fraction, True, request.reading.field)
     say(f"jaxtrain: {report.summary()} ({rate:,.0f} tokens/s)")
     if report.replaced_warning():
         say(f"jaxtrain: warning: {report.replaced_warning()}")
@@ -396,7 +315,7 @@ def _process(plan: Plan, request: Request, tokenizer, staging: pathlib.Path,
 
 # --- finishing -----------------------------------------------------------------------------
 
-def _manifest(plan: Plan, tokenizer, special: dict, dtype: str, shards: list[dict],
+def _manifest(layout: InputLayout, tokenizer, special: dict, dtype: str, shards: list[dict],
               report: Report, request: Request) -> dict:
     entries = [{"tokens": s["tokens"], "index": s["index_file"], "num_tokens": s["num_tokens"],
                 "num_documents": s["num_documents"], "sha256": s["sha256"],
@@ -405,29 +324,29 @@ def _manifest(plan: Plan, tokenizer, special: dict, dtype: str, shards: list[dic
     return {
         "format": fmt.FORMAT,
         "fingerprint": fmt.content_fingerprint(dtype, tokenizer.fingerprint(), policy, entries),
-        "plan_id": plan.plan_id,
+        "plan_id": layout.plan_id,
         "dtype": dtype,
         "num_tokens": sum(s["num_tokens"] for s in shards),
         "num_documents": sum(s["num_documents"] for s in shards),
         "text_bytes": report.totals["text_bytes"],
         "tokenizer": tokenizer.meta(),
         "policy": {**policy, "bos_id": special["bos"], "eos_id": special["eos"]},
-        "sources": [{"path": plan.name(item.path), "format": item.format, "bytes": item.size}
-                    for item in plan.inputs],
-        "options": {"field": request.field, "text_unit": request.text_unit,
-                    "hf_config": request.hf_config, "split": request.split},
+        "sources": [{"path": layout.name(item.path), "format": item.format, "bytes": item.size}
+                    for item in layout.inputs],
+        "options": {"field": request.reading.field, "text_unit": request.reading.text_unit,
+                    "hf_config": request.inputs.hf_config, "split": request.reading.split},
         "shards": entries,
-        "report": _named(report.to_json(), plan),
-        **({"part": list(request.shard)} if request.shard else {}),
+        "report": _named(report.to_json(), layout),
+        **({"part": list(request.run.shard)} if request.run.shard else {}),
     }
 
 
-def _named(report: dict, plan: Plan) -> dict:
+def _named(report: dict, layout: InputLayout) -> dict:
     """The report with the places it names in fetched inputs named by their URLs."""
-    if not plan.shown:
+    if not layout.shown:
         return report
     for value in [*report["skipped"].values(), report["invalid_utf8_replaced"]]:
-        value["first"] = [plan.name(where) for where in value["first"]]
+        value["first"] = [layout.name(where) for where in value["first"]]
     return report
 
 
@@ -447,7 +366,7 @@ def _publish(staging: pathlib.Path, out: pathlib.Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _check_out(out, overwrite: bool, plan: Plan) -> dict | None:
+def _check_out(out, overwrite: bool, layout: InputLayout) -> dict | None:
     """The existing manifest when OUT already holds this very dataset, else None (also with
     `overwrite`); refuses to replace a directory that is not a prepared dataset, and,
     without `overwrite`, a dataset prepared from other inputs or options. On object
@@ -471,20 +390,20 @@ def _check_out(out, overwrite: bool, plan: Plan) -> dict | None:
         return None
     with remote.errors("--out", out):
         existing = json.loads(manifest.read_text())
-    if existing.get("plan_id") == plan.plan_id:
+    if existing.get("plan_id") == layout.plan_id:
         return existing
     raise DataError(f"--out={out} already holds a dataset prepared from "
-                    f"{_made_from(existing, plan)}: give --overwrite to replace it, or choose "
+                    f"{_made_from(existing, layout)}: give --overwrite to replace it, or choose "
                     "another --out")
 
 
-def _made_from(existing: dict, plan: Plan) -> str:
-    """What the dataset at OUT was made from, said against this plan."""
+def _made_from(existing: dict, layout: InputLayout) -> str:
+    """What the dataset at OUT was made from, said against this layout."""
     sources = existing.get("sources", [])
     fingerprint = f"fingerprint {str(existing.get('fingerprint'))[:12]}"
-    ours = [plan.name(i.path) for i in plan.inputs]
+    ours = [layout.name(i.path) for i in layout.inputs]
     if [[s["path"], s["bytes"]] for s in sources] == [[p, i.size] for p, i in
-                                                       zip(ours, plan.inputs)]:
+                                                       zip(ours, layout.inputs)]:
         return f"these inputs with other options or another tokenizer ({fingerprint})"
     paths = [s["path"] for s in sources]
     named = ", ".join(paths[:2]) + (f" and {len(paths) - 2:,} more" if len(paths) > 2 else "")
@@ -494,51 +413,51 @@ def _made_from(existing: dict, plan: Plan) -> str:
 
 def prepare(request: Request) -> dict:
     """Prepares (or resumes, or finds already prepared) a dataset; returns its manifest."""
-    plan = make_plan(request)
-    if request.tokenizer_only:
-        return _tokenizer_only(plan, request)
-    existing = _check_out(plan.out, request.overwrite, plan)
+    layout = layout_inputs(request)
+    if request.tokenizer.only:
+        return _tokenizer_only(layout, request)
+    existing = _check_out(layout.out, request.output.overwrite, layout)
     if existing is not None:
-        say(f"jaxtrain: {plan.out} is already prepared from these inputs and options "
+        say(f"jaxtrain: {layout.out} is already prepared from these inputs and options "
             "(--overwrite to prepare it again)")
         return existing
-    if storage.is_remote(plan.out):
-        manifest = _prepare_remote(plan, request)
+    if storage.is_remote(layout.out):
+        manifest = _prepare_remote(layout, request)
     else:
-        manifest = _prepare_here(plan, request)
-    say(f"jaxtrain: wrote {plan.out} ({manifest['num_documents']:,} documents, "
+        manifest = _prepare_here(layout, request)
+    say(f"jaxtrain: wrote {layout.out} ({manifest['num_documents']:,} documents, "
         f"{manifest['num_tokens']:,} tokens, {len(manifest['shards'])} shard(s), fingerprint "
         f"{manifest['fingerprint'][:12]})")
     return manifest
 
 
-def _prepare_remote(plan: Plan, request: Request) -> dict:
+def _prepare_remote(layout: InputLayout, request: Request) -> dict:
     """Prepares into a local directory standing in for the remote --out, then uploads it
-    (jaxtrain.data.remote); one finished there by an earlier run is uploaded as it is."""
-    remote.check_writable(plan.out, "--out")
-    scratch = storage.scratch_dir(plan.out, "prepare")
+    (jaxtrain.prepare.remote); one finished there by an earlier run is uploaded as it is."""
+    remote.check_writable(layout.out, "--out")
+    scratch = storage.scratch_dir(layout.out, "prepare")
     local = scratch / "dataset"
     manifest = None
-    if (local / fmt.MANIFEST).is_file() and not request.overwrite:
+    if (local / fmt.MANIFEST).is_file() and not request.output.overwrite:
         manifest = json.loads((local / fmt.MANIFEST).read_text())
-        if manifest.get("plan_id") == plan.plan_id:
+        if manifest.get("plan_id") == layout.plan_id:
             say(f"jaxtrain: {local} holds this dataset, prepared; uploading it")
         else:
             manifest = None
     if manifest is None:
         shutil.rmtree(local, ignore_errors=True)  # another dataset: a local stand-in only
-        manifest = _prepare_here(dataclasses.replace(plan, out=local), request)
-    remote.publish(local, plan.out, "--out", request.progress)
+        manifest = _prepare_here(dataclasses.replace(layout, out=local), request)
+    remote.publish(local, layout.out, "--out", request.run.progress)
     shutil.rmtree(scratch, ignore_errors=True)
     return manifest
 
 
-def _prepare_here(plan: Plan, request: Request) -> dict:
-    """Prepares (or resumes) the plan into its local OUT.partial, then puts it at OUT."""
-    staging = plan.staging
+def _prepare_here(layout: InputLayout, request: Request) -> dict:
+    """Prepares (or resumes) the layout into its local OUT.partial, then puts it at OUT."""
+    staging = layout.staging
     plan_file = staging / "plan.json"
     if staging.exists() and (not plan_file.is_file()
-                             or json.loads(plan_file.read_text()) != plan.identity):
+                             or json.loads(plan_file.read_text()) != layout.identity):
         say(f"jaxtrain: {staging} holds an unfinished prepare of other inputs or options; "
             "starting over")
         shutil.rmtree(staging)
@@ -546,24 +465,24 @@ def _prepare_here(plan: Plan, request: Request) -> dict:
         staging.mkdir(parents=True, exist_ok=True)
         (staging / fmt.FAILED).unlink(missing_ok=True)  # this attempt may well succeed
         if not plan_file.is_file():
-            write_json(plan_file, plan.identity)
-        tokenizer = _tokenizer(plan, request, staging / fmt.TOKENIZER_DIR)
+            write_json(plan_file, layout.identity)
+        tokenizer = _tokenizer(layout, request, staging / fmt.TOKENIZER_DIR)
         dtype = fmt.dtype_for(tokenizer.vocab_size)
         special = _special_ids(tokenizer, request)
-        shards, report = _process(plan, request, tokenizer, staging, special, dtype)
+        shards, report = _process(layout, request, tokenizer, staging, special, dtype)
         if not report.totals["documents"]:
-            if request.shard is None:
+            if request.run.shard is None:
                 raise DataError(f"the inputs hold no documents: {report.summary()}")
             # --merge counts every part's documents; one part may hold none, when its bytes
             # lie inside a record that starts before them (a whole-file document, a .gz)
-            say(f"jaxtrain: part {request.shard[0]}/{request.shard[1]} holds no documents "
+            say(f"jaxtrain: part {request.run.shard[0]}/{request.run.shard[1]} holds no documents "
                 f"({report.summary()}); it is complete, and --merge takes it as such")
-        manifest = _manifest(plan, tokenizer, special, dtype, shards, report, request)
-        plan_file.unlink()  # the manifest says what was made; the plan was for resuming
+        manifest = _manifest(layout, tokenizer, special, dtype, shards, report, request)
+        plan_file.unlink()  # the manifest says what was made; the layout was for resuming
         write_json(staging / fmt.MANIFEST, manifest)
-        _publish(staging, plan.out)
+        _publish(staging, layout.out)
     except Exception as e:
-        error = _out_of_disk(e, staging, plan.out)
+        error = _out_of_disk(e, staging, layout.out)
         _note_failure(staging, error or e)
         if error is not None:
             raise error from None
@@ -593,34 +512,34 @@ def _note_failure(staging: pathlib.Path, e: Exception) -> None:
         pass
 
 
-def _tokenizer_only(plan: Plan, request: Request) -> dict:
-    out = plan.out
+def _tokenizer_only(layout: InputLayout, request: Request) -> dict:
+    out = layout.out
     if storage.is_remote(out):
-        return _tokenizer_only_remote(plan, request)
+        return _tokenizer_only_remote(layout, request)
     if out.exists() and tokenizers_lib.read_meta(out) is None and any(out.iterdir()):
         raise DataError(f"--out={out} exists and is not a tokenizer directory; choose another")
     tmp = out.with_name(out.name + fmt.PARTIAL_SUFFIX)
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = _tokenizer(plan, request, tmp)
+    tokenizer = _tokenizer(layout, request, tmp)
     _publish(tmp, out)
     say(f"jaxtrain: wrote {tokenizer.describe()} to {out}")
     return tokenizer.meta()
 
 
-def _tokenizer_only_remote(plan: Plan, request: Request) -> dict:
+def _tokenizer_only_remote(layout: InputLayout, request: Request) -> dict:
     """The tokenizer trained in local scratch, then uploaded (its meta file last)."""
-    names = remote.listing(plan.out, "--out")
+    names = remote.listing(layout.out, "--out")
     if names and tokenizers_lib.META_FILE not in names and remote.foreign(names) is not None:
-        raise DataError(f"--out={plan.out} holds objects that are not a tokenizer (first: "
+        raise DataError(f"--out={layout.out} holds objects that are not a tokenizer (first: "
                         f"{remote.foreign(names)}); choose another --out")
-    remote.check_writable(plan.out, "--out")
-    scratch = storage.scratch_dir(plan.out, "tokenizer")
+    remote.check_writable(layout.out, "--out")
+    scratch = storage.scratch_dir(layout.out, "tokenizer")
     shutil.rmtree(scratch / "tokenizer", ignore_errors=True)  # trained again, as locally
-    tokenizer = _tokenizer(plan, request, scratch / "tokenizer")
-    remote.publish(scratch / "tokenizer", plan.out, "--out", request.progress,
+    tokenizer = _tokenizer(layout, request, scratch / "tokenizer")
+    remote.publish(scratch / "tokenizer", layout.out, "--out", request.run.progress,
                    last=tokenizers_lib.META_FILE)
     shutil.rmtree(scratch, ignore_errors=True)
-    say(f"jaxtrain: wrote {tokenizer.describe()} to {plan.out}")
+    say(f"jaxtrain: wrote {tokenizer.describe()} to {layout.out}")
     return tokenizer.meta()
 
 

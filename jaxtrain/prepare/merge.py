@@ -12,10 +12,10 @@ import re
 
 from jaxtrain import storage
 from jaxtrain.data import dataset as fmt
-from jaxtrain.data import readers, remote
 from jaxtrain.data import tokenizers as tokenizers_lib
-from jaxtrain.data.prepare import say, write_json
 from jaxtrain.errors import DataError
+from jaxtrain.prepare import records, remote
+from jaxtrain.prepare.pipeline import say, write_json
 
 
 def merge(directory) -> dict:
@@ -137,9 +137,9 @@ def _merge_reports(reports: list[dict]) -> dict:
                                                       "text_bytes")}
 
     def combine(values: list[dict]) -> dict:
-        first = [loc for v in values for loc in v["first"]][:readers.FIRST_KEPT]
+        first = [loc for v in values for loc in v["first"]][:records.FIRST_KEPT]
         return {"count": sum(v["count"] for v in values), "first": first}
 
-    merged["skipped"] = {k: combine([r["skipped"][k] for r in reports]) for k in readers.SKIPS}
+    merged["skipped"] = {k: combine([r["skipped"][k] for r in reports]) for k in records.SKIPS}
     merged["invalid_utf8_replaced"] = combine([r["invalid_utf8_replaced"] for r in reports])
     return merged

@@ -1,0 +1,115 @@
+"""What a prepare is asked to do (the command's options), in five small records: where the
+documents come from (Inputs), how they are read (records.Options), which tokenizer
+(TokenizerChoice), what is written (Output) and how the work runs (Run)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxtrain.errors import DataError
+from jaxtrain.prepare.records import TEXT_UNITS, Options
+
+POLICIES = ("auto", "yes", "no")
+
+
+@dataclasses.dataclass
+class Inputs:
+    """Files, directories and globs, or a Hugging Face dataset (a name to stream, or a
+    directory saved with save_to_disk)."""
+
+    paths: list[str] = dataclasses.field(default_factory=list)
+    hf_dataset: str | None = None
+    hf_config: str | None = None
+    format: str = "auto"
+    include_hidden: bool = False  # files and directories whose name starts with "."
+    include_binary: bool = False  # text files that readers.is_binary
+
+
+@dataclasses.dataclass
+class TokenizerChoice:
+    spec: str | None = None  # --tokenizer
+    train: int | None = None  # --train-tokenizer VOCAB
+    only: bool = False  # --tokenizer-only: write the trained tokenizer, no dataset
+
+
+@dataclasses.dataclass
+class Output:
+    path: str = ""
+    bos: str = "auto"  # POLICIES
+    eos: str = "auto"
+    tokens_per_file: int = 1 << 27
+    unit_bytes: int = 1 << 20  # input bytes per unit of work: decides the shard bounds
+    overwrite: bool = False
+
+
+@dataclasses.dataclass
+class Run:
+    processes: int = 0  # 0: one per CPU
+    shard: tuple[int, int] | None = None  # part i of n of a multi-machine prepare
+    max_bad_fraction: float = 0.01
+    progress: bool = True
+
+
+# The record each flat option (a command flag's name) belongs to, for `Request.build`.
+_GROUPS = {"inputs": Inputs, "reading": Options, "tokenizer": TokenizerChoice,
+           "output": Output, "run": Run}
+_RENAMED = {"inputs": ("inputs", "paths"), "out": ("output", "path"),
+            "tokenizer": ("tokenizer", "spec"), "train_tokenizer": ("tokenizer", "train"),
+            "tokenizer_only": ("tokenizer", "only")}
+
+
+@dataclasses.dataclass
+class Request:
+    """One prepare."""
+
+    inputs: Inputs
+    reading: Options
+    tokenizer: TokenizerChoice
+    output: Output
+    run: Run
+
+    @classmethod
+    def build(cls, inputs, out, **options) -> Request:
+        """A request from flat options named as the command's flags (`field=`, `shard=`,
+        `train_tokenizer=`), each put in its record: for callers that hold them flat (the
+        command, tests, scripts)."""
+        parts: dict[str, dict] = {name: {} for name in _GROUPS}
+        for key, value in {"inputs": [str(i) for i in inputs or []], "out": str(out),
+                           **options}.items():
+            group, field = _RENAMED.get(key, (None, key))
+            if group is None:
+                group = next((g for g, record in _GROUPS.items()
+                              if field in {f.name for f in dataclasses.fields(record)}), None)
+            if group is None:
+                raise TypeError(f"Request.build: no option {key!r}")
+            parts[group][field] = value
+        return cls(**{name: record(**parts[name]) for name, record in _GROUPS.items()})
+
+
+def check(r: Request) -> None:
+    """DataError (one line) for options that cannot go together or are out of range."""
+    for key, value in (("--bos", r.output.bos), ("--eos", r.output.eos)):
+        if value not in POLICIES:
+            raise DataError(f"{key}={value} is invalid: valid values are {', '.join(POLICIES)}")
+    if r.reading.text_unit not in TEXT_UNITS:
+        raise DataError(f"--text-unit={r.reading.text_unit} is invalid: valid values are "
+                        f"{', '.join(TEXT_UNITS)}")
+    if (r.tokenizer.spec is None) == (r.tokenizer.train is None):
+        raise DataError("give one of --tokenizer SPEC and --train-tokenizer VOCAB")
+    if r.tokenizer.only and r.tokenizer.train is None:
+        raise DataError("--tokenizer-only goes with --train-tokenizer VOCAB")
+    if r.tokenizer.train is not None and r.run.shard is not None:
+        raise DataError("--train-tokenizer with --shard would train a different tokenizer on "
+                        "each part: train one first (--train-tokenizer V --tokenizer-only) and "
+                        "pass it to every part with --tokenizer")
+    if not 0.0 <= r.run.max_bad_fraction <= 1.0:
+        raise DataError(f"--max-bad-fraction={r.run.max_bad_fraction} is invalid: between 0 "
+                        "and 1")
+    if r.output.tokens_per_file < 1 or r.output.unit_bytes < 1:
+        raise DataError("--tokens-per-file and --unit-bytes must be >= 1")
+    if bool(r.inputs.paths) == bool(r.inputs.hf_dataset):
+        raise DataError("give input files, or --hf-dataset NAME, not both or neither")
+    if r.run.shard is not None:
+        i, n = r.run.shard
+        if not 0 <= i < n:
+            raise DataError(f"--shard={i}/{n} is invalid: i/N with 0 <= i < N")
