@@ -24,6 +24,14 @@ directory and each committed step is mirrored to the bucket, its manifest object
 commit marker (jaxtrain/checkpoint_mirror.py says why and how). Its steps are those on this
 host's disk and those in the bucket with a manifest; a step only in the bucket is downloaded
 and checked against its manifest before orbax restores it.
+
+A job of several processes with no shared disk (a remote directory, process_count > 1)
+stages per host: every process is a primary of its own scratch copy (orbax's
+`primary_host=None`) and writes there only its shards, in zarr's one-file-per-chunk layout
+(OCDBT would merge the processes' files on process 0, which cannot see them); the bucket
+receives each process's files and, once all are there, one manifest of the whole step
+(checkpoint_mirror.HostParts). A host's part is not restorable on its own: every restore
+downloads the whole step from the bucket.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import concurrent.futures
 import contextlib
 import functools
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -51,7 +60,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import storage
-from jaxtrain.checkpoint_mirror import Mirror, Unreachable
+from jaxtrain.checkpoint_mirror import HostParts, Mirror, Unreachable
 from jaxtrain.errors import CheckpointError, JaxtrainError
 
 __all__ = ["CheckpointError", "Checkpoints", "file_checksum"]
@@ -174,6 +183,7 @@ class Checkpoints:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "jaxtrain-manifest")
         self._lock = threading.Lock()
         self.mirror: Mirror | None = None
+        self.parts: HostParts | None = None  # several processes, each with its own part
         self._remote: set[int] = set()  # steps in the bucket with their manifest
         self._remote_manifests: dict[int, dict] = {}
         self._unuploaded: set[int] = set()  # committed here, not yet sent to the bucket
@@ -186,6 +196,7 @@ class Checkpoints:
             self.staging = self.directory  # where orbax writes
             self.manifests = pathlib.Path(
                 manifests or self.directory.parent / "checkpoint_manifests").absolute()
+        per_host = self.parts is not None
         options = ocp.CheckpointManagerOptions(
             # A reader's options are the ones orbax would force for read_only anyway, so it
             # has nothing to warn about on the one-line error paths of generate/eval.
@@ -194,10 +205,13 @@ class Checkpoints:
             enable_async_checkpointing=True, cleanup_tmp_directories=not read_only,
             enable_background_delete=True,
             async_options=ocp.options.AsyncOptions(
-                post_finalization_callback=self._committed_async))
+                post_finalization_callback=self._committed_async),
+            **({"multiprocessing_options": _EVERY_HOST} if per_host else {}))
         with _quiet(read_only):
-            self.manager = ocp.CheckpointManager(self.staging, options=options,
-                                                 item_names=("state", "config", "sums"))
+            self.manager = ocp.CheckpointManager(
+                self.staging, options=options,
+                **({"handler_registry": _per_host_handlers()} if per_host
+                   else {"item_names": ("state", "config", "sums")}))
         self.healthy = {s for s in self.steps() if self._manifest(s).get("healthy")}
         self._manifested = set(self.steps())  # committed before this run
         if self._unuploaded:
@@ -206,15 +220,14 @@ class Checkpoints:
     def _stage(self, directory, manifests, read_only: bool) -> None:
         """Sets up a remote directory: the bucket's committed steps, incomplete uploads
         deleted, this host's staged copies reconciled with the bucket."""
-        if jax.process_count() > 1:
-            raise CheckpointError(
-                f"checkpoints in {directory}: a job of {jax.process_count()} processes cannot "
-                "checkpoint to object storage yet (one process can); give --workdir a local "
-                "directory every process shares")
         self.directory = directory
         self.mirror = Mirror(directory, manifests or directory.parent / "checkpoint_manifests")
         # A reader (eval, generate on the training host) caches apart from the run.
         tag = "-read" if read_only else ""
+        if jax.process_count() > 1:  # each process its own scratch, even on one machine
+            self.parts = HostParts(str(directory), self.mirror.budget_s + 300)
+            _quiet_per_host_warnings()
+            tag += f".process{jax.process_index()}"
         self.staging = storage.scratch_dir(directory, "checkpoints" + tag)
         self.manifests = storage.scratch_dir(directory, "checkpoint_manifests" + tag)
         self._downloads = storage.scratch_dir(directory, "checkpoint_downloads" + tag)
@@ -230,7 +243,13 @@ class Checkpoints:
             if not name.isdigit():
                 continue
             step = int(name)
-            if self._uploaded_path(step).exists() and step not in self._remote:
+            if self.parts is not None:
+                # A part of a step (or a downloaded copy): whatever it is, the bucket has
+                # the whole step or nothing of use; a part never uploaded cannot be
+                # completed (the other parts' hosts moved on).
+                shutil.rmtree(self.staging / name)
+                self._forget_local(step)
+            elif self._uploaded_path(step).exists() and step not in self._remote:
                 # Uploaded once, deleted from the bucket since (rotated, set aside, moved
                 # away): this copy is of nothing.
                 shutil.rmtree(self.staging / name)
@@ -286,7 +305,7 @@ class Checkpoints:
                     time.sleep(0.02)
                 if not root.exists():
                     continue  # not renamed yet: the next call writes it
-                if self.primary and not self._manifest_path(step).exists():
+                if (self.primary or self.parts) and not self._manifest_path(step).exists():
                     self.manifests.mkdir(parents=True, exist_ok=True)
                     files = {str(p.relative_to(root)): [p.stat().st_size, file_checksum(p)]
                              for p in sorted(root.rglob("*")) if p.is_file()}
@@ -318,7 +337,7 @@ class Checkpoints:
     def _upload_pending(self, retry_failed: bool = False) -> None:
         """Uploads every step committed here and not yet in the bucket, oldest first. One
         that runs out of retries is said in one line and tried again after the next save."""
-        if self.mirror is None or not self.primary or self._failure is not None:
+        if self.mirror is None or not (self.primary or self.parts) or self._failure is not None:
             return
         if retry_failed:
             self._unuploaded |= self._failed
@@ -345,8 +364,11 @@ class Checkpoints:
             return  # rotated or set aside since it was committed
         manifest = self._manifest_path(step).read_bytes()
         try:
-            self.mirror.upload(step, self.staging / str(step), manifest,
-                               json.loads(manifest)["files"])
+            if self.parts is not None:
+                manifest = self._upload_part(step, json.loads(manifest))
+            else:
+                self.mirror.upload(step, self.staging / str(step), manifest,
+                                   json.loads(manifest)["files"])
         except FileNotFoundError as e:
             if step not in self.manager.all_steps():
                 return  # rotated while it was being uploaded; its delete comes next
@@ -355,9 +377,25 @@ class Checkpoints:
                 f"{storage.first_line(e)}") from e
         self._uploaded_path(step).touch()
         self._remote.add(step)
-        self._remote_manifests[step] = json.loads(manifest)
+        if manifest is not None:
+            self._remote_manifests[step] = json.loads(manifest)
         if self.on_commit is not None:
             self.on_commit(step)
+
+    def _upload_part(self, step: int, part: dict) -> bytes | None:
+        """This process's part of `step` (its `part` manifest); process 0 then writes the
+        whole step's manifest and returns it. HostParts says the order."""
+        try:
+            files = self.parts.owned(step, part["files"])
+            self.mirror.put_files(step, self.staging / str(step), files)
+            whole = self.parts.uploaded(step, part["files"])
+            if whole is None:
+                return None
+            manifest = json.dumps({**part, "files": whole, "whole": True}, indent=0).encode()
+            self.mirror.put_manifest(step, manifest)
+            return manifest
+        finally:
+            self.parts.finish(step)
 
     def _delete_remote(self, step: int) -> None:
         try:
@@ -466,7 +504,7 @@ class Checkpoints:
 
     def mismatch(self, step: int, target: dict) -> str | None:
         """How the saved tree differs from `target` ('lacks opt_state/...'), None if not."""
-        saved = tree_signature(ocp.StandardCheckpointHandler().metadata(
+        saved = tree_signature(_state_handler(self.parts is not None).metadata(
             epath.Path(self._local(step) / "state")))
         wanted = tree_signature(target)
         if saved == wanted:
@@ -542,6 +580,9 @@ class Checkpoints:
 
     def _set_aside_staged(self, step: int, aside, stamp: int):
         if not self.primary:
+            if self.parts is not None:  # a copy (or part) of what process 0 sets aside
+                shutil.rmtree(self.staging / str(step), ignore_errors=True)
+                self._forget_local(step)
             return aside
         local = self.staging / str(step)
         if step in self._remote:
@@ -561,7 +602,11 @@ class Checkpoints:
     # Staged copies of a remote directory's steps
 
     def _remote_only(self, step: int) -> bool:
-        return self.mirror is not None and step not in self.manager.all_steps()
+        """Restored from the bucket: only there, or here only as this host's part."""
+        return self.mirror is not None and (
+            step not in self.manager.all_steps()
+            or (self.parts is not None
+                and not _read_manifest(self._manifest_path(step)).get("whole")))
 
     def _local(self, step: int) -> pathlib.Path:
         """The directory orbax reads `step` from, downloaded first if only in the bucket."""
@@ -591,6 +636,8 @@ class Checkpoints:
             return problem
         self._write_manifest(step, self._remote_manifest(step))  # as uploaded, health too
         self._uploaded_path(step).touch()
+        if self.parts is not None:  # this host's part, replaced by the whole step
+            shutil.rmtree(self.staging / str(step), ignore_errors=True)
         try:
             os.replace(target, self.staging / str(step))
         except OSError:  # another reader on this host has put it there first
@@ -648,6 +695,48 @@ class Checkpoints:
             self.manager.reload()
             return self._download(step, checksums)
         return problem
+
+
+# Several processes, each the primary of its own scratch copy (module docstring).
+_EVERY_HOST = ocp.options.MultiprocessingOptions(primary_host=None)
+
+
+class _PerHostNoise(logging.Filter):
+    """orbax warns at every per-host save, on every process, that it skips an OCDBT merge
+    (zarr has none) and that it logs no object sizes: both are this mode working."""
+
+    EXPECTED = ("Skipping merge of OCDBT", "Global object size logging disabled")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(text in record.getMessage() for text in self.EXPECTED)
+
+
+@functools.cache
+def _quiet_per_host_warnings() -> None:
+    logging.getLogger("absl").addFilter(_PerHostNoise())
+
+
+def _state_handler(per_host: bool) -> ocp.StandardCheckpointHandler:
+    """The handler of the `state` item. Every handler built sets the primary host of orbax's
+    one array-metadata store (global), so a per-host process never builds a default one:
+    its next save would wait for process 0 to create a directory on process 0's disk."""
+    if not per_host:
+        return ocp.StandardCheckpointHandler()
+    return ocp.StandardCheckpointHandler(multiprocessing_options=_EVERY_HOST, use_ocdbt=False)
+
+
+def _per_host_handlers():
+    """orbax's handlers for per-host staging: no host waits on another's directory, and
+    arrays in zarr files per chunk, each written by the process that holds it."""
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    state = _state_handler(True)
+    registry.add("state", ocp.args.StandardSave, state)
+    registry.add("state", ocp.args.StandardRestore, state)
+    for item in ("config", "sums"):
+        handler = ocp.JsonCheckpointHandler(multiprocessing_options=_EVERY_HOST)
+        registry.add(item, ocp.args.JsonSave, handler)
+        registry.add(item, ocp.args.JsonRestore, handler)
+    return registry
 
 
 def _read_manifest(path: pathlib.Path) -> dict:

@@ -37,11 +37,13 @@ bucket, no permission: `storage.user_error`) are raised at once.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import pathlib
 import time
 
 import fsspec.asyn
+import jax
 
 from jaxtrain import storage
 from jaxtrain.errors import CheckpointError
@@ -237,3 +239,66 @@ class Mirror:
                         f"for {self.budget_s:g} s", storage.first_line(e)) from e
                 time.sleep(delay)
                 delay = min(2 * delay, 30.0)
+
+
+class HostParts:
+    """A job of several processes with no shared disk (each stages its own part of every
+    step: the shards it wrote, see checkpoint.py) agrees here, through jax.distributed's
+    key-value store, on who uploads which file and when a step is whole in the bucket:
+
+      1. every process publishes the list of its files of the step;
+      2. a file is uploaded by the lowest-ranked process that holds it (files every process
+         writes, such as orbax's metadata, go up once, from process 0);
+      3. each process says when its part is uploaded; process 0 waits for all of them, then
+         writes the manifest of the whole step (every owner's files): the commit marker.
+
+    A process that dies or runs out of retries before step 3 leaves the step without a
+    manifest, so uncommitted, as for one process."""
+
+    def __init__(self, url: str, timeout_s: float):
+        # jax exposes no public handle on the coordination service's store (orbax reaches
+        # it the same way, orbax/checkpoint/_src/multihost).
+        from jax._src import distributed
+
+        self.client = distributed.global_state.client
+        self.url, self.timeout_ms = url, int(timeout_s * 1000)
+        self.index, self.count = jax.process_index(), jax.process_count()
+        self.rounds: dict[int, int] = {}  # uploads of each step so far (a step set aside
+        # is saved again: its next upload is agreed under fresh keys)
+
+    def _key(self, step: int, what: str, process: int) -> str:
+        return f"jaxtrain/checkpoints/{self.url}/{step}/{self.rounds.get(step, 0)}/{what}/{process}"
+
+    def _get(self, step: int, what: str, process: int) -> str:
+        try:
+            return self.client.blocking_key_value_get(self._key(step, what, process),
+                                                      self.timeout_ms)
+        except Exception as e:  # a peer that died, or never finished its part
+            raise Unreachable(
+                f"checkpoints={self.url}: process {process} did not {what} its part of step "
+                f"{step} within {self.timeout_ms // 1000} s", storage.first_line(e)) from e
+
+    def owned(self, step: int, files: dict) -> dict:
+        """Publishes this process's files of `step`; returns those it is to upload."""
+        self.client.key_value_set(self._key(step, "list", self.index), json.dumps(files))
+        held = set()
+        for process in range(self.index):
+            held |= set(json.loads(self._get(step, "list", process)))
+        return {name: entry for name, entry in files.items() if name not in held}
+
+    def uploaded(self, step: int, files: dict) -> dict | None:
+        """Says this process's part of `step` is in the bucket. Process 0 waits for every
+        part and returns the files of the whole step (each from its owner); others None."""
+        self.client.key_value_set(self._key(step, "upload", self.index), "1")
+        whole = None
+        if self.index == 0:
+            whole = dict(files)
+            for process in range(1, self.count):
+                self._get(step, "upload", process)
+                for name, entry in json.loads(self._get(step, "list", process)).items():
+                    whole.setdefault(name, entry)
+        return whole
+
+    def finish(self, step: int) -> None:
+        """This try at `step` is over, uploaded or not: the next one uses fresh keys."""
+        self.rounds[step] = self.rounds.get(step, 0) + 1

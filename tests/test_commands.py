@@ -148,7 +148,7 @@ def run_commands(argvs: list[list[str]], cwd) -> list[tuple[int, str, str]]:
 
 # Every path a command takes that is local-only for now, as an object-storage URL (the
 # others local and valid). --workdir may be on object storage in every command
-# (tests/test_object_storage.py); only a job of several processes there is refused.
+# (tests/test_object_storage.py, tests/test_multihost.py).
 CONFIG = str(ROOT / "configs" / "tiny.py")
 URL_CASES = [
     (["train", "--config", CONFIG, "--config.data.source=bin", "--config.data.path=x.bin",

@@ -173,3 +173,46 @@ def test_without_a_launcher_a_rank_whose_peer_died_exits_in_bounded_time(tmp_pat
     assert ranks[0].returncode != 0
     assert detected < 60, detected
     assert "another task died" in ranks[0].stderr.read()
+
+
+def test_a_job_with_no_shared_directory_resumes_bitwise_after_a_dead_rank(tmp_path,
+                                                                       two_processes):
+    """The object store (the GCS emulator) is all the two processes share: each stages its
+    own part of every checkpoint in a scratch folder of its own, the bucket gets the parts and
+    one manifest. Rank 1 dies after a checkpoint, the job restarts, every rank downloads the
+    whole step, and the losses are those of the uninterrupted run on a shared disk."""
+    from conftest import object_server
+
+    from jaxtrain import storage
+    from jaxtrain.metrics_log import read_metrics
+
+    server = object_server("gs")
+    workdir = server.bucket() + "/run"
+    fs, root = storage.filesystem(workdir)
+    env = dict(os.environ, **server.env(), JAXTRAIN_SCRATCH=str(tmp_path / "scratch"))
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "jaxtrain.commands.launch", "--processes", "2",
+         "--devices-per-process", "4", "--max-restarts", "1", "--", *TINY, *MESH, *RUN,
+         f"--workdir={workdir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def committed() -> bool:
+        fs.invalidate_cache()
+        return fs.exists(f"{root}/checkpoint_manifests/4.json")
+    try:
+        _wait(committed, launcher)
+        os.kill(_rank_pid(workdir, 1), signal.SIGKILL)
+        _, err = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 0, err[-3000:]
+    assert "restarting the job (1 of 1) after rank 1 exited with status 137" in err
+    assert "resuming at step" in err
+    rows = read_metrics(storage.as_path(workdir), say=lambda _: None)
+    assert {r["step"]: r["loss"] for r in rows if "loss" in r} == two_processes[2], \
+        "every step's loss, bit for bit, each row once"
+    staged = sorted(p.name.rsplit(".", 1)[-1]
+                    for p in (tmp_path / "scratch").glob("*-checkpoints.process*"))
+    assert staged == ["process0", "process1"], "each process stages apart"
+    assert "Skipping merge" not in err

@@ -138,11 +138,6 @@ def main(argv=None) -> None:
     try:  # here, not in each rank: one line, before any rank starts
         workdir = flag_value(main_args, "workdir") or ""
         storage.check_path(workdir, "--workdir")
-        if storage.is_remote(workdir) and args.processes > 1:
-            # Staged checkpoints (checkpoint.py) hold one process's shards on its own disk.
-            raise ConfigError(f"--workdir={workdir}: a job of several processes on object "
-                              "storage is not supported yet; use --processes 1, or a shared "
-                              "directory (a bucket mounted with gcsfuse is one)")
     except ConfigError as e:
         fail(str(e))
     sys.exit(launch(args.processes, args.devices_per_process, main_args, args.max_restarts))
