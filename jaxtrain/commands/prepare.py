@@ -25,6 +25,7 @@ from jaxtrain.data.stdlib import stdlib_files
 from jaxtrain.errors import DataError, JaxtrainError
 from jaxtrain.prepare import merge as merge_lib
 from jaxtrain.prepare import pipeline as prepare_lib
+from jaxtrain.prepare.formats import FORMATS
 from jaxtrain.prepare.records import Options
 from jaxtrain.prepare.request import Inputs, Output, Run, TokenizerChoice
 from jaxtrain.workdir import check_local_path
@@ -53,7 +54,7 @@ def parser() -> argparse.ArgumentParser:
     src = p.add_argument_group("inputs")
     src.add_argument("--stdlib", action="store_true", help="add the built-in corpus's files "
                      "(this Python's standard library .py files)")
-    src.add_argument("--format", default="auto", help="auto, text, jsonl, parquet, hf")
+    src.add_argument("--format", default="auto", help=", ".join(("auto", *FORMATS)))
     src.add_argument("--include-hidden", action="store_true", help="also take the files of "
                      "an input directory whose path below it has a name starting with '.' "
                      "(.git/, .env), and let globs match such names")
