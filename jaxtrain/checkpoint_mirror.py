@@ -45,6 +45,10 @@ import time
 import fsspec.asyn
 import jax
 
+# jax exposes no public handle on the coordination service's key-value store (orbax reaches
+# it the same way, orbax/checkpoint/_src/multihost).
+from jax._src import distributed
+
 from jaxtrain import storage
 from jaxtrain.errors import CheckpointError
 
@@ -256,10 +260,6 @@ class HostParts:
     manifest, so uncommitted, as for one process."""
 
     def __init__(self, url: str, timeout_s: float):
-        # jax exposes no public handle on the coordination service's store (orbax reaches
-        # it the same way, orbax/checkpoint/_src/multihost).
-        from jax._src import distributed
-
         self.client = distributed.global_state.client
         self.url, self.timeout_ms = url, int(timeout_s * 1000)
         self.index, self.count = jax.process_index(), jax.process_count()
