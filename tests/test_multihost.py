@@ -123,17 +123,17 @@ def _wait(condition, process, timeout=300):
         time.sleep(0.05)
 
 
-def test_a_killed_rank_is_restarted_and_the_job_trains_the_same_numbers(tmp_path,
-                                                                        two_processes):
+def _kill_rank_1_and_restart(workdir, ready, env=None) -> str:
+    """A 2-process job with --max-restarts 1 whose rank 1 is killed once ready() holds; it
+    must restart and finish. Returns the launcher's stderr."""
     launcher = subprocess.Popen(
         [sys.executable, "-m", "jaxtrain.commands.launch", "--processes", "2",
          "--devices-per-process", "4", "--max-restarts", "1", "--", *TINY, *MESH, *RUN,
-         f"--workdir={tmp_path}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True)
+         f"--workdir={workdir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        _wait(lambda: (tmp_path / "checkpoint_manifests" / "4.json").exists()
-              and max(_losses(tmp_path), default=0) >= 5, launcher)
-        os.kill(_rank_pid(tmp_path, 1), signal.SIGKILL)
+        _wait(ready, launcher)
+        os.kill(_rank_pid(workdir, 1), signal.SIGKILL)
         _, err = launcher.communicate(timeout=600)
     finally:
         if launcher.poll() is None:
@@ -141,6 +141,14 @@ def test_a_killed_rank_is_restarted_and_the_job_trains_the_same_numbers(tmp_path
     assert launcher.returncode == 0, err[-3000:]
     assert "restarting the job (1 of 1) after rank 1 exited with status 137" in err
     assert "resuming at step" in err
+    return err
+
+
+def test_a_killed_rank_is_restarted_and_the_job_trains_the_same_numbers(tmp_path,
+                                                                        two_processes):
+    _kill_rank_1_and_restart(tmp_path, lambda: (
+        (tmp_path / "checkpoint_manifests" / "4.json").exists()
+        and max(_losses(tmp_path), default=0) >= 5))
     assert _losses(tmp_path) == two_processes[2], "every step's loss, bit for bit"
     last = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
     assert last["lost_restart_s"] > 0 and 0 < last["goodput"] < 1
@@ -190,25 +198,11 @@ def test_a_job_with_no_shared_directory_resumes_bitwise_after_a_dead_rank(tmp_pa
     workdir = server.bucket() + "/run"
     fs, root = storage.filesystem(workdir)
     env = dict(os.environ, **server.env(), JAXTRAIN_SCRATCH=str(tmp_path / "scratch"))
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "jaxtrain.commands.launch", "--processes", "2",
-         "--devices-per-process", "4", "--max-restarts", "1", "--", *TINY, *MESH, *RUN,
-         f"--workdir={workdir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True)
 
     def committed() -> bool:
         fs.invalidate_cache()
         return fs.exists(f"{root}/checkpoint_manifests/4.json")
-    try:
-        _wait(committed, launcher)
-        os.kill(_rank_pid(workdir, 1), signal.SIGKILL)
-        _, err = launcher.communicate(timeout=600)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-    assert launcher.returncode == 0, err[-3000:]
-    assert "restarting the job (1 of 1) after rank 1 exited with status 137" in err
-    assert "resuming at step" in err
+    err = _kill_rank_1_and_restart(workdir, committed, env)
     rows = read_metrics(storage.as_path(workdir), say=lambda _: None)
     assert {r["step"]: r["loss"] for r in rows if "loss" in r} == two_processes[2], \
         "every step's loss, bit for bit, each row once"
