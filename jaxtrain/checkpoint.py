@@ -454,11 +454,11 @@ class Checkpoints:
             if step in local:
                 self.manager.delete(step)
             self.healthy.discard(step)
-            if self.primary:
+            if self.primary or self.parts:  # a per-host process keeps its own records
                 self._forget_local(step)
-                if self.mirror is not None:  # after an upload in flight, if any
-                    self._remote.discard(step)
-                    self._executor.submit(self._delete_remote, step)
+                self._remote.discard(step)
+            if self.primary and self.mirror is not None:  # after an upload in flight, if any
+                self._executor.submit(self._delete_remote, step)
 
     # Restoring
 
