@@ -1,4 +1,5 @@
-"""Shared by the tests: run a few train steps on a chosen set of devices."""
+"""Shared by the tests: a few train steps on a chosen set of devices, and the float64 numpy
+attention that every attention kernel is checked against."""
 
 import jax
 import numpy as np
@@ -60,3 +61,43 @@ def assert_cached_decoding_matches_full_forward(setup, params, prefill: int = 12
 
         got = cached(params, tokens)
     np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5 * float(jnp.abs(full).max()))
+
+
+def attention_f64(q_BLHK, k_BMGK, v_BMGK, window=None, segments_BL=None, cotangent_BLHK=None):
+    """Causal grouped-query attention in float64 numpy, independent of the package's kernels:
+    (output, and with a cotangent the gradients (dq, dk, dv) of <output, cotangent>).
+
+    Query i sees key j when j <= i, j > i - window (a sliding window) and, with document
+    ids, when both carry the same id. Queries are taken as already scaled, as the kernels
+    take them. The backward is the textbook one: dV = P^T dO, dS = P * (dP - rowsum(dP * P)).
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q_BLHK, k_BMGK, v_BMGK))
+    b, length, heads, _ = q.shape
+    groups, keys = k.shape[2], k.shape[1]
+    rep = heads // groups
+    k_BMHK, v_BMHK = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
+    i, j = np.arange(length)[:, None], np.arange(keys)[None, :]
+    visible_BLM = np.broadcast_to((j <= i) & ((j > i - window) if window else True),
+                                  (b, length, keys))
+    if segments_BL is not None:
+        ids = np.asarray(segments_BL)
+        visible_BLM = visible_BLM & (ids[:, :, None] == ids[:, None, :keys])
+    scores_BHLM = np.einsum("blhk,bmhk->bhlm", q, k_BMHK)
+    scores_BHLM = np.where(visible_BLM[:, None], scores_BHLM, -np.inf)
+    scores_BHLM -= scores_BHLM.max(-1, keepdims=True)
+    probs_BHLM = np.exp(scores_BHLM)
+    probs_BHLM /= probs_BHLM.sum(-1, keepdims=True)
+    out_BLHK = np.einsum("bhlm,bmhk->blhk", probs_BHLM, v_BMHK)
+    if cotangent_BLHK is None:
+        return out_BLHK
+    dout = np.asarray(cotangent_BLHK, np.float64)
+    dv_BMHK = np.einsum("bhlm,blhk->bmhk", probs_BHLM, dout)
+    dprobs_BHLM = np.einsum("blhk,bmhk->bhlm", dout, v_BMHK)
+    dscores_BHLM = probs_BHLM * (dprobs_BHLM - (dprobs_BHLM * probs_BHLM).sum(-1, keepdims=True))
+    dq = np.einsum("bhlm,bmhk->blhk", dscores_BHLM, k_BMHK)
+    dk_BMHK = np.einsum("bhlm,blhk->bmhk", dscores_BHLM, q)
+
+    def per_group(x_BMHK):  # the repeated heads' gradients add up in their kv head
+        return x_BMHK.reshape(b, keys, groups, rep, -1).sum(3)
+
+    return out_BLHK, (dq, per_group(dk_BMHK), per_group(dv_BMHK))

@@ -1,4 +1,5 @@
-"""Attention implementations match the reference ('xla') in outputs and gradients."""
+"""Attention implementations match a float64 numpy reference (tests/helpers.py
+attention_f64) in outputs and gradients."""
 
 import functools
 
@@ -6,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import attention_f64
 
 from jaxtrain.models.attention import KERNELS, resolve_attention
 
@@ -20,19 +22,21 @@ def _inputs(b, length, heads, groups, head_dim, seed=0):
 
 
 def _rel(a, b):
-    return float(jnp.abs(a - b).max() / jnp.abs(b).max())
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-def _assert_matches(kernel, reference, q, k, v, cotangent):
-    """kernel(q, k, v) equals reference(q, k, v) in outputs and gradients, to 1e-5."""
-    outputs, grads = [], []
-    for fn in map(jax.jit, (kernel, reference)):
-        outputs.append(fn(q, k, v))
-        grads.append(jax.grad(lambda q, k, v, fn=fn: jnp.vdot(fn(q, k, v), cotangent),
-                              argnums=(0, 1, 2))(q, k, v))
-    assert _rel(*outputs) < 1e-5
-    for got, want in zip(*grads):
-        assert _rel(got, want) < 1e-5
+def _assert_matches(kernel, q, k, v, cotangent, window=None, segments=None, tol=1e-5):
+    """kernel(q, k, v) equals the float64 reference in outputs and gradients, to tol
+    relative to the largest entry."""
+    fn = jax.jit(kernel)
+    got = fn(q, k, v)
+    grads = jax.grad(lambda q, k, v: jnp.vdot(fn(q, k, v), cotangent), argnums=(0, 1, 2))(
+        q, k, v)
+    want, want_grads = attention_f64(q, k, v, window, segments, cotangent)
+    assert _rel(got, want) < tol
+    for g, w in zip(grads, want_grads):
+        assert _rel(g, w) < tol
 
 
 SHAPES = [
@@ -44,19 +48,19 @@ SHAPES = [
 
 
 # Pallas runs interpreted on CPU: it gets the short shapes only.
-@pytest.mark.parametrize("impl,shape", [("chunked", s) for s in SHAPES]
+@pytest.mark.parametrize("impl,shape", [(i, s) for i in ("xla", "chunked") for s in SHAPES]
                          + [("pallas", s) for s in SHAPES if s[1] <= 128])
-def test_implementations_match_xla_in_outputs_and_gradients(impl, shape):
-    _assert_matches(KERNELS[impl], KERNELS["xla"], *_inputs(*shape))
+def test_implementations_match_the_reference_in_outputs_and_gradients(impl, shape):
+    _assert_matches(KERNELS[impl], *_inputs(*shape))
 
 
 # Windows shorter than, equal to and longer than the chunked kernel's 128-row blocks.
 @pytest.mark.parametrize("shape,window", [((2, 300, 8, 2, 16), 50),
                                           ((1, 256, 4, 4, 16), 128),
                                           ((1, 300, 4, 1, 8), 200)])
-def test_chunked_matches_xla_with_a_sliding_window(shape, window):
-    _assert_matches(lambda q, k, v: KERNELS["chunked"](q, k, v, window),
-                    lambda q, k, v: KERNELS["xla"](q, k, v, window), *_inputs(*shape))
+def test_chunked_matches_the_reference_with_a_sliding_window(shape, window):
+    _assert_matches(lambda q, k, v: KERNELS["chunked"](q, k, v, window), *_inputs(*shape),
+                    window=window)
 
 
 # The looped form (more than UNROLL_MAX_CHUNKS query chunks): 16-row chunks make these
@@ -64,7 +68,7 @@ def test_chunked_matches_xla_with_a_sliding_window(shape, window):
 @pytest.mark.parametrize("shape,window,documents", [((2, 512, 4, 2, 16), None, False),
                                                     ((1, 544, 4, 1, 8), 50, False),
                                                     ((1, 384, 8, 8, 8), 100, True)])
-def test_looped_chunked_kernel_matches_xla(shape, window, documents):
+def test_looped_chunked_kernel_matches_the_reference(shape, window, documents):
     from jaxtrain.models.chunked_attention import chunked_attention, looped
 
     assert looped(shape[1], 16)
@@ -73,14 +77,14 @@ def test_looped_chunked_kernel_matches_xla(shape, window, documents):
         ids = np.repeat(np.arange(1, 5), [100, 3, 200, shape[1] - 303])
         segments = jnp.asarray(np.tile(ids, (shape[0], 1)), jnp.int32)
     _assert_matches(lambda q, k, v: chunked_attention(q, k, v, window, segments, block=16),
-                    lambda q, k, v: KERNELS["xla"](q, k, v, window, segments_BL=segments),
-                    *_inputs(*shape))
+                    *_inputs(*shape), window=window, segments=segments)
 
 
 # In bfloat16 the backward's P and dS meet their matmuls in bfloat16 too (as flash kernels
-# do; float32 accumulation), a path float32 inputs never take. Gradients against the float32
-# reference, max relative error measured 2026-12-02: 0.0045 for each kernel, as with float32
-# P and dS (bf16's own rounding step is 0.0039); a wrong transpose would be O(1).
+# do; float32 accumulation), a path float32 inputs never take. Gradients against the float64
+# reference: max relative error 0.0045 for each kernel (measured 2026-12-02, then against
+# float32 xla), as with float32 P and dS (bf16's own rounding step is 0.0039); a wrong
+# transpose would be O(1).
 @pytest.mark.parametrize("name,shape", [("xla", (1, 256, 8, 2, 16)),
                                         ("chunked", (1, 256, 8, 2, 16)),
                                         ("looped", (1, 512, 4, 2, 16))])
@@ -90,14 +94,14 @@ def test_bfloat16_gradients_track_float32(name, shape):
     kernel = (functools.partial(chunked_attention, block=16) if name == "looped"
               else KERNELS[name])
     q, k, v, cotangent = _inputs(*shape)
-    grads = []
-    for dtype, fn in ((jnp.bfloat16, kernel), (jnp.float32, KERNELS["xla"])):
-        def loss(q, k, v, fn=fn):
-            return jnp.vdot(fn(q, k, v).astype(jnp.float32), cotangent)
 
-        args = [x.astype(dtype) for x in (q, k, v)]
-        grads.append(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args))
-    for got, want in zip(*grads):
+    def loss(q, k, v):
+        return jnp.vdot(kernel(q, k, v).astype(jnp.float32), cotangent)
+
+    args = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+    _, want_grads = attention_f64(q, k, v, cotangent_BLHK=cotangent)
+    for got, want in zip(grads, want_grads):
         assert got.dtype == jnp.bfloat16
         assert _rel(got.astype(jnp.float32), want) < 0.02
 

@@ -3,18 +3,16 @@ over `context` trains the numbers of one device, both K/V variants agree with th
 kernel, and the zig-zag order balances the causal work."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import small_config
-from helpers import assert_params_close, train_steps
+from helpers import assert_params_close, attention_f64, train_steps
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ConfigError, validate
 from jaxtrain.mesh import make_mesh
 from jaxtrain.models import context_attention as context_attention_lib
-from jaxtrain.models.attention import xla_attention
 from jaxtrain.models.context_attention import computed_scores, context_attention
 from jaxtrain.parallel.context import ContextSpec, causal_pairs, imbalance
 
@@ -89,7 +87,7 @@ def _documents(rng, b, length):
 
 def test_ring_and_allgather_equal_the_reference_kernel(devices, monkeypatch):
     """Outputs and gradients of both variants, in both layouts, under a sliding window and
-    document masks, against the unsharded reference in row order; the ring's K/V move by
+    document masks, against the float64 reference in row order; the ring's K/V move by
     collective-permute, the other's by all-gather. Query and key tiles of 2 positions, so
     that runs are tiled as at long lengths (the training tests run untiled)."""
     monkeypatch.setattr(context_attention_lib, "QUERY_TILE", 2)
@@ -100,11 +98,8 @@ def test_ring_and_allgather_equal_the_reference_kernel(devices, monkeypatch):
                      for n in (heads, groups, groups, heads))
     ids = _documents(rng, b, length)
 
-    def reference(q, k, v):
-        return xla_attention(q, k, v, window, jnp.asarray(ids))
-
-    want = jax.jit(jax.value_and_grad(lambda *a: (reference(*a) * dout).sum(),
-                                      argnums=(0, 1, 2)))(q, k, v)
+    out, grads = attention_f64(q, k, v, window, ids, dout)
+    want = ((out * dout).sum(), grads)
     mesh = make_mesh({"data": 1, "pipeline": 1, "fsdp": 1, "expert": 1, "context": c,
                       "tensor": 1}, devices[:c])
     rules = (("batch", None), ("length", "context"), ("heads", None), ("kv_heads", None))

@@ -1,8 +1,9 @@
 """Document masks in every attention kernel (models/attention.py KERNELS): a packed row's
-outputs and gradients equal those of each of its documents run alone through a plain causal
-float32 reference. splash and pallas run in Pallas's interpreter; cuDNN has no CPU form, so
-its packed layout (the offsets and lengths it is given) is checked here and the kernel on a
-GPU (scripts/attention_check.py)."""
+outputs and gradients equal a plain causal float64 reference in which a query sees only the
+keys of its own document (tests/helpers.py attention_f64): each document as if run alone.
+splash and pallas run in Pallas's interpreter; cuDNN has no CPU form, so its packed layout
+(the offsets and lengths it is given) is checked here and the kernel on a GPU
+(scripts/attention_check.py)."""
 
 import functools
 
@@ -10,27 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import attention_f64
 
 from jaxtrain.models.attention import KERNELS
 from jaxtrain.models.chunked_attention import chunked_attention
 from jaxtrain.models.cudnn_attention import max_segments, packed_layout
-
-
-def alone(q_BLHK, k_BLGK, v_BLGK, segments_BL):
-    """Float32 attention where a query sees the keys before it in its own run of equal ids
-    (a mask built in numpy from the ids): each document as if run alone."""
-    heads = q_BLHK.shape[2]
-    k_BLHK = jnp.repeat(k_BLGK, heads // k_BLGK.shape[2], axis=2)
-    v_BLHK = jnp.repeat(v_BLGK, heads // v_BLGK.shape[2], axis=2)
-    ids = np.asarray(segments_BL)
-    run_BL = np.cumsum(np.concatenate([np.ones_like(ids[:, :1]), ids[:, 1:] != ids[:, :-1]],
-                                      axis=1), axis=1)
-    length = ids.shape[1]
-    visible_BLM = (run_BL[:, :, None] == run_BL[:, None, :]) & np.tril(
-        np.ones((length, length), bool))
-    scores_BHLM = jnp.einsum("blhk,bmhk->bhlm", q_BLHK, k_BLHK)
-    probs_BHLM = jax.nn.softmax(jnp.where(visible_BLM[:, None], scores_BHLM, -jnp.inf), -1)
-    return jnp.einsum("bhlm,bmhk->blhk", probs_BHLM, v_BLHK)
 
 
 def segments(length: int, lengths_per_row) -> np.ndarray:
@@ -83,7 +68,7 @@ def test_kernel_masks_documents(name):
     fn = (functools.partial(chunked_attention, **extra) if extra else kernel.fn)
     got, got_grads = out_and_grads(lambda q, k, v: fn(q, k, v, None, segments_BL=ids),
                                    q, k, v, cotangent)
-    want, want_grads = out_and_grads(lambda q, k, v: alone(q, k, v, ids), q, k, v, cotangent)
+    want, want_grads = attention_f64(q, k, v, None, ids, cotangent)
     tol = 2e-2 if name == "splash" else 2e-5  # splash: bf16-ish accumulation in interpret
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
     for g, w in zip(got_grads, want_grads):

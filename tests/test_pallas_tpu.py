@@ -1,6 +1,7 @@
 """The TPU splash-attention kernel (models/pallas_tpu.py), run in Pallas's interpreter on CPU,
-matches a float32 reference in outputs and gradients: causal, grouped-query and multi-query,
-with and without a sliding window, unsharded and sharded over a mesh."""
+matches the float64 reference (tests/helpers.py attention_f64) in outputs and gradients:
+causal, grouped-query and multi-query, with and without a sliding window, unsharded and
+sharded over a mesh."""
 
 import os
 import subprocess
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import attention_f64
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -18,19 +20,6 @@ from jaxtrain.models.attention import xla_attention
 from jaxtrain.models.pallas_tpu import splash_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def reference(q_BLHK, k_BMGK, v_BMGK, window=None):
-    """Causal grouped-query attention in float32; query i sees keys i-window+1 .. i."""
-    b, length, heads, head_dim = q_BLHK.shape
-    groups = k_BMGK.shape[2]
-    k_BMHK = jnp.repeat(k_BMGK, heads // groups, axis=2)
-    v_BMHK = jnp.repeat(v_BMGK, heads // groups, axis=2)
-    scores_BHLM = jnp.einsum("blhk,bmhk->bhlm", q_BLHK, k_BMHK)
-    i, j = np.arange(length)[:, None], np.arange(k_BMGK.shape[1])[None, :]
-    visible = (j <= i) & (True if window is None else j > i - window)
-    scores_BHLM = jnp.where(visible, scores_BHLM, -jnp.inf)
-    return jnp.einsum("bhlm,bmhk->blhk", jax.nn.softmax(scores_BHLM, axis=-1), v_BMHK)
 
 
 def _inputs(b, length, heads, groups, head_dim, seed=0):
@@ -43,7 +32,8 @@ def _inputs(b, length, heads, groups, head_dim, seed=0):
 
 
 def _rel(a, b):
-    return float(jnp.abs(a - b).max() / jnp.abs(b).max())
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def _output_and_grads(fn, q, k, v, cotangent):
@@ -64,11 +54,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("shape,window", CASES)
-def test_splash_matches_float32_reference(shape, window):
+def test_splash_matches_the_float64_reference(shape, window):
     q, k, v, cotangent = _inputs(*shape)
     got = _output_and_grads(lambda q, k, v: splash_attention(q, k, v, window, block=128),
                             q, k, v, cotangent)
-    want = _output_and_grads(lambda q, k, v: reference(q, k, v, window), q, k, v, cotangent)
+    want = attention_f64(q, k, v, window, None, cotangent)
     assert got[0].dtype == q.dtype
     assert _rel(got[0], want[0]) < 1e-5
     for g, w in zip(got[1], want[1]):
@@ -98,7 +88,7 @@ def test_sharded_over_batch_and_heads(devices, groups):
     k, v = jax.device_put((k, v), NamedSharding(mesh, P(("data", "fsdp"))))
     with jax.set_mesh(mesh):
         got = _output_and_grads(splash_attention, q, k, v, cotangent)
-    want = _output_and_grads(reference, q, k, v, cotangent)
+    want = attention_f64(q, k, v, None, None, cotangent)
     assert _rel(got[0], want[0]) < 1e-5
     for g, w in zip(got[1], want[1]):
         assert _rel(g, w) < 1e-5
