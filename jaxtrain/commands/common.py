@@ -48,7 +48,7 @@ with what each means); a wrong key or type is refused in one line. The common on
   --config.eval.tasks=hellaswag,...      downstream tasks during training"""
 
 
-def fail(message: str) -> None:
+def exit_usage(message: str) -> None:
     """Prints 'jaxtrain: error: MESSAGE' and exits with the usage/config/input code."""
     print(f"jaxtrain: error: {message}", file=sys.stderr, flush=True)
     sys.exit(USAGE_ERROR)
@@ -99,17 +99,17 @@ def parse_flags(argv: list[str]) -> list[str]:
     unknown --config.KEY overrides become one line and exit code 2, not a traceback."""
     path = _config_path(argv)
     if path is not None and not pathlib.Path(path.split(":")[0]).is_file():
-        fail(f"--config={path}: no such file")  # ml_collections would defer this error
+        exit_usage(f"--config={path}: no such file")  # ml_collections would defer this error
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
-        fail(str(_unknown_key(argv) or e))
+        exit_usage(str(_unknown_key(argv) or e))
     except Exception as e:  # noqa: BLE001 - ml_collections raises many kinds for a bad file
         try:
             message = _unknown_key(argv)
         except Exception:  # noqa: BLE001 - the original error is the better report then
             message = None
-        fail(message or f"{type(e).__name__}: {e}")
+        exit_usage(message or f"{type(e).__name__}: {e}")
     return []
 
 
@@ -120,7 +120,7 @@ def guarded(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except JaxtrainError as e:
-            fail(str(e))
+            exit_usage(str(e))
     return run
 
 

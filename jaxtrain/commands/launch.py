@@ -24,7 +24,7 @@ import threading
 import time
 
 from jaxtrain import storage
-from jaxtrain.commands.common import fail, flag_value
+from jaxtrain.commands.common import exit_usage, flag_value
 from jaxtrain.errors import ConfigError
 from jaxtrain.xla_flags import with_device_count
 
@@ -139,7 +139,7 @@ def main(argv=None) -> None:
         workdir = flag_value(main_args, "workdir") or ""
         storage.check_path(workdir, "--workdir")
     except ConfigError as e:
-        fail(str(e))
+        exit_usage(str(e))
     sys.exit(launch(args.processes, args.devices_per_process, main_args, args.max_restarts))
 
 

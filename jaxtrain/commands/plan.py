@@ -14,8 +14,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from jaxtrain.commands.common import OVERRIDES_HELP, run_absl
-from jaxtrain.commands.common import fail as _fail
+from jaxtrain.commands.common import OVERRIDES_HELP, exit_usage, run_absl
 from jaxtrain.hardware import slice_devices  # no jax: safe before the fake devices are set
 from jaxtrain.xla_flags import with_device_count
 
@@ -51,12 +50,12 @@ def _plan(argv) -> None:
 
     cfg = _CONFIG.value
     if _TOKENS.value is not None and _HOURS.value is not None:
-        _fail("--tokens and --hours are exclusive: give one")
+        exit_usage("--tokens and --hours are exclusive: give one")
     try:
         hw = catalog.get(_HARDWARE.value, _HARDWARE_FILE.value)
         devices = _DEVICES.value or catalog.slice_devices(_HARDWARE.value)
         if not devices or devices < 1:
-            _fail(f"--devices={_DEVICES.value} is invalid: give a positive device count")
+            exit_usage(f"--devices={_DEVICES.value} is invalid: give a positive device count")
         args = dict(tokens=_TOKENS.value, hours=_HOURS.value, price_per_hour=_PRICE.value,
                     power_price=_POWER_PRICE.value, amortize_years=_YEARS.value)
         if _SEARCH.value:
@@ -66,7 +65,7 @@ def _plan(argv) -> None:
         else:
             plans = [make_plan(cfg, hw, devices, **args)]
     except (ConfigError, HardwareError) as e:
-        _fail(str(e))
+        exit_usage(str(e))
     if _COMPILE.value:
         _add_compiled(plans, cfg, devices)
     if _JSON.value:
@@ -108,7 +107,7 @@ def _add_compiled(plans: list[dict], cfg, devices: int) -> None:
     from jaxtrain.plan.search import with_overrides
 
     if jax.device_count() < devices:
-        _fail(f"--compile needs {devices} fake devices but jax has {jax.device_count()}: "
+        exit_usage(f"--compile needs {devices} fake devices but jax has {jax.device_count()}: "
               "run as jaxtrain plan so they are set before jax loads")
     for plan in plans:
         if "compiled" in plan:

@@ -17,7 +17,7 @@ import pathlib
 import sys
 
 from jaxtrain import storage
-from jaxtrain.commands.common import fail
+from jaxtrain.commands.common import exit_usage
 from jaxtrain.errors import ConfigError
 from jaxtrain.metrics_log import location, read_metrics
 from jaxtrain.train.goodput import LOST
@@ -29,7 +29,7 @@ TASK_PREFIX = "tasks/"
 def load_rows(workdir: pathlib.Path) -> list[dict]:
     path = location(workdir)  # metrics.jsonl, or the segments on object storage
     if not path.exists():
-        fail(f"{path} does not exist; is --workdir a jaxtrain run?")
+        exit_usage(f"{path} does not exist; is --workdir a jaxtrain run?")
     return read_metrics(workdir, say=lambda message: print(message, file=sys.stderr))
 
 
@@ -165,7 +165,7 @@ def main(argv=None) -> None:
         storage.check_path(args.workdir, "--workdir")
         check_local_path(args.out or "", "--out")
     except ConfigError as e:
-        fail(str(e))
+        exit_usage(str(e))
     workdir = storage.as_path(args.workdir, "--workdir")
     rows = load_rows(workdir)
     out = pathlib.Path(args.out) if args.out else workdir / REPORT_FILE

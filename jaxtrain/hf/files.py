@@ -131,7 +131,7 @@ def parse_size(text: str) -> int:
                           "or a number of bytes") from None
 
 
-class ShardWriter:
+class SafetensorsWriter:
     """Writes tensors into safetensors files of at most `max_bytes` each (a larger tensor
     gets a file to itself) as they fill, then names them as transformers expects: one
     model.safetensors, or model-0000k-of-0000n.safetensors and an index."""

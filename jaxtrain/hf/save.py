@@ -16,7 +16,7 @@ from tqdm import tqdm
 from jaxtrain import inference
 from jaxtrain.errors import ConfigError
 from jaxtrain.hf import module_for
-from jaxtrain.hf.files import ShardWriter, parse_size
+from jaxtrain.hf.files import SafetensorsWriter, parse_size
 from jaxtrain.train.setup import Setup
 
 DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16}
@@ -79,7 +79,7 @@ def export_hf(workdir, out_dir, max_shard_size: str | int = "2GB", dtype: str = 
         return np.asarray(jax.device_get(value if expert is None else value[expert]))
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    writer = ShardWriter(out_dir, max_bytes)
+    writer = SafetensorsWriter(out_dir, max_bytes)
     for tensor, layer, expert in tqdm(order, desc="export", unit="tensor", file=sys.stderr):
         pieces = [part.to_hf(fetch(part.path, layer, expert)) for part in tensor.parts]
         value = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=tensor.axis)

@@ -120,7 +120,8 @@ def pallas_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
     It takes segment ids ([B, L], compared per block) for document masks.
 
     The kernel wants as many kv heads as query heads, so grouped kv heads are repeated. It
-    has no sliding window (train/setup.py refuses that combination before compiling).
+    has no sliding window (its KERNELS entry says so, and config.validate refuses that
+    combination before anything compiles).
     """
     if window is not None:
         raise ValueError("the Pallas GPU attention kernel has no sliding window")
