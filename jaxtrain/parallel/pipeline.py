@@ -129,6 +129,8 @@ def pipeline(stage_fn: Callable, stacked, x, spec: PipelineSpec, rules, side=Non
     r·m + i + s, so stage s takes rows of micro-batch (t − s) mod m, gathered where they lie
     rather than carried.
     """
+    # One function of ~70 lines on purpose: the scan body closes over the schedule's shapes
+    # and the split inputs; cut apart, each piece would take most of them as arguments.
     p, v, m = spec.stages, spec.repeats, spec.microbatches
     tmap = jax.tree.map
     b = jax.tree.leaves(x)[0].shape[0]
