@@ -6,6 +6,8 @@
                              little-endian
     DIR/docs-00000.npy       int64 [documents, 2]: start (in the shard) and length of each
     DIR/shard-00000.json     what made the shard (units of input, counts, sha256)
+    DIR/mask-00000.bin       chat datasets (prepare --chat) only: uint8 a token, 1 where the
+                             token is a target the loss counts (its shard entry's `mask`)
 
 A merged dataset (prepare --shard i/N on many machines, then --merge) lists shards in its
 part directories (`part-00000-of-00004/tokens-00000.bin`). Shards are memory-mapped, so a
@@ -47,6 +49,12 @@ def shard_names(index: int) -> tuple[str, str, str]:
     return f"tokens-{index:05d}.bin", f"docs-{index:05d}.npy", f"shard-{index:05d}.json"
 
 
+def mask_name(index: int) -> str:
+    """The loss mask of shard `index` (chat datasets): uint8 0/1 a token, 1 where the token
+    is a target the loss counts."""
+    return f"mask-{index:05d}.bin"
+
+
 def dtype_for(vocab_size: int) -> str:
     if vocab_size <= 1 << 8:
         return "uint8"
@@ -66,6 +74,9 @@ def content_fingerprint(dtype: str, tokenizer_fingerprint: str, policy: dict,
                    [(s["stream"]["tokens"], s["num_tokens"]) for s in shards]),
                "lengths": fingerprints.join_stream_hashes(
                    [(s["stream"]["lengths"], s["num_documents"]) for s in shards])}
+    if any("mask" in s["stream"] for s in shards):  # a chat dataset: its mask is data too
+        content["mask"] = fingerprints.join_stream_hashes(
+            [(s["stream"]["mask"], s["num_tokens"]) for s in shards])
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
