@@ -160,13 +160,13 @@ def row_arrays(parts, read, capacity: int, read_mask=None) -> Packed:
 class PackedDocuments:
     """Random-access packed rows of the documents in tokens [start, end) of a prepared
     dataset (a split: its ends are document boundaries, or cut documents short). `masked`:
-    rows carry the dataset's loss mask (all ones for one without: a mixture's unmasked
-    datasets count every target); default: when the dataset has one."""
+    rows carry the dataset's loss mask (read_mask: all ones for one without, so that a
+    mixture's unmasked datasets count every target)."""
 
     def __init__(self, dataset, start: int, end: int, seq_len: int, name: str,
-                 rows: int = ROWS_PER_WINDOW, masked: bool | None = None):
+                 rows: int = ROWS_PER_WINDOW, masked: bool = False):
         self.dataset, self.start, self.end = dataset, start, end
-        self.masked = dataset.masked if masked is None else masked
+        self.masked = masked
         self.seq_len, self.rows, self.capacity = seq_len, rows, seq_len + 1
         self.span = window_tokens(seq_len, rows)
         self.windows = -(-(end - start) // self.span)
