@@ -170,6 +170,7 @@ def _reading(r: Request, tokenizer) -> Options:
     if not r.chat.enabled:
         return r.reading
     template = chat_template.find(r.chat.template, r.tokenizer.spec, tokenizer)
+    tokenizer.encode_rendered("")  # a kind without character offsets refuses now, not later
     return dataclasses.replace(r.reading, chat=ChatSpec(template, r.chat.train_on,
                                                         r.chat.max_length))
 
