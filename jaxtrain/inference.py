@@ -25,7 +25,7 @@ from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.config import base_config
 from jaxtrain.data import record
 from jaxtrain.data.batches import to_global
-from jaxtrain.data.packing import Packed, counted_targets
+from jaxtrain.data.packing import Packed, batch_targets
 from jaxtrain.data.sources import SOURCES, TokenWindows
 from jaxtrain.errors import CheckpointError, ConfigError, DataError
 from jaxtrain.scoring import Scorer
@@ -229,7 +229,7 @@ def evaluate(loaded, windows, batches: int) -> dict:
         for b in range(batches):
             batch = jax.tree.map(lambda *r: np.stack(r),
                                  *[windows[b * rows + i] for i in range(rows)])
-            counts.append(int(counted_targets(batch.segments).sum())
+            counts.append(int(batch_targets(batch).sum())
                           if isinstance(batch, Packed) else rows * loaded.cfg.model.seq_len)
             losses.append(eval_step(loaded.params, to_global(batch, setup.tokens_sharding)))
     losses = jax.device_get(losses)

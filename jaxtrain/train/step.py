@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxtrain.data.packing import Packed, counted_targets
+from jaxtrain.data.packing import Packed, batch_targets, counted_targets  # noqa: F401
 from jaxtrain.mesh import logical_to_spec
 from jaxtrain.models.head_loss import head_cross_entropy
 from jaxtrain.optim import skipped_steps
@@ -70,7 +70,7 @@ def _laid_out(tokens_BT, context):
     if isinstance(tokens_BT, Packed):
         tokens, documents = tokens_BT.tokens, (tokens_BT.segments[:, :-1],
                                               tokens_BT.positions[:, :-1])
-        counted_BL = counted_targets(tokens_BT.segments)
+        counted_BL = batch_targets(tokens_BT)  # a chat dataset's loss mask included
     else:
         tokens, documents, counted_BL = tokens_BT, (), None
     inputs_BL, targets_BL = tokens[:, :-1], tokens[:, 1:]
@@ -132,10 +132,9 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
         if microbatches == 1:
             return grad_fn(params, tokens_BT, step, scale)
         micro_MBT = jax.tree.map(split, tokens_BT)
-        # Packed rows: each micro-batch's mean weighted by its share of the counted targets,
-        # so that the sum is the mean over the whole batch's.
-        shares_M = _target_shares(micro_MBT.segments) if isinstance(tokens_BT, Packed) \
-            else None
+        # Packed rows: each micro-batch's mean weighted by its share of the counted targets
+        # (loss mask included), so that the sum is the mean over the whole batch's.
+        shares_M = _target_shares(micro_MBT) if isinstance(tokens_BT, Packed) else None
 
         def accumulate(carry, xs):
             tokens, share = xs
@@ -180,9 +179,9 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
     return train_step
 
 
-def _target_shares(segments_MBT: jax.Array) -> jax.Array:
+def _target_shares(micro_MBT: Packed) -> jax.Array:
     """[M]: each micro-batch's counted targets over the whole batch's."""
-    counts_M = jax.vmap(lambda s: counted_targets(s).sum(dtype=jnp.float32))(segments_MBT)
+    counts_M = jax.vmap(lambda b: batch_targets(b).sum(dtype=jnp.float32))(micro_MBT)
     return counts_M / jnp.maximum(counts_M.sum(), 1.0)
 
 
