@@ -201,5 +201,5 @@ def merged(spec, params: dict) -> dict:
     return traverse_util.unflatten_dict(flat)
 
 
-def _is_pair(x) -> bool:
+def _is_pair(_, x) -> bool:
     return isinstance(x, dict) and set(x) == {"a", "b"}
