@@ -232,3 +232,25 @@ def test_the_optimizer_holds_state_for_the_adapters_alone_in_bytes(devices):
     full = opt_bytes(_llama(**{"model.lora.rank": 0}))
     adapted = opt_bytes(_llama())
     assert adapted < 0.2 * full, (adapted, full)
+
+
+def test_the_planner_fits_a_llama_3_8b_lora_on_one_80gb_gpu_and_not_the_full_fine_tune():
+    from configs.llama_1b import get_config
+    from jaxtrain import hardware
+    from jaxtrain.config import apply_overrides
+    from jaxtrain.plan.planner import make_plan
+
+    llama_3_8b = {"model.d_model": 4096, "model.num_layers": 32, "model.num_heads": 32,
+                  "model.num_kv_heads": 8, "model.mlp_dim": 14336, "model.vocab_size": 128256,
+                  "model.rope_theta": 500000.0, "model.seq_len": 2048, "model.remat": "full",
+                  "train.global_batch": 4, "mesh.fsdp": 1}
+    gpu = hardware.get("H100-SXM")  # 80 GB
+    full = make_plan(apply_overrides(get_config(), llama_3_8b), gpu, 1)
+    adapted = make_plan(apply_overrides(get_config(), {**llama_3_8b, "model.lora.rank": 16}),
+                        gpu, 1)
+    assert 7.9e9 < full["params"] < 8.1e9
+    assert not full["memory"]["fits"] and adapted["memory"]["fits"]
+    parts, full_parts = adapted["memory"]["parts"], full["memory"]["parts"]
+    assert parts["optimizer"] < 0.01 * full_parts["optimizer"]
+    assert parts["gradients"] < 0.01 * full_parts["gradients"]
+    assert parts["params"] >= full_parts["params"]  # the frozen base is still there
