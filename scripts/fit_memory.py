@@ -127,22 +127,24 @@ def report(rows: list[dict], k: memory.Factors, markdown: bool) -> tuple[list[st
     return outside, memory_fit.spread(ratios, len(ratios))
 
 
-def holdout(rows: list[dict], fallback: memory.Factors, folds: int) -> list:
+def holdout(rows: list[dict], fallback: memory.Factors, folds: int) -> tuple[list, list]:
     """K-fold cross-validation: each row's estimate / XLA with factors fitted on the other
     folds only (row i in fold i mod K, rows in case order; each fit starts from the default
     factors, not from the stored ones, which have seen the held-out rows): how far the
-    estimate can be trusted on a layout it was not fitted on."""
-    ratios = []
+    estimate can be trusted on a layout it was not fitted on. Returns the spread and each
+    fold's factors (stored, so that tests/test_plan.py rechecks every held-out row)."""
+    ratios, fold_factors = [], []
     for f in range(folds):
         train = [r for i, r in enumerate(rows) if i % folds != f]
         k = fit(train, memory.Factors(), fallback)
+        fold_factors.append(dataclasses.asdict(k))
         for r in rows[f::folds]:
             ratios.append(memory_fit.estimate(r, k) / r["compiled_bytes"])
             print(f"fold {f}: {r['case']:48s} {ratios[-1]:6.3f}", flush=True)
     inside = sum(memory_fit.within(x) for x in ratios)
     print(f"held out ({folds} folds): {min(ratios):.3f}–{max(ratios):.3f}, "
           f"{inside} of {len(ratios)} within ±15%")
-    return memory_fit.spread(ratios, folds)
+    return memory_fit.spread(ratios, folds), fold_factors
 
 
 def main() -> None:
@@ -169,12 +171,15 @@ def main() -> None:
         fallback = memory.Factors(**data["factors"]["cpu"]) if source == "tpu" \
             else memory.Factors()
         if args.holdout:
-            data.setdefault("holdout", {})[source] = holdout(rows, fallback, args.holdout)
+            spread, fold_factors = holdout(rows, fallback, args.holdout)
+            data.setdefault("holdout", {})[source] = spread
+            data.setdefault("holdout_factors", {})[source] = fold_factors
             continue
         if args.fit:
             k = fit(rows, k, fallback)
             # The stored held-out spread was of the factors this replaces: rerun --holdout.
             data.get("holdout", {}).pop(source, None)
+            data.get("holdout_factors", {}).pop(source, None)
         print(f"\n{source}: {len(rows)} compiled steps; factors {dataclasses.asdict(k)}")
         out, data.setdefault("spread", {})[source] = report(rows, k, args.markdown)
         outside += out

@@ -179,6 +179,23 @@ def test_the_spread_plans_quote_is_the_stored_rows_own(source):
     assert f"{low:.2f}–{high:.2f} on {rows} " in memory.uncertainty(platform)
 
 
+@pytest.mark.parametrize("source", ["cpu", "tpu"])
+def test_every_row_held_out_of_the_fit_is_estimated_within_the_held_out_bound(source):
+    """The figure a plan for an unseen layout can trust: each stored row estimated with the
+    factors of the cross-validation fold that did not see it (scripts/fit_memory.py
+    --holdout K --write stores them) lands within memory_fit.HELD_OUT, and the held-out
+    spread plans quote is exactly these rows' (so it is recomputed, not remembered)."""
+    ratios = memory_fit.held_out_ratios(source)
+    assert ratios is not None, f"no held-out factors for {source}: run scripts/fit_memory.py"
+    low, high, folds = memory_fit.load()["holdout"][source]
+    assert [low, high] == memory_fit.spread(ratios, folds)[:2]
+    outside = [(c["case"], round(r, 3)) for c, r in zip(memory_fit.cases(source), ratios)
+               if not memory_fit.HELD_OUT[0] <= r <= memory_fit.HELD_OUT[1]]
+    assert not outside, outside
+    assert f"({low:.2f}–{high:.2f} held out, {folds}-fold)" in memory.uncertainty(
+        "gpu" if source == "cpu" else source)
+
+
 def test_the_stored_compiles_cover_every_config_and_published_run():
     cases = {c for _, c in STORED}
     assert set(TARGETS) <= cases

@@ -26,6 +26,9 @@ from jaxtrain.plan.compile_check import load_config, single_granule
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # estimate / XLA that tests/test_plan.py and the scripts hold every row to: ±15%.
 TARGET = memory.TARGET
+# estimate / XLA that every row must meet with factors fitted without it (the held-out
+# spread, scripts/fit_memory.py --holdout): what a plan for a new layout can promise.
+HELD_OUT = (0.70, 1.30)
 # A stored compiled figure is current when a recompile lands within this of it (with the
 # jax it was compiled with: another XLA may assign buffers differently).
 SAME = 0.02
@@ -83,6 +86,18 @@ def config_of(case: dict):
         file = os.path.join(ROOT, file)
     cfg = single_granule(load_config(file, case["overrides"]), case["devices"])
     return cfg, validate(cfg, case["devices"])
+
+
+def held_out_ratios(source: str) -> list[float] | None:
+    """Each stored row's estimate / XLA with the factors of the fold that held it out
+    (plan/memory_fit.json holdout_factors, written by scripts/fit_memory.py --holdout K
+    --write: row i in fold i mod K); None when none are stored."""
+    folds = load().get("holdout_factors", {}).get(source)
+    if not folds:
+        return None
+    rows = cases(source)
+    return [estimate(r, memory.Factors(**folds[i % len(folds)])) / r["compiled_bytes"]
+            for i, r in enumerate(rows)]
 
 
 def estimate(case: dict, factors: memory.Factors | None = None, config=None) -> float:
