@@ -125,7 +125,7 @@ def base_config() -> ml_collections.ConfigDict:
     # auto: dropless on TPU (grouped matmuls), capacity on CPU and GPU; or either by name.
     c.model.moe.dispatch = "auto"
 
-    # LoRA (models/lora.py, docs/finetune_lora.md): rank 0 trains every weight.
+    # LoRA (models/lora.py, docs/finetune.md): rank 0 trains every weight.
     c.model.lora = ml_collections.ConfigDict()
     c.model.lora.rank = 0  # the adapters' rank; 0: off
     c.model.lora.alpha = 16.0  # their output is scaled by alpha/rank (as PEFT's lora_alpha)
