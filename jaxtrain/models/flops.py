@@ -1,6 +1,7 @@
 """Model FLOPs per token: the MFU numerator, shared by the training loop's metrics and the
-planner. Counted from the model's shape alone (6 per matmul weight and token, plus causal
-attention); no credit for recomputation."""
+planner. Counted from the model's shape alone (6 per trained matmul weight and token: the
+forward, the input's gradient and the weight's; 4 per frozen one, whose weight gradient is
+never formed; plus causal attention); no credit for recomputation."""
 
 from __future__ import annotations
 
@@ -20,8 +21,32 @@ def matmul_params(spec: ModelSpec) -> int:
 
 
 def flops_per_token(spec: ModelSpec) -> float:
-    """Training FLOPs per token: 6 per matmul weight, plus causal attention 6·L·s·(h·k)."""
-    return 6.0 * matmul_params(spec) + attention_flops_per_token(spec)
+    """Training FLOPs per token: 6 per matmul weight, plus causal attention 6·L·s·(h·k).
+    Under LoRA the base is frozen: 4 per base weight (no weight gradient; the routed
+    experts' 6 when `experts` is targeted, since their adapters are folded into the weights
+    and the full gradient is formed), plus 6 per adapter weight."""
+    if spec.lora is None:
+        return 6.0 * matmul_params(spec) + attention_flops_per_token(spec)
+    gradient_formed = 0
+    if spec.lora.adapts("experts", "w_up") and spec.moe is not None:
+        gradient_formed = spec.moe.layers(spec.num_layers) * spec.moe.active_matmul_params(
+            spec.d_model)
+    return (4.0 * matmul_params(spec) + 2.0 * gradient_formed
+            + 6.0 * lora_adapter_params(spec) + attention_flops_per_token(spec))
+
+
+def lora_adapter_params(spec: ModelSpec) -> int:
+    """Adapter weights a token's matmuls go through (rank·(fan_in + fan_out) per adapted
+    dense weight and layer; expert adapters are folded into their weights, so none)."""
+    d, h, g, k, f = spec.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.mlp_dim
+    sizes = {("attention", "w_q"): d + h * k, ("attention", "w_k"): d + g * k,
+             ("attention", "w_v"): d + g * k, ("attention", "w_o"): h * k + d,
+             ("mlp", "w_up"): d + f, ("mlp", "w_gate"): d + f, ("mlp", "w_down"): f + d}
+    dense_mlp_layers = spec.num_layers - (0 if spec.moe is None
+                                          else spec.moe.layers(spec.num_layers))
+    layers = {"attention": spec.num_layers, "mlp": dense_mlp_layers}
+    return spec.lora.rank * sum(size * layers[module] for (module, weight), size
+                                in sizes.items() if spec.lora.adapts(module, weight))
 
 
 def attention_flops_per_token(spec: ModelSpec) -> float:
