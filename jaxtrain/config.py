@@ -28,6 +28,7 @@ from jaxtrain.mesh import (
     resolve_mesh_shape,
     validate_axes,
 )
+from jaxtrain.models import lora as lora_lib
 from jaxtrain.models import moe as moe_lib
 from jaxtrain.models import rope as rope_lib
 from jaxtrain.models.attention import KERNELS, resolve_attention
@@ -124,6 +125,16 @@ def base_config() -> ml_collections.ConfigDict:
     # auto: dropless on TPU (grouped matmuls), capacity on CPU and GPU; or either by name.
     c.model.moe.dispatch = "auto"
 
+    # LoRA (models/lora.py, docs/finetune_lora.md): rank 0 trains every weight.
+    c.model.lora = ml_collections.ConfigDict()
+    c.model.lora.rank = 0  # the adapters' rank; 0: off
+    c.model.lora.alpha = 16.0  # their output is scaled by alpha/rank (as PEFT's lora_alpha)
+    c.model.lora.targets = lora_lib.DEFAULT_TARGETS  # comma list: q,k,v,o,up,gate,down,experts
+    c.model.lora.dropout = 0.0  # only 0.0 (no dropout) is implemented
+    # The frozen base: a run directory (local, gs://, s3://) whose newest checkpoint's
+    # parameters it is (jaxtrain convert --from-hf ... --workdir BASE, or any training
+    # run); empty: the base is initialised from `seed` (tests, benchmarks).
+    c.model.lora.base = ""
     c.train = ml_collections.ConfigDict()
     c.train.global_batch = 8
     # Gradient accumulation: the global batch is split into this many micro-batches, run one
@@ -279,7 +290,8 @@ def _check_paths(c) -> None:
     config is local (workdir.check_local_path)."""
     d, e = c.data, c.eval
     for key, values in (("data.path", [d.path]), ("data.val_path", [d.val_path]),
-                        ("data.mixture", split_list(d.mixture))):
+                        ("data.mixture", split_list(d.mixture)),
+                        ("model.lora.base", [c.model.lora.base])):
         for value in values:
             check_path(value, key)
     check_cache_config(c)
@@ -355,6 +367,7 @@ def _check_model(c, platform: str | None) -> None:
     if problem := REMATS[m.remat].problem(platform):
         fail("model.remat", m.remat, problem)
     moe_lib.check(c, platform)
+    lora_lib.check(c)
 
 
 def _check_eval(c) -> None:

@@ -25,12 +25,14 @@ from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.config import base_config
 from jaxtrain.data import record
 from jaxtrain.data.batches import to_global
-from jaxtrain.data.packing import Packed, counted_targets
+from jaxtrain.data.packing import Packed, batch_targets
 from jaxtrain.data.sources import SOURCES, TokenWindows
 from jaxtrain.errors import CheckpointError, ConfigError, DataError
+from jaxtrain.models import lora
 from jaxtrain.scoring import Scorer
 from jaxtrain.tasks.harness import lm_class
 from jaxtrain.tasks.text import run_tokenizer
+from jaxtrain.train import frozen
 from jaxtrain.train.setup import Setup, build
 from jaxtrain.train.state import abstract_model, param_axes
 from jaxtrain.train.step import loss_fn
@@ -97,6 +99,8 @@ def load(workdir, *, data: int = 1, fsdp: int = 1, tensor: int = 1, batch: int |
         params = checkpoints.restore_params(step, target)
     finally:
         checkpoints.manager.close()
+    if setup.spec.lora is not None:  # the adapters, on the base they were trained on
+        params = lora.join(frozen.load_base(cfg, setup.spec, setup.shardings.frozen), params)
     if quantization is not None:
         params = quantization_lib.from_dicts(params, quantization["int8_activations"],
                                              quantization_lib.quantized_paths(axes_by_path))
@@ -229,7 +233,7 @@ def evaluate(loaded, windows, batches: int) -> dict:
         for b in range(batches):
             batch = jax.tree.map(lambda *r: np.stack(r),
                                  *[windows[b * rows + i] for i in range(rows)])
-            counts.append(int(counted_targets(batch.segments).sum())
+            counts.append(int(batch_targets(batch).sum())
                           if isinstance(batch, Packed) else rows * loaded.cfg.model.seq_len)
             losses.append(eval_step(loaded.params, to_global(batch, setup.tokens_sharding)))
     losses = jax.device_get(losses)

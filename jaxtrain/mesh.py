@@ -49,6 +49,8 @@ DEFAULT_RULES = (
     ("stage", "pipeline"),
     # The experts of an MoE layer (models/moe.py).
     ("experts", "expert"),
+    # The rank of a LoRA adapter (models/lora.py): small, never split.
+    ("lora", None),
 )
 
 

@@ -3,6 +3,7 @@ r"""Hugging Face import and export (GPT2LMHeadModel, LlamaForCausalLM, MixtralFo
     jaxtrain convert --from-hf DIR --config configs/NAME.py --workdir OUT \
         [--config.KEY=VALUE ...]
     jaxtrain convert --to-hf OUT_DIR --workdir RUN [--max_shard_size 2GB] [--dtype float32]
+        [--adapter]
 
 Import writes a step-0 checkpoint (fresh optimizer state) and config.json into OUT, the way
 the training loop does, so `jaxtrain train` with the same config and overrides resumes
@@ -11,6 +12,8 @@ training refuses data prepared with another (without one, OUT/tokenizer records 
 Export writes config.json and safetensors that
 `transformers.AutoModelForCausalLM.from_pretrained` loads with no custom code, and the run's
 tokenizer as tokenizer.json + tokenizer_config.json for `AutoTokenizer` (the same ids).
+A LoRA run (model.lora) exports its base with the adapters folded in; with --adapter, the
+adapters alone in PEFT's format (adapter_config.json, adapter_model.safetensors).
 The work is in jaxtrain/hf/: load.py (import), save.py (export), one mapping module per
 family (gpt2.py, llama.py, mixtral.py); docs/interop.md has the name tables.
 """
@@ -49,6 +52,9 @@ def _define_flags(argv: list[str]) -> dict:
                                        "written by --from-hf, read by --to-hf."),
         "max_shard_size": flags.DEFINE_string("max_shard_size", "2GB", "--to-hf: largest "
                                               "safetensors file before sharding."),
+        "adapter": flags.DEFINE_bool("adapter", False, "--to-hf of a LoRA run: the adapter "
+                                     "alone in PEFT's format (adapter_config.json, "
+                                     "adapter_model.safetensors), not the merged weights."),
         "dtype": flags.DEFINE_enum("dtype", "float32", list(DTYPES), "--to-hf: the dtype "
                                    "the tensors are written in."),
     }
@@ -68,6 +74,10 @@ def _convert(flag: dict, argv) -> None:
         if config.value is None:
             raise ConfigError("--from-hf needs --config configs/NAME.py: the run the "
                               "imported weights will train with")
+        if config.value.model.lora.rank:
+            raise ConfigError(f"model.lora.rank={config.value.model.lora.rank} is invalid for "
+                              "--from-hf: import the base with model.lora.rank=0, then train "
+                              "with model.lora.base=THAT_WORKDIR")
         local = source
         if storage.is_remote(source):  # the readers want local files: a copy on scratch
             local = storage.download_tree(storage.as_path(source, "--from-hf"),
@@ -93,8 +103,9 @@ def _convert(flag: dict, argv) -> None:
 
 
 def _export(flag: dict, workdir, target, tokenizer) -> None:
-    export_hf(workdir, target, flag["max_shard_size"].value, flag["dtype"].value)
-    if tokenizer is not None:
+    export_hf(workdir, target, flag["max_shard_size"].value, flag["dtype"].value,
+              adapter=flag["adapter"].value)
+    if tokenizer is not None and not flag["adapter"].value:
         tokenizer.save_hf(target)
         _say(f"jaxtrain: wrote the run's tokenizer ({tokenizer.describe()}) to {target}")
 

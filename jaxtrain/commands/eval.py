@@ -29,7 +29,7 @@ from absl import flags, logging
 from jaxtrain import inference, storage
 from jaxtrain.commands.common import run_absl
 from jaxtrain.data import record
-from jaxtrain.data.packing import Packed, counted_targets
+from jaxtrain.data.packing import Packed, batch_targets
 from jaxtrain.errors import DataError
 from jaxtrain.tasks import BACKENDS, TaskSpec
 from jaxtrain.tasks.text import run_tokenizer
@@ -57,12 +57,13 @@ def _define_flags() -> dict:
 
 def target_bytes(tokenizer, windows, count: int) -> int | None:
     """UTF-8 bytes of the text the target tokens of the first `count` windows stand for
-    (packed rows: their counted targets); None where an id is outside the tokenizer."""
+    (packed rows: their counted targets, a chat dataset's loss mask included); None where
+    an id is outside the tokenizer."""
     table = tokenizer.token_bytes()
     total = 0
     for i in range(count):
         row = windows[i]
-        targets = row.tokens[1:][counted_targets(row.segments)] if isinstance(row, Packed) \
+        targets = row.tokens[1:][batch_targets(row)] if isinstance(row, Packed) \
             else row[1:]
         if len(targets) and int(targets.max()) >= len(table):
             return None

@@ -4,6 +4,7 @@
     jaxtrain prepare --stdlib --out DIR ...        (the built-in corpus, one file a document)
     jaxtrain prepare --hf-dataset NAME --out DIR ...
     jaxtrain prepare INPUT... --out DIR --shard I/N ...   then   jaxtrain prepare --merge DIR
+    jaxtrain prepare CHATS.jsonl --chat --out DIR --tokenizer T [--chat-template chatml]
 
 INPUTs, --out DIR and --merge DIR may be gs:// or s3:// URLs: inputs are downloaded to a local
 cache first, and the dataset is prepared on local disk, then uploaded with its manifest last.
@@ -23,11 +24,12 @@ import sys
 from jaxtrain import storage
 from jaxtrain.data.stdlib import stdlib_files
 from jaxtrain.errors import DataError, JaxtrainError
+from jaxtrain.prepare import chat_template
 from jaxtrain.prepare import merge as merge_lib
 from jaxtrain.prepare import pipeline as prepare_lib
 from jaxtrain.prepare.formats import FORMATS
 from jaxtrain.prepare.records import Options
-from jaxtrain.prepare.request import Inputs, Output, Run, TokenizerChoice
+from jaxtrain.prepare.request import Chat, Inputs, Output, Run, TokenizerChoice
 from jaxtrain.workdir import check_local_path
 
 
@@ -68,6 +70,18 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--hf-config", help="the dataset's configuration name")
     src.add_argument("--split", default="train", help="the split of --hf-dataset or of a "
                      "saved DatasetDict")
+    chat = p.add_argument_group("chat and instruction records")
+    chat.add_argument("--chat", action="store_true", help="records are conversations: "
+                      "`messages` [{role, content}] or `prompt` + `completion`, rendered with "
+                      "the chat template, with a loss mask (docs/data.md)")
+    chat.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file, or "
+                      f"a shipped one ({', '.join(chat_template.shipped_names())}); default: "
+                      "the tokenizer's own")
+    chat.add_argument("--train-on", default="assistant", help="the tokens the loss counts: "
+                      "assistant (the assistant turns) or all")
+    chat.add_argument("--max-length", type=int, metavar="N", help="skip (and count) "
+                      "conversations of more than N tokens (give seq_len + 1: a longer one "
+                      "would be cut into pieces without their prompt)")
     out = p.add_argument_group("output")
     out.add_argument("--bos", default="auto", help="auto, yes, no: BOS before each document "
                      "(auto: when the tokenizer has one distinct from its EOS)")
@@ -120,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
                           tokens_per_file=args.tokens_per_file, unit_bytes=args.unit_bytes,
                           overwrite=args.overwrite),
             run=Run(processes=args.processes, shard=args.shard,
-                    max_bad_fraction=args.max_bad_fraction, progress=not args.no_progress))
+                    max_bad_fraction=args.max_bad_fraction, progress=not args.no_progress),
+            chat=Chat(enabled=args.chat, template=args.chat_template, train_on=args.train_on,
+                      max_length=args.max_length))
         prepare_lib.prepare(request)
     except JaxtrainError as e:  # DataError, and ConfigError (paths, object-store access)
         print(f"jaxtrain: error: {e}", file=sys.stderr)

@@ -6,6 +6,8 @@
                              little-endian
     DIR/docs-00000.npy       int64 [documents, 2]: start (in the shard) and length of each
     DIR/shard-00000.json     what made the shard (units of input, counts, sha256)
+    DIR/mask-00000.bin       chat datasets (prepare --chat) only: uint8 a token, 1 where the
+                             token is a target the loss counts (its shard entry's `mask`)
 
 A merged dataset (prepare --shard i/N on many machines, then --merge) lists shards in its
 part directories (`part-00000-of-00004/tokens-00000.bin`). Shards are memory-mapped, so a
@@ -47,6 +49,12 @@ def shard_names(index: int) -> tuple[str, str, str]:
     return f"tokens-{index:05d}.bin", f"docs-{index:05d}.npy", f"shard-{index:05d}.json"
 
 
+def mask_name(index: int) -> str:
+    """The loss mask of shard `index` (chat datasets): uint8 0/1 a token, 1 where the token
+    is a target the loss counts."""
+    return f"mask-{index:05d}.bin"
+
+
 def dtype_for(vocab_size: int) -> str:
     if vocab_size <= 1 << 8:
         return "uint8"
@@ -66,6 +74,9 @@ def content_fingerprint(dtype: str, tokenizer_fingerprint: str, policy: dict,
                    [(s["stream"]["tokens"], s["num_tokens"]) for s in shards]),
                "lengths": fingerprints.join_stream_hashes(
                    [(s["stream"]["lengths"], s["num_documents"]) for s in shards])}
+    if any("mask" in s["stream"] for s in shards):  # a chat dataset: its mask is data too
+        content["mask"] = fingerprints.join_stream_hashes(
+            [(s["stream"]["mask"], s["num_tokens"]) for s in shards])
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
@@ -138,6 +149,7 @@ class PreparedDataset:
         docs = [s["num_documents"] for s in self.shards]
         self.doc_starts = np.concatenate([[0], np.cumsum(docs, dtype=np.int64)])
         self._tokens: list = [None] * len(self.shards)
+        self._masks: list = [None] * len(self.shards)
         self._index: list = [None] * len(self.shards)
         self._local_tokenizer: pathlib.Path | None = None
 
@@ -171,18 +183,25 @@ class PreparedDataset:
     def tokenizer(self) -> tokenizers_lib.Tokenizer:
         return tokenizers_lib.load_tokenizer(self.tokenizer_dir, what=self.what)
 
-    def _shard_tokens(self, k: int):
-        """Shard k's tokens: a memmap on disk, a RemoteArray on object storage (both read
-        only what is sliced and converted)."""
-        if self._tokens[k] is None:
-            with _OPENING:
-                if self._tokens[k] is None:
-                    self._tokens[k] = self._open_tokens(k)
-        return self._tokens[k]
+    @property
+    def masked(self) -> bool:
+        """Whether the dataset has a loss mask (prepare --chat): read_mask."""
+        return any(s.get("mask") for s in self.shards)
 
-    def _open_tokens(self, k: int):
-        path = self.path / self.shards[k]["tokens"]
-        expected = self.shards[k]["num_tokens"] * self.dtype.itemsize
+    def _shard_tokens(self, k: int, key: str = "tokens"):
+        """Shard k's tokens (or its mask, key "mask"): a memmap on disk, a RemoteArray on
+        object storage (both read only what is sliced and converted)."""
+        arrays = self._tokens if key == "tokens" else self._masks
+        if arrays[k] is None:
+            with _OPENING:
+                if arrays[k] is None:
+                    arrays[k] = self._open_tokens(k, key)
+        return arrays[k]
+
+    def _open_tokens(self, k: int, key: str = "tokens"):
+        dtype = self.dtype if key == "tokens" else np.dtype(np.uint8)
+        path = self.path / self.shards[k][key]
+        expected = self.shards[k]["num_tokens"] * dtype.itemsize
         if self.remote:
             size = remote_file.object_size(path, self.what)
         else:
@@ -191,8 +210,8 @@ class PreparedDataset:
             raise DataError(f"{self.what}={self.path}: shard {path.name} is missing or not "
                             f"{expected} bytes; the dataset is damaged: prepare it again")
         if self.remote:
-            return remote_file.RemoteArray(path, self.dtype, self.cache, size, self.what)
-        return np.memmap(path, dtype=self.dtype, mode="r")
+            return remote_file.RemoteArray(path, dtype, self.cache, size, self.what)
+        return np.memmap(path, dtype=dtype, mode="r")
 
     def _shard_index(self, k: int) -> np.ndarray:
         """Shard k's document index ([documents, 2]): memory-mapped on disk, read whole from
@@ -206,8 +225,9 @@ class PreparedDataset:
                         if self.remote else np.load(path, mmap_mode="r"))
         return self._index[k]
 
-    def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start + length) of the concatenated shards, as int32."""
+    def read(self, start: int, length: int, key: str = "tokens") -> np.ndarray:
+        """Tokens [start, start + length) of the concatenated shards, as int32 (key "mask":
+        their loss mask, read_mask)."""
         out = np.empty(length, dtype=np.int32)
         done = 0
         while done < length:
@@ -215,9 +235,16 @@ class PreparedDataset:
             k = int(np.searchsorted(self.shard_starts, position, side="right")) - 1
             local = position - int(self.shard_starts[k])
             take = min(length - done, int(self.shard_starts[k + 1]) - position)
-            out[done:done + take] = np.asarray(self._shard_tokens(k)[local:local + take])
+            out[done:done + take] = np.asarray(self._shard_tokens(k, key)[local:local + take])
             done += take
         return out
+
+    def read_mask(self, start: int, length: int) -> np.ndarray:
+        """The loss mask of tokens [start, start + length), int32 0/1 (1: a target the loss
+        counts); all ones for a dataset without one."""
+        if not self.masked:
+            return np.ones(length, dtype=np.int32)
+        return self.read(start, length, "mask")
 
     def document(self, i: int) -> tuple[int, int]:
         """(start in the concatenated tokens, length) of document i."""

@@ -49,17 +49,27 @@ MIN_PIECE = 2  # tokens: one prediction
 
 class Packed(NamedTuple):
     """Packed rows (or a batch of them): int32 arrays [..., seq_len + 1] each. A pytree, so
-    grain batches it and jax shards it like a plain token array."""
+    grain batches it and jax shards it like a plain token array. `mask` (chat data, prepare
+    --chat): 1 where the slot's token is a target the loss counts; None (no leaf) when the
+    run's data has no loss mask, so that such a run is what it was before masks."""
 
     tokens: np.ndarray
     segments: np.ndarray
     positions: np.ndarray
+    mask: np.ndarray | None = None
 
 
-def counted_targets(segments_xT):
+def counted_targets(segments_xT, mask_xT=None):
     """Bool [..., T-1]: the targets of packed rows that count: the slot before is of the same
-    document, and it is no padding. numpy or jax arrays alike."""
-    return (segments_xT[..., 1:] == segments_xT[..., :-1]) & (segments_xT[..., 1:] != 0)
+    document, it is no padding, and the loss mask (if any) marks the target. numpy or jax
+    arrays alike."""
+    counted = (segments_xT[..., 1:] == segments_xT[..., :-1]) & (segments_xT[..., 1:] != 0)
+    return counted if mask_xT is None else counted & (mask_xT[..., 1:] != 0)
+
+
+def batch_targets(batch):
+    """counted_targets of a Packed row or batch, its loss mask included."""
+    return counted_targets(batch.segments, batch.mask)
 
 
 def window_tokens(seq_len: int, rows: int = ROWS_PER_WINDOW) -> int:
@@ -129,27 +139,34 @@ def plan_rows(start_P: np.ndarray, length_P: np.ndarray, rows: int, capacity: in
     return parts
 
 
-def row_arrays(parts, read, capacity: int) -> Packed:
-    """One row from its parts; read(start, length) -> the tokens."""
+def row_arrays(parts, read, capacity: int, read_mask=None) -> Packed:
+    """One row from its parts; read(start, length) -> the tokens, read_mask(start, length)
+    -> their loss mask (None: the row has no mask)."""
     tokens = np.zeros(capacity, np.int32)
     segments = np.zeros(capacity, np.int32)
     positions = np.zeros(capacity, np.int32)
+    mask = None if read_mask is None else np.zeros(capacity, np.int32)
     at = 0
     for k, (start, length) in enumerate(parts, start=1):
         tokens[at:at + length] = read(start, length)
         segments[at:at + length] = k
         positions[at:at + length] = np.arange(length)
+        if mask is not None:
+            mask[at:at + length] = read_mask(start, length)
         at += length
-    return Packed(tokens, segments, positions)
+    return Packed(tokens, segments, positions, mask)
 
 
 class PackedDocuments:
     """Random-access packed rows of the documents in tokens [start, end) of a prepared
-    dataset (a split: its ends are document boundaries, or cut documents short)."""
+    dataset (a split: its ends are document boundaries, or cut documents short). `masked`:
+    rows carry the dataset's loss mask (read_mask: all ones for one without, so that a
+    mixture's unmasked datasets count every target)."""
 
     def __init__(self, dataset, start: int, end: int, seq_len: int, name: str,
-                 rows: int = ROWS_PER_WINDOW):
+                 rows: int = ROWS_PER_WINDOW, masked: bool = False):
         self.dataset, self.start, self.end = dataset, start, end
+        self.masked = masked
         self.seq_len, self.rows, self.capacity = seq_len, rows, seq_len + 1
         self.span = window_tokens(seq_len, rows)
         self.windows = -(-(end - start) // self.span)
@@ -173,7 +190,8 @@ class PackedDocuments:
 
     def __getitem__(self, index: int) -> Packed:
         w, r = divmod(index % len(self), self.rows)
-        return row_arrays(self._plan(w)[r], self.dataset.read, self.capacity)
+        return row_arrays(self._plan(w)[r], self.dataset.read, self.capacity,
+                          self.dataset.read_mask if self.masked else None)
 
     def padding(self, sample: int = 64) -> float:
         """The fraction of slots left as padding, over the first `sample` windows."""

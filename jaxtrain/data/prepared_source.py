@@ -116,21 +116,37 @@ class PreparedWindows:
         return self.dataset.read(offset, self.seq_len + 1)
 
 
-def _rows(c, ds: PreparedDataset, start: int, end: int, name: str):
+def _rows(c, ds: PreparedDataset, start: int, end: int, name: str, masked: bool = False):
     """The rows of tokens [start, end) of ds as data.packing says: windows of the
-    concatenated documents, or documents packed into rows (jaxtrain.data.packing)."""
-    kind = PackedDocuments if c.data.packing == "documents" else PreparedWindows
-    return kind(ds, start, end, c.model.seq_len, name)
+    concatenated documents, or documents packed into rows (jaxtrain.data.packing), with a
+    loss mask when the run's data has one (`masked`)."""
+    if c.data.packing == "documents":
+        return PackedDocuments(ds, start, end, c.model.seq_len, name, masked=masked)
+    return PreparedWindows(ds, start, end, c.model.seq_len, name)
 
 
-def _split_windows(ds: PreparedDataset, c, what: str) -> tuple[object, object]:
+def _split_windows(ds: PreparedDataset, c, what: str, masked: bool) -> tuple[object, object]:
     fraction = c.data.val_fraction
     if ds.num_documents >= 2:
         cut = ds.document(ds.split_point(fraction))[0]
     else:
         cut = int(ds.num_tokens * (1.0 - fraction))
-    return (_rows(c, ds, 0, cut, f"the training split of {what}={ds.path}"),
-            _rows(c, ds, cut, ds.num_tokens, f"the validation split of {what}={ds.path}"))
+    return (_rows(c, ds, 0, cut, f"the training split of {what}={ds.path}", masked),
+            _rows(c, ds, cut, ds.num_tokens, f"the validation split of {what}={ds.path}",
+                  masked))
+
+
+def _masked(c, datasets: list[tuple[PreparedDataset, str]]) -> bool:
+    """Whether the run's rows carry a loss mask: when any dataset has one (chat data), and
+    then every row does (a mixture's unmasked datasets count every target). A mask needs
+    documents packed into rows: windows of the concatenated stream would cut conversations
+    anywhere, so concat refuses it."""
+    masked = [(ds, what) for ds, what in datasets if ds.masked]
+    if masked and c.data.packing != "documents":
+        ds, what = masked[0]
+        raise ConfigError(f"data.packing={c.data.packing!r} cannot keep the loss mask of "
+                          f"{what}={ds.path} (a chat dataset): set data.packing='documents'")
+    return bool(masked)
 
 
 class MixtureWindows:
@@ -159,16 +175,19 @@ def splits(c) -> tuple[object, object]:
     """(train, validation) random-access rows for data.source='prepared'."""
     check(c)
     components, val_ds = open_all(c)
+    masked = _masked(c, [(ds, what) for ds, _, what in components]
+                     + ([(val_ds, "data.val_path")] if val_ds is not None else []))
     trains, vals = [], []
     for ds, _, what in components:
         if val_ds is None:
-            train, val = _split_windows(ds, c, what)
+            train, val = _split_windows(ds, c, what, masked)
             vals.append(val)
         else:
-            train = _rows(c, ds, 0, ds.num_tokens, f"{what}={ds.path}")
+            train = _rows(c, ds, 0, ds.num_tokens, f"{what}={ds.path}", masked)
         trains.append(train)
     if val_ds is not None:
-        vals = [_rows(c, val_ds, 0, val_ds.num_tokens, f"data.val_path={val_ds.path}")]
+        vals = [_rows(c, val_ds, 0, val_ds.num_tokens, f"data.val_path={val_ds.path}",
+                      masked)]
     if len(trains) == 1:
         return trains[0], vals[0]
     weights = [w for _, w, _ in components]

@@ -15,8 +15,10 @@ from tqdm import tqdm
 
 from jaxtrain import inference
 from jaxtrain.errors import ConfigError
+from jaxtrain.hf import adapter as adapter_lib
 from jaxtrain.hf import module_for
 from jaxtrain.hf.files import SafetensorsWriter, parse_size
+from jaxtrain.models import lora
 from jaxtrain.train.setup import Setup
 
 DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16}
@@ -35,8 +37,11 @@ def load_for_export(workdir, devices: Sequence[jax.Device] | None = None
 
 
 def export_hf(workdir, out_dir, max_shard_size: str | int = "2GB", dtype: str = "float32",
-              devices: Sequence[jax.Device] | None = None) -> list[str]:
+              devices: Sequence[jax.Device] | None = None, adapter: bool = False
+              ) -> list[str]:
     """Exports the newest checkpoint of run `workdir` to HF `out_dir`; returns the files.
+    A LoRA run exports its base with the adapters folded in (W + scale·A@B), or with
+    `adapter` the adapters alone in PEFT's format (hf/adapter.py).
 
     Streams: one parameter (one layer of a stacked one) at a time comes to the host, is
     laid out as HF keeps it and goes into the shard being filled; a shard is written once
@@ -52,8 +57,15 @@ def export_hf(workdir, out_dir, max_shard_size: str | int = "2GB", dtype: str = 
                              or (out_dir / "config.json").exists()):
         raise ConfigError(f"--to-hf={out_dir} already holds a model; export into a new or "
                           "empty directory")
+    if adapter and inference.run_config(workdir)[1].model.lora.rank == 0:
+        raise ConfigError(f"--adapter: {workdir} is no LoRA run (model.lora.rank=0); export "
+                          "without --adapter")
     setup, params, step = load_for_export(workdir, devices)
+    if adapter:
+        return adapter_lib.export_adapter(setup, params, step, workdir, out_dir, DTYPES[dtype])
     spec = setup.spec
+    if spec.lora is not None:
+        params, spec = lora.merged(spec, params), lora.base_spec(spec)
     family = module_for(spec)
     if not family.SLIDING_WINDOW and 0 < spec.sliding_window < spec.seq_len:
         raise ConfigError(f"model.sliding_window={spec.sliding_window} cannot be exported: "

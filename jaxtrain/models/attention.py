@@ -32,6 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.errors import fail
 from jaxtrain.mesh import constrain
+from jaxtrain.models import lora
 from jaxtrain.models.chunked_attention import chunked_attention, loop_tile
 from jaxtrain.models.context_attention import context_attention
 from jaxtrain.models.cudnn_attention import cudnn_attention
@@ -262,10 +263,17 @@ class Attention(nnx.Module):
             self.b_k = param(rngs, (g, k), ("kv_heads", "kv"), 0.0, dt)
             self.b_v = param(rngs, (g, k), ("kv_heads", "kv"), 0.0, dt)
             self.b_o = param(rngs, (d,), ("embed",), 0.0, dt)
+        # After every base weight, so that the base draws the same numbers with or without.
+        for name in ("q", "k", "v", "o"):
+            setattr(self, f"lora_{name}", lora.adapter(
+                spec, "attention", getattr(self, f"w_{name}"), f"w_{name}", 2 if name == "o"
+                else 1, rngs))
 
     def _project(self, x_BLD, name: str, axes) -> jax.Array:
         dt = self.spec.compute_dtype
-        y = dense(self.spec, "bld,dhk->blhk", x_BLD, getattr(self, f"w_{name}")[...])
+        w = lora.weight(self.spec, getattr(self, f"w_{name}")[...],
+                        getattr(self, f"lora_{name}"))
+        y = dense(self.spec, "bld,dhk->blhk", x_BLD, w)
         # The key bias adds q·b_k to every score of a query, which softmax ignores: skipping
         # it keeps its gradient exactly zero rather than float noise that Adam would amplify.
         # The parameter stays, for checkpoints converted from Hugging Face GPT-2.
@@ -292,7 +300,8 @@ class Attention(nnx.Module):
         spec = self.spec
         out_BLHK = checkpoint_name(out_BLHK, "attention_out")
         out_BLHK = constrain(out_BLHK, ("batch", "length", "heads", "kv"), spec.rules)
-        y_BLD = dense(spec, "blhk,hkd->bld", out_BLHK, self.w_o[...])
+        y_BLD = dense(spec, "blhk,hkd->bld", out_BLHK,
+                      lora.weight(spec, self.w_o[...], self.lora_o))
         if spec.use_bias:
             y_BLD = y_BLD + self.b_o[...].astype(spec.compute_dtype)
         return checkpoint_name(y_BLD, "out_proj")

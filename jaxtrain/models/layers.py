@@ -3,6 +3,7 @@ models/rope.py's (re-exported here)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -116,9 +117,37 @@ class MatmulWeight:
         raise NotImplementedError
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LowRank:
+    """A weight with a low-rank adapter (LoRA, models/lora.py): w + scale·(a @ b), run as
+    x@w + scale·(x@a)@b so that the frozen w gets no gradient. a: w's input axes then the
+    rank; b: the rank then w's output axes."""
+
+    w: jax.Array
+    a: jax.Array
+    b: jax.Array
+    scale: float = dataclasses.field(metadata=dict(static=True))
+
+
+def _low_rank_equations(equation: str) -> tuple[str, str]:
+    """'bl<in>,<in><out>->bl<out>' -> (x@a: 'bl<in>,<in>z->blz', then 'blz,z<out>->bl<out>')."""
+    inputs, out = equation.split("->")
+    x_axes, w_axes = inputs.split(",")
+    contracted = _split_weight_axes(equation)
+    return (f"{x_axes},{w_axes[:contracted]}z->{x_axes[:2]}z",
+            f"{x_axes[:2]}z,z{w_axes[contracted:]}->{out}")
+
+
 def dense(spec, equation: str, x: jax.Array, w) -> jax.Array:
     """A weight matmul in the spec's precision: compute dtype, or fp8 operands; weights that
-    bring their own matmul (MatmulWeight) run it."""
+    bring their own matmul (MatmulWeight) run it; a LowRank weight adds its adapter's
+    product, its factors cast and multiplied like the weight."""
+    if isinstance(w, LowRank):
+        to_rank, from_rank = _low_rank_equations(equation)
+        low_BLR = dense(spec, to_rank, x, w.a)
+        update = dense(spec, from_rank, low_BLR, w.b)
+        return dense(spec, equation, x, w.w) + jnp.asarray(w.scale, update.dtype) * update
     if isinstance(w, MatmulWeight):
         return w.einsum(equation, x, spec.compute_dtype)
     if spec.fp8:

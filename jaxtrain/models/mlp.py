@@ -10,6 +10,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.mesh import constrain
+from jaxtrain.models import lora
 from jaxtrain.models.layers import dense, gelu, param
 
 # Names of the tensors remat policies can keep (models/remat.py).
@@ -40,17 +41,25 @@ class Mlp(nnx.Module):
         if spec.use_bias:
             self.b_up = param(rngs, (f,), ("mlp",), 0.0, dt)
             self.b_down = param(rngs, (d,), ("embed",), 0.0, dt)
+        for name in ("up", "gate", "down"):  # after the base weights: the same draws
+            w = getattr(self, f"w_{name}", None)
+            setattr(self, f"lora_{name}", None if w is None else
+                    lora.adapter(spec, "mlp", w, f"w_{name}", 1, rngs))
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         return self.down(*self.up(x_BLD))
 
+    def _w(self, name: str):
+        return lora.weight(self.spec, getattr(self, f"w_{name}")[...],
+                           getattr(self, f"lora_{name}"))
+
     def up(self, x_BLD: jax.Array):
         """The up (and, when gated, gate) projections: (h_BLF, gate_BLF or None)."""
         spec = self.spec
-        h_BLF = checkpoint_name(dense(spec, "bld,df->blf", x_BLD, self.w_up[...]), "mlp_up")
+        h_BLF = checkpoint_name(dense(spec, "bld,df->blf", x_BLD, self._w("up")), "mlp_up")
         gate_BLF = None
         if spec.gated_mlp:
-            gate_BLF = checkpoint_name(dense(spec, "bld,df->blf", x_BLD, self.w_gate[...]),
+            gate_BLF = checkpoint_name(dense(spec, "bld,df->blf", x_BLD, self._w("gate")),
                                        "mlp_gate")
         return h_BLF, gate_BLF
 
@@ -62,7 +71,7 @@ class Mlp(nnx.Module):
         # projection's weight gradient. XLA drops the recomputed down projection itself,
         # which the backward does not need.
         y_BLD = jax.checkpoint(functools.partial(_activation_and_down, spec))(
-            h_BLF, gate_BLF, b_up_F, self.w_down[...])
+            h_BLF, gate_BLF, b_up_F, self._w("down"))
         y_BLD = checkpoint_name(y_BLD, "mlp_down")
         if spec.use_bias:
             y_BLD = y_BLD + self.b_down[...].astype(spec.compute_dtype)

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.errors import fail
 from jaxtrain.mesh import logical_to_spec
+from jaxtrain.models import lora
 from jaxtrain.models.families import FAMILIES
 from jaxtrain.models.layers import param
 from jaxtrain.models.mlp import Mlp
@@ -185,14 +186,26 @@ class MoeMlp(nnx.Module):
         self.w_down = param(rngs, (e, f, d), ("experts", "mlp", "embed"), out_std, dt)
         if moe.shared_experts:
             self.shared = Mlp(spec, width=moe.shared_experts * f, rngs=rngs)
+        for name in ("up", "gate", "down"):  # after the base weights: the same draws
+            setattr(self, f"lora_{name}", lora.adapter(
+                spec, "experts", getattr(self, f"w_{name}"), f"w_{name}", 1, rngs,
+                experts=True))
 
     def __call__(self, x_BLD: jax.Array, drop: bool = True):
         spec = self.spec
-        weights = (self.w_router[...], self.w_up[...], self.w_gate[...], self.w_down[...])
+        weights = (self.w_router[...], *(self._expert_weight(n) for n in ("up", "gate", "down")))
         y_BLD, stats = routed_experts(spec, x_BLD, weights, drop)
         if spec.moe.shared_experts:
             y_BLD = y_BLD + self.shared(x_BLD)
         return y_BLD, stats
+
+
+    def _expert_weight(self, name: str) -> jax.Array:
+        """[E, ...], with its per-expert LoRA adapter folded in where it has one."""
+        w, adapter = getattr(self, f"w_{name}")[...], getattr(self, f"lora_{name}")
+        if adapter is None:
+            return w
+        return lora.folded(self.spec.lora.scale, w, adapter.a[...], adapter.b[...])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ from jaxtrain.models.context_attention import resolve_variant
 from jaxtrain.models.embedding import embed
 from jaxtrain.models.families import FAMILIES, Family
 from jaxtrain.models.layers import Norm, param
+from jaxtrain.models.lora import LoraSpec
 from jaxtrain.models.mlp import Mlp
 from jaxtrain.models.moe import STAT_NAMES, MoeMlp, MoeSpec, routing_losses
 from jaxtrain.models.remat import REMATS
@@ -52,6 +53,7 @@ class ModelSpec:
     fp8: bool = False  # the blocks' weight matmuls take fp8 operands (models/fp8.py)
     moe: MoeSpec | None = None  # mixture-of-experts layers (models/moe.py); None: dense
     context: ContextSpec | None = None  # the sequence split over `context`; None: whole
+    lora: LoraSpec | None = None  # low-rank adapters on the targeted weights (models/lora.py)
 
     @classmethod
     def from_config(cls, cfg, pipeline_stages: int = 1, platform: str = "cpu",
@@ -84,7 +86,7 @@ class ModelSpec:
             rules=active_rules(tuple(tuple(r) for r in cfg.mesh.rules),
                                cfg.mesh.sequence_parallel, context_spec is not None),
             pipeline=pipeline, fp8=precision.fp8_matmuls, moe=MoeSpec.from_config(m, platform),
-            context=context_spec)
+            context=context_spec, lora=LoraSpec.from_config(m))
 
     @property
     def family_entry(self) -> Family:

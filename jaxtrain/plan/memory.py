@@ -19,7 +19,7 @@ import jax
 from flax import nnx
 
 from jaxtrain.mesh import batch_shards, logical_to_spec
-from jaxtrain.models import ModelSpec, Transformer
+from jaxtrain.models import ModelSpec, Transformer, lora
 from jaxtrain.models.attention import KERNELS
 from jaxtrain.models.context_attention import KEY_TILE, QUERY_TILE, VARIANTS
 from jaxtrain.models.head_loss import chunk_size
@@ -146,23 +146,31 @@ def value_bytes(spec: ModelSpec, backend: str = "accelerator") -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _param_leaves(spec: ModelSpec) -> tuple[tuple[str, tuple[int, ...], tuple], ...]:
-    """(top-level name, shape, logical axes) of every parameter. The shapes do not depend
-    on the mesh, so a --search over a thousand layouts traces the model once, not once a
-    layout (that was 150 s of a 13B search on 64 devices)."""
+def _param_leaves(spec: ModelSpec) -> tuple[tuple[str, tuple[int, ...], tuple, bool], ...]:
+    """(top-level name, shape, logical axes, trained or frozen) of every parameter. The
+    shapes do not depend on the mesh, so a --search over a thousand layouts traces the
+    model once, not once a layout (that was 150 s of a 13B search on 64 devices)."""
     model = nnx.eval_shape(lambda: Transformer(spec, rngs=nnx.Rngs(0)))
     leaves = jax.tree_util.tree_flatten_with_path(
         nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
     return tuple((path[0].key, tuple(var.get_value().shape),
-                  tuple(var.get_metadata()["axes"])) for path, var in leaves)
+                  tuple(var.get_metadata()["axes"]), _trained(spec, path)) for path, var in leaves)
+
+
+def _trained(spec: ModelSpec, path) -> bool:
+    """Whether the step trains this parameter (LoRA: the adapters alone, models/lora.py)."""
+    return spec.lora is None or lora.is_adapter(tuple(k.key for k in path))
 
 
 def param_shards(spec: ModelSpec, sizes: dict[str, int]) -> dict[str, int]:
     """Elements per device: 'total' parameters, 'stack' (the device's share of the stacked
     layers), 'layer_gathered' (one layer after the ZeRO all-gather), 'head_gathered' (the
-    output projection as the head gathers it); 'count': the model's parameters."""
-    out = {"total": 0, "layer_gathered": 0, "count": 0, "head_gathered": 0, "stack": 0}
-    for name, shape, axes in _param_leaves(dataclasses.replace(spec, rules=())):
+    output projection as the head gathers it); 'count': the model's parameters; the
+    same three with `_trained`: those the step trains (every one, but LoRA's adapters),
+    which alone have gradients and optimizer state."""
+    out = {"total": 0, "layer_gathered": 0, "count": 0, "head_gathered": 0, "stack": 0,
+           "total_trained": 0, "layer_gathered_trained": 0, "head_gathered_trained": 0}
+    for name, shape, axes, trained in _param_leaves(dataclasses.replace(spec, rules=())):
         pspec = logical_to_spec(axes, spec.rules)
         local = gathered = 1
         for dim, mesh_axes in zip(shape, tuple(pspec) + (None,) * len(axes)):
@@ -172,13 +180,17 @@ def param_shards(spec: ModelSpec, sizes: dict[str, int]) -> dict[str, int]:
             kept = [a for a in names if a not in ZERO_AXES]
             gathered *= math.ceil(dim / math.prod(sizes[a] for a in kept))
         out["total"] += local
+        out["total_trained"] += local * trained
         out["count"] += math.prod(shape)
         if axes and axes[0] == "layers":
             layers = shape[0]
             out["stack"] += local
-            out["layer_gathered"] += gathered // max(1, math.ceil(layers / sizes["pipeline"]))
+            layer = gathered // max(1, math.ceil(layers / sizes["pipeline"]))
+            out["layer_gathered"] += layer
+            out["layer_gathered_trained"] += layer * trained
         elif name == "lm_head" or (name == "tok_embed" and spec.tied_embeddings):
             out["head_gathered"] += gathered
+            out["head_gathered_trained"] += gathered * trained
     return out
 
 
@@ -381,11 +393,12 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
                                                                          saved, c, k)
 
     params = shards["total"] * F32  # float32 master weights, whatever train.precision
-    # The optimizer's state mirrors the params (AdamW: mu and nu).
-    opt = OPTIMIZERS[cfg.optimizer.name].state_per_param * shards["total"] * F32
-    # Gradients in float32 like the params; accumulating over micro-batches holds the sum
-    # and the current micro-batch's gradients at once.
-    grads = shards["total"] * F32 * (2 if micro > 1 else 1)
+    # The optimizer's state mirrors the trained params (AdamW: mu and nu; under LoRA the
+    # adapters only, the frozen base has none).
+    opt = OPTIMIZERS[cfg.optimizer.name].state_per_param * shards["total_trained"] * F32
+    # Gradients in float32 like the trained params; accumulating over micro-batches holds
+    # the sum and the current micro-batch's gradients at once.
+    grads = shards["total_trained"] * F32 * (2 if micro > 1 else 1)
 
     # What stays on the device per layer, from the remat registry (the finer policies are
     # modelled by their nearest coarse one: save_dots_except_mlp as save_dots,
@@ -417,8 +430,8 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
     # gradients.
     working = _backward_working(spec, working_rows, sizes, saved, c, k, per_layer,
                                 moe=bool(moe_layers_here))
-    layer_weights = shards["layer_gathered"] * (k.layer_weights * c
-                                                + k.layer_weight_grads * F32)
+    layer_weights = (shards["layer_gathered"] * k.layer_weights * c
+                     + shards["layer_gathered_trained"] * k.layer_weight_grads * F32)
 
     cp = sizes.get("context", 1)
     # The fused head and loss (models/head_loss.py): chunks of ≤1024 global tokens; float32
@@ -434,7 +447,7 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
     # The output head gathered for the loss, with its float32 gradient; the embedding table
     # is gathered for the lookup in the forward pass only (its gradient is formed in its
     # shard: models/embedding.py).
-    head = shards["head_gathered"] * (c + F32)
+    head = shards["head_gathered"] * c + shards["head_gathered_trained"] * F32
     # The two phases of the step that peak at different times: the head and loss (between
     # the layers' forward and backward passes), and one layer's backward pass.
     phases = {"layer_backward": working + layer_weights, "head_and_loss": logits + head}

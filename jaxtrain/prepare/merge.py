@@ -43,9 +43,9 @@ def _merge(directory) -> dict:
         raise DataError(f"--merge={directory}: the inputs hold no documents (every part is "
                         "empty)")
     first = manifests[0]
-    shards = [{**s, "tokens": f"part-{i:05d}-of-{total:05d}/{s['tokens']}" if s["tokens"]
-               else None, "index": f"part-{i:05d}-of-{total:05d}/{s['index']}" if s["index"]
-               else None} for i, m in enumerate(manifests) for s in m["shards"]]
+    shards = [{**s, **{key: f"part-{i:05d}-of-{total:05d}/{s[key]}" if s[key] else None
+                       for key in ("tokens", "index", "mask") if key in s}}
+              for i, m in enumerate(manifests) for s in m["shards"]]
     policy = {"bos": first["policy"]["bos"], "eos": first["policy"]["eos"]}
     merged = {**{k: v for k, v in first.items() if k != "part"},
               "fingerprint": fmt.content_fingerprint(first["dtype"],
@@ -140,6 +140,10 @@ def _merge_reports(reports: list[dict]) -> dict:
         first = [loc for v in values for loc in v["first"]][:records.FIRST_KEPT]
         return {"count": sum(v["count"] for v in values), "first": first}
 
-    merged["skipped"] = {k: combine([r["skipped"][k] for r in reports]) for k in records.SKIPS}
+    kinds = [k for k in records.SKIPS + records.CHAT_SKIPS
+             if any(k in r["skipped"] for r in reports)]
+    empty = {"count": 0, "first": []}
+    merged["skipped"] = {k: combine([r["skipped"].get(k, empty) for r in reports])
+                         for k in kinds}
     merged["invalid_utf8_replaced"] = combine([r["invalid_utf8_replaced"] for r in reports])
     return merged

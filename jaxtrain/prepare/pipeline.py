@@ -48,8 +48,9 @@ from jaxtrain import storage
 from jaxtrain.data import dataset as fmt
 from jaxtrain.data import tokenizers as tokenizers_lib
 from jaxtrain.errors import DataError
-from jaxtrain.prepare import bpe, readers, remote, workers
+from jaxtrain.prepare import bpe, chat_template, readers, remote, workers
 from jaxtrain.prepare import request as request_lib
+from jaxtrain.prepare.chat import ChatSpec
 from jaxtrain.prepare.formats import FORMATS, hf
 from jaxtrain.prepare.records import BAD, Input, Options, Unit
 from jaxtrain.prepare.request import Request
@@ -116,6 +117,10 @@ def layout_inputs(r: Request) -> InputLayout:
     """Checks the request, finds its inputs and lays them out as work; the one place that
     tells a streamed dataset from files."""
     request_lib.check(r)
+    # --chat finds its template now, so that a tokenizer without one stops it before any
+    # input is fetched
+    tokenizer = tokenizers_lib.load_tokenizer(r.tokenizer.spec) if r.chat.enabled else None
+    reading = _reading(r, tokenizer)
     out = storage.as_path(r.output.path, "--out")
     skipped, shown = {}, {}
     if r.inputs.hf_dataset is not None and not hf.is_saved(pathlib.Path(r.inputs.hf_dataset)):
@@ -123,7 +128,7 @@ def layout_inputs(r: Request) -> InputLayout:
         readers.require_packages(inputs)
         if r.run.shard is not None:
             raise DataError("--shard splits input files; a streamed dataset has none")
-        work = StreamedRows(r.inputs.hf_dataset, r.inputs.hf_config, r.reading,
+        work = StreamedRows(r.inputs.hf_dataset, r.inputs.hf_config, reading,
                             r.output.unit_bytes)
     else:
         patterns, shown = remote.fetch_inputs(r.inputs.paths or [r.inputs.hf_dataset],
@@ -138,24 +143,36 @@ def layout_inputs(r: Request) -> InputLayout:
             out = out / f"part-{i:05d}-of-{n:05d}"
             if i != 0:
                 skipped = {}  # every part finds the same ones: part 0 reports them, once
-        work = FileUnits(inputs, readers.plan_units(inputs, r.reading, r.output.unit_bytes,
-                                                    span), r.reading)
+        work = FileUnits(inputs, readers.plan_units(inputs, reading, r.output.unit_bytes,
+                                                    span), reading)
     layout = InputLayout(inputs, work, out, {}, None, skipped, shown)
     identity = {
         "format": fmt.FORMAT,
         "inputs": [[layout.name(item.path), item.format, item.size] for item in inputs],
-        "hf": [r.inputs.hf_config, r.reading.split] if r.inputs.hf_dataset else None,
-        "field": r.reading.field, "text_unit": r.reading.text_unit, "bos": r.output.bos,
+        "hf": [r.inputs.hf_config, reading.split] if r.inputs.hf_dataset else None,
+        "field": reading.field, "text_unit": reading.text_unit, "bos": r.output.bos,
         "eos": r.output.eos, "tokens_per_file": r.output.tokens_per_file,
         "unit_bytes": r.output.unit_bytes, "shard": list(r.run.shard) if r.run.shard else None,
     }
-    tokenizer = None
+    if reading.chat is not None:  # absent otherwise: plans made before --chat stay valid
+        identity["chat"] = reading.chat.identity()
     if r.tokenizer.train is not None:
         identity["tokenizer"] = {"train": r.tokenizer.train}
     else:  # what the tokenizer is, not where: a changed file at the same path is a new plan
-        tokenizer = tokenizers_lib.load_tokenizer(r.tokenizer.spec)
+        tokenizer = tokenizer or tokenizers_lib.load_tokenizer(r.tokenizer.spec)
         identity["tokenizer"] = {"fingerprint": tokenizer.fingerprint()}
     return dataclasses.replace(layout, identity=identity, tokenizer=tokenizer)
+
+
+def _reading(r: Request, tokenizer) -> Options:
+    """How the records are read: with --chat, the chat template found for the tokenizer
+    (DataError, one line, when it has none) goes with the options to the workers."""
+    if not r.chat.enabled:
+        return r.reading
+    template = chat_template.find(r.chat.template, r.tokenizer.spec, tokenizer)
+    tokenizer.encode_rendered("")  # a kind without character offsets refuses now, not later
+    return dataclasses.replace(r.reading, chat=ChatSpec(template, r.chat.train_on,
+                                                        r.chat.max_length))
 
 
 # --- the report ----------------------------------------------------------------------------
@@ -175,13 +192,19 @@ def _tokenizer(layout: InputLayout, request: Request,
                                   show_progress=request.run.progress)
     else:
         tokenizer = layout.tokenizer
+    if layout.options.chat is not None:  # beside the tokenizer, before its meta file
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / chat_template.TEMPLATE_FILE).write_text(layout.options.chat.template.source)
     tokenizer.save(directory)
     return tokenizer
 
 
 def _special_ids(tokenizer: tokenizers_lib.Tokenizer, request: Request) -> dict:
     """The BOS/EOS policy: auto adds EOS when the tokenizer has one, and BOS when it has one
-    that differs from its EOS (Llama-style); yes/no force it, yes failing without the id."""
+    that differs from its EOS (Llama-style); yes/no force it, yes failing without the id.
+    With --chat none: the template writes the special tokens."""
+    if request.chat.enabled:
+        return {"bos": None, "eos": None}
     chosen = {}
     for role, token_id in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id)):
         policy = getattr(request.output, role)
@@ -290,7 +313,8 @@ def _process(layout: InputLayout, request: Request, tokenizer, staging: pathlib.
         for k, records_end, result in _results(layout, request, start_unit, records_start,
                                                worker_args):
             if writer is None:
-                writer = ShardWriter(staging, len(records), k, dtype)
+                writer = ShardWriter(staging, len(records), k, dtype,
+                                     masked=layout.options.chat is not None)
             writer.add(k, result)
             writer.records_end = records_end
             report.add(layout.work.input_of(k), result)
@@ -319,8 +343,17 @@ def _manifest(layout: InputLayout, tokenizer, special: dict, dtype: str, shards:
               report: Report, request: Request) -> dict:
     entries = [{"tokens": s["tokens"], "index": s["index_file"], "num_tokens": s["num_tokens"],
                 "num_documents": s["num_documents"], "sha256": s["sha256"],
-                "stream": s["stream"]} for s in shards]
+                "stream": s["stream"], **({"mask": s["mask"]} if "mask" in s else {})}
+               for s in shards]
     policy = {"bos": special["bos"] is not None, "eos": special["eos"] is not None}
+    spec = layout.options.chat
+    options = {"field": request.reading.field, "text_unit": request.reading.text_unit,
+               "hf_config": request.inputs.hf_config, "split": request.reading.split}
+    chat = {}
+    if spec is not None:
+        options["chat"] = spec.identity()
+        chat = {"chat": {**spec.identity(), "template": f"{fmt.TOKENIZER_DIR}/"
+                                                        f"{chat_template.TEMPLATE_FILE}"}}
     return {
         "format": fmt.FORMAT,
         "fingerprint": fmt.content_fingerprint(dtype, tokenizer.fingerprint(), policy, entries),
@@ -333,8 +366,8 @@ def _manifest(layout: InputLayout, tokenizer, special: dict, dtype: str, shards:
         "policy": {**policy, "bos_id": special["bos"], "eos_id": special["eos"]},
         "sources": [{"path": layout.name(item.path), "format": item.format, "bytes": item.size}
                     for item in layout.inputs],
-        "options": {"field": request.reading.field, "text_unit": request.reading.text_unit,
-                    "hf_config": request.inputs.hf_config, "split": request.reading.split},
+        "options": options,
+        **chat,
         "shards": entries,
         "report": _named(report.to_json(), layout),
         **({"part": list(request.run.shard)} if request.run.shard else {}),

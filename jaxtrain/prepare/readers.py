@@ -200,12 +200,17 @@ def lines_before(path: str, start: int) -> int:
     return count
 
 
-def read_stream_rows(rows, field: str, first_row: int, tally: Tally) -> list[str]:
-    """Documents from rows of a streamed dataset (input 0), counted like the others."""
-    docs: list[str] = []
+def read_stream_rows(rows, field: str, first_row: int, tally: Tally,
+                     chat: bool = False) -> list:
+    """Documents from rows of a streamed dataset (input 0), counted like the others (with
+    `chat`, the rows themselves: records.keep_record)."""
+    docs: list = []
     for row, record in enumerate(rows, start=first_row + 1):
         tally.records += 1
         where = (0, "row", row)
+        if chat:
+            records.keep_record(record, docs, tally, where)
+            continue
         value = record.get(field) if isinstance(record, dict) else None
         if value is None:
             records.missing(record, field, tally, where)

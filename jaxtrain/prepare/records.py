@@ -11,10 +11,17 @@ import io
 import re
 from collections.abc import Iterator
 
+from jaxtrain.errors import DataError
+from jaxtrain.prepare import chat
+
 TEXT_UNITS = ("file", "line")
 FILE_SKIPS = ("hidden_files", "binary_files")  # input files left out, with example paths
 SKIPS = ("malformed_json", "missing_field", "not_text", "empty") + FILE_SKIPS
-BAD = ("malformed_json", "missing_field", "not_text")  # what --max-bad-fraction counts
+# --chat's kinds (chat.BAD): in a report only when counted, so that the reports of other
+# prepares read as before.
+CHAT_SKIPS = chat.BAD
+# what --max-bad-fraction counts
+BAD = ("malformed_json", "missing_field", "not_text") + CHAT_SKIPS
 FIRST_KEPT = 5  # locations kept per kind of bad input
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -33,6 +40,9 @@ class Options:
     field: str = "text"
     text_unit: str = "file"  # text files: one document per file or per line (TEXT_UNITS)
     split: str = "train"  # of a saved DatasetDict
+    # --chat: records are conversations, rendered with a chat template (chat.ChatSpec); the
+    # readers then hand on whole records rather than the text of `field`
+    chat: chat.ChatSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +92,24 @@ def keep(text: str, docs: list[str], tally: Tally, where: tuple) -> None:
         return
     docs.append(text)
     tally.documents += 1
+
+
+CHAT_COLUMNS = ("messages", "prompt", "completion")
+
+
+def chat_columns(names, path: str) -> list[str]:
+    """The columns a --chat prepare reads from a table; DataError when it has none."""
+    columns = [c for c in CHAT_COLUMNS if c in names]
+    if "messages" not in columns and not {"prompt", "completion"} <= set(columns):
+        raise DataError(f"input {path}: --chat needs a column messages, or prompt and "
+                        f"completion; its columns are {', '.join(names)}")
+    return columns
+
+
+def keep_record(record, docs: list, tally: Tally, where: tuple) -> None:
+    """A chat record with its location: the worker renders it, and counts it a document or
+    a bad record (chat.encode)."""
+    docs.append((record, where))
 
 
 def encodable(text: str, tally: Tally, where: tuple) -> str:

@@ -34,7 +34,7 @@ from jaxtrain.errors import DataError, JaxtrainError
 # What a prepare (or a merge, or a tokenizer-only prepare) writes under its --out: a prefix
 # holding only these is a dataset, or one whose upload was interrupted; anything else is
 # someone's other data, never replaced.
-_OURS = re.compile(r"(manifest\.json|tokenizer/.+|tokens-\d+\.bin|docs-\d+\.npy"
+_OURS = re.compile(r"(manifest\.json|tokenizer/.+|tokens-\d+\.bin|mask-\d+\.bin|docs-\d+\.npy"
                    r"|shard-\d+\.json|part-\d+-of-\d+/.+|\.write_test_.+"
                    r"|jaxtrain_tokenizer\.json|tokenizer\.(json|model|tiktoken))")
 

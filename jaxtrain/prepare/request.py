@@ -1,12 +1,14 @@
-"""What a prepare is asked to do (the command's options), in five small records: where the
+"""What a prepare is asked to do (the command's options), in six small records: where the
 documents come from (Inputs), how they are read (records.Options), which tokenizer
-(TokenizerChoice), what is written (Output) and how the work runs (Run)."""
+(TokenizerChoice), whether the records are chats (Chat), what is written (Output) and how
+the work runs (Run)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from jaxtrain.errors import DataError
+from jaxtrain.prepare.chat import TRAIN_ON
 from jaxtrain.prepare.records import TEXT_UNITS, Options
 
 POLICIES = ("auto", "yes", "no")
@@ -33,6 +35,17 @@ class TokenizerChoice:
 
 
 @dataclasses.dataclass
+class Chat:
+    """--chat: records are conversations (jaxtrain.prepare.chat), rendered with a chat
+    template and given a loss mask."""
+
+    enabled: bool = False  # --chat
+    template: str | None = None  # --chat-template FILE or a shipped name
+    train_on: str = "assistant"  # TRAIN_ON
+    max_length: int | None = None  # tokens; longer conversations are skipped and counted
+
+
+@dataclasses.dataclass
 class Output:
     path: str = ""
     bos: str = "auto"  # POLICIES
@@ -52,10 +65,11 @@ class Run:
 
 # The record each flat option (a command flag's name) belongs to, for `Request.build`.
 _GROUPS = {"inputs": Inputs, "reading": Options, "tokenizer": TokenizerChoice,
-           "output": Output, "run": Run}
+           "chat": Chat, "output": Output, "run": Run}
 _RENAMED = {"inputs": ("inputs", "paths"), "out": ("output", "path"),
             "tokenizer": ("tokenizer", "spec"), "train_tokenizer": ("tokenizer", "train"),
-            "tokenizer_only": ("tokenizer", "only")}
+            "tokenizer_only": ("tokenizer", "only"), "chat": ("chat", "enabled"),
+            "chat_template": ("chat", "template")}
 
 
 @dataclasses.dataclass
@@ -67,6 +81,7 @@ class Request:
     tokenizer: TokenizerChoice
     output: Output
     run: Run
+    chat: Chat = dataclasses.field(default_factory=Chat)
 
     @classmethod
     def build(cls, inputs, out, **options) -> Request:
@@ -80,7 +95,7 @@ class Request:
             if group is None:
                 group = next((g for g, record in _GROUPS.items()
                               if field in {f.name for f in dataclasses.fields(record)}), None)
-            if group is None:
+            if group is None or (group == "reading" and field == "chat"):
                 raise TypeError(f"Request.build: no option {key!r}")
             parts[group][field] = value
         return cls(**{name: record(**parts[name]) for name, record in _GROUPS.items()})
@@ -113,3 +128,27 @@ def check(r: Request) -> None:
         i, n = r.run.shard
         if not 0 <= i < n:
             raise DataError(f"--shard={i}/{n} is invalid: i/N with 0 <= i < N")
+    _check_chat(r)
+
+
+def _check_chat(r: Request) -> None:
+    chat = r.chat
+    if not chat.enabled:
+        for key, value, default in (("--chat-template", chat.template, None),
+                                    ("--train-on", chat.train_on, "assistant"),
+                                    ("--max-length", chat.max_length, None)):
+            if value != default:
+                raise DataError(f"{key} goes with --chat (records that are conversations)")
+        return
+    if chat.train_on not in TRAIN_ON:
+        raise DataError(f"--train-on={chat.train_on} is invalid: valid values are "
+                        f"{', '.join(TRAIN_ON)}")
+    if chat.max_length is not None and chat.max_length < 2:
+        raise DataError(f"--max-length={chat.max_length} is invalid: at least 2 tokens")
+    if r.tokenizer.train is not None:
+        raise DataError("--chat with --train-tokenizer: train one first (--train-tokenizer V "
+                        "--tokenizer-only) and pass it with --tokenizer")
+    for key, value in (("--bos", r.output.bos), ("--eos", r.output.eos)):
+        if value == "yes":
+            raise DataError(f"{key}=yes with --chat: the chat template writes the special "
+                            "tokens; leave it auto (no extra BOS/EOS)")

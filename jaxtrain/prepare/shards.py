@@ -25,8 +25,10 @@ class UnitResult:
     lengths: np.ndarray  # tokens of each kept document, in order
     tally: records.Tally
     size: int  # input bytes, for the progress bar
-    # fingerprints.stream_hash of the tokens and of the lengths, computed in the worker
+    # fingerprints.stream_hash of the tokens and of the lengths (and of the mask), computed
+    # in the worker
     stream: dict = dataclasses.field(default_factory=dict)
+    mask: np.ndarray | None = None  # uint8 per token, 1: a counted target (--chat only)
 
 
 REPLACED_WARNING = 0.01  # of the records: above it, a prepare warns about replaced UTF-8
@@ -83,8 +85,9 @@ class Report:
         return sum(self.counts.get(k, 0) for k in records.BAD)
 
     def to_json(self) -> dict:
+        kinds = records.SKIPS + tuple(k for k in records.CHAT_SKIPS if self.counts.get(k))
         skipped = {k: {"count": self.counts.get(k, 0), "first": self.first.get(k, [])}
-                   for k in records.SKIPS}
+                   for k in kinds}
         if self.fields is not None:
             skipped["missing_field"]["fields"] = self.fields
         return {**self.totals, "skipped": skipped,
@@ -106,7 +109,7 @@ class Report:
 
     def summary(self) -> str:
         parts = [f"{self.totals['documents']:,} documents, {self.totals['tokens']:,} tokens"]
-        for kind in records.SKIPS:
+        for kind in records.SKIPS + records.CHAT_SKIPS:
             if self.counts.get(kind):
                 shown = 3 if kind in records.FILE_SKIPS else 1  # files: what was left out
                 parts.append(f"skipped {self.counts[kind]:,} {kind.replace('_', ' ')} "
@@ -140,18 +143,22 @@ class ShardWriter:
     """Appends unit results to shard `index` under temporary names; commit() renames the
     tokens, then the index, then writes the shard record that marks it done."""
 
-    def __init__(self, directory: pathlib.Path, index: int, first_unit: int, dtype: str):
+    def __init__(self, directory: pathlib.Path, index: int, first_unit: int, dtype: str,
+                 masked: bool = False):
         self.directory, self.index, self.dtype = directory, index, np.dtype(dtype)
         self.names = fmt.shard_names(index)
         self.tmp = directory / (self.names[0] + ".tmp")
         self.file = open(self.tmp, "wb")
+        # --chat: the loss mask beside the tokens, one uint8 a token
+        self.mask_tmp = directory / (fmt.mask_name(index) + ".tmp") if masked else None
+        self.mask_file = open(self.mask_tmp, "wb") if masked else None
         self.sha = hashlib.sha256()
         self.lengths: list[np.ndarray] = []
         self.num_tokens = 0
         self.units = [first_unit, first_unit]
         self.records_end = 0
-        self.stream = {"tokens": fingerprints.join_stream_hashes([]),
-                       "lengths": fingerprints.join_stream_hashes([])}
+        self.stream = {key: fingerprints.join_stream_hashes([])
+                       for key in ("tokens", "lengths") + (("mask",) if masked else ())}
 
     def add(self, unit_index: int, result: UnitResult) -> None:
         data = result.tokens.astype(self.dtype, copy=False).tobytes()
@@ -159,15 +166,23 @@ class ShardWriter:
         self.sha.update(data)
         self.lengths.append(result.lengths)
         self.num_tokens += len(result.tokens)
-        for key, count in (("tokens", len(result.tokens)), ("lengths", len(result.lengths))):
+        if self.mask_file is not None:
+            self.mask_file.write(result.mask.astype(np.uint8, copy=False).tobytes())
+        counts = [("tokens", len(result.tokens)), ("lengths", len(result.lengths))]
+        if self.mask_file is not None:
+            counts.append(("mask", len(result.tokens)))
+        for key, count in counts:
             self.stream[key] = fingerprints.join_stream_hashes(
                 [(self.stream[key], 0), (result.stream[key], count)])
         self.units[1] = unit_index + 1
 
     def commit(self, report: Report) -> dict:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
+        for file in (self.file, self.mask_file):
+            if file is not None:
+                file.flush()
+                os.fsync(file.fileno())
+                file.close()
+        mask_name = fmt.mask_name(self.index) if self.mask_file is not None else None
         tokens_name, index_name, record_name = self.names
         lengths = (np.concatenate(self.lengths) if self.lengths
                    else np.empty(0, dtype=np.int64))
@@ -178,9 +193,13 @@ class ShardWriter:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(self.tmp, self.directory / tokens_name)
+            if mask_name is not None:
+                os.replace(self.mask_tmp, self.directory / mask_name)
             os.replace(self.directory / (index_name + ".tmp"), self.directory / index_name)
         else:
             self.tmp.unlink()
+            if mask_name is not None:
+                self.mask_tmp.unlink()
         record = {"index": self.index, "units": self.units, "records_end": self.records_end,
                   "tokens": tokens_name if self.num_tokens else None,
                   "index_file": index_name if self.num_tokens else None,
@@ -188,13 +207,17 @@ class ShardWriter:
                   "sha256": self.sha.hexdigest(), "stream": self.stream,
                   "report": report.to_json(),
                   "lines_before": {str(k): v for k, v in report.lines_before.items()}}
+        if mask_name is not None:
+            record["mask"] = mask_name if self.num_tokens else None
         storage.write_json(self.directory / record_name, record, sort_keys=True)
         return record
 
     def abandon(self) -> None:
         """Frees what the unfinished shard took (on out-of-disk or an abort)."""
         self.file.close()
-        for name in (self.names[0], self.names[1]):
+        if self.mask_file is not None:
+            self.mask_file.close()
+        for name in (self.names[0], self.names[1], fmt.mask_name(self.index)):
             (self.directory / (name + ".tmp")).unlink(missing_ok=True)
 
 
@@ -212,8 +235,9 @@ def committed(staging: pathlib.Path) -> list[dict]:
     for leftover in staging.glob("*.tmp"):
         leftover.unlink()
     index = len(kept)
-    while any((staging / name).exists() for name in fmt.shard_names(index)):
-        for name in fmt.shard_names(index):
+    names = lambda k: (*fmt.shard_names(k), fmt.mask_name(k))  # noqa: E731
+    while any((staging / name).exists() for name in names(index)):
+        for name in names(index):
             (staging / name).unlink(missing_ok=True)
         index += 1
     return kept

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxtrain.data import fingerprints
 from jaxtrain.data import tokenizers as tokenizers_lib
-from jaxtrain.prepare import readers, records
+from jaxtrain.prepare import chat, readers, records
 from jaxtrain.prepare.shards import UnitResult
 
 _WORKER: dict = {}
@@ -88,16 +88,60 @@ def _tokenize(docs: list[str], tally: records.Tally, size: int) -> UnitResult:
     return UnitResult(tokens, lengths, tally, size, stream)
 
 
+def _tokenize_chat(docs: list[tuple], tally: records.Tally, size: int) -> UnitResult:
+    """Chat records (with their locations) -> ids and loss mask; bad ones are counted."""
+    w, spec = _WORKER, _WORKER["options"].chat
+    ids, masks, lengths = [], [], []
+    for record, where in docs:
+        try:
+            record_ids, mask, text_bytes = chat.encode(_clean(record, tally, where), spec,
+                                                       w["tokenizer"])
+        except chat.BadRecord as bad:
+            tally.note(bad.kind, where)
+            continue
+        ids.append(record_ids.astype(w["dtype"], copy=False))
+        masks.append(mask)
+        lengths.append(len(record_ids))
+        tally.documents += 1
+        tally.text_bytes += text_bytes
+    tokens = np.concatenate(ids) if ids else np.empty(0, dtype=w["dtype"])
+    mask = np.concatenate(masks) if masks else np.empty(0, dtype=np.uint8)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    stream = {"tokens": fingerprints.stream_hash(tokens),
+              "lengths": fingerprints.stream_hash(lengths),
+              "mask": fingerprints.stream_hash(mask)}
+    return UnitResult(tokens, lengths, tally, size, stream, mask)
+
+
+def _clean(record, tally: records.Tally, where: tuple):
+    """The record with lone surrogates replaced in its strings (records.encodable)."""
+    if isinstance(record, str):
+        return records.encodable(record, tally, where)
+    if isinstance(record, list):
+        return [_clean(v, tally, where) for v in record]
+    if isinstance(record, dict):
+        return {k: _clean(v, tally, where) for k, v in record.items()}
+    return record
+
+
+def _work(docs: list, tally: records.Tally, size: int) -> UnitResult:
+    if _WORKER["options"].chat is not None:
+        return _tokenize_chat(docs, tally, size)
+    return _tokenize(docs, tally, size)
+
+
 def work_unit(unit: records.Unit) -> UnitResult:
     tally = records.Tally()
     docs = readers.read_unit(unit, _WORKER["inputs"], _WORKER["options"], tally)
-    return _tokenize(docs, tally, unit.size)
+    return _work(docs, tally, unit.size)
 
 
 def work_rows(rows: tuple[int, list]) -> UnitResult:
     first_row, batch = rows
     tally = records.Tally()
-    docs = readers.read_stream_rows(batch, _WORKER["options"].field, first_row, tally)
-    result = _tokenize(docs, tally, 0)
+    options = _WORKER["options"]
+    docs = readers.read_stream_rows(batch, options.field, first_row, tally,
+                                    chat=options.chat is not None)
+    result = _work(docs, tally, 0)
     result.size = tally.text_bytes  # no file sizes to count progress in: text bytes instead
     return result

@@ -155,6 +155,7 @@ def restore_or_init(tiers: Tiers, setup, workdir: pathlib.Path
     if problem := (state_problem(state, setup.shardings)
                    or contents_problem(tree, restored.sums)):
         raise RestoreRejected(restored, f"restored, {problem}")
+    state = setup.with_base(state, fresh=False)  # LoRA: the base again, and the same one
     return restored.step, state, restored, time.perf_counter() - began
 
 

@@ -20,5 +20,5 @@ class Evaluator(Hook):
     def after_step(self, info: StepInfo) -> None:
         if due(info.step, self.every, info.last):
             with self.logger.outside_steps("eval"):
-                value = self.evaluate(info.state.params)
+                value = self.evaluate(info.state.model_params())
             self.logger.attach(info.step, {"val_loss": value})

@@ -161,7 +161,7 @@ def _train(r: _Run, state, start: int, restored: Restored | None, writer: Metric
             if start == 0:
                 with logger.outside_steps("eval"):
                     value = stop.during("evaluating", _meshed(
-                        setup.mesh, lambda: evaluator.evaluate(state.params)))
+                        setup.mesh, lambda: evaluator.evaluate(state.model_params())))
                 writer.write(0, {"val_loss": value})
             stop.check("before the first step")
             checkpointer = Checkpointer(r.tiers, cfg, logger, start, stop)

@@ -18,9 +18,10 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtrain.config import validate
 from jaxtrain.data.packing import Packed
 from jaxtrain.mesh import dcn_shape, make_mesh
-from jaxtrain.models import ModelSpec
+from jaxtrain.models import ModelSpec, lora
 from jaxtrain.optim import make_optimizer
 from jaxtrain.precision import PRECISIONS
+from jaxtrain.train import frozen
 from jaxtrain.train import state as state_lib
 from jaxtrain.train.faults import loss_with_faults
 from jaxtrain.train.step import (
@@ -45,9 +46,29 @@ class Setup:
     tokens_sharding: NamedSharding
 
     def init_state(self) -> state_lib.TrainState:
-        """A fresh train state, born in its shards."""
-        return state_lib.init_state(self.spec, self.optimizer, self.shardings, self.cfg.seed,
-                                    loss_scale_init(self.cfg))
+        """A fresh train state, born in its shards (LoRA: with its frozen base loaded)."""
+        state = state_lib.init_state(self.spec, self.optimizer, self.shardings, self.cfg.seed,
+                                     loss_scale_init(self.cfg))
+        return self.with_base(state, fresh=True)
+
+    def with_base(self, state: state_lib.TrainState, fresh: bool) -> state_lib.TrainState:
+        """A LoRA state with its frozen base (train/frozen.py; a restored state must have
+        the base it was trained on); any other state as it is."""
+        if self.spec.lora is None:
+            return state
+        return frozen.attach(state, self.cfg, self.spec, self.shardings, fresh)
+
+    @property
+    def model_shardings(self) -> dict:
+        """Shardings of every model parameter (LoRA: the base's and the adapters')."""
+        s = self.shardings
+        return s.params if s.frozen is None else lora.join(s.frozen, s.params)
+
+    @property
+    def base_graphdef(self) -> nnx.GraphDef:
+        """The model without adapters: nnx.merge(base_graphdef, state.frozen) is LoRA's base
+        (a reference model without a second copy of the weights); without LoRA, graphdef."""
+        return nnx.graphdef(state_lib.abstract_model(lora.base_spec(self.spec)))
 
     def abstract_state(self) -> state_lib.TrainState:
         """Shapes, dtypes and shardings of the state, for restoring a checkpoint into."""
@@ -75,7 +96,7 @@ class Setup:
         return Packed(rows, rows, rows) if self.cfg.data.packing == "documents" else rows
 
     def eval_step(self) -> Callable:
-        return jit_eval_step(self.graphdef, self.shardings.params, self.tokens_sharding)
+        return jit_eval_step(self.graphdef, self.model_shardings, self.tokens_sharding)
 
 
 def loss_scale_init(cfg) -> float | None:

@@ -13,7 +13,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.mesh import named_sharding
-from jaxtrain.models import ModelSpec, Transformer
+from jaxtrain.models import ModelSpec, Transformer, lora
+
+# Folded into the seed's key for the adapters' draws, which then differ from the base's.
+ADAPTER_KEY = 0x10CA
 
 
 @struct.dataclass
@@ -35,17 +38,29 @@ class LossScale:
 @struct.dataclass
 class TrainState:
     step: jax.Array
-    params: dict  # pure nested dict of arrays, the model's nnx.Param values
+    params: dict  # the trained nnx.Param values (pure nested dict); LoRA: the adapters
     opt_state: Any
     loss_scale: LossScale | None = None  # float16 precision only
+    # Parameters the model reads and the step never changes (no gradient, no optimizer
+    # state, not checkpointed): LoRA's base. model_params() joins them with `params`.
+    frozen: dict | None = None
+    # uint32[8]: sha256 of the frozen base's per-leaf bit sums (train/frozen.py), which a
+    # checkpoint holds so that a resume refuses another base.
+    base_fingerprint: jax.Array | None = None
 
     def tree(self) -> dict:
         """The checkpointed tree: absent fields (loss_scale outside float16) are left out,
-        since orbax cannot restore into a None."""
+        since orbax cannot restore into a None; the frozen base is never in it."""
         tree = {"step": self.step, "params": self.params, "opt_state": self.opt_state}
         if self.loss_scale is not None:
             tree["loss_scale"] = self.loss_scale
+        if self.base_fingerprint is not None:
+            tree["base_fingerprint"] = self.base_fingerprint
         return tree
+
+    def model_params(self) -> dict:
+        """Every parameter of the model (what nnx.merge with the run's graphdef takes)."""
+        return self.params if self.frozen is None else lora.join(self.frozen, self.params)
 
     @classmethod
     def from_tree(cls, tree: dict) -> TrainState:
@@ -71,11 +86,27 @@ def param_shardings(model: Transformer, mesh: Mesh, rules) -> dict:
 
 def _create_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
                   loss_scale: float | None, key: jax.Array) -> TrainState:
+    """The trained part of a fresh state; under LoRA the adapters alone (drawn from a key
+    of their own), the frozen base being loaded apart (train/frozen.py)."""
+    if spec.lora is not None:
+        key = jax.random.fold_in(key, ADAPTER_KEY)
     params = nnx.to_pure_dict(nnx.state(Transformer(spec, rngs=nnx.Rngs(key)), nnx.Param))
+    fingerprint = None
+    if spec.lora is not None:  # XLA drops the base weights drawn here: only adapters leave
+        params = lora.split(params)[0]
+        fingerprint = jnp.zeros((8,), jnp.uint32)
     scale = None if loss_scale is None else LossScale(
         scale=jnp.asarray(loss_scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32))
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=optimizer.init(params), loss_scale=scale)
+                      opt_state=optimizer.init(params), loss_scale=scale,
+                      base_fingerprint=fingerprint)
+
+
+def create_base(spec: ModelSpec, key: jax.Array) -> dict:
+    """The parameters of the model without adapters, initialised from `key` (the same
+    numbers a run without LoRA starts from)."""
+    model = Transformer(lora.base_spec(spec), rngs=nnx.Rngs(key))
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
 def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,
@@ -84,7 +115,9 @@ def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,
     """Shardings of the whole train state: optimizer moments mirror their parameters, in
     pinned host memory with offload_optimizer (they come to the device only for the update)."""
     replicated = NamedSharding(mesh, P())
-    params = param_shardings(abstract_model(spec), mesh, spec.rules)
+    params, frozen = param_shardings(abstract_model(spec), mesh, spec.rules), None
+    if spec.lora is not None:
+        params, frozen = lora.split(params)
     shapes = jax.eval_shape(functools.partial(_create_state, spec, optimizer, loss_scale),
                             jax.random.key(0))
     memory = "pinned_host" if offload_optimizer else "device"
@@ -94,7 +127,9 @@ def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,
                                 transform_non_params=lambda _: replicated,
                                 is_leaf=lambda x: isinstance(x, NamedSharding))
     scale = None if loss_scale is None else LossScale(replicated, replicated)
-    return TrainState(step=replicated, params=params, opt_state=opt, loss_scale=scale)
+    return TrainState(step=replicated, params=params, opt_state=opt, loss_scale=scale,
+                      frozen=frozen,
+                      base_fingerprint=None if frozen is None else replicated)
 
 
 def init_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
@@ -103,7 +138,7 @@ def init_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
     mesh = shardings.step.mesh
     with jax.set_mesh(mesh):
         return jax.jit(functools.partial(_create_state, spec, optimizer, loss_scale),
-                       out_shardings=shardings)(jax.random.key(seed))
+                       out_shardings=shardings.replace(frozen=None))(jax.random.key(seed))
 
 
 def on_device(shardings):
@@ -117,4 +152,4 @@ def abstract_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
     shapes = jax.eval_shape(functools.partial(_create_state, spec, optimizer, loss_scale),
                             jax.random.key(0))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        shapes, shardings)
+                        shapes, shardings.replace(frozen=None))

@@ -12,8 +12,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxtrain.data.packing import Packed, counted_targets
+from jaxtrain.data.packing import Packed, batch_targets, counted_targets  # noqa: F401
 from jaxtrain.mesh import logical_to_spec
+from jaxtrain.models import lora
 from jaxtrain.models.head_loss import head_cross_entropy
 from jaxtrain.optim import skipped_steps
 from jaxtrain.parallel.context import to_layout
@@ -70,7 +71,7 @@ def _laid_out(tokens_BT, context):
     if isinstance(tokens_BT, Packed):
         tokens, documents = tokens_BT.tokens, (tokens_BT.segments[:, :-1],
                                               tokens_BT.positions[:, :-1])
-        counted_BL = counted_targets(tokens_BT.segments)
+        counted_BL = batch_targets(tokens_BT)  # a chat dataset's loss mask included
     else:
         tokens, documents, counted_BL = tokens_BT, (), None
     inputs_BL, targets_BL = tokens[:, :-1], tokens[:, 1:]
@@ -114,7 +115,9 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
     gradients unscaled after."""
     microbatches = options.microbatches
 
-    def objective(params, tokens_BT, step, scale):
+    def objective(params, tokens_BT, step, scale, frozen):
+        if frozen is not None:  # LoRA: differentiated in the adapters alone
+            params = lora.join(frozen, params)
         value, metrics = loss(params, tokens_BT, step)
         return (value if scale is None else value * scale), metrics
 
@@ -128,24 +131,23 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
         return jax.lax.with_sharding_constraint(
             micro_MBT, logical_to_spec((None, "batch", None), rules))
 
-    def scaled_loss_and_grads(params, tokens_BT, step, scale):
+    def scaled_loss_and_grads(params, tokens_BT, step, scale, frozen):
         if microbatches == 1:
-            return grad_fn(params, tokens_BT, step, scale)
+            return grad_fn(params, tokens_BT, step, scale, frozen)
         micro_MBT = jax.tree.map(split, tokens_BT)
-        # Packed rows: each micro-batch's mean weighted by its share of the counted targets,
-        # so that the sum is the mean over the whole batch's.
-        shares_M = _target_shares(micro_MBT.segments) if isinstance(tokens_BT, Packed) \
-            else None
+        # Packed rows: each micro-batch's mean weighted by its share of the counted targets
+        # (loss mask included), so that the sum is the mean over the whole batch's.
+        shares_M = _target_shares(micro_MBT) if isinstance(tokens_BT, Packed) else None
 
         def accumulate(carry, xs):
             tokens, share = xs
-            out = grad_fn(params, tokens, step, scale)
+            out = grad_fn(params, tokens, step, scale, frozen)
             if share is not None:
                 out = jax.tree.map(lambda x: x * share, out)
             return jax.tree.map(jnp.add, carry, out), None
 
         first = jax.tree.map(lambda a: a[0], micro_MBT)
-        shapes = jax.eval_shape(grad_fn, params, first, step, scale)
+        shapes = jax.eval_shape(grad_fn, params, first, step, scale, frozen)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         totals, _ = jax.lax.scan(accumulate, zeros, (micro_MBT, shares_M))
         if shares_M is not None:
@@ -155,7 +157,7 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
     def train_step(state: TrainState, tokens_BT: jax.Array) -> tuple[TrainState, dict]:
         scale = None if state.loss_scale is None else state.loss_scale.scale
         (value, forward), grads = scaled_loss_and_grads(state.params, tokens_BT, state.step,
-                                                        scale)
+                                                        scale, state.frozen)
         loss_scale, extra = state.loss_scale, {}
         if scale is not None:
             value, grads = jax.tree.map(lambda x: x / scale, (value, grads))
@@ -174,15 +176,15 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
                    **dict(options.constants)}
         if (tokens := trained_tokens(tokens_BT)) is not None:
             metrics["trained_tokens"] = tokens
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                          loss_scale=loss_scale), metrics
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                             loss_scale=loss_scale), metrics
 
     return train_step
 
 
-def _target_shares(segments_MBT: jax.Array) -> jax.Array:
+def _target_shares(micro_MBT: Packed) -> jax.Array:
     """[M]: each micro-batch's counted targets over the whole batch's."""
-    counts_M = jax.vmap(lambda s: counted_targets(s).sum(dtype=jnp.float32))(segments_MBT)
+    counts_M = jax.vmap(lambda b: batch_targets(b).sum(dtype=jnp.float32))(micro_MBT)
     return counts_M / jnp.maximum(counts_M.sum(), 1.0)
 
 

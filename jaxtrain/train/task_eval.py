@@ -45,7 +45,8 @@ class TaskEvaluator(Hook):
         if self.tasks is None or not due(info.step, self.every, info.last):
             return
         with self.logger.outside_steps("eval"):
-            results = self.tasks.evaluate(self.scorer.bind(info.state.params), self.tokenizer)
+            scorer = self.scorer.bind(info.state.model_params())
+            results = self.tasks.evaluate(scorer, self.tokenizer)
             self.scorer.bind(None)  # the state is donated to the next step
             if jax.process_index() == 0:
                 self._save(info.step, results.details)

@@ -57,6 +57,13 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    def encode_rendered(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, first character, character after the last) of each token of a rendered
+        chat template: text spelling a special token IS that token here, as transformers
+        tokenizes apply_chat_template's output (jaxtrain.prepare.chat)."""
+        raise DataError(f"--chat: a {self.kind} tokenizer cannot encode a chat with character "
+                        "offsets yet; use a Hugging Face tokenizer (tokenizer.json) or bytes")
+
     @abc.abstractmethod
     def fingerprint(self) -> str:
         """sha256 of what decides the ids (files and settings), not of the path."""

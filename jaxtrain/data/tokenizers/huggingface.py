@@ -49,6 +49,7 @@ class HFTokenizer(Tokenizer):
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0
         self.eos_id, self.bos_id = eos_id, bos_id
         self._fingerprint = None
+        self._rendering = None
 
     @classmethod
     def from_file(cls, path: pathlib.Path, config: dict | None = None) -> HFTokenizer:
@@ -83,6 +84,14 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def encode_rendered(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._rendering is None:  # a copy that reads special tokens' text as them
+            self._rendering = hf.Tokenizer.from_str(self.backend.to_str())
+            self._rendering.encode_special_tokens = False
+        encoding = self._rendering.encode(text, add_special_tokens=False)
+        offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+        return np.asarray(encoding.ids, dtype=np.uint32), offsets[:, 0], offsets[:, 1]
 
     def fingerprint(self) -> str:
         if self._fingerprint is None:

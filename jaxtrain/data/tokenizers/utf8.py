@@ -26,6 +26,12 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
+    def encode_rendered(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        widths = np.asarray([len(c.encode("utf-8")) for c in text], dtype=np.int64)
+        char_of_byte = np.repeat(np.arange(len(text)), widths)  # each byte: its character
+        return (np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32),
+                char_of_byte, char_of_byte + 1)
+
     def fingerprint(self) -> str:
         return sha256("jaxtrain-bytes-v1")
 

@@ -60,6 +60,13 @@ def _units(i, item, options, unit_bytes, lo, hi) -> list[Unit]:
 
 def _read(unit, i, item, options, tally, docs) -> None:
     ds = _open(item.path, options.split)
+    if options.chat is not None:
+        columns = records.chat_columns(ds.column_names, item.path)
+        table = ds.select_columns(columns)[unit.start:unit.stop]
+        for row, values in enumerate(zip(*(table[c] for c in columns)), start=unit.start + 1):
+            tally.records += 1
+            records.keep_record(dict(zip(columns, values)), docs, tally, (i, "row", row))
+        return
     if options.field not in ds.column_names:
         raise DataError(f"input {item.path}: no column {options.field!r} (--field); its "
                         f"columns are {', '.join(ds.column_names)}")

@@ -35,11 +35,23 @@ def _json_field(line: str, field: str, tally, where: tuple) -> str | None:
     return records.encodable(value, tally, where)
 
 
+def _json_record(line: str, tally, where: tuple, docs: list) -> None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        tally.note("malformed_json", where)
+        return
+    records.keep_record(record, docs, tally, where)
+
+
 def _read(unit, i, item, options, tally, docs) -> None:
     for where, line in records.numbered_lines(unit, i, item, tally):
         if not line.strip():
             continue
         tally.records += 1
+        if options.chat is not None:
+            _json_record(records.decode(line, tally, where), tally, where, docs)
+            continue
         text = _json_field(records.decode(line, tally, where), options.field, tally, where)
         if text is not None:
             records.keep(text, docs, tally, where)

@@ -59,6 +59,8 @@ def _units(i, item, options, unit_bytes, lo, hi) -> list[Unit]:
 def _read(unit, i, item, options, tally, docs) -> None:
     pf = _file(item.path)
     names = pf.schema_arrow.names
+    if options.chat is not None:
+        return _read_chat(unit, i, item, pf, tally, docs)
     if options.field not in names:
         raise DataError(f"input {item.path}: no column {options.field!r} (--field); its "
                         f"columns are {', '.join(names)}")
@@ -73,6 +75,17 @@ def _read(unit, i, item, options, tally, docs) -> None:
             text = records.field_value(value, tally, (i, "row", row))
             if text is not None:
                 records.keep(text, docs, tally, (i, "row", row))
+
+
+def _read_chat(unit, i, item, pf, tally, docs) -> None:
+    columns = records.chat_columns(pf.schema_arrow.names, item.path)
+    meta = pf.metadata
+    row = sum(meta.row_group(g).num_rows for g in range(unit.start))
+    for g in range(unit.start, unit.stop if unit.stop >= 0 else meta.num_row_groups):
+        for record in pf.read_row_group(g, columns=columns).to_pylist():
+            row += 1
+            tally.records += 1
+            records.keep_record(record, docs, tally, (i, "row", row))
 
 
 FORMAT = InputFormat("parquet", units=_units, read=_read, claims=_claims, package="pyarrow")

@@ -1,0 +1,92 @@
+"""A LoRA run's adapters in PEFT's format (adapter_config.json, adapter_model.safetensors),
+for `peft.PeftModel.from_pretrained(<the HF export of the base>, OUT)`.
+
+PEFT keeps, per adapted torch Linear [out, in], `lora_A.weight` [r, in] and `lora_B.weight`
+[out, r] under `base_model.model.<the module's name>`, and scales B·A by lora_alpha/r, as
+jaxtrain does (models/lora.py). jaxtrain's A is [in..., r] and B [r, out...]: flattened in
+the same order as the weight's HF layout (hf/llama.py: no permutation), then transposed.
+Only the llama family's separate projections map (GPT-2 fuses q, k and v into one c_attn);
+the routed experts of an MoE model have no PEFT module (transformers 5 keeps Mixtral's
+experts as fused 3-D parameters): both are refused in one line; export merged instead.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import jax
+import numpy as np
+from flax import traverse_util
+from safetensors.numpy import save_file
+
+from jaxtrain.errors import ConfigError
+from jaxtrain.models.lora import PREFIX, TARGETS, split
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+MODULES = {"attention": "self_attn", "mlp": "mlp"}  # jaxtrain module kind -> HF's
+
+
+def check(spec) -> None:
+    """ConfigError when PEFT could not load this run's adapters."""
+    if spec.family != "llama":
+        raise ConfigError(f"--adapter: a model.family={spec.family!r} adapter has no PEFT "
+                          "layout (GPT-2 fuses q, k, v in c_attn); export the merged weights "
+                          "(without --adapter)")
+    if "experts" in spec.lora.targets:
+        raise ConfigError("--adapter: PEFT has no module for the routed experts "
+                          "(model.lora.targets has experts); export the merged weights "
+                          "(without --adapter)")
+    if spec.moe is not None and spec.moe.every_n_layers != 1:
+        raise ConfigError("--adapter: an MoE model exports as Mixtral, whose layers are all "
+                          "MoE: model.moe.every_n_layers must be 1")
+
+
+def tensors(spec, adapters: dict) -> dict[str, np.ndarray]:
+    """PEFT's key -> array of every adapter of every layer."""
+    out = {}
+    flat = traverse_util.flatten_dict(adapters, is_leaf=lambda _, x: isinstance(x, dict)
+                                      and set(x) == {"a", "b"})
+    for path, pair in flat.items():
+        stack, module, name = path[0], path[-2], path[-1][len(PREFIX):]
+        hf_module = MODULES["attention" if module == "attn" else "mlp"]
+        target = next(t for t in TARGETS.values() if t.module in ("attention", "mlp")
+                      and f"w_{name}" in t.weights)
+        assert stack in ("blocks", "moe_blocks"), path
+        a, b = np.asarray(jax.device_get(pair["a"])), np.asarray(jax.device_get(pair["b"]))
+        rank = a.shape[-1]
+        for layer in range(a.shape[0]):
+            key = f"base_model.model.model.layers.{layer}.{hf_module}.{target.peft}"
+            out[f"{key}.lora_A.weight"] = np.ascontiguousarray(a[layer].reshape(-1, rank).T)
+            out[f"{key}.lora_B.weight"] = np.ascontiguousarray(b[layer].reshape(rank, -1).T)
+    return out
+
+
+def adapter_config(spec, base: str) -> dict:
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.lora.rank,
+            "lora_alpha": spec.lora.alpha, "lora_dropout": 0.0,
+            "target_modules": sorted(TARGETS[t].peft for t in spec.lora.targets),
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+            "init_lora_weights": True, "modules_to_save": None,
+            "base_model_name_or_path": base, "inference_mode": True}
+
+
+def export_adapter(setup, params: dict, step: int, workdir, out_dir, dtype) -> list[str]:
+    """Writes the adapter of `params` (the model's whole tree) into `out_dir`."""
+    spec = setup.spec
+    check(spec)
+    out_dir = pathlib.Path(out_dir)
+    if (out_dir / CONFIG_FILE).exists() or (out_dir / WEIGHTS_FILE).exists():
+        raise ConfigError(f"--to-hf={out_dir} already holds an adapter; export into a new "
+                          "or empty directory")
+    adapters = split(params)[0]
+    arrays = {k: v.astype(dtype) for k, v in tensors(spec, adapters).items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(arrays, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    config = adapter_config(spec, str(setup.cfg.model.lora.base))
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    print(f"jaxtrain: exported the LoRA adapter of step {step} of {workdir} (rank "
+          f"{spec.lora.rank}, {', '.join(config['target_modules'])}; {len(arrays)} tensors) "
+          f"to {out_dir}: {CONFIG_FILE}, {WEIGHTS_FILE}", file=sys.stderr)
+    return [CONFIG_FILE, WEIGHTS_FILE]

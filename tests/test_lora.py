@@ -1,0 +1,256 @@
+"""LoRA (models/lora.py, train/frozen.py, hf/adapter.py): against the merged weights, PEFT,
+transformers and the single-device run."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from conftest import small_config
+from flax import nnx, traverse_util
+
+from jaxtrain.config import validate
+from jaxtrain.data.batches import make_batches, to_global
+from jaxtrain.errors import ConfigError
+from jaxtrain.models import lora
+from jaxtrain.train.setup import build
+
+ALL_DENSE = "q,k,v,o,up,gate,down"
+
+
+def _llama(**overrides):
+    return small_config("llama", **{"model.num_heads": 4, "model.num_kv_heads": 2,
+                                    "model.norm_eps": 1e-6, "model.lora.rank": 4,
+                                    "model.lora.alpha": 8.0, **overrides})
+
+
+def _moe(**overrides):
+    return _llama(**{"model.moe.num_experts": 4, "model.moe.expert_mlp_dim": 64,
+                     "model.moe.dispatch": "dropless", "model.lora.targets": "q,v,experts",
+                     **overrides})
+
+
+def _random_adapters(params, key):
+    """Non-zero B (and A) everywhere, as after training."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(tree, [0.1 * jax.random.normal(k, x.shape, x.dtype)
+                                     for k, x in zip(keys, leaves)])
+
+
+@pytest.mark.parametrize("cfg", [_llama(**{"model.lora.targets": ALL_DENSE}), _moe()],
+                         ids=["dense", "experts"])
+def test_the_lora_forward_equals_the_merged_forward(cfg, devices):
+    setup = build(cfg, devices[:1])
+    state = setup.init_state()
+    adapters = _random_adapters(state.params, jax.random.key(3))
+    tokens = np.random.default_rng(0).integers(0, 256, (4, cfg.model.seq_len))
+    with jax.set_mesh(setup.mesh):
+        full = lora.join(state.frozen, adapters)
+        ours = nnx.merge(setup.graphdef, full)(tokens)
+        merged = lora.merged(setup.spec, full)
+        plain = nnx.merge(setup.base_graphdef, merged)(tokens)
+        base = nnx.merge(setup.base_graphdef, state.frozen)(tokens)
+    np.testing.assert_allclose(ours, plain, atol=1e-5, rtol=0)
+    assert np.abs(np.asarray(ours) - np.asarray(base)).max() > 1e-2  # the adapters matter
+
+
+def _steps(cfg, devices, steps=3):
+    """(losses, grad norms, first state's base, last state) of `steps` steps."""
+    setup = build(cfg, devices)
+    state = setup.init_state()
+    base = jax.tree.map(np.asarray, state.frozen)
+    data = make_batches(cfg).train_iter(0)
+    losses, norms = [], []
+    with jax.set_mesh(setup.mesh):
+        step_fn = setup.train_step()
+        for _ in range(steps):
+            state, metrics = step_fn(state, to_global(next(data), setup.tokens_sharding))
+            losses.append(float(metrics["loss"]))
+            norms.append(float(metrics["grad_norm"]))
+    return losses, norms, base, state
+
+
+@pytest.fixture(scope="module")
+def single(devices):
+    return {"dense": _steps(_llama(**{"model.lora.targets": ALL_DENSE}), devices[:1]),
+            "moe": _steps(_moe(), devices[:1])}
+
+
+def test_the_base_is_frozen_and_only_adapters_have_optimizer_state(single):
+    _, norms, base, state = single["dense"]
+    assert all(n > 0 for n in norms)
+    same = jax.tree.map(lambda a, b: np.array_equal(a, np.asarray(b)), base, state.frozen)
+    assert all(jax.tree.leaves(same))
+    adapter_shapes = {x.shape for x in jax.tree.leaves(state.params)}
+    assert all(lora.is_adapter(tuple(k.key for k in path)) for path, _ in
+               jax.tree_util.tree_flatten_with_path(state.params)[0])
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
+    assert moments and {x.shape for x in moments} <= adapter_shapes
+    b = [x for p, x in traverse_util.flatten_dict(state.params).items() if p[-1] == "b"]
+    assert all(np.abs(np.asarray(x)).max() > 0 for x in b)  # trained away from zero
+
+
+@pytest.mark.parametrize("kind,mesh", [
+    ("dense", {"mesh.fsdp": 2, "mesh.tensor": 2}),
+    ("moe", {"mesh.expert": 2, "mesh.fsdp": 2}),
+], ids=["fsdp2xtensor2", "expert2"])
+def test_lora_on_a_mesh_gives_the_single_device_losses_and_grad_norms(kind, mesh, single,
+                                                                       devices):
+    make = _moe if kind == "moe" else _llama
+    extra = {} if kind == "moe" else {"model.lora.targets": ALL_DENSE}
+    losses, norms, _, _ = _steps(make(**extra, **mesh), devices[:4])
+    np.testing.assert_allclose(losses, single[kind][0], rtol=1e-5)
+    np.testing.assert_allclose(norms, single[kind][1], rtol=1e-4)
+
+
+def test_rank_zero_trains_every_parameter_as_before(devices):
+    cfg = small_config("llama")
+    setup = build(cfg, devices[:1])
+    state = setup.init_state()
+    assert state.frozen is None and state.base_fingerprint is None
+    assert set(state.tree()) == {"step", "params", "opt_state"}
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("model.lora.rank", -1, "must be 0 (off) or >= 1"),
+    ("model.lora.targets", "q,x", "a comma list of distinct names among q, k, v"),
+    ("model.lora.targets", "gate", "has no gate projection"),
+    ("model.lora.targets", "experts", "experts needs an MoE model"),
+    ("model.lora.dropout", 1.0, "must be in [0, 1)"),
+    ("model.lora.dropout", 0.1, "only 0.0 is supported"),
+    ("model.lora.alpha", 0.0, "must be > 0"),
+])
+def test_config_errors_are_one_line(key, value, says):
+    cfg = small_config("gpt2", **{"model.lora.rank": 4, key: value})
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 1, "cpu")
+    assert key in str(e.value) and says in str(e.value) and "\n" not in str(e.value)
+    moe_only = small_config("llama", **{"model.lora.rank": 4, "model.lora.targets": "up",
+                                        "model.moe.num_experts": 4})
+    with pytest.raises(ConfigError, match="use experts"):
+        validate(moe_only, 1, "cpu")
+
+
+@pytest.mark.slow
+def test_a_resume_is_bitwise_and_refuses_another_base(tmp_path, devices):
+    from jaxtrain.train.loop import run
+
+    cfg = _llama(steps=4, **{"checkpoint.every_steps": 2})
+    straight = run(cfg, tmp_path / "straight", devices[:1])
+    first = run(_llama(steps=2, **{"checkpoint.every_steps": 2}), tmp_path / "resumed",
+                devices[:1])
+    rest = run(cfg, tmp_path / "resumed", devices[:1])
+    assert [r["step"] for r in first + rest] == [1, 2, 3, 4]
+    key = ("loss", "grad_norm")
+    assert [[r[k] for k in key] for r in straight] == [[r[k] for k in key] for r in first + rest]
+    with pytest.raises(ConfigError) as e:  # another seed: another base
+        run(_llama(steps=6, seed=7), tmp_path / "resumed", devices[:1])
+    assert "is not the base these adapters were trained on" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def _hf_llama(cfg):
+    import torch
+    import transformers
+
+    m = cfg.model
+    config = transformers.LlamaConfig(
+        hidden_size=m.d_model, num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads, intermediate_size=m.mlp_dim,
+        vocab_size=m.vocab_size, max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta, bos_token_id=0, eos_token_id=0)
+    model = transformers.LlamaForCausalLM(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.1)
+            if name.endswith("norm.weight"):
+                p.add_(1.0)
+    return model.eval()
+
+
+def _logits(model, tokens):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens)).logits.numpy()
+
+
+@pytest.mark.slow
+def test_peft_loads_the_exported_adapter_and_gives_the_same_logits(tmp_path, devices):
+    import transformers
+    from peft import PeftModel
+
+    from jaxtrain.hf.load import import_hf
+    from jaxtrain.hf.save import export_hf, load_for_export
+    from jaxtrain.train.loop import run
+
+    base_cfg = _llama(**{"model.lora.rank": 0})
+    _hf_llama(base_cfg).save_pretrained(tmp_path / "hf")
+    import_hf(base_cfg, tmp_path / "hf", tmp_path / "base", devices[:1])
+    cfg = _llama(**{"model.lora.targets": ALL_DENSE, "model.lora.base": str(tmp_path / "base"),
+                    "optimizer.lr": 1e-2})
+    run(cfg, tmp_path / "run", devices[:1])
+    export_hf(tmp_path / "run", tmp_path / "adapter", devices=devices[:1], adapter=True)
+    export_hf(tmp_path / "run", tmp_path / "merged", devices=devices[:1])
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 8.0)
+    assert sorted(config["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj"])
+
+    setup, params, _ = load_for_export(tmp_path / "run", devices[:1])
+    tokens = np.random.default_rng(1).integers(0, 256, (4, cfg.model.seq_len))
+    with jax.set_mesh(setup.mesh):
+        ours = np.asarray(jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(params, tokens))
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    before = _logits(base, tokens)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    np.testing.assert_allclose(_logits(peft_model, tokens), ours, atol=1e-5, rtol=0)
+    assert np.abs(before - ours).max() > 1e-3  # the trained adapters change the logits
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    np.testing.assert_allclose(_logits(merged, tokens), ours, atol=1e-5, rtol=0)
+
+
+def test_the_adapter_export_of_experts_is_refused_in_one_line(tmp_path, devices):
+    from jaxtrain.hf.adapter import check
+
+    setup = build(_moe(), devices[:1])
+    with pytest.raises(ConfigError, match="export the merged weights") as e:
+        check(setup.spec)
+    assert "\n" not in str(e.value)
+
+
+def test_the_optimizer_holds_state_for_the_adapters_alone_in_bytes(devices):
+    """The memory the issue asks to measure: LoRA's optimizer state against a full
+    fine-tune's, on the same model."""
+    def opt_bytes(cfg):
+        setup = build(cfg, devices[:1])
+        opt_state = setup.abstract_state().opt_state
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state))
+
+    full = opt_bytes(_llama(**{"model.lora.rank": 0}))
+    adapted = opt_bytes(_llama())
+    assert adapted < 0.2 * full, (adapted, full)
+
+
+def test_the_planner_fits_a_llama_3_8b_lora_on_one_80gb_gpu_and_not_the_full_fine_tune():
+    from configs.llama_1b import get_config
+    from jaxtrain import hardware
+    from jaxtrain.config import apply_overrides
+    from jaxtrain.plan.planner import make_plan
+
+    llama_3_8b = {"model.d_model": 4096, "model.num_layers": 32, "model.num_heads": 32,
+                  "model.num_kv_heads": 8, "model.mlp_dim": 14336, "model.vocab_size": 128256,
+                  "model.rope_theta": 500000.0, "model.seq_len": 2048, "model.remat": "full",
+                  "train.global_batch": 4, "mesh.fsdp": 1}
+    gpu = hardware.get("H100-SXM")  # 80 GB
+    full = make_plan(apply_overrides(get_config(), llama_3_8b), gpu, 1)
+    adapted = make_plan(apply_overrides(get_config(), {**llama_3_8b, "model.lora.rank": 16}),
+                        gpu, 1)
+    assert 7.9e9 < full["params"] < 8.1e9
+    assert not full["memory"]["fits"] and adapted["memory"]["fits"]
+    parts, full_parts = adapted["memory"]["parts"], full["memory"]["parts"]
+    assert parts["optimizer"] < 0.01 * full_parts["optimizer"]
+    assert parts["gradients"] < 0.01 * full_parts["gradients"]
+    assert parts["params"] >= full_parts["params"]  # the frozen base is still there
