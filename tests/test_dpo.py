@@ -372,13 +372,15 @@ def test_full_dpo_equals_pytorch_with_a_frozen_copy_as_reference(tmp_path, devic
     assert abs(theirs["rewards/margins"]) > 1e-4  # one step moved the policy
 
 
+@pytest.mark.slow
 def test_micro_batches_give_the_loss_and_grad_norm_of_one(devices):
     """Pairs of very different lengths in each micro-batch: DPO's mean is over pairs, so
     two micro-batches weigh equally (not by their counted targets)."""
     results = []
     batch, _ = _pairs(np.random.default_rng(4), 8, 48, 128)
     for micro in (1, 2):
-        cfg = _dpo_config(**{**SHAPE, "train.global_batch": 8, "train.microbatches": micro})
+        cfg = _dpo_config(**{**SHAPE, "train.global_batch": 8, "train.microbatches": micro,
+                             "model.num_layers": 1})
         setup = build(cfg, devices[:1])
         state = setup.init_state()
         # a policy away from the reference, so that rewards are not all zero

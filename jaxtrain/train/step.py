@@ -28,15 +28,6 @@ def trained_tokens(batch) -> jax.Array | None:
     return (batch.segments[:, :-1] != 0).sum(dtype=jnp.int32)
 
 
-def model_loss(graphdef: nnx.GraphDef) -> Callable:
-    """loss(params, tokens_BT, step, reference) -> (objective, metrics) of the model
-    graphdef describes under train.objective='lm', the form the train step differentiates
-    (the step is for wrappers such as train/faults.py; the reference, for objectives that
-    have one, is unused)."""
-    return lambda params, tokens_BT, step, reference=None: objective_fn(params, graphdef,
-                                                                        tokens_BT)
-
-
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
     """How the step runs, beyond the model and the optimizer."""
