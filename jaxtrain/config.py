@@ -36,6 +36,7 @@ from jaxtrain.models.context_attention import VARIANTS as CONTEXT_VARIANTS
 from jaxtrain.models.context_attention import resolve_variant
 from jaxtrain.models.families import FAMILIES
 from jaxtrain.models.remat import REMATS
+from jaxtrain.objectives import OBJECTIVES
 from jaxtrain.optim import OPTIMIZERS, SCHEDULES
 from jaxtrain.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from jaxtrain.precision import PRECISIONS
@@ -149,6 +150,13 @@ def base_config() -> ml_collections.ConfigDict:
     # float16 only: dynamic loss scaling, doubled after this many finite steps in a row.
     c.train.loss_scale_init = 2.0**15
     c.train.loss_scale_period = 2000
+    # What the step minimises (objectives.py OBJECTIVES, docs/finetune.md): lm (next-token
+    # cross entropy) or dpo (preference pairs, data.packing='pairs', against a frozen
+    # reference: LoRA's base, or train.dpo.reference's parameters, also the starting ones).
+    c.train.objective = "lm"
+    c.train.dpo = ml_collections.ConfigDict()
+    c.train.dpo.beta = 0.1  # the strength of the implicit KL penalty (TRL's beta)
+    c.train.dpo.reference = ""  # a run directory; empty: the model initialised from seed
 
     # A jax.profiler trace (TensorBoard/Perfetto) of steps [start_step, start_step+num_steps)
     # and a device memory profile, in WORKDIR/profile; start_step -1: none.
@@ -291,7 +299,8 @@ def _check_paths(c) -> None:
     d, e = c.data, c.eval
     for key, values in (("data.path", [d.path]), ("data.val_path", [d.val_path]),
                         ("data.mixture", split_list(d.mixture)),
-                        ("model.lora.base", [c.model.lora.base])):
+                        ("model.lora.base", [c.model.lora.base]),
+                        ("train.dpo.reference", [c.train.dpo.reference])):
         for value in values:
             check_path(value, key)
     check_cache_config(c)
@@ -432,8 +441,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int,
                           ("eval.backend", BACKENDS), ("data.packing", PACKINGS),
                           ("model.context_attention", ("auto", *CONTEXT_VARIANTS)),
                           ("pipeline.schedule", PIPELINE_SCHEDULES),
-                          ("optimizer.name", OPTIMIZERS)):
+                          ("optimizer.name", OPTIMIZERS), ("train.objective", OBJECTIVES)):
         _choice(c, key, tuple(registry))
+    OBJECTIVES[c.train.objective].check(c)
     _check_model(c, platform)
     _check_eval(c)
     validate_sinks(c)

@@ -17,10 +17,10 @@ LAYERS = [
     ("mesh",),
     ("parallel",),
     ("models",),
-    ("data", "prepare", "optim", "checkpoint", "checkpoint_mirror", "workdir", "metrics", "sinks",
-     "metrics_log", "tasks"),
+    ("data", "prepare", "optim", "objectives", "checkpoint", "checkpoint_mirror", "workdir",
+     "metrics", "sinks", "metrics_log", "tasks"),
     ("config",),
-    ("train.state", "train.frozen", "train.step", "train.setup", "train.faults", "train.hooks",
+    ("train.state", "train.frozen", "train.reference", "train.step", "train.setup", "train.faults", "train.hooks",
      "train.profiling", "train.preemption", "train.goodput", "train.watchdog"),
     ("sampling", "scoring"),  # decoding and scoring parameters, for the loop and commands
     ("train",),  # the loop and its hooks

@@ -5,6 +5,7 @@
     jaxtrain prepare --hf-dataset NAME --out DIR ...
     jaxtrain prepare INPUT... --out DIR --shard I/N ...   then   jaxtrain prepare --merge DIR
     jaxtrain prepare CHATS.jsonl --chat --out DIR --tokenizer T [--chat-template chatml]
+    jaxtrain prepare PAIRS.jsonl --preference --out DIR --tokenizer T --max-length N  (DPO)
 
 INPUTs, --out DIR and --merge DIR may be gs:// or s3:// URLs: inputs are downloaded to a local
 cache first, and the dataset is prepared on local disk, then uploaded with its manifest last.
@@ -74,6 +75,10 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--chat", action="store_true", help="records are conversations: "
                       "`messages` [{role, content}] or `prompt` + `completion`, rendered with "
                       "the chat template, with a loss mask (docs/data.md)")
+    chat.add_argument("--preference", action="store_true", help="records are preference "
+                      "pairs for DPO: `prompt` (or `messages`) with `chosen` and `rejected` "
+                      "replies, each pair stored as two documents masked on the replies "
+                      "(docs/finetune.md); the chat options apply")
     chat.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file, or "
                       f"a shipped one ({', '.join(chat_template.shipped_names())}); default: "
                       "the tokenizer's own")
@@ -135,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
                           overwrite=args.overwrite),
             run=Run(processes=args.processes, shard=args.shard,
                     max_bad_fraction=args.max_bad_fraction, progress=not args.no_progress),
-            chat=Chat(enabled=args.chat, template=args.chat_template, train_on=args.train_on,
-                      max_length=args.max_length))
+            chat=Chat(enabled=args.chat or args.preference, template=args.chat_template,
+                      train_on=args.train_on, max_length=args.max_length,
+                      preference=args.preference))
         prepare_lib.prepare(request)
     except JaxtrainError as e:  # DataError, and ConfigError (paths, object-store access)
         print(f"jaxtrain: error: {e}", file=sys.stderr)

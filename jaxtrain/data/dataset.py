@@ -188,6 +188,12 @@ class PreparedDataset:
         """Whether the dataset has a loss mask (prepare --chat): read_mask."""
         return any(s.get("mask") for s in self.shards)
 
+    @property
+    def pairs(self) -> bool:
+        """Whether the dataset holds preference pairs (prepare --preference: documents 2k
+        and 2k + 1 are pair k's chosen and rejected; data/pairs.py)."""
+        return bool(self.manifest.get("pairs"))
+
     def _shard_tokens(self, k: int, key: str = "tokens"):
         """Shard k's tokens (or its mask, key "mask"): a memmap on disk, a RemoteArray on
         object storage (both read only what is sliced and converted)."""

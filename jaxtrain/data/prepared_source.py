@@ -24,6 +24,7 @@ import numpy as np
 from jaxtrain.data import fingerprints, remote_file, tokenizers
 from jaxtrain.data.dataset import PreparedDataset
 from jaxtrain.data.packing import PackedDocuments
+from jaxtrain.data.pairs import PairRows, split_pairs
 from jaxtrain.errors import ConfigError, DataError
 
 NAME = "prepared"
@@ -171,10 +172,43 @@ class MixtureWindows:
         return self._plain[index]
 
 
+def _check_pairs(c, datasets: list[tuple[PreparedDataset, str]]) -> None:
+    """Preference pairs are read as pairs (data.packing='pairs'), and only they are."""
+    pairs = c.data.packing == "pairs"
+    for ds, what in datasets:
+        if ds.pairs and not pairs:
+            raise ConfigError(f"{what}={ds.path} holds preference pairs (prepare "
+                              "--preference): set data.packing='pairs' and "
+                              "train.objective='dpo'")
+        if pairs and not ds.pairs:
+            raise ConfigError(f"data.packing='pairs' needs a dataset of preference pairs, "
+                              f"and {what}={ds.path} is not one: prepare it with --preference")
+
+
+def _pair_splits(c, ds: PreparedDataset, val_ds: PreparedDataset | None):
+    """(train, validation) rows of pairs: validation is data.val_path, or the tail of
+    about data.val_fraction of the pairs."""
+    pairs, seq = ds.num_documents // 2, c.model.seq_len
+    if val_ds is not None:
+        return (PairRows(ds, 0, pairs, seq, f"data.path={ds.path}"),
+                PairRows(val_ds, 0, val_ds.num_documents // 2, seq,
+                         f"data.val_path={val_ds.path}"))
+    if pairs < 2:
+        raise DataError(f"data.path={ds.path} holds {pairs} preference pair(s): at least 2 "
+                        "are needed (one to train on, one held out), or give data.val_path")
+    cut = split_pairs(pairs, c.data.val_fraction)
+    return (PairRows(ds, 0, cut, seq, f"the training split of data.path={ds.path}"),
+            PairRows(ds, cut, pairs, seq, f"the validation split of data.path={ds.path}"))
+
+
 def splits(c) -> tuple[object, object]:
     """(train, validation) random-access rows for data.source='prepared'."""
     check(c)
     components, val_ds = open_all(c)
+    _check_pairs(c, [(ds, what) for ds, _, what in components]
+                 + ([(val_ds, "data.val_path")] if val_ds is not None else []))
+    if c.data.packing == "pairs":  # one dataset (the dpo objective refuses mixtures)
+        return _pair_splits(c, components[0][0], val_ds)
     masked = _masked(c, [(ds, what) for ds, _, what in components]
                      + ([(val_ds, "data.val_path")] if val_ds is not None else []))
     trains, vals = [], []

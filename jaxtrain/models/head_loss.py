@@ -158,3 +158,29 @@ def head_cross_entropy(x_BLD: jax.Array, head: jax.Array, targets_BL: jax.Array,
     head: [D, V], or [V, D] with vocab_major (a tied embedding table). weights_BL (bool):
     which targets count; the mean is over those (None: all)."""
     return _mean_loss(x_BLD, head, targets_BL, weights_BL, rules, vocab_major)
+
+
+def token_logprobs(x_BLD: jax.Array, head: jax.Array, targets_BL: jax.Array, rules=(),
+                   vocab_major: bool = False) -> jax.Array:
+    """[B, L] float32: log softmax(x @ head)[target] of every position, over the same
+    sequence chunks as head_cross_entropy, so that no more than a chunk's logits exist at
+    once; differentiable (each chunk's logits are recomputed in the backward pass rather
+    than kept). For objectives that need each sequence's log-likelihood (DPO), not a mean."""
+    head_axes = _head_axes(vocab_major)
+    shards = length_shards(rules)
+    strided = shards > 1
+    chunk = chunk_size(x_BLD.shape[1], x_BLD.shape[0], 1024 * shards)
+
+    @jax.checkpoint
+    def chunk_logprobs(x_BCD, targets_BC):
+        logits_BCV = jnp.einsum(f"bcd,{head_axes}->bcv", x_BCD, head).astype(jnp.float32)
+        logits_BCV = constrain(logits_BCV, ("batch", "length", "vocab"), rules)
+        target_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
+        return target_BC - jax.nn.logsumexp(logits_BCV, axis=-1)
+
+    def body(_, xs_chunk):
+        return None, chunk_logprobs(*xs_chunk)
+
+    xs = (_split(x_BLD, chunk, strided), _split(targets_BL, chunk, strided))
+    _, logprobs_CBc = jax.lax.scan(body, None, xs)
+    return _unsplit(logprobs_CBc, strided)

@@ -25,6 +25,7 @@ from jaxtrain.models.context_attention import KEY_TILE, QUERY_TILE, VARIANTS
 from jaxtrain.models.head_loss import chunk_size
 from jaxtrain.models.moe import DISPATCHES
 from jaxtrain.models.remat import REMATS
+from jaxtrain.objectives import OBJECTIVES
 from jaxtrain.optim import OPTIMIZERS
 
 F32 = 4
@@ -393,6 +394,10 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
                                                                          saved, c, k)
 
     params = shards["total"] * F32  # float32 master weights, whatever train.precision
+    # An objective's frozen reference copy of the parameters (without LoRA, whose base is
+    # the reference): float32 like them, no gradient or optimizer state.
+    objective = OBJECTIVES[cfg.train.objective]
+    params += shards["total"] * F32 * (objective.holds_reference and spec.lora is None)
     # The optimizer's state mirrors the trained params (AdamW: mu and nu; under LoRA the
     # adapters only, the frozen base has none).
     opt = OPTIMIZERS[cfg.optimizer.name].state_per_param * shards["total_trained"] * F32

@@ -28,6 +28,7 @@ from jaxtrain.models.attention import KERNELS
 from jaxtrain.models.context_attention import VARIANTS
 from jaxtrain.models.flops import attention_flops_per_token, flops_per_token, matmul_params
 from jaxtrain.models.remat import REMATS
+from jaxtrain.objectives import OBJECTIVES
 from jaxtrain.parallel.context import imbalance
 from jaxtrain.parallel.pipeline import bubble_fraction
 from jaxtrain.plan import calibration as calibration_lib
@@ -216,6 +217,13 @@ def step_features(cfg, sizes: dict[str, int], hw, param_elems: int,
     n = math.prod(sizes.values())
     tokens = cfg.train.global_batch * cfg.model.seq_len
     flops = step_flops(spec, tokens)
+    # An objective's reference forwards (DPO: one, no backward): a third of the training
+    # FLOPs each, which the hardware runs and MFU does not count.
+    reference = OBJECTIVES[cfg.train.objective].reference_forwards * flops["model"] / 3
+    share = flops["weights"] / flops["hardware"]
+    flops = {**flops, "hardware": flops["hardware"] + reference,
+             "weights": flops["weights"] + reference * share,
+             "attention": flops["attention"] + reference * (1 - share)}
     c = value_bytes(spec)
     recompute = REMATS[spec.remat].recomputes == "forward"
     micro = cfg.train.microbatches

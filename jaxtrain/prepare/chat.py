@@ -30,7 +30,8 @@ ROLES = ("system", "user", "assistant")
 TRAIN_ON = ("assistant", "all")
 # What --max-bad-fraction counts, beyond the formats' own kinds (records.BAD; a content that
 # is not a string is their `not_text`).
-BAD = ("no_messages", "unknown_role", "no_assistant", "too_long", "template_error")
+BAD = ("no_messages", "unknown_role", "no_assistant", "too_long", "template_error",
+       "no_reply")  # no_reply: a preference record's chosen or rejected (preference.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +41,15 @@ class ChatSpec:
     template: ChatTemplate
     train_on: str = "assistant"
     max_length: int | None = None  # tokens; longer conversations are skipped
+    # prepare --preference: records are preference pairs (preference.py), each two documents
+    preference: bool = False
 
     def identity(self) -> dict:
-        return {"template_sha256": self.template.sha256, "train_on": self.train_on,
-                "max_length": self.max_length}
+        identity = {"template_sha256": self.template.sha256, "train_on": self.train_on,
+                    "max_length": self.max_length}
+        if self.preference:  # absent otherwise: chat plans made before stay valid
+            identity["preference"] = True
+        return identity
 
 
 class BadRecord(Exception):
@@ -107,9 +113,14 @@ def encode(record, spec: ChatSpec, tokenizer) -> tuple[np.ndarray, np.ndarray, i
     if spec.train_on == "all":
         mask = np.ones(len(ids), np.uint8)
     else:
-        ends = np.maximum(ends, starts + 1)  # a token of no characters sits at its start
-        mask = np.zeros(len(ids), bool)
-        for lo, hi in spans:
-            mask |= (starts < hi) & (ends > lo)
-        mask = mask.astype(np.uint8)
+        mask = span_mask(starts, ends, spans)
     return ids, mask, len(text.encode("utf-8"))
+
+
+def span_mask(starts: np.ndarray, ends: np.ndarray, spans: list[tuple]) -> np.ndarray:
+    """uint8 a token: 1 when any of its characters [start, end) lies in one of the spans."""
+    ends = np.maximum(ends, starts + 1)  # a token of no characters sits at its start
+    mask = np.zeros(len(starts), bool)
+    for lo, hi in spans:
+        mask |= (starts < hi) & (ends > lo)
+    return mask.astype(np.uint8)

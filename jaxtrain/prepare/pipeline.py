@@ -172,7 +172,8 @@ def _reading(r: Request, tokenizer) -> Options:
     template = chat_template.find(r.chat.template, r.tokenizer.spec, tokenizer)
     tokenizer.encode_rendered("")  # a kind without character offsets refuses now, not later
     return dataclasses.replace(r.reading, chat=ChatSpec(template, r.chat.train_on,
-                                                        r.chat.max_length))
+                                                        r.chat.max_length,
+                                                        r.chat.preference))
 
 
 # --- the report ----------------------------------------------------------------------------
@@ -354,6 +355,8 @@ def _manifest(layout: InputLayout, tokenizer, special: dict, dtype: str, shards:
         options["chat"] = spec.identity()
         chat = {"chat": {**spec.identity(), "template": f"{fmt.TOKENIZER_DIR}/"
                                                         f"{chat_template.TEMPLATE_FILE}"}}
+        if spec.preference:  # documents 2k, 2k + 1 are pair k (data/pairs.py)
+            chat["pairs"] = True
     return {
         "format": fmt.FORMAT,
         "fingerprint": fmt.content_fingerprint(dtype, tokenizer.fingerprint(), policy, entries),

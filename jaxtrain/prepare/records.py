@@ -95,10 +95,19 @@ def keep(text: str, docs: list[str], tally: Tally, where: tuple) -> None:
 
 
 CHAT_COLUMNS = ("messages", "prompt", "completion")
+PREFERENCE_COLUMNS = ("messages", "prompt", "chosen", "rejected")
 
 
-def chat_columns(names, path: str) -> list[str]:
-    """The columns a --chat prepare reads from a table; DataError when it has none."""
+def chat_columns(names, path: str, spec: chat.ChatSpec | None = None) -> list[str]:
+    """The columns a --chat (or --preference: spec.preference) prepare reads from a table;
+    DataError when it has none."""
+    if spec is not None and spec.preference:
+        columns = [c for c in PREFERENCE_COLUMNS if c in names]
+        if not {"chosen", "rejected"} <= set(columns) or not {"messages", "prompt"} & set(
+                columns):
+            raise DataError(f"input {path}: --preference needs columns chosen and rejected, "
+                            f"with prompt or messages; its columns are {', '.join(names)}")
+        return columns
     columns = [c for c in CHAT_COLUMNS if c in names]
     if "messages" not in columns and not {"prompt", "completion"} <= set(columns):
         raise DataError(f"input {path}: --chat needs a column messages, or prompt and "

@@ -43,6 +43,9 @@ class Chat:
     template: str | None = None  # --chat-template FILE or a shipped name
     train_on: str = "assistant"  # TRAIN_ON
     max_length: int | None = None  # tokens; longer conversations are skipped and counted
+    # --preference: records are preference pairs (jaxtrain.prepare.preference), each stored
+    # as two adjacent documents; implies enabled
+    preference: bool = False
 
 
 @dataclasses.dataclass
@@ -133,6 +136,13 @@ def check(r: Request) -> None:
 
 def _check_chat(r: Request) -> None:
     chat = r.chat
+    if chat.preference and not chat.enabled:
+        raise DataError("--preference renders its records with the chat template: it goes "
+                        "with the chat options (Chat.enabled)")
+    if chat.preference and chat.train_on != "assistant":
+        raise DataError(f"--train-on={chat.train_on} with --preference: DPO compares the "
+                        "replies' log-likelihoods, so the mask is on the replies; leave "
+                        "--train-on assistant")
     if not chat.enabled:
         for key, value, default in (("--chat-template", chat.template, None),
                                     ("--train-on", chat.train_on, "assistant"),

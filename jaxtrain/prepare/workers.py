@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxtrain.data import fingerprints
 from jaxtrain.data import tokenizers as tokenizers_lib
-from jaxtrain.prepare import chat, readers, records
+from jaxtrain.prepare import chat, preference, readers, records
 from jaxtrain.prepare.shards import UnitResult
 
 _WORKER: dict = {}
@@ -94,15 +94,16 @@ def _tokenize_chat(docs: list[tuple], tally: records.Tally, size: int) -> UnitRe
     ids, masks, lengths = [], [], []
     for record, where in docs:
         try:
-            record_ids, mask, text_bytes = chat.encode(_clean(record, tally, where), spec,
-                                                       w["tokenizer"])
+            documents, text_bytes = _encode(_clean(record, tally, where), spec,
+                                            w["tokenizer"])
         except chat.BadRecord as bad:
             tally.note(bad.kind, where)
             continue
-        ids.append(record_ids.astype(w["dtype"], copy=False))
-        masks.append(mask)
-        lengths.append(len(record_ids))
-        tally.documents += 1
+        for record_ids, mask in documents:  # a preference pair: two, kept adjacent
+            ids.append(record_ids.astype(w["dtype"], copy=False))
+            masks.append(mask)
+            lengths.append(len(record_ids))
+            tally.documents += 1
         tally.text_bytes += text_bytes
     tokens = np.concatenate(ids) if ids else np.empty(0, dtype=w["dtype"])
     mask = np.concatenate(masks) if masks else np.empty(0, dtype=np.uint8)
@@ -111,6 +112,15 @@ def _tokenize_chat(docs: list[tuple], tally: records.Tally, size: int) -> UnitRe
               "lengths": fingerprints.stream_hash(lengths),
               "mask": fingerprints.stream_hash(mask)}
     return UnitResult(tokens, lengths, tally, size, stream, mask)
+
+
+def _encode(record, spec: chat.ChatSpec, tokenizer) -> tuple[list[tuple], int]:
+    """([(ids, mask), ...] documents of one record, text bytes): a conversation is one
+    document, a preference record two (chosen, rejected); chat.BadRecord."""
+    if spec.preference:
+        return preference.encode_pair(record, spec, tokenizer)
+    ids, mask, text_bytes = chat.encode(record, spec, tokenizer)
+    return [(ids, mask)], text_bytes
 
 
 def _clean(record, tally: records.Tally, where: tuple):

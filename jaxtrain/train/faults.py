@@ -13,8 +13,8 @@ import jax.numpy as jnp
 def poisoned(loss: Callable, first: int, count: int) -> Callable:
     """loss, but NaN at steps [first, first + count)."""
 
-    def poisoned_loss(params, tokens_BT, step):
-        value, metrics = loss(params, tokens_BT, step)
+    def poisoned_loss(params, tokens_BT, step, reference=None):
+        value, metrics = loss(params, tokens_BT, step, reference)
         return value * jnp.where((step >= first) & (step < first + count), jnp.nan, 1.0), metrics
 
     return poisoned_loss

@@ -32,13 +32,19 @@ def fingerprint(params: dict) -> np.ndarray:
 
 def load_base(cfg, spec, shardings: dict) -> dict:
     """The frozen base parameters, in `shardings` (the model's without adapters)."""
-    source = cfg.model.lora.base
+    return load_params(cfg.model.lora.base, "model.lora.base", cfg.seed, spec, shardings)
+
+
+def load_params(source: str, key: str, seed: int, spec, shardings: dict) -> dict:
+    """The parameters of the model without adapters in `shardings`: the newest checkpoint
+    of the run directory `source` (the config key `key` names it), or initialised from
+    `seed` when it is empty; ConfigError (one line) when it holds none that fits."""
     if not source:
         mesh = jax.tree.leaves(shardings)[0].mesh
         with jax.set_mesh(mesh):
             return jax.jit(lambda key: create_base(spec, key), out_shardings=shardings)(
-                jax.random.key(cfg.seed))
-    workdir = storage.as_path(source, "model.lora.base")
+                jax.random.key(seed))
+    workdir = storage.as_path(source, key)
     checkpoints = Checkpoints(workdir / CHECKPOINTS, keep=1_000_000, log=lambda _: None,
                               read_only=True)
     try:
@@ -46,11 +52,11 @@ def load_base(cfg, spec, shardings: dict) -> dict:
         try:
             return checkpoints.restore_params(step, _abstract(spec, shardings))
         except (ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"model.lora.base={source!r}: its step {step} does not fit this "
+            raise ConfigError(f"{key}={source!r}: its step {step} does not fit this "
                               f"model ({str(e).splitlines()[0][:160]}); name a run of the "
                               "same model.* shape") from None
     except CheckpointError as e:
-        raise ConfigError(f"model.lora.base={source!r} holds no usable checkpoint ({e}); "
+        raise ConfigError(f"{key}={source!r} holds no usable checkpoint ({e}); "
                           "name a run directory (jaxtrain convert --from-hf ... --workdir "
                           "BASE, or a training run)") from None
     finally:

@@ -157,11 +157,12 @@ def _train(r: _Run, state, start: int, restored: Restored | None, writer: Metric
             train_step = _compiled(r, state, val_batches[0], writer, peak,
                                    f"resuming at step {start}" if restored is not None
                                    else "starting at step 0")
-            evaluator = Evaluator(r.compiled["eval"], val_batches, cfg.eval_every_steps, logger)
+            evaluator = Evaluator(r.compiled["eval"], val_batches, cfg.eval_every_steps, logger,
+                                  setup.uses_reference)
             if start == 0:
                 with logger.outside_steps("eval"):
                     value = stop.during("evaluating", _meshed(
-                        setup.mesh, lambda: evaluator.evaluate(state.model_params())))
+                        setup.mesh, lambda: evaluator.evaluate(state)))
                 writer.write(0, {"val_loss": value})
             stop.check("before the first step")
             checkpointer = Checkpointer(r.tiers, cfg, logger, start, stop)

@@ -80,8 +80,10 @@ def state_problem(state: TrainState, shardings: TrainState) -> str | None:
     """What makes `state` impossible (a non-finite leaf, a negative second moment), or
     None. `shardings`: the state's, to bring moments offloaded to the host to the devices
     for the check (a no-op for everything already there)."""
-    # The checkpointed part only (a LoRA base is loaded afresh, never restored).
-    state = jax.device_put(state.replace(frozen=None), on_device(shardings.replace(frozen=None)))
+    # The checkpointed part only (a LoRA base, a DPO reference: loaded afresh, never
+    # restored).
+    state = jax.device_put(state.replace(frozen=None, reference=None),
+                           on_device(shardings.replace(frozen=None, reference=None)))
     tree, (_, nu) = state.tree(), adam_moments(state.opt_state)
     bad = np.asarray(_verdicts(shardings.step.mesh)(tree, nu))
     if not bad.any():

@@ -19,9 +19,10 @@ from jaxtrain.config import validate
 from jaxtrain.data.packing import Packed
 from jaxtrain.mesh import dcn_shape, make_mesh
 from jaxtrain.models import ModelSpec, lora
+from jaxtrain.objectives import OBJECTIVES, Objective
 from jaxtrain.optim import make_optimizer
 from jaxtrain.precision import PRECISIONS
-from jaxtrain.train import frozen
+from jaxtrain.train import frozen, reference
 from jaxtrain.train import state as state_lib
 from jaxtrain.train.faults import loss_with_faults
 from jaxtrain.train.step import (
@@ -30,7 +31,6 @@ from jaxtrain.train.step import (
     jit_eval_step,
     jit_train_step,
     make_train_step,
-    model_loss,
 )
 
 
@@ -52,11 +52,19 @@ class Setup:
         return self.with_base(state, fresh=True)
 
     def with_base(self, state: state_lib.TrainState, fresh: bool) -> state_lib.TrainState:
-        """A LoRA state with its frozen base (train/frozen.py; a restored state must have
-        the base it was trained on); any other state as it is."""
-        if self.spec.lora is None:
-            return state
-        return frozen.attach(state, self.cfg, self.spec, self.shardings, fresh)
+        """A LoRA state with its frozen base (train/frozen.py), a DPO state without LoRA
+        with its reference (train/reference.py; a fresh one starts from it); a restored
+        state must have the base or reference it was trained with. Any other as it is."""
+        if self.spec.lora is not None:
+            return frozen.attach(state, self.cfg, self.spec, self.shardings, fresh)
+        if self.shardings.reference is not None:
+            return reference.attach(state, self.cfg, self.spec, self.shardings, fresh)
+        return state
+
+    @property
+    def objective(self) -> Objective:
+        """The train.objective entry (objectives.py)."""
+        return OBJECTIVES[self.cfg.train.objective]
 
     @property
     def model_shardings(self) -> dict:
@@ -83,25 +91,53 @@ class Setup:
             constants=() if self.spec.pipeline is None else (
                 ("pipeline_bubble", self.spec.pipeline.bubble),),
             opt_device_shardings=(state_lib.on_device(self.shardings.opt_state)
-                                  if cfg.optimizer.offload_to_host else None))
-        loss = loss_with_faults(model_loss(self.graphdef), cfg.debug)
+                                  if cfg.optimizer.offload_to_host else None),
+            weight_by_targets=self.objective.weighting == "targets")
+        loss = loss_with_faults(self.losses()[0], cfg.debug)
         step = make_train_step(loss, self.optimizer, self.schedule, self.spec.rules, options)
         return jit_train_step(step, self.shardings, self.tokens_sharding)
 
+    def losses(self) -> tuple[Callable, Callable]:
+        """(the loss the step differentiates, the eval loss) of train.objective."""
+        return self.objective.losses(self.graphdef, self.base_graphdef, self.cfg)
+
     def abstract_batch(self):
         """Shapes, dtype and sharding of one global batch: a token array [B, seq_len + 1],
-        or a Packed batch of three (data.packing='documents')."""
+        a Packed batch of three (data.packing='documents'), or of four, a loss mask with
+        them (data.packing='pairs')."""
         rows = jax.ShapeDtypeStruct((self.cfg.train.global_batch, self.cfg.model.seq_len + 1),
                                     jnp.int32, sharding=self.tokens_sharding)
-        return Packed(rows, rows, rows) if self.cfg.data.packing == "documents" else rows
+        packing = self.cfg.data.packing
+        if packing == "pairs":
+            return Packed(rows, rows, rows, rows)
+        return Packed(rows, rows, rows) if packing == "documents" else rows
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the objective runs a reference model (the eval step then takes the
+        state's reference parameters: TrainState.reference_params)."""
+        return self.objective.reference_forwards > 0
 
     def eval_step(self) -> Callable:
-        return jit_eval_step(self.graphdef, self.model_shardings, self.tokens_sharding)
+        """jit(eval)(params, tokens) -> the objective's mean loss on a batch;
+        (params, tokens, reference) when it runs a reference (uses_reference)."""
+        s = self.shardings
+        references = None
+        if self.uses_reference:
+            references = s.frozen if s.reference is None else s.reference
+        return jit_eval_step(self.graphdef, self.model_shardings, self.tokens_sharding,
+                             self.losses()[1], references)
 
 
 def loss_scale_init(cfg) -> float | None:
     """The initial dynamic loss scale: float16 compute only."""
     return cfg.train.loss_scale_init if PRECISIONS[cfg.train.precision].loss_scaling else None
+
+
+def holds_reference(cfg, spec: ModelSpec) -> bool:
+    """Whether the state holds a reference copy of the parameters: an objective that
+    needs one, without LoRA (whose frozen base is the reference)."""
+    return OBJECTIVES[cfg.train.objective].holds_reference and spec.lora is None
 
 
 def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
@@ -114,7 +150,8 @@ def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
     optimizer, schedule = make_optimizer(cfg)
     return Setup(cfg=cfg, mesh=mesh, spec=spec, optimizer=optimizer, schedule=schedule,
                  graphdef=nnx.graphdef(state_lib.abstract_model(spec)),
-                 shardings=state_lib.state_shardings(spec, optimizer, mesh,
-                                                     loss_scale_init(cfg),
-                                                     cfg.optimizer.offload_to_host),
+                 shardings=state_lib.state_shardings(
+                     spec, optimizer, mesh, loss_scale_init(cfg),
+                     cfg.optimizer.offload_to_host,
+                     reference=holds_reference(cfg, spec)),
                  tokens_sharding=batch_sharding(mesh, spec.rules))

@@ -47,6 +47,11 @@ class TrainState:
     # uint32[8]: sha256 of the frozen base's per-leaf bit sums (train/frozen.py), which a
     # checkpoint holds so that a resume refuses another base.
     base_fingerprint: jax.Array | None = None
+    # DPO without LoRA (objectives.py): the frozen reference parameters, a copy of the
+    # starting ones (train/reference.py); like `frozen`, never checkpointed but loaded
+    # again, and its fingerprint (uint32[8]) checkpointed so that a resume refuses another.
+    reference: dict | None = None
+    reference_fingerprint: jax.Array | None = None
 
     def tree(self) -> dict:
         """The checkpointed tree: absent fields (loss_scale outside float16) are left out,
@@ -56,11 +61,18 @@ class TrainState:
             tree["loss_scale"] = self.loss_scale
         if self.base_fingerprint is not None:
             tree["base_fingerprint"] = self.base_fingerprint
+        if self.reference_fingerprint is not None:
+            tree["reference_fingerprint"] = self.reference_fingerprint
         return tree
 
     def model_params(self) -> dict:
         """Every parameter of the model (what nnx.merge with the run's graphdef takes)."""
         return self.params if self.frozen is None else lora.join(self.frozen, self.params)
+
+    def reference_params(self) -> dict | None:
+        """The frozen parameters a reference model runs on (objectives.py): DPO's copy,
+        else LoRA's base (the model without adapters); None without either."""
+        return self.frozen if self.reference is None else self.reference
 
     @classmethod
     def from_tree(cls, tree: dict) -> TrainState:
@@ -111,9 +123,11 @@ def create_base(spec: ModelSpec, key: jax.Array) -> dict:
 
 def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,
                     mesh: Mesh, loss_scale: float | None = None,
-                    offload_optimizer: bool = False) -> TrainState:
+                    offload_optimizer: bool = False, reference: bool = False) -> TrainState:
     """Shardings of the whole train state: optimizer moments mirror their parameters, in
-    pinned host memory with offload_optimizer (they come to the device only for the update)."""
+    pinned host memory with offload_optimizer (they come to the device only for the update);
+    `reference`: the state holds a frozen reference copy of the parameters (DPO without
+    LoRA), sharded as they are."""
     replicated = NamedSharding(mesh, P())
     params, frozen = param_shardings(abstract_model(spec), mesh, spec.rules), None
     if spec.lora is not None:
@@ -129,7 +143,21 @@ def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,
     scale = None if loss_scale is None else LossScale(replicated, replicated)
     return TrainState(step=replicated, params=params, opt_state=opt, loss_scale=scale,
                       frozen=frozen,
-                      base_fingerprint=None if frozen is None else replicated)
+                      base_fingerprint=None if frozen is None else replicated,
+                      reference=params if reference else None,
+                      reference_fingerprint=replicated if reference else None)
+
+
+def _loaded_apart(shardings: TrainState) -> TrainState:
+    """The shardings of what _create_state makes: not the frozen parameters, which are
+    loaded apart (train/frozen.py, train/reference.py), nor the reference's fingerprint."""
+    return shardings.replace(frozen=None, reference=None, reference_fingerprint=None)
+
+
+def _with_reference_fingerprint(state: TrainState, shardings: TrainState,
+                                make) -> TrainState:
+    sharding = shardings.reference_fingerprint
+    return state if sharding is None else state.replace(reference_fingerprint=make(sharding))
 
 
 def init_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
@@ -137,8 +165,10 @@ def init_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
     """The state created directly in its shards by one jit: no device holds it whole."""
     mesh = shardings.step.mesh
     with jax.set_mesh(mesh):
-        return jax.jit(functools.partial(_create_state, spec, optimizer, loss_scale),
-                       out_shardings=shardings.replace(frozen=None))(jax.random.key(seed))
+        state = jax.jit(functools.partial(_create_state, spec, optimizer, loss_scale),
+                        out_shardings=_loaded_apart(shardings))(jax.random.key(seed))
+    return _with_reference_fingerprint(
+        state, shardings, lambda sh: jax.device_put(jnp.zeros((8,), jnp.uint32), sh))
 
 
 def on_device(shardings):
@@ -151,5 +181,7 @@ def abstract_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
     """ShapeDtypeStructs with shardings, for restoring a checkpoint straight into shards."""
     shapes = jax.eval_shape(functools.partial(_create_state, spec, optimizer, loss_scale),
                             jax.random.key(0))
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        shapes, shardings.replace(frozen=None))
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                         shapes, _loaded_apart(shardings))
+    return _with_reference_fingerprint(
+        state, shardings, lambda sh: jax.ShapeDtypeStruct((8,), jnp.uint32, sharding=sh))

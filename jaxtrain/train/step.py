@@ -15,9 +15,8 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtrain.data.packing import Packed, batch_targets, counted_targets  # noqa: F401
 from jaxtrain.mesh import logical_to_spec
 from jaxtrain.models import lora
-from jaxtrain.models.head_loss import head_cross_entropy
+from jaxtrain.objectives import loss_fn, objective_fn  # noqa: F401 (their old home)
 from jaxtrain.optim import skipped_steps
-from jaxtrain.parallel.context import to_layout
 from jaxtrain.train.state import TrainState
 
 
@@ -27,69 +26,6 @@ def trained_tokens(batch) -> jax.Array | None:
     if not isinstance(batch, Packed):
         return None
     return (batch.segments[:, :-1] != 0).sum(dtype=jnp.int32)
-
-
-def loss_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT) -> jax.Array:
-    """Mean next-token cross entropy; tokens_BT holds seq_len + 1 tokens per row, or is a
-    Packed batch of documents (mean over its counted targets).
-
-    Equals softmax cross entropy of model(inputs) logits, but the head and the loss run fused
-    over sequence chunks (models/head_loss.py) so the B·L·V logits never exist at once.
-    """
-    return _forward(params, graphdef, tokens_BT)[0]
-
-
-def objective_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT) -> tuple[jax.Array, dict]:
-    """(what training minimises, metrics of the forward pass): the cross entropy, plus for
-    an MoE model its routers' weighted auxiliary losses, with the cross entropy as `loss`
-    and the routing metrics (models/moe.py routing_losses) among the metrics."""
-    loss, penalty, metrics = _forward(params, graphdef, tokens_BT)
-    if penalty is None:
-        return loss, metrics
-    return loss + penalty, {"loss": loss, **metrics}
-
-
-def _forward(params: dict, graphdef: nnx.GraphDef, tokens_BT):
-    """(cross entropy, the MoE routers' weighted auxiliary loss or None, routing metrics)
-    of a batch: seq_len + 1 tokens per row, or Packed documents (the mean over its counted
-    targets)."""
-    model = nnx.merge(graphdef, params)
-    head, vocab_major = model.head_as_stored()
-    inputs_BL, targets_BL, documents, counted_BL = _laid_out(tokens_BT, model.spec.context)
-    features, penalty, metrics = model.features_and_aux(inputs_BL, *documents)
-    loss = head_cross_entropy(features, head, targets_BL, model.spec.rules, vocab_major,
-                              counted_BL)
-    return loss, penalty, metrics
-
-
-def _laid_out(tokens_BT, context):
-    """(inputs, targets, (segments, positions) or (), counted targets or None) of a batch,
-    in the sequence order of the context layout (parallel/context.py): under its load
-    balance every per-position array takes the same zig-zag permutation, positions included
-    (the row's own, so that RoPE and learned positions see the original order). The loss
-    sums over tokens, so nothing is put back."""
-    if isinstance(tokens_BT, Packed):
-        tokens, documents = tokens_BT.tokens, (tokens_BT.segments[:, :-1],
-                                              tokens_BT.positions[:, :-1])
-        counted_BL = batch_targets(tokens_BT)  # a chat dataset's loss mask included
-    else:
-        tokens, documents, counted_BL = tokens_BT, (), None
-    inputs_BL, targets_BL = tokens[:, :-1], tokens[:, 1:]
-    if context is None or not context.load_balance:
-        return inputs_BL, targets_BL, documents, counted_BL
-    if not documents:
-        positions_BL = jnp.broadcast_to(jnp.arange(inputs_BL.shape[1]), inputs_BL.shape)
-        documents = (None, positions_BL)
-    laid = [None if x is None else to_layout(x, context)
-            for x in (inputs_BL, targets_BL, *documents, counted_BL)]
-    return laid[0], laid[1], tuple(laid[2:4]), laid[4]
-
-
-def model_loss(graphdef: nnx.GraphDef) -> Callable:
-    """loss(params, tokens_BT, step) -> (objective, metrics) of the model graphdef describes,
-    the form the train step differentiates (the step is for wrappers such as
-    train/faults.py)."""
-    return lambda params, tokens_BT, step: objective_fn(params, graphdef, tokens_BT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +38,10 @@ class StepOptions:
     # Optimizer state offloaded to host memory: its device shardings, to bring it to the
     # device for the update (the jit's out_shardings send it back).
     opt_device_shardings: Any = None
+    # Packed rows' micro-batches weighted by their shares of the counted targets (the lm
+    # objective's mean over targets); False: equally (dpo: the mean over pairs). The
+    # objective's `weighting` (objectives.py).
+    weight_by_targets: bool = True
 
 
 def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
@@ -109,16 +49,18 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
                     ) -> Callable:
     """The pure step: (state, tokens_BT) -> (state, metrics).
 
-    loss(params, tokens_BT, step) -> (mean loss, metrics of the forward pass, which join
-    the step's; a `loss` among them replaces the objective as the logged loss). With a
-    LossScale in the state (float16) the loss is scaled before differentiation and the
+    loss(params, tokens_BT, step, reference) -> (mean loss, metrics of the forward pass,
+    which join the step's; a `loss` among them replaces the objective as the logged loss);
+    `reference` is the state's frozen reference parameters (TrainState.reference_params:
+    DPO's copy, or LoRA's base; None without), which objectives without one ignore. With
+    a LossScale in the state (float16) the loss is scaled before differentiation and the
     gradients unscaled after."""
     microbatches = options.microbatches
 
-    def objective(params, tokens_BT, step, scale, frozen):
+    def objective(params, tokens_BT, step, scale, frozen, reference):
         if frozen is not None:  # LoRA: differentiated in the adapters alone
             params = lora.join(frozen, params)
-        value, metrics = loss(params, tokens_BT, step)
+        value, metrics = loss(params, tokens_BT, step, reference)
         return (value if scale is None else value * scale), metrics
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
@@ -131,23 +73,24 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
         return jax.lax.with_sharding_constraint(
             micro_MBT, logical_to_spec((None, "batch", None), rules))
 
-    def scaled_loss_and_grads(params, tokens_BT, step, scale, frozen):
+    def scaled_loss_and_grads(params, tokens_BT, step, scale, frozen, reference):
         if microbatches == 1:
-            return grad_fn(params, tokens_BT, step, scale, frozen)
+            return grad_fn(params, tokens_BT, step, scale, frozen, reference)
         micro_MBT = jax.tree.map(split, tokens_BT)
         # Packed rows: each micro-batch's mean weighted by its share of the counted targets
         # (loss mask included), so that the sum is the mean over the whole batch's.
-        shares_M = _target_shares(micro_MBT) if isinstance(tokens_BT, Packed) else None
+        shares_M = (_target_shares(micro_MBT) if isinstance(tokens_BT, Packed)
+                    and options.weight_by_targets else None)
 
         def accumulate(carry, xs):
             tokens, share = xs
-            out = grad_fn(params, tokens, step, scale, frozen)
+            out = grad_fn(params, tokens, step, scale, frozen, reference)
             if share is not None:
                 out = jax.tree.map(lambda x: x * share, out)
             return jax.tree.map(jnp.add, carry, out), None
 
         first = jax.tree.map(lambda a: a[0], micro_MBT)
-        shapes = jax.eval_shape(grad_fn, params, first, step, scale, frozen)
+        shapes = jax.eval_shape(grad_fn, params, first, step, scale, frozen, reference)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         totals, _ = jax.lax.scan(accumulate, zeros, (micro_MBT, shares_M))
         if shares_M is not None:
@@ -157,7 +100,8 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
     def train_step(state: TrainState, tokens_BT: jax.Array) -> tuple[TrainState, dict]:
         scale = None if state.loss_scale is None else state.loss_scale.scale
         (value, forward), grads = scaled_loss_and_grads(state.params, tokens_BT, state.step,
-                                                        scale, state.frozen)
+                                                        scale, state.frozen,
+                                                        state.reference_params())
         loss_scale, extra = state.loss_scale, {}
         if scale is not None:
             value, grads = jax.tree.map(lambda x: x / scale, (value, grads))
@@ -197,9 +141,16 @@ def jit_train_step(train_step: Callable, shardings: TrainState,
 
 
 def jit_eval_step(graphdef: nnx.GraphDef, param_shardings: dict,
-                  batch_sharding: NamedSharding) -> Callable:
-    return jax.jit(lambda params, tokens: loss_fn(params, graphdef, tokens),
-                   in_shardings=(param_shardings, batch_sharding))
+                  batch_sharding: NamedSharding, evaluate: Callable | None = None,
+                  reference_shardings: dict | None = None) -> Callable:
+    """jit(eval)(params, tokens) -> mean loss: the cross entropy, or `evaluate` (an
+    objective's eval loss); with reference_shardings, eval(params, tokens, reference)."""
+    if evaluate is None:
+        evaluate = lambda params, tokens: loss_fn(params, graphdef, tokens)  # noqa: E731
+    shardings = (param_shardings, batch_sharding)
+    if reference_shardings is not None:
+        shardings += (reference_shardings,)
+    return jax.jit(evaluate, in_shardings=shardings)
 
 
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:

@@ -61,7 +61,7 @@ def _units(i, item, options, unit_bytes, lo, hi) -> list[Unit]:
 def _read(unit, i, item, options, tally, docs) -> None:
     ds = _open(item.path, options.split)
     if options.chat is not None:
-        columns = records.chat_columns(ds.column_names, item.path)
+        columns = records.chat_columns(ds.column_names, item.path, options.chat)
         table = ds.select_columns(columns)[unit.start:unit.stop]
         for row, values in enumerate(zip(*(table[c] for c in columns)), start=unit.start + 1):
             tally.records += 1

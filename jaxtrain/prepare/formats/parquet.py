@@ -60,7 +60,7 @@ def _read(unit, i, item, options, tally, docs) -> None:
     pf = _file(item.path)
     names = pf.schema_arrow.names
     if options.chat is not None:
-        return _read_chat(unit, i, item, pf, tally, docs)
+        return _read_chat(unit, i, item, pf, tally, docs, options)
     if options.field not in names:
         raise DataError(f"input {item.path}: no column {options.field!r} (--field); its "
                         f"columns are {', '.join(names)}")
@@ -77,8 +77,8 @@ def _read(unit, i, item, options, tally, docs) -> None:
                 records.keep(text, docs, tally, (i, "row", row))
 
 
-def _read_chat(unit, i, item, pf, tally, docs) -> None:
-    columns = records.chat_columns(pf.schema_arrow.names, item.path)
+def _read_chat(unit, i, item, pf, tally, docs, options) -> None:
+    columns = records.chat_columns(pf.schema_arrow.names, item.path, options.chat)
     meta = pf.metadata
     row = sum(meta.row_group(g).num_rows for g in range(unit.start))
     for g in range(unit.start, unit.stop if unit.stop >= 0 else meta.num_row_groups):

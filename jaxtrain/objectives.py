@@ -1,0 +1,213 @@
+"""Training objectives (`train.objective`): what the step minimises and evaluation reports.
+
+One `Objective` per entry of OBJECTIVES, beside the loop's one step (train/step.py), not a
+fork of it. An entry builds its loss from the model's graphdef and the reference model's
+(LoRA: the model without adapters; otherwise the model itself), and carries what the step
+and the planner need to know of it: how micro-batches are weighted, how many forward
+passes of a frozen reference a step runs, and whether the state holds a copy of the
+parameters as that reference.
+
+- `lm`: next-token cross entropy (the mean over the counted targets of packed or chat
+  rows), plus an MoE model's weighted router losses.
+- `dpo`: Direct Preference Optimization (Rafailov et al. 2023), sigmoid loss, on rows of
+  preference pairs (data.packing='pairs': segment 1 the prompt + chosen reply, segment 2
+  the prompt + rejected reply, the loss mask on the replies). A sequence's log-likelihood
+  is the sum of the log-probabilities of its counted targets;
+  loss = mean over pairs of −log σ(β·((π_c − r_c) − (π_r − r_r))), where π is the policy's
+  and r the frozen reference's. The reference is LoRA's frozen base (the same arrays, no
+  second copy), or without LoRA a frozen copy of the starting parameters held in the
+  state (train/reference.py): computed on the fly, docs/finetune.md says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain.data.packing import Packed, batch_targets
+from jaxtrain.errors import fail
+from jaxtrain.models.head_loss import head_cross_entropy, token_logprobs
+from jaxtrain.parallel.context import to_layout
+
+# Logged by the dpo objective (TRL's DPOTrainer names).
+DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+               "logps/chosen", "logps/rejected")
+
+
+def loss_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT) -> jax.Array:
+    """Mean next-token cross entropy; tokens_BT holds seq_len + 1 tokens per row, or is a
+    Packed batch of documents (mean over its counted targets).
+
+    Equals softmax cross entropy of model(inputs) logits, but the head and the loss run fused
+    over sequence chunks (models/head_loss.py) so the B·L·V logits never exist at once.
+    """
+    return _forward(params, graphdef, tokens_BT)[0]
+
+
+def objective_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT) -> tuple[jax.Array, dict]:
+    """(what training minimises, metrics of the forward pass): the cross entropy, plus for
+    an MoE model its routers' weighted auxiliary losses, with the cross entropy as `loss`
+    and the routing metrics (models/moe.py routing_losses) among the metrics."""
+    loss, penalty, metrics = _forward(params, graphdef, tokens_BT)
+    if penalty is None:
+        return loss, metrics
+    return loss + penalty, {"loss": loss, **metrics}
+
+
+def _forward(params: dict, graphdef: nnx.GraphDef, tokens_BT):
+    """(cross entropy, the MoE routers' weighted auxiliary loss or None, routing metrics)
+    of a batch: seq_len + 1 tokens per row, or Packed documents (the mean over its counted
+    targets)."""
+    model = nnx.merge(graphdef, params)
+    head, vocab_major = model.head_as_stored()
+    inputs_BL, targets_BL, documents, counted_BL = _laid_out(tokens_BT, model.spec.context)
+    features, penalty, metrics = model.features_and_aux(inputs_BL, *documents)
+    loss = head_cross_entropy(features, head, targets_BL, model.spec.rules, vocab_major,
+                              counted_BL)
+    return loss, penalty, metrics
+
+
+def _laid_out(tokens_BT, context):
+    """(inputs, targets, (segments, positions) or (), counted targets or None) of a batch,
+    in the sequence order of the context layout (parallel/context.py): under its load
+    balance every per-position array takes the same zig-zag permutation, positions included
+    (the row's own, so that RoPE and learned positions see the original order). The loss
+    sums over tokens, so nothing is put back."""
+    if isinstance(tokens_BT, Packed):
+        tokens, documents = tokens_BT.tokens, (tokens_BT.segments[:, :-1],
+                                              tokens_BT.positions[:, :-1])
+        counted_BL = batch_targets(tokens_BT)  # a chat dataset's loss mask included
+    else:
+        tokens, documents, counted_BL = tokens_BT, (), None
+    inputs_BL, targets_BL = tokens[:, :-1], tokens[:, 1:]
+    if context is None or not context.load_balance:
+        return inputs_BL, targets_BL, documents, counted_BL
+    if not documents:
+        positions_BL = jnp.broadcast_to(jnp.arange(inputs_BL.shape[1]), inputs_BL.shape)
+        documents = (None, positions_BL)
+    laid = [None if x is None else to_layout(x, context)
+            for x in (inputs_BL, targets_BL, *documents, counted_BL)]
+    return laid[0], laid[1], tuple(laid[2:4]), laid[4]
+
+
+# --- dpo -----------------------------------------------------------------------------------
+
+def pair_logps(params: dict, graphdef: nnx.GraphDef, pairs: Packed):
+    """([B] chosen, [B] rejected log-likelihoods, MoE penalty or None, routing metrics) of
+    rows of pairs: the sums of log p(target) over each segment's counted targets (the
+    replies: the loss mask), segment 1 chosen, 2 rejected."""
+    model = nnx.merge(graphdef, params)
+    head, vocab_major = model.head_as_stored()
+    inputs_BL, targets_BL, documents, counted_BL = _laid_out(pairs, model.spec.context)
+    features, penalty, metrics = model.features_and_aux(inputs_BL, *documents)
+    logp_BL = token_logprobs(features, head, targets_BL, model.spec.rules, vocab_major)
+    # A counted target is of its input's segment (packing.counted_targets).
+    segments_BL = documents[0]
+    sums = [jnp.where(counted_BL & (segments_BL == k), logp_BL, 0.0).sum(axis=-1)
+            for k in (1, 2)]
+    return sums[0], sums[1], penalty, metrics
+
+
+def dpo_loss(policy_c_B, policy_r_B, reference_c_B, reference_r_B, beta: float
+             ) -> tuple[jax.Array, dict]:
+    """(mean sigmoid DPO loss, TRL's reward metrics) of per-pair log-likelihoods."""
+    chosen_B = beta * (policy_c_B - reference_c_B)
+    rejected_B = beta * (policy_r_B - reference_r_B)
+    loss = -jax.nn.log_sigmoid(chosen_B - rejected_B).mean()
+    metrics = {"rewards/chosen": chosen_B.mean(), "rewards/rejected": rejected_B.mean(),
+               "rewards/margins": (chosen_B - rejected_B).mean(),
+               "rewards/accuracies": (chosen_B > rejected_B).astype(jnp.float32).mean(),
+               "logps/chosen": policy_c_B.mean(), "logps/rejected": policy_r_B.mean()}
+    return loss, metrics
+
+
+def dpo_objective(params: dict, graphdef: nnx.GraphDef, reference: dict,
+                  reference_graphdef: nnx.GraphDef, pairs: Packed, beta: float
+                  ) -> tuple[jax.Array, dict]:
+    """(DPO loss, plus an MoE model's router losses; metrics): the reference forward runs
+    on `reference` under stop_gradient (LoRA's frozen base, or the frozen copy)."""
+    policy_c, policy_r, penalty, metrics = pair_logps(params, graphdef, pairs)
+    reference_c, reference_r, _, _ = pair_logps(jax.lax.stop_gradient(reference),
+                                                reference_graphdef, pairs)
+    loss, rewards = dpo_loss(policy_c, policy_r, jax.lax.stop_gradient(reference_c),
+                             jax.lax.stop_gradient(reference_r), beta)
+    if penalty is None:
+        return loss, {**rewards, **metrics}
+    return loss + penalty, {"loss": loss, **rewards, **metrics}
+
+
+def _dpo_losses(graphdef, reference_graphdef, cfg) -> tuple[Callable, Callable]:
+    beta = float(cfg.train.dpo.beta)
+
+    def loss(params, pairs, step, reference):
+        del step
+        return dpo_objective(params, graphdef, reference, reference_graphdef, pairs, beta)
+
+    def evaluate(params, pairs, reference):
+        return dpo_objective(params, graphdef, reference, reference_graphdef, pairs, beta)[0]
+
+    return loss, evaluate
+
+
+def _lm_losses(graphdef, reference_graphdef, cfg) -> tuple[Callable, Callable]:
+    del reference_graphdef, cfg
+    return (lambda params, tokens_BT, step, reference: objective_fn(params, graphdef, tokens_BT),
+            lambda params, tokens_BT: loss_fn(params, graphdef, tokens_BT))
+
+
+def _check_lm(c) -> None:
+    if c.data.packing == "pairs":
+        fail("data.packing", "pairs", "rows of preference pairs train train.objective='dpo'")
+    if c.train.dpo.reference:
+        fail("train.dpo.reference", c.train.dpo.reference, "goes with train.objective='dpo'")
+
+
+def _check_dpo(c) -> None:
+    d = c.train.dpo
+    if not d.beta > 0:
+        fail("train.dpo.beta", d.beta, "must be > 0 (the KL penalty's strength, e.g. 0.1)")
+    if c.data.packing != "pairs":
+        fail("data.packing", c.data.packing, "train.objective='dpo' takes rows of preference "
+             "pairs: set data.packing='pairs' (a dataset made by jaxtrain prepare --preference)")
+    if c.data.source != "prepared":
+        fail("data.source", c.data.source, "train.objective='dpo' needs data.source='prepared' "
+             "(a dataset made by jaxtrain prepare --preference)")
+    if c.data.mixture:
+        fail("data.mixture", c.data.mixture, "mixtures of preference datasets are not "
+             "supported: give one dataset as data.path")
+    if d.reference and c.model.lora.rank:
+        fail("train.dpo.reference", d.reference, "with LoRA the reference is the frozen base "
+             "(model.lora.base): leave train.dpo.reference empty")
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """One `train.objective` value."""
+
+    name: str
+    doc: str
+    # (graphdef, reference graphdef, config) -> (loss(params, batch, step, reference) ->
+    # (value, metrics), eval(params, batch[, reference]) -> value)
+    losses: Callable
+    check: Callable  # (config) -> None; ConfigError (one line)
+    # How train.microbatches are weighted: "targets" (each micro-batch's mean by its share
+    # of the counted targets, for packed rows) or "rows" (equally: the mean over rows/pairs)
+    weighting: str
+    reference_forwards: int = 0  # planner: forward passes of a frozen reference per step
+    # planner: without LoRA the state holds a frozen copy of the parameters (the reference);
+    # with LoRA its frozen base is the reference
+    holds_reference: bool = False
+
+
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
+    Objective("lm", "next-token cross entropy over the counted targets (+ MoE router losses)",
+              _lm_losses, _check_lm, weighting="targets"),
+    Objective("dpo", "Direct Preference Optimization (sigmoid loss, beta train.dpo.beta) "
+              "on rows of preference pairs, against a frozen reference",
+              _dpo_losses, _check_dpo, weighting="rows", reference_forwards=1,
+              holds_reference=True),
+)}
