@@ -37,7 +37,7 @@ def main() -> None:
 
     from jaxtrain.config import apply_overrides, base_config
     from jaxtrain.data.batches import make_batches, to_global
-    from jaxtrain.models import context_attention
+    from jaxtrain.models.attention import context as context_attention
     from jaxtrain.parallel.context import ContextSpec
     from jaxtrain.train.setup import build
 

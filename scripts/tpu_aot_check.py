@@ -197,7 +197,7 @@ def splash_case(name, b, length, heads, groups, head_dim, window, sharded, devic
     from jax.sharding import PartitionSpec as P
 
     from jaxtrain.config import MESH_AXES
-    from jaxtrain.models.pallas_tpu import splash_attention
+    from jaxtrain.models.attention.splash import splash_attention
 
     dt = jnp.bfloat16
     if sharded:

@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ConfigError, validate
 from jaxtrain.mesh import make_mesh
-from jaxtrain.models import context_attention as context_attention_lib
-from jaxtrain.models.context_attention import computed_scores, context_attention
+from jaxtrain.models.attention import context as context_attention_lib
+from jaxtrain.models.attention.context import computed_scores, context_attention
 from jaxtrain.parallel.context import ContextSpec, causal_pairs, imbalance
 
 # Two references, one compile each: llama (RoPE) on plain rows; gpt2 (learned positions) on

@@ -14,8 +14,8 @@ import pytest
 from helpers import attention_f64
 
 from jaxtrain.models.attention import KERNELS
-from jaxtrain.models.chunked_attention import chunked_attention
-from jaxtrain.models.cudnn_attention import max_segments, packed_layout
+from jaxtrain.models.attention.chunked import chunked_attention
+from jaxtrain.models.attention.cudnn import max_segments, packed_layout
 
 
 def segments(length: int, lengths_per_row) -> np.ndarray:

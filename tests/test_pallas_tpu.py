@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import MESH_AXES
 from jaxtrain.models.attention import xla_attention
-from jaxtrain.models.pallas_tpu import splash_attention
+from jaxtrain.models.attention.splash import splash_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain.models.chunked_loop import attention as _looped_attention
-from jaxtrain.models.chunked_loop import key_block
+from jaxtrain.models.attention.chunked_loop import attention as _looped_attention
+from jaxtrain.models.attention.chunked_loop import key_block
 
 # The unrolled kernel below serves sequences of up to this many query chunks (2048 tokens in
 # 128-row chunks): each chunk is one large matmul against its whole key prefix, the fastest

@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.errors import fail
 from jaxtrain.mesh import logical_to_spec
-from jaxtrain.models import flash
+from jaxtrain.models.attention import flash
 from jaxtrain.parallel.context import ContextSpec
 
 AXIS = "context"

@@ -33,11 +33,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtrain.errors import fail
 from jaxtrain.mesh import constrain
 from jaxtrain.models import lora
-from jaxtrain.models.chunked_attention import chunked_attention, loop_tile
-from jaxtrain.models.context_attention import context_attention
-from jaxtrain.models.cudnn_attention import cudnn_attention
+from jaxtrain.models.attention.chunked import chunked_attention, loop_tile
+from jaxtrain.models.attention.context import context_attention
+from jaxtrain.models.attention.cudnn import cudnn_attention
+from jaxtrain.models.attention.splash import splash_attention
 from jaxtrain.models.layers import dense, param
-from jaxtrain.models.pallas_tpu import splash_attention
 from jaxtrain.models.rope import rope
 
 

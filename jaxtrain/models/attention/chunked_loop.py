@@ -27,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.models import flash
+from jaxtrain.models.attention import flash
 
 
 def key_block(length: int, block: int) -> int:
