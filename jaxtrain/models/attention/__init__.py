@@ -1,16 +1,21 @@
-"""Attention: the layer, its kernels (the `model.attention` registry) and the
-context-parallel kernel (the `model.context_attention` registry)."""
+"""Attention, one package:
+
+- layer.py       the `Attention` module (projections, LoRA adapters, rotary embeddings,
+                 kv-cached decoding), which calls the chosen kernel
+- kernels.py     `model.attention`'s registry (KERNELS: `AttentionKernel` entries) and the
+                 kernels' contract
+- xla.py         the reference kernel; chunked.py and chunked_loop.py the flash-style XLA
+                 kernel (unrolled query chunks; loops for long sequences); cudnn.py,
+                 pallas_gpu.py, splash.py the vendor kernels
+- context.py     the kernel under `mesh.context` (sequence split over devices) and
+                 `model.context_attention`'s registry (VARIANTS)
+- flash.py       the online-softmax tile math of the looped kernels
+"""
 
 from jaxtrain.models.attention.context import VARIANTS, ContextVariant, resolve_variant
-from jaxtrain.models.attention.kernels import (
-    ATTENTION_DOT_NAMES,
-    KERNELS,
-    PROJECTION_NAMES,
-    Attention,
-    AttentionKernel,
-    resolve_attention,
-    xla_attention,
-)
+from jaxtrain.models.attention.kernels import KERNELS, AttentionKernel, resolve_attention
+from jaxtrain.models.attention.layer import ATTENTION_DOT_NAMES, PROJECTION_NAMES, Attention
+from jaxtrain.models.attention.xla import xla_attention
 
 __all__ = ["ATTENTION_DOT_NAMES", "KERNELS", "PROJECTION_NAMES", "VARIANTS", "Attention",
            "AttentionKernel", "ContextVariant", "resolve_attention", "resolve_variant",
