@@ -11,8 +11,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.mesh import active_rules, constrain
-from jaxtrain.models.attention import Attention, resolve_attention
-from jaxtrain.models.attention.context import resolve_variant
+from jaxtrain.models.attention import Attention, resolve_attention, resolve_variant
 from jaxtrain.models.embedding import embed
 from jaxtrain.models.families import FAMILIES, Family
 from jaxtrain.models.layers import Norm, param

@@ -20,8 +20,8 @@ from flax import nnx
 
 from jaxtrain.mesh import batch_shards, logical_to_spec
 from jaxtrain.models import ModelSpec, Transformer, lora
-from jaxtrain.models.attention import KERNELS
-from jaxtrain.models.attention.context import KEY_TILE, QUERY_TILE, VARIANTS
+from jaxtrain.models.attention import KERNELS, VARIANTS
+from jaxtrain.models.attention.context_tiles import KEY_TILE, QUERY_TILE
 from jaxtrain.models.head_loss import chunk_size
 from jaxtrain.models.moe import DISPATCHES
 from jaxtrain.models.remat import REMATS

@@ -24,8 +24,7 @@ from collections.abc import Callable
 
 from jaxtrain.mesh import batch_shards
 from jaxtrain.models import ModelSpec
-from jaxtrain.models.attention import KERNELS
-from jaxtrain.models.attention.context import VARIANTS
+from jaxtrain.models.attention import KERNELS, VARIANTS
 from jaxtrain.models.flops import attention_flops_per_token, flops_per_token, matmul_params
 from jaxtrain.models.remat import REMATS
 from jaxtrain.parallel.context import imbalance

@@ -6,18 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
-def causal_mask(query_pos, key_pos, window: int | None):
-    """Bool [..., Q, M]: which keys each query sees (causal, within the window)."""
-    visible = key_pos[None, :] <= query_pos[:, None]
-    if window is not None:
-        visible &= key_pos[None, :] > query_pos[:, None] - window
-    return visible
-
-
-def same_document(q_segments_BT, kv_segments_BM):
-    """Bool [B, T, M]: whether each query and key are of one document."""
-    return q_segments_BT[:, :, None] == kv_segments_BM[:, None, :]
+from jaxtrain.models.attention.scaffold import causal_mask, same_document
 
 
 def _scores(q_BTGRK, k_BMGK):
