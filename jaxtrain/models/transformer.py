@@ -117,7 +117,7 @@ class Block(nnx.Module):
 
     def __call__(self, x_BLD: jax.Array, segments_BL=None, positions_BL=None) -> jax.Array:
         """segments_BL, positions_BL: packed documents' ids and restarted positions
-        (models/attention.py); None: one document per row."""
+        (models/attention/kernels.py); None: one document per row."""
         q_BLHK, k_BLGK, v_BLGK = self._norm_then(
             lambda x: self.attn.qkv(self.attn_norm(x), positions_BL))(x_BLD)
         x_BLD = x_BLD + self.attn.attend(q_BLHK, k_BLGK, v_BLGK, segments_BL)

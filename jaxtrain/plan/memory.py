@@ -259,7 +259,7 @@ def _sequence_parallel(spec: ModelSpec) -> bool:
 
 def _context_working(spec: ModelSpec, rows: float, sizes: dict, c: int) -> float:
     """What context-parallel attention adds while a layer's attention runs backward
-    (models/context_attention.py, a custom VJP): the K/V it visits (the row's, all-gathered,
+    (models/attention/context.py, a custom VJP): the K/V it visits (the row's, all-gathered,
     or two blocks on the ring) with float32 dK/dV for as much, the device's dQ (float32),
     and one (query tile, key tile) pair's float32 scores, probabilities and their
     gradients."""

@@ -14,7 +14,7 @@ the keys from its first row's window start, so the work grows as L·W rather tha
 GQA: the R = H/G query heads sharing a kv head are folded into the query rows, so each chunk
 is one batched matmul over (batch, kv group) and K/V are read once per group.
 
-Document masks (segment ids, models/attention.py): each chunk adds a second bias, −1e30
+Document masks (segment ids, kernels.py): each chunk adds a second bias, −1e30
 where the query's and the key's ids differ ([B, 1, rows, keys], from the chunk's query ids
 and its key range's ids), in the forward pass and again where the backward pass recomputes
 the probabilities. The key blocks skipped stay the causal ones: which blocks a document

@@ -58,8 +58,8 @@ class AttentionKernel:
     # a looped form keeps instead (0: it unrolls at this length); None: never loops.
     loop_tile: Callable | None = None
     sharded_by_rules: bool = False  # a custom call that shards itself by the logical rules
-    # Under mesh.context > 1 the context kernel (models/context_attention.py) runs in its
-    # place: naming it is accepted (it is an XLA kernel too); a custom kernel is refused.
+    # Under mesh.context > 1 the context kernel (context.py) runs in its place: naming it
+    # is accepted (it is an XLA kernel too); a custom kernel is refused.
     under_context: bool = False
 
     def __call__(self, q_BLHK, k_BMGK, v_BMGK, window: int | None = None, rules=None,
