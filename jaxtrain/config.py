@@ -31,9 +31,8 @@ from jaxtrain.mesh import (
 from jaxtrain.models import lora as lora_lib
 from jaxtrain.models import moe as moe_lib
 from jaxtrain.models import rope as rope_lib
-from jaxtrain.models.attention import KERNELS, resolve_attention
-from jaxtrain.models.context_attention import VARIANTS as CONTEXT_VARIANTS
-from jaxtrain.models.context_attention import resolve_variant
+from jaxtrain.models.attention import KERNELS, resolve_attention, resolve_variant
+from jaxtrain.models.attention import VARIANTS as CONTEXT_VARIANTS
 from jaxtrain.models.families import FAMILIES
 from jaxtrain.models.remat import REMATS
 from jaxtrain.objectives import OBJECTIVES

@@ -4,7 +4,7 @@
 
 Runs one train step of a narrow llama (the layout of configs/llama_1b_32k.py: GQA 32/8
 heads of 64 dims, context=8, zig-zag unless --plain; 64 wide, one layer, so that a CPU runs
-it in seconds) on fake CPU devices with models.context_attention.count_work active: every
+it in seconds) on fake CPU devices with a work counter in its ContextSpec (count_work): every
 (query tile, key tile) pair the compiled kernel computes reports its FLOPs, forward and
 backward, from the device that computed it. Prints each device's FLOPs, max/min and
 max/mean (docs/benchmarks.md), and checks them against computed_scores.
@@ -32,14 +32,18 @@ def main() -> None:
 
     os.environ["XLA_FLAGS"] = with_device_count(args.context)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import dataclasses
+
     import jax
     import numpy as np
+    from flax import nnx
 
     from jaxtrain.config import apply_overrides, base_config
     from jaxtrain.data.batches import make_batches, to_global
-    from jaxtrain.models import context_attention
+    from jaxtrain.models.attention import computed_scores
     from jaxtrain.parallel.context import ContextSpec
     from jaxtrain.train.setup import build
+    from jaxtrain.train.state import abstract_model
 
     cfg = base_config()
     cfg.model.update(family="llama", d_model=64, num_layers=1, num_heads=32, num_kv_heads=8,
@@ -54,14 +58,18 @@ def main() -> None:
         work[int(device)] += int(flops)
 
     setup = build(cfg, jax.devices()[:args.context])
+    # The counter travels in the spec, and the model (its graphdef) is rebuilt from it.
+    spec = dataclasses.replace(setup.spec, context=dataclasses.replace(setup.spec.context,
+                                                                       count_work=count))
+    setup = dataclasses.replace(setup, spec=spec, graphdef=nnx.graphdef(abstract_model(spec)))
     state = setup.init_state()
     batch = next(make_batches(cfg).train_iter(0))
-    with context_attention.count_work(count), jax.set_mesh(setup.mesh):
+    with jax.set_mesh(setup.mesh):
         state, metrics = setup.train_step()(state, to_global(batch, setup.tokens_sharding))
         jax.block_until_ready(metrics)
     spec = ContextSpec(args.context, setup.spec.context.variant, not args.plain)
     # Per score of a row and query head: 2·64 FLOPs per matmul, 2 forward and 5 backward.
-    predicted = context_attention.computed_scores(spec, args.seq, args.window or None) \
+    predicted = computed_scores(spec, args.seq, args.window or None) \
         * 32 * 2 * 64 * 7
     print(json.dumps({"seq": args.seq, "context": args.context, "window": args.window,
                       "zigzag": not args.plain, "variant": spec.variant,

@@ -6,7 +6,7 @@ compile-only devices jit can compile for; nothing is allocated or run. Checked h
 * optimizer.offload_to_host: the jitted train step of a config, compiled with and without
   offload; the Adam moments' compiled input and output shardings must be in `pinned_host`
   memory, and XLA's memory analysis must move their bytes from the device to the host.
-* the splash attention kernel (jaxtrain/models/pallas_tpu.py), forward and gradient: causal
+* the splash attention kernel (jaxtrain/models/attention/splash.py), forward and gradient: causal
   grouped-query, sliding-window and multi-query, on one chip and sharded over the topology,
   and inside the llama_1b train step.
 * mixture of experts (jaxtrain/models/moe.py): configs/tiny_moe.py with the experts over the
@@ -197,7 +197,7 @@ def splash_case(name, b, length, heads, groups, head_dim, window, sharded, devic
     from jax.sharding import PartitionSpec as P
 
     from jaxtrain.config import MESH_AXES
-    from jaxtrain.models.pallas_tpu import splash_attention
+    from jaxtrain.models.attention.splash import splash_attention
 
     dt = jnp.bfloat16
     if sharded:

@@ -1,16 +1,24 @@
 """Shared by the tests: a few train steps on a chosen set of devices, and the float64 numpy
 attention that every attention kernel is checked against."""
 
+import dataclasses
+
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxtrain.data.batches import make_batches, to_global
 from jaxtrain.train.setup import build
+from jaxtrain.train.state import abstract_model
 
 
-def train_steps(cfg, devices, steps: int = 3):
-    """(per-step losses, final params as numpy, final state) of `steps` steps from init."""
+def train_steps(cfg, devices, steps: int = 3, count_work=None):
+    """(per-step losses, final params as numpy, final state) of `steps` steps from init.
+    count_work: under mesh.context, called (device, FLOPs) by every attention tile the
+    compiled step computes (ContextSpec.count_work)."""
     setup = build(cfg, devices)
+    if count_work is not None:
+        setup = counting_work(setup, count_work)
     state = setup.init_state()
     data = make_batches(cfg).train_iter(0)
     losses = []
@@ -20,6 +28,14 @@ def train_steps(cfg, devices, steps: int = 3):
             state, metrics = step_fn(state, to_global(next(data), setup.tokens_sharding))
             losses.append(float(metrics["loss"]))
     return losses, jax.tree.map(np.asarray, state.params), state
+
+
+def counting_work(setup, count_work):
+    """setup with its context-parallel attention counting its work: the spec carries the
+    counter, and the model (its graphdef) is rebuilt from that spec."""
+    context = dataclasses.replace(setup.spec.context, count_work=count_work)
+    spec = dataclasses.replace(setup.spec, context=context)
+    return dataclasses.replace(setup, spec=spec, graphdef=nnx.graphdef(abstract_model(spec)))
 
 
 def assert_params_close(a, b, rtol=1e-5):

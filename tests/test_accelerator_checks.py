@@ -48,7 +48,7 @@ def test_lowering_check_flags_what_is_missing():
 # the reference.
 @pytest.mark.parametrize("kernel,seq_len", [("chunked", 256), ("chunked", 2176), ("xla", 256)])
 def test_attention_matmuls_are_16_bit_in_a_16_bit_policy(kernel, seq_len):
-    from jaxtrain.models.chunked_attention import looped
+    from jaxtrain.models.attention.chunked import looped
 
     assert looped(seq_len, 128) == (seq_len > 2048)  # the chunked kernel's 128-row chunks
     found = cuda.inspect(cuda.lower_for_cuda(kernel, "bfloat16", {"model.seq_len": seq_len}),

@@ -194,8 +194,13 @@ def _entry_cases():
     import optax
 
     from jaxtrain.data.sources import SOURCES, DataSource, SyntheticWindows
-    from jaxtrain.models.attention import KERNELS, AttentionKernel, xla_attention
-    from jaxtrain.models.context_attention import VARIANTS, ContextVariant
+    from jaxtrain.models.attention import (
+        KERNELS,
+        VARIANTS,
+        AttentionKernel,
+        ContextVariant,
+        xla_attention,
+    )
     from jaxtrain.models.families import FAMILIES, Family
     from jaxtrain.models.moe import DISPATCHES, Dispatch, check_mesh
     from jaxtrain.models.remat import REMATS, Remat
@@ -279,8 +284,7 @@ def test_a_new_choice_is_one_registry_entry(case, monkeypatch, devices):
 
 # The choices whose names the planner must never branch on: it reads their entries' facts.
 def _feature_names() -> set[str]:
-    from jaxtrain.models.attention import KERNELS
-    from jaxtrain.models.context_attention import VARIANTS
+    from jaxtrain.models.attention import KERNELS, VARIANTS
     from jaxtrain.models.moe import DISPATCHES
     from jaxtrain.optim import OPTIMIZERS
     from jaxtrain.parallel.pipeline import SCHEDULES

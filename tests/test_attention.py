@@ -69,7 +69,7 @@ def test_chunked_matches_the_reference_with_a_sliding_window(shape, window):
                                                     ((1, 544, 4, 1, 8), 50, False),
                                                     ((1, 384, 8, 8, 8), 100, True)])
 def test_looped_chunked_kernel_matches_the_reference(shape, window, documents):
-    from jaxtrain.models.chunked_attention import chunked_attention, looped
+    from jaxtrain.models.attention.chunked import chunked_attention, looped
 
     assert looped(shape[1], 16)
     segments = None
@@ -89,7 +89,7 @@ def test_looped_chunked_kernel_matches_the_reference(shape, window, documents):
                                         ("chunked", (1, 256, 8, 2, 16)),
                                         ("looped", (1, 512, 4, 2, 16))])
 def test_bfloat16_gradients_track_float32(name, shape):
-    from jaxtrain.models.chunked_attention import chunked_attention
+    from jaxtrain.models.attention.chunked import chunked_attention
 
     kernel = (functools.partial(chunked_attention, block=16) if name == "looped"
               else KERNELS[name])

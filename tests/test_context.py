@@ -1,4 +1,4 @@
-"""Context parallelism (parallel/context.py, models/context_attention.py): the sequence split
+"""Context parallelism (parallel/context.py, models/attention/context.py): the sequence split
 over `context` trains the numbers of one device, both K/V variants agree with the reference
 kernel, and the zig-zag order balances the causal work."""
 
@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ConfigError, validate
 from jaxtrain.mesh import make_mesh
-from jaxtrain.models import context_attention as context_attention_lib
-from jaxtrain.models.context_attention import computed_scores, context_attention
+from jaxtrain.models.attention import computed_scores, context_tiles
+from jaxtrain.models.attention.context import context_attention
 from jaxtrain.parallel.context import ContextSpec, causal_pairs, imbalance
 
 # Two references, one compile each: llama (RoPE) on plain rows; gpt2 (learned positions) on
@@ -90,8 +90,8 @@ def test_ring_and_allgather_equal_the_reference_kernel(devices, monkeypatch):
     document masks, against the float64 reference in row order; the ring's K/V move by
     collective-permute, the other's by all-gather. Query and key tiles of 2 positions, so
     that runs are tiled as at long lengths (the training tests run untiled)."""
-    monkeypatch.setattr(context_attention_lib, "QUERY_TILE", 2)
-    monkeypatch.setattr(context_attention_lib, "KEY_TILE", 2)
+    monkeypatch.setattr(context_tiles, "QUERY_TILE", 2)
+    monkeypatch.setattr(context_tiles, "KEY_TILE", 2)
     b, length, heads, groups, head_dim, window, c = 2, 32, 4, 2, 8, 11, 4
     rng = np.random.default_rng(0)
     q, k, v, dout = (rng.normal(size=(b, length, n, head_dim)).astype(np.float32)
@@ -149,9 +149,9 @@ def test_zigzag_balances_the_causal_work():
 @pytest.mark.parametrize("balance", [True, False])
 def test_compiled_train_step_balances_attention_work(balance, devices):
     """The attention FLOPs each device computes in one compiled train step, counted inside
-    the kernel by the tiles it runs (count_work, forward and backward): under zig-zag the
-    devices are within 10% of each other (here: equal), as computed_scores predicts; under
-    the plain split the last device works C times the first."""
+    the kernel by the tiles it runs (ContextSpec.count_work, forward and backward): under
+    zig-zag the devices are within 10% of each other (here: equal), as computed_scores
+    predicts; under the plain split the last device works C times the first."""
     cfg = small_config("llama", **{"mesh.context": 8, "mesh.context_load_balance": balance,
                                    "model.seq_len": 512, "train.global_batch": 2,
                                    "model.num_layers": 1, "data.source": "synthetic"})
@@ -160,8 +160,7 @@ def test_compiled_train_step_balances_attention_work(balance, devices):
     def count(device, flops):
         work[int(device)] += int(flops)
 
-    with context_attention_lib.count_work(count):
-        train_steps(cfg, devices, steps=1)
+    train_steps(cfg, devices, steps=1, count_work=count)
     spec = ContextSpec(8, "allgather", balance)
     # Per score of a row and query head: QKᵀ and PV, 2·head_dim FLOPs each, forward; five
     # such matmuls backward (QKᵀ, dO·Vᵀ, Pᵀ·dO, dSᵀ·Q, dS·K). 8 heads of 8 dims, 2 rows.

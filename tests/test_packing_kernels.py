@@ -1,4 +1,4 @@
-"""Document masks in every attention kernel (models/attention.py KERNELS): a packed row's
+"""Document masks in every attention kernel (models/attention KERNELS): a packed row's
 outputs and gradients equal a plain causal float64 reference in which a query sees only the
 keys of its own document (tests/helpers.py attention_f64): each document as if run alone.
 splash and pallas run in Pallas's interpreter; cuDNN has no CPU form, so its packed layout
@@ -14,8 +14,8 @@ import pytest
 from helpers import attention_f64
 
 from jaxtrain.models.attention import KERNELS
-from jaxtrain.models.chunked_attention import chunked_attention
-from jaxtrain.models.cudnn_attention import max_segments, packed_layout
+from jaxtrain.models.attention.chunked import chunked_attention
+from jaxtrain.models.attention.cudnn import max_segments, packed_layout
 
 
 def segments(length: int, lengths_per_row) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The TPU splash-attention kernel (models/pallas_tpu.py), run in Pallas's interpreter on CPU,
+"""The TPU splash-attention kernel (models/attention/splash.py), run in Pallas's interpreter on CPU,
 matches the float64 reference (tests/helpers.py attention_f64) in outputs and gradients:
 causal, grouped-query and multi-query, with and without a sliding window, unsharded and
 sharded over a mesh."""
@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import MESH_AXES
 from jaxtrain.models.attention import xla_attention
-from jaxtrain.models.pallas_tpu import splash_attention
+from jaxtrain.models.attention.splash import splash_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

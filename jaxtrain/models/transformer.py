@@ -11,8 +11,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.mesh import active_rules, constrain
-from jaxtrain.models.attention import Attention, resolve_attention
-from jaxtrain.models.context_attention import resolve_variant
+from jaxtrain.models.attention import Attention, resolve_attention, resolve_variant
 from jaxtrain.models.embedding import embed
 from jaxtrain.models.families import FAMILIES, Family
 from jaxtrain.models.layers import Norm, param
@@ -118,7 +117,7 @@ class Block(nnx.Module):
 
     def __call__(self, x_BLD: jax.Array, segments_BL=None, positions_BL=None) -> jax.Array:
         """segments_BL, positions_BL: packed documents' ids and restarted positions
-        (models/attention.py); None: one document per row."""
+        (models/attention/kernels.py); None: one document per row."""
         q_BLHK, k_BLGK, v_BLGK = self._norm_then(
             lambda x: self.attn.qkv(self.attn_norm(x), positions_BL))(x_BLD)
         x_BLD = x_BLD + self.attn.attend(q_BLHK, k_BLGK, v_BLGK, segments_BL)

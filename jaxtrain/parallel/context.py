@@ -3,7 +3,7 @@
 Every per-position activation is sharded along its sequence dimension over `context`
 (the `length` and `sequence` logical rules), so each of the C devices of a context group
 holds T = L/C positions of each row between and inside the blocks; only attention needs the
-other positions' keys and values (models/context_attention.py).
+other positions' keys and values (models/attention/context.py).
 
 **Load balance.** With a plain split, device C−1 holds the last positions, whose causal
 prefix is the whole row, and device 0 the first, which see only themselves: the causal work
@@ -23,6 +23,7 @@ and its device index (`slot_positions`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -34,8 +35,12 @@ class ContextSpec:
     whether the row is in the zig-zag order."""
 
     size: int
-    variant: str  # a models/context_attention.py VARIANTS entry (resolved from auto)
+    variant: str  # a models/attention/context_variants.py VARIANTS entry (resolved from auto)
     load_balance: bool
+    # Measurement only (tests, scripts/context_balance.py): called (device index along
+    # context, FLOPs) by every (query tile, key tile) pair the attention kernel computes,
+    # forward and backward, as the compiled step runs; None (training) traces no callback.
+    count_work: Callable | None = None
 
     def describe(self) -> str:
         return f"{self.variant} K/V, {'zig-zag' if self.load_balance else 'plain split'}"

@@ -20,8 +20,8 @@ from flax import nnx
 
 from jaxtrain.mesh import batch_shards, logical_to_spec
 from jaxtrain.models import ModelSpec, Transformer, lora
-from jaxtrain.models.attention import KERNELS
-from jaxtrain.models.context_attention import KEY_TILE, QUERY_TILE, VARIANTS
+from jaxtrain.models.attention import KERNELS, VARIANTS
+from jaxtrain.models.attention.context_tiles import KEY_TILE, QUERY_TILE
 from jaxtrain.models.head_loss import chunk_size
 from jaxtrain.models.moe import DISPATCHES
 from jaxtrain.models.remat import REMATS
@@ -260,7 +260,7 @@ def _sequence_parallel(spec: ModelSpec) -> bool:
 
 def _context_working(spec: ModelSpec, rows: float, sizes: dict, c: int) -> float:
     """What context-parallel attention adds while a layer's attention runs backward
-    (models/context_attention.py, a custom VJP): the K/V it visits (the row's, all-gathered,
+    (models/attention/context.py, a custom VJP): the K/V it visits (the row's, all-gathered,
     or two blocks on the ring) with float32 dK/dV for as much, the device's dQ (float32),
     and one (query tile, key tile) pair's float32 scores, probabilities and their
     gradients."""

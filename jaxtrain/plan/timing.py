@@ -24,8 +24,7 @@ from collections.abc import Callable
 
 from jaxtrain.mesh import batch_shards
 from jaxtrain.models import ModelSpec
-from jaxtrain.models.attention import KERNELS
-from jaxtrain.models.context_attention import VARIANTS
+from jaxtrain.models.attention import KERNELS, VARIANTS
 from jaxtrain.models.flops import attention_flops_per_token, flops_per_token, matmul_params
 from jaxtrain.models.remat import REMATS
 from jaxtrain.objectives import OBJECTIVES
@@ -150,7 +149,7 @@ def _expert(x: Ctx) -> Traffic:
 def _context(x: Ctx) -> Traffic:
     """Per layer and pass every device receives the C−1 other K/V blocks of its rows
     (all-gathered, or one ppermute hop each): (C−1)/C of the row's K/V; the backward pass
-    (models/context_attention.py's VJP) visits them again and sends their float32 dK/dV
+    (models/attention/context.py's VJP) visits them again and sends their float32 dK/dV
     back (with the block on the ring, one reduce-scatter after the all-gather), and full
     remat gathers again. (The parameters are sharded over context as over fsdp: their
     traffic is _fsdp's.)"""

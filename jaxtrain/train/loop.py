@@ -33,7 +33,7 @@ from jaxtrain.data.batches import make_batches, to_global
 from jaxtrain.errors import ConfigError
 from jaxtrain.metrics import MetricsWriter, flops_per_token, peak_flops_per_device
 from jaxtrain.metrics_log import keep_metrics_up_to, read_metrics
-from jaxtrain.models.context_attention import computed_scores
+from jaxtrain.models.attention import computed_scores
 from jaxtrain.parallel.pipeline import microbatches_for_bubble
 from jaxtrain.train.checkpointing import Checkpointer, Restored, Tiers, restore_or_init
 from jaxtrain.train.evaluation import Evaluator

@@ -1,16 +1,16 @@
 """jax's Pallas splash-attention kernel for TPUs (Mosaic), with the contract of
-models/attention.py's xla_attention: q_BLHK arrives scaled by head_dim**-0.5 (the kernel does
+models/attention/kernels.py: q_BLHK arrives scaled by head_dim**-0.5 (the kernel does
 not scale again), attention is causal, kv heads are grouped (G divides H), and the output has
 q's dtype. Optionally a sliding window: query i sees keys i - window + 1 .. i (`window` keys,
 itself included).
 
 The kernel is per example and head-major ([H, L, K]), so the batch is a vmap and the layout a
 transpose. It is a custom call that XLA's partitioner cannot split, so under a mesh with
-sharded batch or heads it runs in a shard_map over them (as models/attention.py constrains
+sharded batch or heads it runs in a shard_map over them (as models/attention/layer.py constrains
 them: the `batch` and `heads`/`kv_heads` logical axes), each device computing its own
 examples and heads with no communication.
 
-Document masks: segment ids [B, L] (models/attention.py) become the kernel's
+Document masks: segment ids [B, L] (models/attention/kernels.py) become the kernel's
 `SegmentIds(q, kv)` per example (both the row's ids: self-attention), and-ed with the causal
 mask inside the kernel.
 

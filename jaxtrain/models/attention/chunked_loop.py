@@ -22,32 +22,24 @@ there, which keeps the softmax finite whatever the document masks hide.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.models import flash
+from jaxtrain.models.attention import flash
+from jaxtrain.models.attention.scaffold import (
+    fold_heads,
+    from_chunks,
+    grouped,
+    recomputing_vjp,
+    to_groups,
+    ungrouped_grads,
+)
 
 
 def key_block(length: int, block: int) -> int:
     """Key positions per loop step: 4 query chunks where the length allows (larger matmuls,
     fewer steps), else 2, else 1."""
     return next(block * m for m in (4, 2, 1) if length % (block * m) == 0)
-
-
-def _grouped(x_BLHK, groups: int):
-    """[B, L, H, K] -> [B, G, R, L, K]: query heads under their kv head."""
-    b, length, heads, head_dim = x_BLHK.shape
-    return x_BLHK.reshape(b, length, groups, heads // groups, head_dim).transpose(0, 2, 3, 1, 4)
-
-
-def _ungrouped(x_NBGQK, r: int):
-    """[N chunks, B, G, R·C, K] -> [B, L, H, K]."""
-    n, b, g, rows, head_dim = x_NBGQK.shape
-    c = rows // r
-    return x_NBGQK.reshape(n, b, g, r, c, head_dim).transpose(1, 0, 4, 2, 3, 5).reshape(
-        b, n * c, g * r, head_dim)
 
 
 class _Chunk:
@@ -58,7 +50,7 @@ class _Chunk:
         r = x_BGRLK.shape[2]
         start = i * block
         self.kblock, self.window, self.segments_BL = kblock, window, segments_BL
-        self.rows = flash.fold_heads(jax.lax.dynamic_slice_in_dim(x_BGRLK, start, block, 3))
+        self.rows = fold_heads(jax.lax.dynamic_slice_in_dim(x_BGRLK, start, block, 3))
         self.pos_Q = start + jnp.tile(jnp.arange(block), r)
         self.ids_BQ = None if segments_BL is None else jnp.tile(
             jax.lax.dynamic_slice_in_dim(segments_BL, start, block, 1), (1, r))
@@ -67,7 +59,7 @@ class _Chunk:
 
     def of(self, x_BGRLK, i, block: int):
         """Another [B, G, R, L, ...] array's rows of this chunk (dO, logsumexp, delta)."""
-        return flash.fold_heads(jax.lax.dynamic_slice_in_dim(x_BGRLK, i * block, block, 3))
+        return fold_heads(jax.lax.dynamic_slice_in_dim(x_BGRLK, i * block, block, 3))
 
     def seen(self, j):
         key_M = j * self.kblock + jnp.arange(self.kblock)
@@ -83,8 +75,7 @@ def _keys(x_BGMK, j, kblock: int):
 def _forward(q_BLHK, k_BMGK, v_BMGK, segments_BL, block: int, window):
     b, length, heads, head_dim = q_BLHK.shape
     kblock, groups = key_block(length, block), k_BMGK.shape[2]
-    q_BGRLK = _grouped(q_BLHK, groups)
-    k_BGMK, v_BGMK = k_BMGK.transpose(0, 2, 1, 3), v_BMGK.transpose(0, 2, 1, 3)
+    q_BGRLK, k_BGMK, v_BGMK = grouped(q_BLHK, k_BMGK, v_BMGK)
     r = heads // groups
 
     def one_chunk(i):
@@ -100,31 +91,18 @@ def _forward(q_BLHK, k_BMGK, v_BMGK, segments_BL, block: int, window):
         return out_BGQK.astype(q_BLHK.dtype), lse_BGQ
 
     out_NBGQK, lse_NBGQ = jax.lax.map(one_chunk, jnp.arange(length // block))
-    lse_BGRL = _ungrouped(lse_NBGQ[..., None], r)[..., 0].reshape(
-        b, length, groups, r).transpose(0, 2, 3, 1)
-    return _ungrouped(out_NBGQK, r), lse_BGRL
+    return from_chunks(out_NBGQK, r), to_groups(from_chunks(lse_NBGQ, r), groups)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def attention(q_BLHK, k_BMGK, v_BMGK, segments_BL, block, window):
-    """Causal GQA attention (q already scaled), the contract of chunked_attention."""
-    return _forward(q_BLHK, k_BMGK, v_BMGK, segments_BL, block, window)[0]
-
-
-def _attention_fwd(q_BLHK, k_BMGK, v_BMGK, segments_BL, block, window):
-    out_BLHK, lse_BGRL = _forward(q_BLHK, k_BMGK, v_BMGK, segments_BL, block, window)
-    return out_BLHK, (q_BLHK, k_BMGK, v_BMGK, segments_BL, out_BLHK, lse_BGRL)
-
-
-def _attention_bwd(block, window, residuals, dout_BLHK):
+def _backward(block, window, residuals, dout_BLHK):
     q_BLHK, k_BMGK, v_BMGK, segments_BL, out_BLHK, lse_BGRL = residuals
     length, heads = q_BLHK.shape[1:3]
     kblock, groups = key_block(length, block), k_BMGK.shape[2]
     r = heads // groups
-    q_BGRLK, do_BGRLK = _grouped(q_BLHK, groups), _grouped(dout_BLHK, groups)
-    k_BGMK, v_BGMK = k_BMGK.transpose(0, 2, 1, 3), v_BMGK.transpose(0, 2, 1, 3)
+    q_BGRLK, k_BGMK, v_BGMK = grouped(q_BLHK, k_BMGK, v_BMGK)
+    do_BGRLK = to_groups(dout_BLHK, groups)
     # 16-bit products are exact in float32: float32 accumulation keeps delta exact.
-    delta_BGRL = jnp.einsum("bgrlk,bgrlk->bgrl", do_BGRLK, _grouped(out_BLHK, groups),
+    delta_BGRL = jnp.einsum("bgrlk,bgrlk->bgrl", do_BGRLK, to_groups(out_BLHK, groups),
                             preferred_element_type=jnp.float32)
 
     def one_chunk(carry, i):
@@ -147,9 +125,8 @@ def _attention_bwd(block, window, residuals, dout_BLHK):
     zeros = jnp.zeros(k_BGMK.shape, jnp.float32)
     (dk_BGMK, dv_BGMK), dq_NBGQK = jax.lax.scan(one_chunk, (zeros, zeros),
                                                 jnp.arange(length // block))
-    return (_ungrouped(dq_NBGQK, r).astype(q_BLHK.dtype),
-            dk_BGMK.transpose(0, 2, 1, 3).astype(k_BMGK.dtype),
-            dv_BGMK.transpose(0, 2, 1, 3).astype(v_BMGK.dtype), None)
+    return ungrouped_grads(to_groups(from_chunks(dq_NBGQK, r), groups), dk_BGMK, dv_BGMK,
+                           q_BLHK, k_BMGK, v_BMGK)
 
 
 def _add_block(x_BGMK, update_BGMK, j, kblock: int):
@@ -159,4 +136,6 @@ def _add_block(x_BGMK, update_BGMK, j, kblock: int):
     return jax.lax.dynamic_update_slice_in_dim(x_BGMK, old + update_BGMK, start, 2)
 
 
-attention.defvjp(_attention_fwd, _attention_bwd)
+# Causal GQA attention (q already scaled), the contract of chunked_attention; statics
+# (block, window).
+attention = recomputing_vjp(_forward, _backward, statics=2)

@@ -1,13 +1,13 @@
 """Flash-attention tile math shared by the looped kernels (chunked_loop.py for one device,
-context_attention.py across the `context` axis): one [query rows, key block] score tile at
-a time, an online softmax forward and a backward that recomputes the tile's probabilities
-from the saved logsumexp.
+context.py across the `context` axis): one [query rows, key block] score tile at a time, an
+online softmax forward and a backward that recomputes the tile's probabilities from the
+saved logsumexp.
 
-Layout: the R query heads that share a kv head are folded into the rows, heads outer:
-q and dO are [B, G, Q = R·t, K] for t query positions, k and v [B, G, M, K]; row j is the
-query at position `q_pos[j % t]`, so positions and segment ids come tiled R times. Masks
-come from positions (causal, sliding window) and segment ids (documents): no constant
-masks, whatever the length.
+Layout (scaffold.py): the R query heads that share a kv head are folded into the rows,
+heads outer: q and dO are [B, G, Q = R·t, K] for t query positions, k and v [B, G, M, K];
+row j is the query at position `q_pos[j % t]`, so positions and segment ids come tiled R
+times. Masks come from positions (causal, sliding window) and segment ids (documents): no
+constant masks, whatever the length.
 """
 
 from __future__ import annotations
@@ -15,31 +15,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Added to masked scores: exp(MASKED - max) is exactly 0, and unlike finfo.min it cannot
-# overflow to -inf when a score is added to it.
-MASKED = -1e30
-
-
-def fold_heads(x_BGRTK):
-    """[B, G, R, t, ...] -> [B, G, R·t, ...] (heads outer)."""
-    b, g, r, t = x_BGRTK.shape[:4]
-    return x_BGRTK.reshape(b, g, r * t, *x_BGRTK.shape[4:])
-
-
-def unfold_heads(x_BGQK, r: int):
-    b, g, rows = x_BGQK.shape[:3]
-    return x_BGQK.reshape(b, g, r, rows // r, *x_BGQK.shape[3:])
+from jaxtrain.models.attention.scaffold import MASKED, causal_mask, same_document
 
 
 def visible(q_pos_Q, k_pos_M, window, q_ids_BQ=None, k_ids_BM=None):
     """Bool [B or 1, 1, Q, M]: which keys each row sees (causal, within the window, of its
     own document)."""
-    seen_QM = k_pos_M[None, :] <= q_pos_Q[:, None]
-    if window is not None:
-        seen_QM &= k_pos_M[None, :] > q_pos_Q[:, None] - window
-    seen = seen_QM[None, None]
+    seen = causal_mask(q_pos_Q, k_pos_M, window)[None, None]
     if q_ids_BQ is not None:
-        seen = seen & (q_ids_BQ[:, :, None] == k_ids_BM[:, None, :])[:, None]
+        seen = seen & same_document(q_ids_BQ, k_ids_BM)[:, None]
     return seen
 
 

@@ -14,7 +14,7 @@ the keys from its first row's window start, so the work grows as L·W rather tha
 GQA: the R = H/G query heads sharing a kv head are folded into the query rows, so each chunk
 is one batched matmul over (batch, kv group) and K/V are read once per group.
 
-Document masks (segment ids, models/attention.py): each chunk adds a second bias, −1e30
+Document masks (segment ids, kernels.py): each chunk adds a second bias, −1e30
 where the query's and the key's ids differ ([B, 1, rows, keys], from the chunk's query ids
 and its key range's ids), in the forward pass and again where the backward pass recomputes
 the probabilities. The key blocks skipped stay the causal ones: which blocks a document
@@ -23,14 +23,24 @@ boundary empties is data, and a static loop cannot skip them.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain.models.chunked_loop import attention as _looped_attention
-from jaxtrain.models.chunked_loop import key_block
+from jaxtrain.models.attention.chunked_loop import attention as _looped_attention
+from jaxtrain.models.attention.chunked_loop import key_block
+from jaxtrain.models.attention.scaffold import (
+    MASKED,
+    causal_mask,
+    fold_heads,
+    from_groups,
+    grouped,
+    recomputing_vjp,
+    same_document,
+    to_groups,
+    unfold_heads,
+    ungrouped_grads,
+)
 
 # The unrolled kernel below serves sequences of up to this many query chunks (2048 tokens in
 # 128-row chunks): each chunk is one large matmul against its whole key prefix, the fastest
@@ -38,10 +48,6 @@ from jaxtrain.models.chunked_loop import key_block
 # (at 32k: 256 chunks, their causal masks captured as ~8.6 GB of constants, and XLA keeps
 # many chunks' score matrices alive at once), so longer sequences loop instead.
 UNROLL_MAX_CHUNKS = 16
-
-# Added to masked scores: exp(-1e30 - max) is exactly 0 and, unlike finfo.min, adding it to
-# a score cannot overflow to -inf.
-_MASKED = -1e30
 
 
 def _chunks(length: int, block: int) -> list[tuple[int, int]]:
@@ -53,37 +59,9 @@ def _key_start(start: int, window: int | None) -> int:
     return 0 if window is None else max(0, start - window + 1)
 
 
-def _causal_mask(start: int, end: int, repeats: int, window: int | None) -> np.ndarray:
-    """[repeats·(end-start), end-lo] bool, keys from lo = _key_start: query row j (position
-    p = start + j % rows) sees keys in (p - window, p]."""
-    pos_Q = np.tile(np.arange(start, end), repeats)[:, None]
-    key_M = np.arange(_key_start(start, window), end)[None, :]
-    visible = key_M <= pos_Q
-    if window is not None:
-        visible &= key_M > pos_Q - window
-    return visible
-
-
-def _to_groups(q_BLHK, groups: int):
-    """[B, L, H, K] -> [B, G, R, L, K]: query heads grouped under their kv head."""
-    b, length, heads, head_dim = q_BLHK.shape
-    return q_BLHK.reshape(b, length, groups, heads // groups, head_dim).transpose(0, 2, 3, 1, 4)
-
-
-def _from_groups(x_BGRLK):
-    b, g, r, length, head_dim = x_BGRLK.shape
-    return x_BGRLK.transpose(0, 3, 1, 2, 4).reshape(b, length, g * r, head_dim)
-
-
 def _rows(x_BGRLK, start: int, end: int):
     """One query chunk with the R heads folded into rows: [B, G, R·C, K]."""
-    b, g, r, _, head_dim = x_BGRLK.shape
-    return x_BGRLK[:, :, :, start:end].reshape(b, g, r * (end - start), head_dim)
-
-
-def _unrows(x_BGQK, r: int):
-    b, g, rows = x_BGQK.shape[:3]
-    return x_BGQK.reshape(b, g, r, rows // r, *x_BGQK.shape[3:])
+    return fold_heads(x_BGRLK[:, :, :, start:end])
 
 
 def _scores(q_BGQK, k_BGMK, start: int, end: int, r: int, window: int | None, segments_BL):
@@ -100,22 +78,23 @@ def _segment_bias(segments_BL, start: int, end: int, lo: int, repeats: int):
     """[B, 1, rows, keys]: 0 where query row j (position start + j % rows) and key lo + m
     are of one document, else −1e30 (rows as _rows folds them: heads outer)."""
     q_BQ = jnp.tile(segments_BL[:, start:end], (1, repeats))
-    same_BQM = q_BQ[:, :, None] == segments_BL[:, None, lo:end]
-    return jnp.where(same_BQM, 0.0, _MASKED).astype(jnp.float32)[:, None]
+    same_BQM = same_document(q_BQ, segments_BL[:, lo:end])
+    return jnp.where(same_BQM, 0.0, MASKED).astype(jnp.float32)[:, None]
 
 
 def _mask_bias(start: int, end: int, repeats: int, window: int | None) -> np.ndarray:
-    """The causal mask as scores to add, [rows, keys]: an addition rather than a select is
-    the cheaper pass over the scores on XLA:CPU (configs/bench_cpu.py: −0.8% step time),
-    with the same numbers."""
-    return np.where(_causal_mask(start, end, repeats, window), 0.0, _MASKED).astype(np.float32)
+    """The causal mask as scores to add, [rows, keys] (rows: query row j at position
+    start + j % rows; keys from _key_start), a numpy constant: an addition rather than a
+    select is the cheaper pass over the scores on XLA:CPU (configs/bench_cpu.py: −0.8% step
+    time), with the same numbers."""
+    visible = causal_mask(np.tile(np.arange(start, end), repeats),
+                          np.arange(_key_start(start, window), end), window)
+    return np.where(visible, 0.0, MASKED).astype(np.float32)
 
 
 def _forward(q_BLHK, k_BMGK, v_BMGK, segments_BL, block: int, window: int | None):
-    groups = k_BMGK.shape[2]
-    r = q_BLHK.shape[2] // groups
-    q_BGRLK = _to_groups(q_BLHK, groups)
-    k_BGMK, v_BGMK = k_BMGK.transpose(0, 2, 1, 3), v_BMGK.transpose(0, 2, 1, 3)
+    r = q_BLHK.shape[2] // k_BMGK.shape[2]
+    q_BGRLK, k_BGMK, v_BGMK = grouped(q_BLHK, k_BMGK, v_BMGK)
     outs, lses = [], []
     for start, end in _chunks(q_BLHK.shape[1], block):
         lo = _key_start(start, window)
@@ -126,20 +105,9 @@ def _forward(q_BLHK, k_BMGK, v_BMGK, segments_BL, block: int, window: int | None
         sum_BGQ = p_BGQM.sum(-1, keepdims=True)
         o_BGQK = jnp.einsum("bgqm,bgmk->bgqk", p_BGQM.astype(v_BGMK.dtype), v_BGMK[:, :, lo:end],
                             preferred_element_type=jnp.float32) / sum_BGQ
-        outs.append(_unrows(o_BGQK.astype(q_BLHK.dtype), r))
-        lses.append(_unrows((max_BGQ + jnp.log(sum_BGQ))[..., 0], r))
-    return _from_groups(jnp.concatenate(outs, axis=3)), jnp.concatenate(lses, axis=3)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attention(q_BLHK, k_BMGK, v_BMGK, segments_BL, block, window):
-    return _forward(q_BLHK, k_BMGK, v_BMGK, segments_BL, block, window)[0]
-
-
-def _attention_fwd(q_BLHK, k_BMGK, v_BMGK, segments_BL, block, window):
-    out_BLHK, lse_BGRL = _forward(q_BLHK, k_BMGK, v_BMGK, segments_BL, block, window)
-    # The output as returned: the output projection keeps this same array for its backward.
-    return out_BLHK, (q_BLHK, k_BMGK, v_BMGK, segments_BL, out_BLHK, lse_BGRL)
+        outs.append(unfold_heads(o_BGQK.astype(q_BLHK.dtype), r))
+        lses.append(unfold_heads((max_BGQ + jnp.log(sum_BGQ))[..., 0], r))
+    return from_groups(jnp.concatenate(outs, axis=3)), jnp.concatenate(lses, axis=3)
 
 
 def _transposed_matmul(a_BGNX, b_BGNY):
@@ -150,18 +118,18 @@ def _transposed_matmul(a_BGNX, b_BGNY):
     return jnp.matmul(a_BGXN, b_BGNY, preferred_element_type=jnp.float32)
 
 
-def _attention_bwd(block, window, residuals, dout_BLHK):
+def _backward(block, window, residuals, dout_BLHK):
     q_BLHK, k_BMGK, v_BMGK, segments_BL, out_BLHK, lse_BGRL = residuals
     b, length, heads, _ = q_BLHK.shape
     groups = k_BMGK.shape[2]
     r = heads // groups
-    q_BGRLK, do_BGRLK = _to_groups(q_BLHK, groups), _to_groups(dout_BLHK, groups)
-    k_BGMK, v_BGMK = k_BMGK.transpose(0, 2, 1, 3), v_BMGK.transpose(0, 2, 1, 3)
+    q_BGRLK, k_BGMK, v_BGMK = grouped(q_BLHK, k_BMGK, v_BMGK)
+    do_BGRLK = to_groups(dout_BLHK, groups)
     # delta = rowsum(dO ∘ O) = rowsum(P ∘ dP): the softmax backward's per-row correction.
     # 16-bit products are exact in float32, so float32 accumulation alone keeps it exact.
     delta_BLH = jnp.einsum("blhk,blhk->blh", dout_BLHK, out_BLHK,
                            preferred_element_type=jnp.float32)
-    delta_BGRL = delta_BLH.reshape(b, length, groups, r).transpose(0, 2, 3, 1)
+    delta_BGRL = to_groups(delta_BLH, groups)
     dk_BGMK = jnp.zeros(k_BGMK.shape, jnp.float32)
     dv_BGMK = jnp.zeros(v_BGMK.shape, jnp.float32)
     dqs = []
@@ -192,13 +160,12 @@ def _attention_bwd(block, window, residuals, dout_BLHK):
             jnp.matmul(pT_BGMQ, do_BGQK, preferred_element_type=jnp.float32))
         dk_BGMK = dk_BGMK.at[:, :, lo:end].add(
             jnp.matmul(dsT_BGMQ, q_BGQK, preferred_element_type=jnp.float32))
-        dqs.append(_unrows(_transposed_matmul(dsT_BGMQ, k_chunk_BGMK), r))
-    dq_BLHK = _from_groups(jnp.concatenate(dqs, axis=3)).astype(q_BLHK.dtype)
-    return (dq_BLHK, dk_BGMK.transpose(0, 2, 1, 3).astype(k_BMGK.dtype),
-            dv_BGMK.transpose(0, 2, 1, 3).astype(v_BMGK.dtype), None)
+        dqs.append(unfold_heads(_transposed_matmul(dsT_BGMQ, k_chunk_BGMK), r))
+    return ungrouped_grads(jnp.concatenate(dqs, axis=3), dk_BGMK, dv_BGMK,
+                           q_BLHK, k_BMGK, v_BMGK)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = recomputing_vjp(_forward, _backward, statics=2)  # (block, window)
 
 
 def chunked_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,

@@ -1,7 +1,7 @@
 """cuDNN's fused flash attention (NVIDIA GPUs, bf16/fp16), with optional document masks.
 
 Causal rows go through `jax.nn.dot_product_attention(implementation="cudnn")`. For document
-masks (models/attention.py: segment ids), what jax 0.10.2 offers:
+masks (models/attention/kernels.py: segment ids), what jax 0.10.2 offers:
 
 - `jax.nn.dot_product_attention` takes, for cuDNN, per-row lengths (`query_seq_lengths`:
   padding at the end of each row, one document per row) and a boolean `mask`, which it turns

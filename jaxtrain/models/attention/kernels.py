@@ -1,0 +1,137 @@
+"""The attention kernels (`model.attention`): causal self-attention with grouped-query
+heads, an optional sliding window and optional document masks.
+
+An attention kernel is a plain function (q, k, v, window, segments) -> out chosen by name,
+so faster implementations plug in without touching the layer. window=None: full causal
+attention; window=W: query position i sees keys (i - W, i] (W keys including itself, as
+Mistral's sliding_window).
+
+Document masks (data.packing='documents', docs/data.md): `segments_BL` is an int32 [B, L]
+array, the document of each position of a packed row (1, 2, ... in row order; 0 for the
+padding at the row's end, which is one more segment and attends only to itself). A query
+sees a key only when both hold the same id, on top of the causal (and window) mask; None is
+one document per row, the plain causal kernel, unchanged. The ids of a document are one
+contiguous run (cuDNN's packed layout relies on it; the other kernels compare ids). Kernels
+take one array because this is self-attention: queries and keys have the same positions.
+A kernel that tiles the sequence over devices (context parallelism) slices it like the
+queries for the query side and passes the key side's slice with the keys it holds, as
+splash's `SegmentIds(q, kv)` and the chunked kernel's per-chunk `_segment_bias` do.
+Positions restart at each document (`positions_BL`, for RoPE and learned positions); the
+model reads them, the kernels never do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from jaxtrain.errors import fail
+from jaxtrain.models.attention.chunked import chunked_attention, loop_tile
+from jaxtrain.models.attention.cudnn import cudnn_attention
+from jaxtrain.models.attention.pallas_gpu import pallas_attention
+from jaxtrain.models.attention.splash import splash_attention
+from jaxtrain.models.attention.xla import xla_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionKernel:
+    """One `model.attention` value: the kernel, where it runs, what it supports (checked
+    before anything compiles) and what the planner needs to know about it."""
+
+    name: str
+    fn: Callable  # (q_BLHK scaled, k_BMGK, v_BMGK, window, segments_BL) -> out_BLHK, causal
+    doc: str
+    platforms: tuple[str, ...]  # where it runs
+    interpreted: tuple[str, ...] = ()  # of those, where it runs in an interpreter (tests)
+    float32: bool = True  # runs in float32 (else 16-bit compute only)
+    window: bool = True  # takes a sliding window
+    segments: bool = True  # takes document masks (segment ids), for data.packing=documents
+    seq_multiple: int = 1  # the sequence length must be a multiple of this
+    auto_on: str | None = None  # 'auto' picks it first on this platform, where it applies
+    # Planner: the whole L×L score matrix exists (and, without remat, is kept for the
+    # backward pass); else a flash-style kernel that keeps only per-row statistics.
+    full_scores: bool = False
+    # Planner: rows of the query chunks whose float32 scores against their keys XLA forms
+    # (0: none outside the kernel); its unrolled loop keeps several chunks' alive at once.
+    query_chunk: int = 0
+    # Planner: (seq_len, query_chunk) -> key columns of the [query chunk, key] float32 tile
+    # a looped form keeps instead (0: it unrolls at this length); None: never loops.
+    loop_tile: Callable | None = None
+    sharded_by_rules: bool = False  # a custom call that shards itself by the logical rules
+    # Under mesh.context > 1 the context kernel (context.py) runs in its place: naming it
+    # is accepted (it is an XLA kernel too); a custom kernel is refused.
+    under_context: bool = False
+
+    def __call__(self, q_BLHK, k_BMGK, v_BMGK, window: int | None = None, rules=None,
+                 segments_BL=None):
+        if segments_BL is not None and not self.segments:
+            raise ValueError(f"the {self.name} attention kernel takes no document masks")
+        extra = {} if segments_BL is None else {"segments_BL": segments_BL}
+        if self.sharded_by_rules:
+            extra["rules"] = rules
+        return self.fn(q_BLHK, k_BMGK, v_BMGK, window, **extra)
+
+    def check_mesh(self, c, sizes: dict[str, int]) -> None:
+        """ConfigError when the mesh leaves this kernel out: under context parallelism."""
+        if sizes.get("context", 1) > 1 and not self.under_context:
+            able = ", ".join(k.name for k in KERNELS.values() if k.under_context)
+            fail("model.attention", c.model.attention, f"mesh.context={sizes['context']} "
+                 "runs the context-parallel attention (XLA blocks, model.context_attention); "
+                 f"use auto or {able}")
+
+    def problem(self, precision: str, platform: str | None, seq_len: int,
+                window: int, documents: bool = False) -> str | None:
+        """Why this kernel cannot run this config (None: it can); platform None: unknown
+        yet (the planner), so only the platform-independent checks apply."""
+        if platform is not None and platform not in self.platforms:
+            return (f"it runs on {' and '.join(self.platforms)}, and this run has "
+                    f"{platform} devices; use xla or chunked")
+        if not self.float32 and precision == "float32":
+            return ("it needs train.precision=bfloat16 (or float16/fp8); use xla or chunked "
+                    "for float32")
+        if window and not self.window:
+            return f"it has no sliding window (model.sliding_window={window}); use cudnn or chunked"
+        if documents and not self.segments:
+            return ("it cannot mask attention at document boundaries (data.packing="
+                    "'documents'); use " + ", ".join(k.name for k in KERNELS.values()
+                                                     if k.segments))
+        if seq_len % self.seq_multiple:
+            return (f"it tiles the sequence in blocks of {self.seq_multiple}: model.seq_len="
+                    f"{seq_len} is not a multiple")
+        return None
+
+
+# Registry order is 'auto''s order of preference where auto_on matches the platform;
+# chunked is the fallback (it beats the reference on every backend measured).
+KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
+    AttentionKernel("splash", splash_attention, "jax's Pallas splash kernel for TPUs",
+                    ("tpu", "cpu"), ("cpu",), seq_multiple=128, auto_on="tpu",
+                    sharded_by_rules=True),
+    AttentionKernel("cudnn", cudnn_attention, "cuDNN's fused flash attention", ("gpu",),
+                    float32=False, auto_on="gpu"),
+    AttentionKernel("pallas", pallas_attention, "jax's Pallas (Triton) flash kernel for "
+                    "GPUs; 'pallas' on TPU means splash", ("gpu", "cpu"), ("cpu",),
+                    window=False),
+    AttentionKernel("chunked", chunked_attention, "flash-style causal attention in XLA: "
+                    "query chunks, skipped masked blocks, no L×L buffers kept",
+                    ("cpu", "gpu", "tpu"), query_chunk=128, loop_tile=loop_tile,
+                    under_context=True),
+    AttentionKernel("xla", xla_attention, "the reference: full score matrix, mask, softmax",
+                    ("cpu", "gpu", "tpu"), full_scores=True, under_context=True),
+)}
+
+
+def resolve_attention(name: str, precision: str, platform: str, seq_len: int = 128,
+                      window: int = 0, documents: bool = False) -> str:
+    """The kernel `model.attention` names on this platform: 'auto' is the first kernel
+    whose auto_on is the platform and that can run the config, else chunked; 'pallas' on
+    a TPU is the splash kernel."""
+    if name == "pallas" and platform == "tpu":
+        return "splash"
+    if name != "auto":
+        return name
+    for kernel in KERNELS.values():
+        if kernel.auto_on == platform and not kernel.problem(precision, platform, seq_len,
+                                                              window, documents):
+            return kernel.name
+    return "chunked"

@@ -1,0 +1,108 @@
+"""The attention layer: q/k/v/o projections (with LoRA's adapters, models/lora.py), rotary
+embeddings, the kernel `model.attention` names (or the context-parallel kernel under
+`mesh.context`), and kv-cached decoding."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxtrain.mesh import constrain
+from jaxtrain.models import lora
+from jaxtrain.models.attention.context import context_attention
+from jaxtrain.models.attention.kernels import KERNELS
+from jaxtrain.models.attention.xla import cached_attention
+from jaxtrain.models.layers import dense, param
+from jaxtrain.models.rope import rope
+
+# Names of the tensors remat policies can keep (models/remat.py).
+PROJECTION_NAMES = {"q": "query_proj", "k": "key_proj", "v": "value_proj"}
+ATTENTION_DOT_NAMES = ("query_proj", "key_proj", "value_proj", "attention_out", "out_proj")
+
+
+class Attention(nnx.Module):
+    def __init__(self, spec, *, rngs: nnx.Rngs):
+        self.spec = spec
+        d, h, g, k = spec.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        std, dt = spec.init_std, spec.param_dtype
+        out_std = spec.init_std / (2 * spec.num_layers) ** 0.5
+        self.w_q = param(rngs, (d, h, k), ("embed", "heads", "kv"), std, dt)
+        self.w_k = param(rngs, (d, g, k), ("embed", "kv_heads", "kv"), std, dt)
+        self.w_v = param(rngs, (d, g, k), ("embed", "kv_heads", "kv"), std, dt)
+        self.w_o = param(rngs, (h, k, d), ("heads", "kv", "embed"), out_std, dt)
+        if spec.use_bias:
+            self.b_q = param(rngs, (h, k), ("heads", "kv"), 0.0, dt)
+            self.b_k = param(rngs, (g, k), ("kv_heads", "kv"), 0.0, dt)
+            self.b_v = param(rngs, (g, k), ("kv_heads", "kv"), 0.0, dt)
+            self.b_o = param(rngs, (d,), ("embed",), 0.0, dt)
+        # After every base weight, so that the base draws the same numbers with or without.
+        for name in ("q", "k", "v", "o"):
+            setattr(self, f"lora_{name}", lora.adapter(
+                spec, "attention", getattr(self, f"w_{name}"), f"w_{name}", 2 if name == "o"
+                else 1, rngs))
+
+    def _project(self, x_BLD, name: str, axes) -> jax.Array:
+        dt = self.spec.compute_dtype
+        w = lora.weight(self.spec, getattr(self, f"w_{name}")[...],
+                        getattr(self, f"lora_{name}"))
+        y = dense(self.spec, "bld,dhk->blhk", x_BLD, w)
+        # The key bias adds q·b_k to every score of a query, which softmax ignores: skipping
+        # it keeps its gradient exactly zero rather than float noise that Adam would amplify.
+        # The parameter stays, for checkpoints converted from Hugging Face GPT-2.
+        if self.spec.use_bias and name != "k":
+            y = y + getattr(self, f"b_{name}")[...].astype(dt)
+        y = checkpoint_name(y, PROJECTION_NAMES[name])
+        return constrain(y, ("batch", "length") + axes, self.spec.rules)
+
+    def qkv(self, x_BLD, positions_L=None):
+        """Projected q (scaled by 1/√head_dim), k and v of the normed input; positions_L
+        ([L], or [B, L] restarting at each document) for rotary embeddings (default
+        0..L-1)."""
+        spec = self.spec
+        q_BLHK = self._project(x_BLD, "q", ("heads", "kv"))
+        k_BLGK = self._project(x_BLD, "k", ("kv_heads", "kv"))
+        v_BLGK = self._project(x_BLD, "v", ("kv_heads", "kv"))
+        if spec.rope:
+            q_BLHK = rope(q_BLHK, spec.rope_theta, positions_L, spec.rope_scaling)
+            k_BLGK = rope(k_BLGK, spec.rope_theta, positions_L, spec.rope_scaling)
+        q_BLHK = q_BLHK * jnp.asarray(spec.head_dim ** -0.5, q_BLHK.dtype)
+        return q_BLHK, k_BLGK, v_BLGK
+
+    def _output(self, out_BLHK):
+        spec = self.spec
+        out_BLHK = checkpoint_name(out_BLHK, "attention_out")
+        out_BLHK = constrain(out_BLHK, ("batch", "length", "heads", "kv"), spec.rules)
+        y_BLD = dense(spec, "blhk,hkd->bld", out_BLHK,
+                      lora.weight(spec, self.w_o[...], self.lora_o))
+        if spec.use_bias:
+            y_BLD = y_BLD + self.b_o[...].astype(spec.compute_dtype)
+        return checkpoint_name(y_BLD, "out_proj")
+
+    def __call__(self, x_BLD: jax.Array, segments_BL=None, positions_BL=None) -> jax.Array:
+        return self.attend(*self.qkv(x_BLD, positions_BL), segments_BL)
+
+    def attend(self, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
+               segments_BL=None) -> jax.Array:
+        """The attention kernel and the output projection, from projected q, k, v;
+        segments_BL: document masks (the module docstring), None for none."""
+        spec, window = self.spec, self.spec.sliding_window or None
+        if spec.context is not None:  # the sequence is split: the kernel passes K/V around
+            out_BLHK = context_attention(q_BLHK, k_BLGK, v_BLGK, window, segments_BL,
+                                         spec.context, spec.rules)
+        else:
+            out_BLHK = KERNELS[spec.attention](q_BLHK, k_BLGK, v_BLGK, window,
+                                               rules=spec.rules, segments_BL=segments_BL)
+        return self._output(out_BLHK)
+
+    def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):
+        """T new positions [start, start+T) against the kv cache ([B, M, G, K] each), which
+        gets their keys and values; returns (y_BTD, cache)."""
+        positions_T = start + jnp.arange(x_BTD.shape[1])
+        q_BTHK, k_BTGK, v_BTGK = self.qkv(x_BTD, positions_T)
+        k_BMGK, v_BMGK = (jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, 1)
+                          for c, new in zip(cache, (k_BTGK, v_BTGK)))
+        out_BTHK = cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T,
+                                    self.spec.sliding_window or None)
+        return self._output(out_BTHK), (k_BMGK, v_BMGK)
