@@ -90,7 +90,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.seq_len = 128
     c.model.attention = "auto"  # cudnn on NVIDIA GPUs in bf16/fp16, else chunked
     c.model.sliding_window = 0  # 0: full causal attention; W: each token sees its last W
-    # mesh.context > 1: how K/V reach every device (models/context_attention.py): allgather
+    # mesh.context > 1: how K/V reach every device (models/attention/context_variants.py): allgather
     # (one all-gather per layer), ring (ppermute hops), auto (allgather under GQA, else ring).
     c.model.context_attention = "auto"
     c.model.remat = "none"

@@ -7,7 +7,7 @@ concatenated stream). It holds whole documents, one after another, then padding:
     segments   the document of each slot: 1, 2, ... in row order; 0 for padding
     positions  each slot's position in its document, restarting at 0; 0 for padding
 
-The model masks attention to one document (models/attention.py) and takes the positions
+The model masks attention to one document (models/attention/) and takes the positions
 for RoPE or learned position embeddings. A target counts when the slot before it is of the
 same document (train/step.py): a document of n tokens trains its n - 1 next-token
 predictions, as if it were run alone; the first token of each document (nothing to predict
