@@ -3,8 +3,10 @@
 corpus, trained on the answers only; a few minutes on a laptop CPU.
 
     python scripts/make_instructions.py --out data/instructions
-    jaxtrain prepare data/instructions/sft.jsonl --chat --chat-template chatml \
-        --tokenizer data/stdlib_bpe/tokenizer --max-length 129 --out data/stdlib_sft
+    jaxtrain prepare data/instructions/sft.jsonl --chat \
+        --chat-template data/instructions/chat_template.jinja \
+        --tokenizer data/stdlib_bpe/tokenizer --max-length 129 --max-bad-fraction 0.2 \
+        --out data/stdlib_sft
     jaxtrain train --config configs/stdlib_sft.py
 """
 

@@ -4,12 +4,16 @@ corrupted one) for DPO.
 
     python scripts/make_instructions.py --out data/instructions [--max-chars 240]
 
-Writes OUT/sft.jsonl ({"messages": [user, assistant]}) and OUT/preference.jsonl ({"prompt",
-"chosen", "rejected"}), in a fixed order shuffled by --seed, so that the prepared dataset's
+Writes OUT/sft.jsonl ({"messages": [user, assistant]}), OUT/preference.jsonl ({"prompt",
+"chosen", "rejected"}) and OUT/chat_template.jinja, a chat template in comment lines
+(`# user`, `# assistant`, `# end`) that the stdlib BPE spells in 3-6 tokens each, where
+ChatML's markers take 8-19 (a pair's row has room for little else at seq_len 128); the
+records are in a fixed order shuffled by --seed, so that the prepared dataset's
 held-out tail (data.val_fraction) is a random sample of functions. A function qualifies when
 it is a module-level `def` with a docstring, its source without the docstring is at most
 --max-chars characters and the docstring's first paragraph half that (a chat must fit the
-model's row). The user turn asks for the
+model's row); a preference pair, whose row holds the prompt twice and both replies, when
+its prompt and longer reply are at most 3/4 of --max-chars together. The user turn asks for the
 function by its signature and the docstring's first paragraph; the reply is its source
 without the docstring. The corrupted reply keeps the signature and reverses the order of the
 body's statements (or, for a one-statement body, returns None instead): code that reads like
@@ -73,11 +77,23 @@ def make(max_chars: int, seed: int) -> tuple[list[dict], list[dict]]:
             prompt = f"Write the Python function `{name}`: {doc}"
             chats.append({"messages": [{"role": "user", "content": prompt},
                                        {"role": "assistant", "content": reply}]})
-            pairs.append({"prompt": prompt, "chosen": reply,
-                          "rejected": _corrupted(header, statements)})
-    order = list(range(len(chats)))
-    random.Random(seed).shuffle(order)
-    return [chats[i] for i in order], [pairs[i] for i in order]
+            rejected = _corrupted(header, statements)
+            # A pair's row holds the prompt twice and both replies: the short ones.
+            if len(prompt) + max(len(reply), len(rejected)) <= max_chars * 3 // 4:
+                pairs.append({"prompt": prompt, "chosen": reply, "rejected": rejected})
+    random.Random(seed).shuffle(chats)
+    random.Random(seed).shuffle(pairs)
+    return chats, pairs
+
+
+# Each turn: "# ROLE", its content, "# end" (the end-of-turn marker the loss mask keeps).
+TEMPLATE = """{%- for message in messages %}
+{{- '# ' + message['role'] + '\\n' + message['content'] + '\\n# end\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '# assistant\\n' }}
+{%- endif %}
+"""
 
 
 def main() -> None:
@@ -92,6 +108,7 @@ def main() -> None:
     chats, pairs = make(args.max_chars, args.seed)
     for name, rows in (("sft.jsonl", chats), ("preference.jsonl", pairs)):
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / "chat_template.jinja").write_text(TEMPLATE)
     print(f"{len(chats)} chats -> {out / 'sft.jsonl'}, {len(pairs)} preference pairs -> "
           f"{out / 'preference.jsonl'}")
 

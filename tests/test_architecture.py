@@ -361,3 +361,13 @@ def test_a_new_tokenizer_kind_or_input_format_is_one_registry_entry(tmp_path, mo
     ds = PreparedDataset(tmp_path / "ds")
     assert bytes(ds.read(0, ds.num_tokens).tolist()) == b"FIRST DOCSECOND"
     assert tokenizers.load_tokenizer(tmp_path / "ds" / "tokenizer").kind == "shouting"
+
+
+# Test-only references: the package must run without them (pyproject's [test] extra only).
+TEST_ONLY = ("peft", "trl", "torch")
+
+
+def test_the_package_never_imports_its_test_only_references():
+    found = [f"jaxtrain.{module}:{line} imports {name}" for module, path in _modules()
+             for name, line, _ in _imports(path) if name.split(".")[0] in TEST_ONLY]
+    assert not found, found
