@@ -79,7 +79,7 @@ def lower_for_cuda(kernel: str, precision: str, overrides: dict | None = None) -
     setup = dataclasses.replace(setup, spec=spec,
                                 graphdef=nnx.graphdef(state_lib.abstract_model(spec)))
     tokens = setup.abstract_batch()  # a Packed batch with data.packing='documents'
-    state = setup.abstract_state()
+    state = setup.abstract_step_state()
     with _gpu_stubs(kernel), jax.set_mesh(setup.mesh):
         traced = setup.train_step().trace(state, tokens)
         return traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -131,20 +131,22 @@ def holdout(rows: list[dict], fallback: memory.Factors, folds: int) -> tuple[lis
     """K-fold cross-validation: each row's estimate / XLA with factors fitted on the other
     folds only (row i in fold i mod K, rows in case order; each fit starts from the default
     factors, not from the stored ones, which have seen the held-out rows): how far the
-    estimate can be trusted on a layout it was not fitted on. Returns the spread and each
-    fold's factors (stored, so that tests/test_plan.py rechecks every held-out row)."""
-    ratios, fold_factors = [], []
+    estimate can be trusted on a layout it was not fitted on. Returns the spread, each
+    fold's factors and its rows' cases (stored, so that tests/test_plan.py rechecks every
+    held-out row, and a row added later is known to be in no fold)."""
+    ratios, fold_factors, fold_cases = [], [], []
     for f in range(folds):
         train = [r for i, r in enumerate(rows) if i % folds != f]
         k = fit(train, memory.Factors(), fallback)
         fold_factors.append(dataclasses.asdict(k))
+        fold_cases.append([r["case"] for r in rows[f::folds]])
         for r in rows[f::folds]:
             ratios.append(memory_fit.estimate(r, k) / r["compiled_bytes"])
             print(f"fold {f}: {r['case']:48s} {ratios[-1]:6.3f}", flush=True)
     inside = sum(memory_fit.within(x) for x in ratios)
     print(f"held out ({folds} folds): {min(ratios):.3f}–{max(ratios):.3f}, "
           f"{inside} of {len(ratios)} within ±15%")
-    return memory_fit.spread(ratios, folds), fold_factors
+    return memory_fit.spread(ratios, folds), fold_factors, fold_cases
 
 
 def main() -> None:
@@ -171,15 +173,17 @@ def main() -> None:
         fallback = memory.Factors(**data["factors"]["cpu"]) if source == "tpu" \
             else memory.Factors()
         if args.holdout:
-            spread, fold_factors = holdout(rows, fallback, args.holdout)
+            spread, fold_factors, fold_cases = holdout(rows, fallback, args.holdout)
             data.setdefault("holdout", {})[source] = spread
             data.setdefault("holdout_factors", {})[source] = fold_factors
+            data.setdefault("holdout_cases", {})[source] = fold_cases
             continue
         if args.fit:
             k = fit(rows, k, fallback)
             # The stored held-out spread was of the factors this replaces: rerun --holdout.
             data.get("holdout", {}).pop(source, None)
             data.get("holdout_factors", {}).pop(source, None)
+            data.get("holdout_cases", {}).pop(source, None)
         print(f"\n{source}: {len(rows)} compiled steps; factors {dataclasses.asdict(k)}")
         out, data.setdefault("spread", {})[source] = report(rows, k, args.markdown)
         outside += out

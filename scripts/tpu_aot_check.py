@@ -110,7 +110,7 @@ def train_case(name: str, config_file: str, overrides: dict, devices, offload: b
     tokens = setup.abstract_batch()
     # Outside set_mesh: under a mesh of compile-only devices, the eager jax.random.key
     # inside abstract_state would be dispatched to them and fail.
-    state = setup.abstract_state()
+    state = setup.abstract_step_state()
     start = time.perf_counter()
     with jax.set_mesh(setup.mesh):
         try:

@@ -34,7 +34,7 @@ def compile_step(setup, state=None, tokens=None):
     if state is None:
         # Outside set_mesh: with compile-only (TPU topology) devices, the eager random key
         # inside abstract_state would otherwise be dispatched to them and fail.
-        state = setup.abstract_state()
+        state = setup.abstract_step_state()
     with jax.set_mesh(setup.mesh):
         return setup.train_step().lower(state, tokens).compile()
 

@@ -57,7 +57,8 @@ MOE_CASES = tuple(name for name, case in GRID.items() if "model.moe.num_experts"
 # claims: (hardware catalog entry, devices). tests/test_plan.py checks none OOMs there;
 # scripts/memory_check.py compares the estimate with XLA on them.
 SHIPPED_TARGETS = {"tiny.py": ("CPU-host", 1), "bench_cpu.py": ("CPU-host", 1),
-                   "stdlib_bpe.py": ("CPU-host", 1),
+                   "stdlib_bpe.py": ("CPU-host", 1), "stdlib_sft.py": ("CPU-host", 1),
+                   "stdlib_dpo.py": ("CPU-host", 1),
                    "gpt2_124m.py": ("A100-40GB", 8), "llama_1b.py": ("H100-SXM", 8),
                    "llama_1b_32k.py": ("H100-SXM", 8),
                    "gpt13b.py": ("A100-80GB", 64), "gpt13b_pp.py": ("A100-80GB", 16),

@@ -90,14 +90,17 @@ def config_of(case: dict):
 
 def held_out_ratios(source: str) -> list[float] | None:
     """Each stored row's estimate / XLA with the factors of the fold that held it out
-    (plan/memory_fit.json holdout_factors, written by scripts/fit_memory.py --holdout K
-    --write: row i in fold i mod K); None when none are stored."""
-    folds = load().get("holdout_factors", {}).get(source)
+    (plan/memory_fit.json holdout_factors and holdout_cases, written by
+    scripts/fit_memory.py --holdout K --write); a row stored after that fit was seen by no
+    fold, so any fold's factors hold it out (the first's). None when none are stored."""
+    data = load()
+    folds = data.get("holdout_factors", {}).get(source)
     if not folds:
         return None
-    rows = cases(source)
-    return [estimate(r, memory.Factors(**folds[i % len(folds)])) / r["compiled_bytes"]
-            for i, r in enumerate(rows)]
+    fold_of = {case: f for f, names in enumerate(data["holdout_cases"][source])
+               for case in names}
+    return [estimate(r, memory.Factors(**folds[fold_of.get(r["case"], 0)]))
+            / r["compiled_bytes"] for r in cases(source)]
 
 
 def estimate(case: dict, factors: memory.Factors | None = None, config=None) -> float:

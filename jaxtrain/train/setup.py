@@ -83,6 +83,12 @@ class Setup:
         return state_lib.abstract_state(self.spec, self.optimizer, self.shardings,
                                         loss_scale_init(self.cfg))
 
+    def abstract_step_state(self) -> state_lib.TrainState:
+        """Shapes, dtypes and shardings of all the step takes, frozen parameters included
+        (an ahead-of-time compile)."""
+        return state_lib.abstract_step_state(self.spec, self.optimizer, self.shardings,
+                                             loss_scale_init(self.cfg))
+
     def train_step(self) -> Callable:
         """jit(train_step) with explicit shardings and donated state; call under the mesh."""
         cfg = self.cfg

@@ -185,3 +185,23 @@ def abstract_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
                          shapes, _loaded_apart(shardings))
     return _with_reference_fingerprint(
         state, shardings, lambda sh: jax.ShapeDtypeStruct((8,), jnp.uint32, sharding=sh))
+
+
+def abstract_step_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
+                        shardings: TrainState, loss_scale: float | None = None) -> TrainState:
+    """abstract_state plus the parameters loaded apart (LoRA's frozen base, DPO's reference
+    copy) as ShapeDtypeStructs: everything the jitted step takes, for an ahead-of-time
+    compile (plan --compile) that allocates nothing."""
+    state = abstract_state(spec, optimizer, shardings, loss_scale)
+    shapes = jax.eval_shape(functools.partial(create_base, spec), jax.random.key(0))
+
+    def shaped(tree_shardings):
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, tree_shardings)
+
+    if shardings.frozen is not None:
+        state = state.replace(frozen=shaped(shardings.frozen))
+    if shardings.reference is not None:
+        state = state.replace(reference=shaped(shardings.reference))
+    return state
+
