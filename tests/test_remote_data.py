@@ -5,6 +5,7 @@ slow or briefly dead server is lived through."""
 
 import threading
 
+import jax
 import numpy as np
 import pytest
 from conftest import object_server, small_config
@@ -48,9 +49,16 @@ def _same_batches(local_cfg, remote_cfg) -> None:
     for start in (0, 4):
         a, b = mine.train_iter(start), theirs.train_iter(start)
         for _ in range(2):
-            np.testing.assert_array_equal(*(np.asarray(x) for x in (next(a), next(b))))
+            _assert_same(next(a), next(b))
     for x, y in zip(mine.val_batches(), theirs.val_batches()):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        _assert_same(x, y)
+
+
+def _assert_same(x, y) -> None:
+    """Equal batches: token arrays, or Packed rows array by array (no mask is no array)."""
+    assert jax.tree.structure(x) == jax.tree.structure(y)
+    for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
 def _cfg(**overrides):
