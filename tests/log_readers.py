@@ -67,3 +67,18 @@ def wandb_runs(wandb_dir) -> list[dict]:
                                        for i in record.history.item})
         runs.append(run)
     return runs
+
+
+def metrics_rows(workdir) -> list[dict]:
+    """WORKDIR/metrics.jsonl's rows."""
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def rows_by_step(rows) -> dict[int, dict]:
+    """Rows merged per step (a step's val_loss or task scores may be a row of its own)."""
+    merged: dict[int, dict] = {}
+    for row in rows:
+        merged.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k != "step"})
+    return merged
+

@@ -7,6 +7,7 @@ import math
 
 import pytest
 from conftest import small_config
+from log_readers import metrics_rows, rows_by_step
 
 from jaxtrain.config import validate
 from jaxtrain.errors import ConfigError
@@ -29,18 +30,6 @@ def wandb_run(tmp_path_factory, devices):
     return workdir
 
 
-def _rows(workdir) -> list[dict]:
-    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _by_step(rows) -> dict[int, dict]:
-    """Rows merged per step (a step's val_loss may be a row of its own)."""
-    merged: dict[int, dict] = {}
-    for row in rows:
-        merged.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k != "step"})
-    return merged
-
-
 @pytest.mark.slow
 def test_wandb_offline_run_resumes_with_the_history_of_metrics_jsonl(wandb_run):
     from log_readers import wandb_runs
@@ -55,7 +44,7 @@ def test_wandb_offline_run_resumes_with_the_history_of_metrics_jsonl(wandb_run):
         for row in run["history"]:
             logged.setdefault(row["_step"], {}).update(
                 {k: v for k, v in row.items() if not k.startswith("_")})
-    expected = _by_step(_rows(wandb_run))
+    expected = rows_by_step(metrics_rows(wandb_run))
     assert sorted(logged) == sorted(expected) == [0, 2, 4, 6]
     for step, row in expected.items():
         assert logged[step].keys() == row.keys(), step
@@ -100,7 +89,7 @@ def test_a_new_metric_sink_is_one_registry_entry(tmp_path, monkeypatch):
     writer.write(4, {"step": 4, "loss": 1.5})
     writer.close()
     assert written == [("open", 3), (4, {"loss": 1.5}), "closed"]
-    assert _rows(tmp_path) == [{"step": 4, "loss": 1.5}]
+    assert metrics_rows(tmp_path) == [{"step": 4, "loss": 1.5}]
     assert not (tmp_path / "tensorboard").exists()  # not among this run's sinks
 
 

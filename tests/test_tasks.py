@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import small_config
 from flax import nnx
+from log_readers import metrics_rows, rows_by_step
 
 from jaxtrain.config import validate
 from jaxtrain.errors import ConfigError
@@ -85,18 +86,6 @@ def task_run(tmp_path_factory, task_files, devices):
     cfg.steps = 6
     run(cfg, workdir, devices[:1])
     return workdir
-
-
-def _rows(workdir) -> list[dict]:
-    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _by_step(rows) -> dict[int, dict]:
-    """Rows merged per step (a step's val_loss or task scores may be a row of their own)."""
-    merged: dict[int, dict] = {}
-    for row in rows:
-        merged.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k != "step"})
-    return merged
 
 
 def _direct_forward(graphdef):
@@ -233,7 +222,7 @@ def test_a_runs_own_bpe_tokenizer_scores_tasks_in_the_loop_and_from_its_checkpoi
                           "eval_batches": 2, "data.val_fraction": 0.2,
                           "eval.tasks": str(items), "eval.tasks_batch": 4})
     run(cfg, tmp_path / "run", devices[:1])
-    in_loop = _by_step(_rows(tmp_path / "run"))[4]
+    in_loop = rows_by_step(metrics_rows(tmp_path / "run"))[4]
     tokenizer = run_tokenizer(None, tmp_path / "run")
     assert tokenizer.kind != "bytes"
     tasks = BACKENDS["lm_eval"].load(TaskSpec((str(items),)))
@@ -302,7 +291,7 @@ def test_task_scores_in_the_loop_reach_every_sink_and_the_report(task_run, task_
     from jaxtrain.data.tokenizers import ByteTokenizer
     from jaxtrain.tasks import BACKENDS, TaskSpec
 
-    rows = _by_step(_rows(task_run))
+    rows = rows_by_step(metrics_rows(task_run))
     keys = (f"tasks/{TASK}/acc", f"tasks/{TASK}/acc_norm", "tasks/roll/word_perplexity",
             "tasks/roll/byte_perplexity", "tasks/roll/bits_per_byte")
     assert [s for s, r in rows.items() if keys[0] in r] == [2, 4, 6]
@@ -333,7 +322,7 @@ def test_eval_command_scores_tasks_on_a_tensor_mesh(task_run, task_files):
     assert result.returncode == 0, result.stderr[-2000:]
     line = json.loads(result.stdout.strip().splitlines()[-1])
     assert line["step"] == 6 and line["mesh"]["tensor"] == 2
-    logged = _by_step(_rows(task_run))[6]
+    logged = rows_by_step(metrics_rows(task_run))[6]
     assert line["scores"][f"tasks/{TASK}/acc"] == logged[f"tasks/{TASK}/acc"]
     saved = json.loads(pathlib.Path(line["results"]).read_text())
     assert pathlib.Path(line["results"]).parent == task_run / "evals"
