@@ -78,12 +78,18 @@ def attach(state: TrainState, cfg, spec, shardings: TrainState, fresh: bool) -> 
     if fresh:
         return state.replace(frozen=base, base_fingerprint=jax.device_put(
             found, shardings.base_fingerprint))
-    saved = np.asarray(jax.device_get(state.base_fingerprint))
-    if not np.array_equal(saved, found):
-        raise ConfigError(f"model.lora.base={cfg.model.lora.base!r} is not the base these "
-                          f"adapters were trained on (fingerprint {_hex(found)}, the "
-                          f"checkpoint's {_hex(saved)}); resume with the same base")
+    check_same(state.base_fingerprint, found, f"model.lora.base={cfg.model.lora.base!r} "
+               "is not the base these adapters were trained on", "the same base")
     return state.replace(frozen=base)
+
+
+def check_same(saved, found: np.ndarray, mismatch: str, remedy: str) -> None:
+    """ConfigError unless a checkpoint's fingerprint (`saved`, on device) is `found`:
+    "MISMATCH (fingerprint ..., the checkpoint's ...); resume with REMEDY"."""
+    saved = np.asarray(jax.device_get(saved))
+    if not np.array_equal(saved, found):
+        raise ConfigError(f"{mismatch} (fingerprint {_hex(found)}, the checkpoint's "
+                          f"{_hex(saved)}); resume with {remedy}")
 
 
 def _hex(words: np.ndarray) -> str:

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxtrain.errors import ConfigError
-from jaxtrain.train.frozen import fingerprint, load_params
+from jaxtrain.train.frozen import check_same, fingerprint, load_params
 from jaxtrain.train.state import TrainState
 
 
@@ -35,13 +33,6 @@ def attach(state: TrainState, cfg, spec, shardings: TrainState, fresh: bool) -> 
         return state.replace(params=params, reference=reference,
                              reference_fingerprint=jax.device_put(
                                  found, shardings.reference_fingerprint))
-    saved = np.asarray(jax.device_get(state.reference_fingerprint))
-    if not np.array_equal(saved, found):
-        raise ConfigError(f"train.dpo.reference={source!r} is not the reference this run "
-                          f"was trained against (fingerprint {_hex(found)}, the "
-                          f"checkpoint's {_hex(saved)}); resume with the same reference")
+    check_same(state.reference_fingerprint, found, f"train.dpo.reference={source!r} is not "
+               "the reference this run was trained against", "the same reference")
     return state.replace(reference=reference)
-
-
-def _hex(words: np.ndarray) -> str:
-    return np.asarray(words, np.uint32).tobytes().hex()[:12]
