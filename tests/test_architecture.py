@@ -315,6 +315,19 @@ def test_the_planner_names_no_kernel_or_variant():
                     "entry's fact instead")
 
 
+# What the planner may not import: a kernel's own modules (it reads their registry
+# entries' facts: tiles, chunks), and the head and loss (the objective entry's logits_chunk).
+KERNEL_INTERNALS = ("models.attention.", "models.head_loss")
+
+
+def test_the_planner_imports_no_kernel_internals():
+    found = [f"plan/{path.name}:{line} imports jaxtrain.{target}"
+             for path in sorted((PACKAGE / "plan").glob("*.py"))
+             for target, line, _ in _package_imports(path)
+             if any(target.startswith(name) for name in KERNEL_INTERNALS)]
+    assert not found, found
+
+
 def test_a_new_tokenizer_kind_or_input_format_is_one_registry_entry(tmp_path, monkeypatch):
     """The offline side's choices: a tokenizer backend (data/tokenizers KINDS) and an input
     format (prepare/formats FORMATS) are each one entry. No config key picks them, so each is

@@ -22,8 +22,6 @@ from flax import nnx
 from jaxtrain.mesh import batch_shards, logical_to_spec
 from jaxtrain.models import ModelSpec, Transformer, lora
 from jaxtrain.models.attention import KERNELS, VARIANTS
-from jaxtrain.models.attention.context_tiles import KEY_TILE, QUERY_TILE
-from jaxtrain.models.head_loss import chunk_size
 from jaxtrain.models.moe import DISPATCHES
 from jaxtrain.models.remat import REMATS
 from jaxtrain.objectives import OBJECTIVES
@@ -271,7 +269,8 @@ def _context_working(spec: ModelSpec, rows: float, sizes: dict, c: int) -> float
     held = kv_row if blocks is None else blocks * kv_row / cp
     dq = rows * spec.seq_len / cp * spec.num_heads * spec.head_dim / t * F32
     run = spec.seq_len / cp / spec.context.chunks_per_device
-    tile = rows * spec.num_heads / t * min(run, QUERY_TILE) * min(run, KEY_TILE) * F32
+    query_tile, key_tile = VARIANTS[spec.context.variant].score_tile
+    tile = rows * spec.num_heads / t * min(run, query_tile) * min(run, key_tile) * F32
     return held * (c + F32) + dq + 4 * tile
 
 
@@ -459,8 +458,8 @@ def _head_and_loss(s: _Step) -> float:
     cp = sizes.get("context", 1)
     global_rows = s.cfg.train.global_batch // s.cfg.train.microbatches
     # Under context parallelism the chunks are cp× longer and each device holds 1/cp.
-    chunk_tokens = chunk_size(spec.seq_len, global_rows, 1024 * cp) * global_rows \
-        / batch_shards(sizes) / cp
+    chunk = OBJECTIVES[s.cfg.train.objective].logits_chunk(spec.seq_len, global_rows, cp)
+    chunk_tokens = chunk * global_rows / batch_shards(sizes) / cp
     vocab_local = spec.vocab_size / sizes["tensor"]
     logits = chunk_tokens * vocab_local * (k.logit_f32 * F32 + c) + \
         k.head_stream * s.rows * spec.seq_len * spec.d_model * c / cp
