@@ -275,9 +275,8 @@ def test_a_new_choice_is_one_registry_entry(case, monkeypatch, devices):
     monkeypatch.setitem(registry, name, entry)
     with pytest.raises(ConfigError, match=rf"valid values are .*{name}"):
         validate(small_config(**{**overrides, key: name + "x"}), count, "cpu")
-    if case != "precision":  # hardware.MATMUL_PRECISION still maps precisions by name
-        plan = make_plan(small_config(**overrides), hardware.get("H100-SXM"), count)
-        assert plan["memory"]["total_bytes_per_device"] > 0
+    plan = make_plan(small_config(**overrides), hardware.get("H100-SXM"), count)
+    assert plan["memory"]["total_bytes_per_device"] > 0
     losses, _, _ = train_steps(small_config(**overrides), devices[:count], steps=2)
     assert all(math.isfinite(v) for v in losses) and losses[1] < losses[0] + 0.5
 
