@@ -1,7 +1,8 @@
 """Config defaults and validation.
 
 Every config file in configs/ starts from `base_config()` and overrides what it needs, so the
-set of keys is defined here once. `validate()` catches impossible combinations before anything
+set of keys is defined once: each section beside the module that reads it (its `defaults()`),
+assembled here. `validate()` catches impossible combinations before anything
 compiles and names the key with the values that would be valid. Each extensible choice (model
 family, attention kernel, remat policy, precision, data source, mesh axis, schedule) is a
 registry entry in the module that implements it, carrying its own checks; validate() asks
@@ -15,6 +16,12 @@ import pathlib
 
 import ml_collections
 
+from jaxtrain import distributed as distributed_lib
+from jaxtrain import mesh as mesh_lib
+from jaxtrain import optim as optim_lib
+from jaxtrain import sinks as sinks_lib
+from jaxtrain import tasks as tasks_lib
+from jaxtrain.data import sources as sources_lib
 from jaxtrain.data.packing import PACKINGS
 from jaxtrain.data.remote_file import check_cache_config
 from jaxtrain.data.sources import SOURCES
@@ -37,6 +44,7 @@ from jaxtrain.models.families import FAMILIES
 from jaxtrain.models.remat import REMATS
 from jaxtrain.objectives import OBJECTIVES
 from jaxtrain.optim import OPTIMIZERS, SCHEDULES
+from jaxtrain.parallel import pipeline as pipeline_lib
 from jaxtrain.parallel.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from jaxtrain.precision import PRECISIONS
 from jaxtrain.sinks import validate_sinks
@@ -50,204 +58,126 @@ __all__ = ["DEFAULT_RULES", "MESH_AXES", "ConfigError", "apply_overrides",
 
 
 def base_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.name = "base"
-    c.steps = 100
-    c.seed = 0
-    c.log_every_steps = 10
-    c.eval_every_steps = 50
-    c.eval_batches = 4
+    """Every key a config may set, with its default. A section is written beside the module
+    that reads it (that module's `defaults()`); the sections whose readers sit above this
+    module (train/, the loop's hooks) and the model's core keys are the functions below."""
+    return ml_collections.ConfigDict({
+        **_run(), "mesh": mesh_lib.defaults(), "pipeline": pipeline_lib.defaults(),
+        "model": _model(), "train": _train(), "profile": _profile(),
+        "optimizer": optim_lib.defaults(), "data": sources_lib.defaults(),
+        "eval": tasks_lib.defaults(), "metrics": sinks_lib.defaults(),
+        "checkpoint": _checkpoint(), "distributed": distributed_lib.defaults(),
+        "debug": _debug()})
 
-    c.mesh = ml_collections.ConfigDict()
-    for axis in AXES:  # mesh.NAME: size within a node or slice; -1: the rest of the devices
-        c.mesh[axis] = -1 if axis == "data" else 1
-    c.mesh.sequence_parallel = False
-    # mesh.context > 1: each device holds 2 chunks of the row, i and 2C-1-i, so that causal
-    # attention work is equal on every device (parallel/context.py); False: a plain split.
-    c.mesh.context_load_balance = True
-    # Sizes across the slow links between hosts/slices (DCN); the plain sizes are within one.
-    for axis in AXES:
-        c.mesh[f"dcn_{axis}"] = 1
-    c.mesh.rules = DEFAULT_RULES
 
-    # Used when mesh.pipeline > 1 (see docs/parallelism.md).
-    c.pipeline = ml_collections.ConfigDict()
-    c.pipeline.schedule = "gpipe"
-    # Pipeline micro-batches: the slices of each (accumulation) micro-batch that flow through
-    # the stages; not train.microbatches, which is gradient accumulation.
-    c.pipeline.microbatches = 4
-    c.pipeline.repeats = 1  # layer chunks per stage; circular only
+def _run() -> dict:
+    return {"name": "base", "steps": 100, "seed": 0, "log_every_steps": 10,
+            "eval_every_steps": 50, "eval_batches": 4}
 
-    c.model = ml_collections.ConfigDict()
-    c.model.family = "gpt2"
-    c.model.d_model = 128
-    c.model.num_layers = 2
-    c.model.num_heads = 4
-    c.model.num_kv_heads = 0  # 0: same as num_heads
-    c.model.head_dim = 0  # 0: d_model // num_heads
-    c.model.mlp_dim = 512
-    c.model.vocab_size = 256
-    c.model.seq_len = 128
-    c.model.attention = "auto"  # cudnn on NVIDIA GPUs in bf16/fp16, else chunked
-    c.model.sliding_window = 0  # 0: full causal attention; W: each token sees its last W
-    # mesh.context > 1: how K/V reach every device (models/attention/context_variants.py): allgather
-    # (one all-gather per layer), ring (ppermute hops), auto (allgather under GQA, else ring).
-    c.model.context_attention = "auto"
-    c.model.remat = "none"
-    c.model.rope_theta = 10000.0
-    # RoPE scaling for context extension (models/rope.py has every field's meaning); the
-    # names are transformers' rope_parameters keys, so HF import/export maps them 1:1.
-    c.model.rope_scaling = ml_collections.ConfigDict()
-    c.model.rope_scaling.type = "none"  # none | llama3 | yarn
-    c.model.rope_scaling.factor = 8.0
-    c.model.rope_scaling.original_max_position_embeddings = 8192
-    c.model.rope_scaling.low_freq_factor = 1.0  # llama3
-    c.model.rope_scaling.high_freq_factor = 4.0  # llama3
-    c.model.rope_scaling.beta_fast = 32.0  # yarn
-    c.model.rope_scaling.beta_slow = 1.0  # yarn
-    c.model.rope_scaling.attention_factor = 0.0  # yarn; 0: 0.1·ln(factor) + 1
-    c.model.rope_scaling.truncate = True  # yarn
-    c.model.norm_eps = 1e-5
-    c.model.init_std = 0.02
-    # Mixture of experts (models/moe.py, docs/parallelism.md); num_experts 0: a dense model.
-    c.model.moe = ml_collections.ConfigDict()
-    c.model.moe.num_experts = 0  # E routed experts per MoE layer (>= 2), llama family
-    c.model.moe.top_k = 2  # experts per token; their router probabilities renormalised
-    c.model.moe.expert_mlp_dim = 0  # each expert's SwiGLU width; 0: model.mlp_dim
-    c.model.moe.shared_experts = 0  # always-on experts of expert_mlp_dim (DeepSeek/Qwen)
-    c.model.moe.every_n_layers = 1  # layers n-1, 2n-1, ... are MoE, the rest dense
-    c.model.moe.router_dtype = "float32"  # the router's matmul (softmax is always float32)
-    c.model.moe.aux_loss_weight = 0.01  # load balancing: (E/k)·Σ f·P, 1.0 when balanced
-    c.model.moe.z_loss_weight = 0.001  # router z-loss: mean logsumexp(logits)²
-    # capacity dispatch: an expert takes at most ⌈capacity_factor·T·k/E⌉ of a device's T
-    # tokens, the rest are dropped (moe_dropped_fraction in metrics.jsonl).
-    c.model.moe.capacity_factor = 1.25
-    # auto: dropless on TPU (grouped matmuls), capacity on CPU and GPU; or either by name.
-    c.model.moe.dispatch = "auto"
 
-    # LoRA (models/lora.py, docs/finetune.md): rank 0 trains every weight.
-    c.model.lora = ml_collections.ConfigDict()
-    c.model.lora.rank = 0  # the adapters' rank; 0: off
-    c.model.lora.alpha = 16.0  # their output is scaled by alpha/rank (as PEFT's lora_alpha)
-    c.model.lora.targets = lora_lib.DEFAULT_TARGETS  # comma list: q,k,v,o,up,gate,down,experts
-    c.model.lora.dropout = 0.0  # only 0.0 (no dropout) is implemented
-    # The frozen base: a run directory (local, gs://, s3://) whose newest checkpoint's
-    # parameters it is (jaxtrain convert --from-hf ... --workdir BASE, or any training
-    # run); empty: the base is initialised from `seed` (tests, benchmarks).
-    c.model.lora.base = ""
-    c.train = ml_collections.ConfigDict()
-    c.train.global_batch = 8
-    # Gradient accumulation: the global batch is split into this many micro-batches, run one
-    # after another and their gradients summed (pipeline.microbatches is another thing).
-    c.train.microbatches = 1
-    c.train.precision = "float32"
-    c.train.max_consecutive_bad_steps = 5  # non-finite steps in a row before the run stops
-    # Hang watchdog: no step (or evaluation, or checkpoint save) completing for this long
-    # dumps every thread's stack and exits with code 4; 0: off.
-    c.train.step_timeout_s = 1800.0
-    c.train.mfu_floor = 0.0  # warn when a logged step's MFU is below this; 0: never
-    # float16 only: dynamic loss scaling, doubled after this many finite steps in a row.
-    c.train.loss_scale_init = 2.0**15
-    c.train.loss_scale_period = 2000
-    # What the step minimises (objectives.py OBJECTIVES, docs/finetune.md): lm (next-token
-    # cross entropy) or dpo (preference pairs, data.packing='pairs', against a frozen
-    # reference: LoRA's base, or train.dpo.reference's parameters, also the starting ones).
-    c.train.objective = "lm"
-    c.train.dpo = ml_collections.ConfigDict()
-    c.train.dpo.beta = 0.1  # the strength of the implicit KL penalty (TRL's beta)
-    c.train.dpo.reference = ""  # a run directory; empty: the model initialised from seed
+def _model() -> dict:
+    """The `model` section: ModelSpec.from_config (models/transformer.py) reads it."""
+    return {
+        "family": "gpt2",
+        "d_model": 128,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 0,  # 0: same as num_heads
+        "head_dim": 0,  # 0: d_model // num_heads
+        "mlp_dim": 512,
+        "vocab_size": 256,
+        "seq_len": 128,
+        "attention": "auto",  # cudnn on NVIDIA GPUs in bf16/fp16, else chunked
+        "sliding_window": 0,  # 0: full causal attention; W: each token sees its last W
+        # mesh.context > 1: how K/V reach every device (models/attention/context_variants.py):
+        # allgather (one all-gather per layer), ring (ppermute hops), auto (allgather under
+        # GQA, else ring).
+        "context_attention": "auto",
+        "remat": "none",
+        "rope_theta": 10000.0,
+        "rope_scaling": rope_lib.defaults(),
+        "norm_eps": 1e-5,
+        "init_std": 0.02,
+        "moe": _moe(),
+        "lora": lora_lib.defaults(),
+    }
 
-    # A jax.profiler trace (TensorBoard/Perfetto) of steps [start_step, start_step+num_steps)
-    # and a device memory profile, in WORKDIR/profile; start_step -1: none.
-    c.profile = ml_collections.ConfigDict()
-    c.profile.start_step = -1
-    c.profile.num_steps = 3
 
-    c.optimizer = ml_collections.ConfigDict()
-    c.optimizer.name = "adamw"  # optim.py OPTIMIZERS: adamw, lion
-    c.optimizer.lr = 3e-4
-    c.optimizer.warmup_steps = 10
-    c.optimizer.schedule = "cosine"
-    c.optimizer.min_lr_ratio = 0.1
-    c.optimizer.weight_decay = 0.1
-    c.optimizer.decay_embeddings = False
-    c.optimizer.b1 = 0.9
-    c.optimizer.b2 = 0.95
-    c.optimizer.eps = 1e-8
-    c.optimizer.clip_norm = 1.0
-    # Keep the Adam moments in pinned host memory between steps (GPU/TPU memory saver).
-    c.optimizer.offload_to_host = False
+def _moe() -> dict:
+    """The `model.moe` section (models/moe.py, docs/parallelism.md); num_experts 0: a dense
+    model. (Written here while models/moe.py is being reworked; it belongs beside DISPATCHES.)"""
+    return {
+        "num_experts": 0,  # E routed experts per MoE layer (>= 2), llama family
+        "top_k": 2,  # experts per token; their router probabilities renormalised
+        "expert_mlp_dim": 0,  # each expert's SwiGLU width; 0: model.mlp_dim
+        "shared_experts": 0,  # always-on experts of expert_mlp_dim (DeepSeek/Qwen)
+        "every_n_layers": 1,  # layers n-1, 2n-1, ... are MoE, the rest dense
+        "router_dtype": "float32",  # the router's matmul (softmax is always float32)
+        "aux_loss_weight": 0.01,  # load balancing: (E/k)·Σ f·P, 1.0 when balanced
+        "z_loss_weight": 0.001,  # router z-loss: mean logsumexp(logits)²
+        # capacity dispatch: an expert takes at most ⌈capacity_factor·T·k/E⌉ of a device's
+        # T tokens, the rest are dropped (moe_dropped_fraction in metrics.jsonl).
+        "capacity_factor": 1.25,
+        # auto: dropless on TPU (grouped matmuls), capacity on CPU and GPU; or either by name.
+        "dispatch": "auto",
+    }
 
-    c.data = ml_collections.ConfigDict()
-    c.data.source = "stdlib"
-    # bin: a .bin file or a directory with train.bin/val.bin; prepared: a directory made by
-    # `jaxtrain prepare` (docs/data.md).
-    c.data.path = ""
-    c.data.dtype = "uint16"  # token width of .bin files
-    c.data.val_fraction = 0.05  # held-out tail (prepared: at a document boundary)
-    c.data.prefetch = 2
-    # concat: rows are windows of the concatenated documents; documents: whole documents
-    # packed into rows, attention and positions kept within each (docs/data.md).
-    c.data.packing = "concat"
-    # prepared: several datasets drawn by weight, "DIR:WEIGHT,DIR:WEIGHT" (instead of path).
-    c.data.mixture = ""
-    # prepared: validate on this prepared dataset instead of a held-out tail.
-    c.data.val_path = ""
-    # bin: the tokenizer that made the ids (a spec as for prepare --tokenizer), so that
-    # generate/eval/convert can use text; prepared datasets carry their own.
-    c.data.tokenizer = ""
-    # Resume even though the data's fingerprint changed since the run started (data.json).
-    c.data.allow_changed = False
-    # Data on gs:// or s3:// (docs/data.md): read by range requests of block_kb KiB into an
-    # in-memory LRU cache of cache_mb MiB per process (jaxtrain.data.remote_file).
-    c.data.cache_mb = 512
-    c.data.block_kb = 256
 
-    # Downstream tasks during training (docs/evaluation.md): scored on the live parameters
-    # every tasks_every_steps and at the end, logged beside val_loss as tasks/TASK/METRIC.
-    c.eval = ml_collections.ConfigDict()
-    c.eval.tasks = ""  # comma-separated task names, task YAML or JSONL files; "": none
-    c.eval.tasks_every_steps = 0  # 0: only at the end of the run
-    c.eval.task_dir = ""  # comma-separated directories of task YAML files
-    c.eval.tasks_limit = 0  # documents per task; 0: all
-    c.eval.tasks_num_fewshot = -1  # -1: each task's own default
-    c.eval.tasks_batch = 8  # rows per scoring batch (rounded up to what the mesh splits)
-    c.eval.backend = "lm_eval"
+def _train() -> dict:
+    """The `train` section: the step (train/step.py), its guards and watchdog."""
+    return {
+        "global_batch": 8,
+        # Gradient accumulation: the global batch is split into this many micro-batches, run
+        # one after another and their gradients summed (pipeline.microbatches is another
+        # thing).
+        "microbatches": 1,
+        "precision": "float32",  # precision.py PRECISIONS
+        "max_consecutive_bad_steps": 5,  # non-finite steps in a row before the run stops
+        # Hang watchdog: no step (or evaluation, or checkpoint save) completing for this long
+        # dumps every thread's stack and exits with code 4; 0: off.
+        "step_timeout_s": 1800.0,
+        "mfu_floor": 0.0,  # warn when a logged step's MFU is below this; 0: never
+        # float16 only: dynamic loss scaling, doubled after this many finite steps in a row.
+        "loss_scale_init": 2.0**15,
+        "loss_scale_period": 2000,
+        # What the step minimises (objectives.py OBJECTIVES, docs/finetune.md): lm (next-token
+        # cross entropy) or dpo (preference pairs, data.packing='pairs', against a frozen
+        # reference: LoRA's base, or train.dpo.reference's parameters, also the starting ones).
+        "objective": "lm",
+        "dpo": {
+            "beta": 0.1,  # the strength of the implicit KL penalty (TRL's beta)
+            "reference": "",  # a run directory; empty: the model initialised from seed
+        },
+    }
 
-    # Where logged metrics go (jaxtrain/sinks.py); metrics.jsonl always.
-    c.metrics = ml_collections.ConfigDict()
-    c.metrics.sinks = "jsonl,tensorboard"  # add wandb for Weights & Biases
-    c.metrics.wandb = ml_collections.ConfigDict()
-    c.metrics.wandb.project = "jaxtrain"
-    c.metrics.wandb.entity = ""  # "": the account's default
-    c.metrics.wandb.run_name = ""  # "": the workdir's name
-    c.metrics.wandb.mode = "online"  # offline: no network (`wandb sync` later); disabled
 
-    c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every_steps = 0  # 0: only at the end of the run
-    c.checkpoint.keep = 3  # healthy checkpoints kept (docs/operations.md)
-    c.checkpoint.keep_period = 0  # also keep every N-th step forever; 0: none
-    # A second, fast tier (a local SSD; for a multi-process job, a directory every process
-    # sees): saved every local_every_steps, keeping local_keep. Restore takes the newest
-    # intact step of either tier.
-    c.checkpoint.local_dir = ""
-    c.checkpoint.local_every_steps = 0
-    c.checkpoint.local_keep = 2
-    c.checkpoint.verify_on_restore = True  # check every file's checksum before restoring
+def _profile() -> dict:
+    """A jax.profiler trace (TensorBoard/Perfetto) of steps [start_step, start_step +
+    num_steps) and a device memory profile, in WORKDIR/profile; start_step -1: none
+    (train/profiling.py)."""
+    return {"start_step": -1, "num_steps": 3}
 
-    # Multi-process jobs: a process whose peer stops answering exits (non-zero) after this
-    # long, so that the scheduler can restart the job (docs/multihost.md).
-    c.distributed = ml_collections.ConfigDict()
-    c.distributed.heartbeat_timeout_s = 60
-    c.distributed.initialization_timeout_s = 300
 
-    # Test-only fault injection (train/faults.py): a NaN loss at steps
-    # [nan_from_step, nan_from_step + nan_steps); the input of step hang_at_step never comes.
-    c.debug = ml_collections.ConfigDict()
-    c.debug.nan_from_step = -1
-    c.debug.nan_steps = 1
-    c.debug.hang_at_step = -1
-    return c
+def _checkpoint() -> dict:
+    """The `checkpoint` section (train/checkpointing.py, docs/operations.md)."""
+    return {
+        "every_steps": 0,  # 0: only at the end of the run
+        "keep": 3,  # healthy checkpoints kept (docs/operations.md)
+        "keep_period": 0,  # also keep every N-th step forever; 0: none
+        # A second, fast tier (a local SSD; for a multi-process job, a directory every process
+        # sees): saved every local_every_steps, keeping local_keep. Restore takes the newest
+        # intact step of either tier.
+        "local_dir": "",
+        "local_every_steps": 0,
+        "local_keep": 2,
+        "verify_on_restore": True,  # check every file's checksum before restoring
+    }
+
+
+def _debug() -> dict:
+    """Test-only fault injection (train/faults.py): a NaN loss at steps [nan_from_step,
+    nan_from_step + nan_steps); the input of step hang_at_step never comes."""
+    return {"nan_from_step": -1, "nan_steps": 1, "hang_at_step": -1}
 
 
 def load_config_file(path) -> ml_collections.ConfigDict:

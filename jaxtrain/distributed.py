@@ -35,6 +35,13 @@ def _on_cpu() -> bool:
     return platforms.split(",")[0].strip() == "cpu"
 
 
+def defaults() -> dict:
+    """The `distributed` section of config.base_config(): in a multi-process job a process
+    whose peer stops answering exits (non-zero) after heartbeat_timeout_s, so that the
+    scheduler can restart the job (docs/multihost.md)."""
+    return {"heartbeat_timeout_s": 60, "initialization_timeout_s": 300}
+
+
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, heartbeat_timeout_s: int = 60,
                initialization_timeout_s: int = 300) -> str:

@@ -17,9 +17,6 @@ import pathlib
 CATALOG_FILE = pathlib.Path(__file__).with_name("hardware.json")
 REQUIRED = ("kind", "flops_tflops", "memory_gb", "memory_bw_gbps", "intra_node_gbps",
             "inter_node_gbps", "devices_per_node", "power_w", "source")
-# The precision a train.precision setting runs its matmuls in.
-# The catalog lists bf16 and fp16 together (the same tensor-core rate).
-MATMUL_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16", "fp8": "fp8"}
 
 
 class HardwareError(ValueError):
@@ -45,13 +42,14 @@ class Hardware:
     def memory_bytes(self) -> float:
         return self.memory_gb * 1e9
 
-    def peak_flops(self, precision: str) -> float:
-        """Dense peak FLOP/s of matmuls for a train.precision value."""
-        key = MATMUL_PRECISION[precision]
+    def peak_flops(self, precision) -> float:
+        """Dense peak FLOP/s of matmuls for a train.precision entry (precision.py
+        PRECISIONS; its `datasheet_peak` names the catalog's figure: fp32, bf16, fp8)."""
+        key = precision.datasheet_peak
         value = self.flops_tflops.get(key)
         if value is None:
             raise HardwareError(f"--hardware={self.name} is invalid for "
-                                f"train.precision={precision}: it has no {key} peak")
+                                f"train.precision={precision.name}: it has no {key} peak")
         return value * 1e12
 
 

@@ -129,6 +129,21 @@ AXES: dict[str, MeshAxis] = {a.name: a for a in (
 MESH_AXES = tuple(AXES)
 
 
+def defaults() -> dict:
+    """The `mesh` section of config.base_config()."""
+    return {
+        # mesh.NAME: size within a node or slice; -1: the rest of the devices
+        **{axis: -1 if axis == "data" else 1 for axis in AXES},
+        "sequence_parallel": False,
+        # mesh.context > 1: each device holds 2 chunks of the row, i and 2C-1-i, so that causal
+        # attention work is equal on every device (parallel/context.py); False: a plain split.
+        "context_load_balance": True,
+        # Sizes across the slow links between hosts/slices (DCN); the plain sizes are within one.
+        **{f"dcn_{axis}": 1 for axis in AXES},
+        "rules": DEFAULT_RULES,
+    }
+
+
 def dcn_shape(mesh_cfg) -> dict[str, int]:
     """Per-axis sizes across the slow links (between hosts or slices); 1 where unused."""
     return {axis: int(mesh_cfg[f"dcn_{axis}"]) for axis in MESH_AXES}

@@ -14,8 +14,9 @@ import tqdm
 
 from jaxtrain import hardware, sinks
 
-# Re-exported: the training loop and the scripts read model FLOPs from here.
+# models.flops re-exported: the training loop and the scripts read model FLOPs from here.
 from jaxtrain.models.flops import attention_flops_per_token, flops_per_token, matmul_params  # noqa: F401
+from jaxtrain.precision import PRECISIONS
 
 
 def measure_matmul_peak(dtype=jnp.float32, n: int = 2048, repeats: int = 5,
@@ -37,16 +38,16 @@ def peak_flops_per_device(precision: str) -> tuple[float, str]:
     """(FLOP/s, where it came from): a datasheet figure for known accelerators, else measured."""
     device = jax.local_devices()[0]
     # 16-bit and fp8 runs are judged against the bf16 peak (fp8 MFU is often quoted that way).
-    precision = "float32" if precision == "float32" else "bfloat16"
+    peak = PRECISIONS[PRECISIONS[precision].peak]
     if device.platform != "cpu":
         name = hardware.for_device_kind(device.device_kind)
         if name is not None:
             try:
-                return (hardware.get(name).peak_flops(precision),
-                        f"datasheet {name} {precision}")
+                return (hardware.get(name).peak_flops(peak),
+                        f"datasheet {name} {peak.name}")
             except hardware.HardwareError:  # no datasheet figure for this precision
                 pass
-    dtype = jnp.bfloat16 if precision == "bfloat16" and device.platform != "cpu" else jnp.float32
+    dtype = jnp.float32 if device.platform == "cpu" else peak.compute_dtype
     n = 2048 if device.platform == "cpu" else 8192
     return measure_matmul_peak(dtype, n), f"measured {n}x{n} {jnp.dtype(dtype).name} matmul"
 

@@ -30,7 +30,7 @@ from flax import nnx
 
 from jaxtrain.data.packing import Packed, batch_targets
 from jaxtrain.errors import fail
-from jaxtrain.models.head_loss import head_cross_entropy, token_logprobs
+from jaxtrain.models.head_loss import head_cross_entropy, logits_chunk, token_logprobs
 from jaxtrain.parallel.context import to_layout
 
 # Logged by the dpo objective (TRL's DPOTrainer names).
@@ -201,6 +201,9 @@ class Objective:
     # planner: without LoRA the state holds a frozen copy of the parameters (the reference);
     # with LoRA its frozen base is the reference
     holds_reference: bool = False
+    # planner: (seq_len, rows, length shards) -> positions per row whose logits the loss
+    # forms at once (both objectives read the head through models/head_loss.py's chunks)
+    logits_chunk: Callable = logits_chunk
 
 
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in (

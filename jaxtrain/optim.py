@@ -82,6 +82,25 @@ OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
 )}
 
 
+def defaults() -> dict:
+    """The `optimizer` section of config.base_config()."""
+    return {
+        "name": "adamw",  # OPTIMIZERS: adamw, lion
+        "lr": 3e-4,
+        "warmup_steps": 10,
+        "schedule": "cosine",
+        "min_lr_ratio": 0.1,
+        "weight_decay": 0.1,
+        "decay_embeddings": False,
+        "b1": 0.9,
+        "b2": 0.95,
+        "eps": 1e-8,
+        "clip_norm": 1.0,
+        # Keep the Adam moments in pinned host memory between steps (GPU/TPU memory saver).
+        "offload_to_host": False,
+    }
+
+
 def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
     o = cfg.optimizer
     schedule = make_schedule(cfg)

@@ -23,6 +23,17 @@ class Precision:
     loss_scaling: bool = False
     # The blocks' weight matmuls take fp8 operands (models/fp8.py).
     fp8_matmuls: bool = False
+    # The hardware catalog's peak its matmuls run at (hardware.json flops_tflops: fp32, bf16,
+    # fp8; the catalog lists fp16 with bf16, the same tensor-core rate); "": the compute
+    # dtype's (fp32 for float32, else bf16).
+    matmul_peak: str = ""
+
+    @property
+    def datasheet_peak(self) -> str:
+        """The hardware catalog's figure the planner's step time divides by."""
+        if self.matmul_peak:
+            return self.matmul_peak
+        return "fp32" if self.compute_dtype == jnp.float32 else "bf16"
 
     @property
     def compute_bytes(self) -> int:
@@ -42,5 +53,5 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("float16", jnp.float16, "fp16 compute with dynamic loss scaling",
               loss_scaling=True),
     Precision("fp8", jnp.bfloat16, "bf16 compute, fp8 (e4m3/e5m2) weight-matmul operands",
-              fp8_matmuls=True),
+              fp8_matmuls=True, matmul_peak="fp8"),
 )}

@@ -157,6 +157,20 @@ SINKS: dict[str, MetricSink] = {s.name: s for s in (
 REQUIRED_SINKS = ("jsonl",)
 
 
+def defaults() -> dict:
+    """The `metrics` section of config.base_config(): where logged metrics go
+    (metrics.jsonl always)."""
+    return {
+        "sinks": "jsonl,tensorboard",  # add wandb for Weights & Biases
+        "wandb": {
+            "project": "jaxtrain",
+            "entity": "",  # "": the account's default
+            "run_name": "",  # "": the workdir's name
+            "mode": "online",  # offline: no network (`wandb sync` later); disabled
+        },
+    }
+
+
 def sink_names(c) -> tuple[str, ...]:
     """metrics.sinks as names: 'jsonl, tensorboard' -> ('jsonl', 'tensorboard')."""
     return tuple(dict.fromkeys(n.strip() for n in str(c.metrics.sinks).split(",") if n.strip()))

@@ -66,10 +66,11 @@ def test_mfu_peak_comes_from_the_hardware_catalog(device_kind, entry, monkeypatc
 
     from jaxtrain import hardware as catalog
     from jaxtrain import metrics
+    from jaxtrain.precision import PRECISIONS
 
     fake = type("Device", (), {"platform": "gpu", "device_kind": device_kind})()
     monkeypatch.setattr(jax, "local_devices", lambda: [fake])
     peak, source = metrics.peak_flops_per_device("bfloat16")
-    assert peak == catalog.get(entry).peak_flops("bfloat16")
+    assert peak == catalog.get(entry).peak_flops(PRECISIONS["bfloat16"])
     assert source == f"datasheet {entry} bfloat16"
 

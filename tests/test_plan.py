@@ -95,6 +95,34 @@ def test_time_and_memory_count_16_bit_values_alike(precision):
     assert f32["tensor"] == 2 * bf16["time"]["comm_bytes"]["tensor"] > 0
 
 
+def test_the_memory_model_reads_tiles_and_logit_chunks_from_the_entries(monkeypatch):
+    """The context kernel's score tile is its variant entry's fact, the head's logit chunk
+    the objective entry's: a larger one in the entry grows that phase, and only that."""
+    import dataclasses
+
+    from jaxtrain.models.attention import VARIANTS
+    from jaxtrain.objectives import OBJECTIVES
+
+    cfg = load_config(str(ROOT / "configs/llama_1b.py"), {
+        "mesh.context": 2, "model.context_attention": "ring", "model.seq_len": 8192})
+    sizes = validate(cfg, 8)
+    base = memory.estimate(cfg, sizes)
+    monkeypatch.setitem(VARIANTS, "ring", dataclasses.replace(VARIANTS["ring"],
+                                                              score_tile=(256, 1024)))
+    tiles = memory.estimate(cfg, sizes)
+    # Four float32 tiles (scores, probabilities, their gradients) of rows × heads/t each.
+    rows = cfg.train.global_batch // 4  # fsdp=4 under context=2 on 8 devices
+    grown = 4 * rows * cfg.model.num_heads * (256 * 1024 - 128 * 512) * 4
+    assert tiles["layer_backward"] - base["layer_backward"] == pytest.approx(grown)
+    assert tiles["head_and_loss"] == base["head_and_loss"]
+    lm = OBJECTIVES["lm"]
+    monkeypatch.setitem(OBJECTIVES, "lm", dataclasses.replace(
+        lm, logits_chunk=lambda length, rows, shards: 2 * lm.logits_chunk(length, rows, shards)))
+    chunks = memory.estimate(cfg, sizes)
+    assert chunks["head_and_loss"] > tiles["head_and_loss"]
+    assert chunks["layer_backward"] == tiles["layer_backward"]
+
+
 def test_state_bytes_are_exact_for_a_known_model():
     cfg = load_config(str(ROOT / "configs/gpt13b.py"), {})
     sizes = validate(cfg, 64)

@@ -8,6 +8,7 @@ from jaxtrain import hardware
 from jaxtrain.plan import calibration, published
 from jaxtrain.plan.compile_check import load_config
 from jaxtrain.plan.planner import format_plan, make_plan
+from jaxtrain.precision import PRECISIONS
 
 RUNS = published.runs()
 
@@ -51,7 +52,8 @@ def test_published_flops_conventions():
     run = next(r for r in RUNS if r["id"] == "torchtitan-a100-llama3-8b")
     spec = published.ModelSpec.from_config(published.config(run))
     mfu = run["published"]["tokens_per_s_per_device"] * published.source_flops_per_token(
-        spec, run["flops_counting"]) / hardware.get("A100-80GB").peak_flops("bfloat16")
+        spec, run["flops_counting"]) / hardware.get("A100-80GB").peak_flops(
+        PRECISIONS["bfloat16"])
     assert mfu == pytest.approx(run["published_mfu"], abs=0.002)
     # Megatron's 2021 figures include the recomputed forward: 4/3 of the layers' FLOPs.
     counting = {"weights": "matmul", "attention": "full", "recompute": "none"}

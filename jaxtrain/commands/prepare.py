@@ -47,6 +47,12 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="*", help="files, directories or globs")
     p.add_argument("--out", help="the dataset directory to write")
+    for add_group in (_tokenizer_flags, _input_flags, _chat_flags, _output_flags, _run_flags):
+        add_group(p)
+    return p
+
+
+def _tokenizer_flags(p: argparse.ArgumentParser) -> None:
     what = p.add_argument_group("tokenizer (one of)")
     what.add_argument("--tokenizer", help="bytes, tiktoken:NAME, a tokenizer.json, a "
                       "SentencePiece .model, or a (model or tokenizer) directory")
@@ -54,6 +60,9 @@ def parser() -> argparse.ArgumentParser:
                       help="train a byte-level BPE of VOCAB ids on the inputs")
     what.add_argument("--tokenizer-only", action="store_true",
                       help="with --train-tokenizer: write only the tokenizer, to --out")
+
+
+def _input_flags(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("inputs")
     src.add_argument("--stdlib", action="store_true", help="add the built-in corpus's files "
                      "(this Python's standard library .py files)")
@@ -71,6 +80,9 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--hf-config", help="the dataset's configuration name")
     src.add_argument("--split", default="train", help="the split of --hf-dataset or of a "
                      "saved DatasetDict")
+
+
+def _chat_flags(p: argparse.ArgumentParser) -> None:
     chat = p.add_argument_group("chat and instruction records")
     chat.add_argument("--chat", action="store_true", help="records are conversations: "
                       "`messages` [{role, content}] or `prompt` + `completion`, rendered with "
@@ -87,6 +99,9 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-length", type=int, metavar="N", help="skip (and count) "
                       "conversations of more than N tokens (give seq_len + 1: a longer one "
                       "would be cut into pieces without their prompt)")
+
+
+def _output_flags(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--bos", default="auto", help="auto, yes, no: BOS before each document "
                      "(auto: when the tokenizer has one distinct from its EOS)")
@@ -101,6 +116,9 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--overwrite", action="store_true",
                      help="prepare again even if --out already holds this dataset, and "
                      "replace one prepared from other inputs or options")
+
+
+def _run_flags(p: argparse.ArgumentParser) -> None:
     run = p.add_argument_group("running")
     run.add_argument("--processes", type=int, default=0, help="worker processes (0: one per "
                      "CPU)")
@@ -109,7 +127,6 @@ def parser() -> argparse.ArgumentParser:
                      "into OUT/part-I-of-N (then --merge OUT)")
     run.add_argument("--merge", metavar="DIR", help="merge the finished parts in DIR")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

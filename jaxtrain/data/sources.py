@@ -229,3 +229,32 @@ SOURCES: dict[str, DataSource] = {s.name: s for s in (
                fingerprint=prepared_source.fingerprint, tokenizer=prepared_source.tokenizer,
                documents=True),
 )}
+
+
+def defaults() -> dict:
+    """The `data` section of config.base_config() (docs/data.md)."""
+    return {
+        "source": "stdlib",
+        # bin: a .bin file or a directory with train.bin/val.bin; prepared: a directory made
+        # by `jaxtrain prepare` (docs/data.md).
+        "path": "",
+        "dtype": "uint16",  # token width of .bin files
+        "val_fraction": 0.05,  # held-out tail (prepared: at a document boundary)
+        "prefetch": 2,
+        # concat: rows are windows of the concatenated documents; documents: whole documents
+        # packed into rows, attention and positions kept within each (data/packing.py).
+        "packing": "concat",
+        # prepared: several datasets drawn by weight, "DIR:WEIGHT,DIR:WEIGHT" (instead of path).
+        "mixture": "",
+        # prepared: validate on this prepared dataset instead of a held-out tail.
+        "val_path": "",
+        # bin: the tokenizer that made the ids (a spec as for prepare --tokenizer), so that
+        # generate/eval/convert can use text; prepared datasets carry their own.
+        "tokenizer": "",
+        # Resume even though the data's fingerprint changed since the run started (data.json).
+        "allow_changed": False,
+        # Data on gs:// or s3://: read by range requests of block_kb KiB into an in-memory
+        # LRU cache of cache_mb MiB per process (data/remote_file.py).
+        "cache_mb": 512,
+        "block_kb": 256,
+    }

@@ -64,17 +64,7 @@ def import_hf(cfg, hf_dir, workdir, devices: Sequence[jax.Device] | None = None
     hf_dir, workdir = pathlib.Path(hf_dir), storage.as_path(workdir, "--workdir")
     hf = read_config(hf_dir)
     family = family_of(hf, f"{hf_dir / 'config.json'}")
-    problems = []
-    if cfg.model.family != family.FAMILY:
-        problems.append(f"model.family={cfg.model.family!r} but config.json "
-                        f"model_type={hf['model_type']!r} (jaxtrain family {family.FAMILY!r})")
-    else:
-        problems += family.check_config(hf, cfg.model)
-    if not family.SLIDING_WINDOW and 0 < cfg.model.sliding_window < cfg.model.seq_len:
-        problems.append(f"model.sliding_window={cfg.model.sliding_window} but "
-                        f"{hf['model_type']} attends to every earlier token (use 0)")
-    if problems:
-        raise ConfigError(f"{hf_dir} does not match the config: {'; '.join(problems)}")
+    _check_matches(cfg, hf, family, hf_dir)
     tokenizer = hf_tokenizer(hf_dir, cfg.model.vocab_size)
     setup = build(cfg, devices)
     checkpoints_dir = workdir / CHECKPOINTS
@@ -104,6 +94,21 @@ def import_hf(cfg, hf_dir, workdir, devices: Sequence[jax.Device] | None = None
         write_config(workdir, cfg)
         record.store_tokenizer(workdir, tokenizer)
     return setup, state
+
+
+def _check_matches(cfg, hf: dict, family, hf_dir: pathlib.Path) -> None:
+    """ConfigError naming every way config.json differs from cfg.model."""
+    problems = []
+    if cfg.model.family != family.FAMILY:
+        problems.append(f"model.family={cfg.model.family!r} but config.json "
+                        f"model_type={hf['model_type']!r} (jaxtrain family {family.FAMILY!r})")
+    else:
+        problems += family.check_config(hf, cfg.model)
+    if not family.SLIDING_WINDOW and 0 < cfg.model.sliding_window < cfg.model.seq_len:
+        problems.append(f"model.sliding_window={cfg.model.sliding_window} but "
+                        f"{hf['model_type']} attends to every earlier token (use 0)")
+    if problems:
+        raise ConfigError(f"{hf_dir} does not match the config: {'; '.join(problems)}")
 
 
 def _sources(hf_tensors, abstract: dict) -> dict:

@@ -50,6 +50,29 @@ def export_hf(workdir, out_dir, max_shard_size: str | int = "2GB", dtype: str = 
     """
     out_dir = pathlib.Path(out_dir)
     max_bytes = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
+    _check_request(workdir, out_dir, dtype, adapter)
+    setup, params, step = load_for_export(workdir, devices)
+    if adapter:
+        return adapter_lib.export_adapter(setup, params, step, workdir, out_dir, DTYPES[dtype])
+    spec = setup.spec
+    if spec.lora is not None:
+        params, spec = lora.merged(spec, params), lora.base_spec(spec)
+    family = module_for(spec)
+    _check_exportable(spec, family)
+    hf_config = {**family.export_config(spec), "torch_dtype": dtype}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = _write_tensors(out_dir, max_bytes, traverse_util.flatten_dict(params),
+                           _tensor_order(spec, family.tensors(spec)), DTYPES[dtype])
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    print(f"jaxtrain: exported step {step} of {workdir} ({spec.family} {spec.num_layers}x"
+          f"{spec.d_model}, {dtype}) to {out_dir}: config.json, {', '.join(files)}",
+          file=sys.stderr)
+    return ["config.json", *files]
+
+
+def _check_request(workdir, out_dir: pathlib.Path, dtype: str, adapter: bool) -> None:
+    """ConfigError (one line) before anything is loaded: the dtype, a fresh directory,
+    --adapter of a LoRA run."""
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype={dtype!r} is invalid: valid values are "
                           f"{', '.join(DTYPES)}")
@@ -60,13 +83,10 @@ def export_hf(workdir, out_dir, max_shard_size: str | int = "2GB", dtype: str = 
     if adapter and inference.run_config(workdir)[1].model.lora.rank == 0:
         raise ConfigError(f"--adapter: {workdir} is no LoRA run (model.lora.rank=0); export "
                           "without --adapter")
-    setup, params, step = load_for_export(workdir, devices)
-    if adapter:
-        return adapter_lib.export_adapter(setup, params, step, workdir, out_dir, DTYPES[dtype])
-    spec = setup.spec
-    if spec.lora is not None:
-        params, spec = lora.merged(spec, params), lora.base_spec(spec)
-    family = module_for(spec)
+
+
+def _check_exportable(spec, family) -> None:
+    """ConfigError for a model the Hugging Face family cannot express."""
     if not family.SLIDING_WINDOW and 0 < spec.sliding_window < spec.seq_len:
         raise ConfigError(f"model.sliding_window={spec.sliding_window} cannot be exported: "
                           f"HF {spec.family} attends to every earlier token (of the "
@@ -76,31 +96,32 @@ def export_hf(workdir, out_dir, max_shard_size: str | int = "2GB", dtype: str = 
                           "MoE without shared experts: model.moe.every_n_layers="
                           f"{spec.moe.every_n_layers}, shared_experts="
                           f"{spec.moe.shared_experts} cannot be exported")
-    hf_config = {**family.export_config(spec), "torch_dtype": dtype}
-    flat = traverse_util.flatten_dict(params)
-    tensors = family.tensors(spec)
+
+
+def _tensor_order(spec, tensors) -> list[tuple]:
+    """(tensor, layer, expert) in HF's file order: the tensors before the layers, each
+    layer's (each expert's), then the rest."""
     first = next(i for i, t in enumerate(tensors) if t.per_layer)
     layered = [t for t in tensors if t.per_layer]
-    order = ([(t, None, None) for t in tensors[:first]]
-             + [(t, i, e) for i in range(spec.num_layers) for t in layered
-                for e in (range(t.experts) if t.experts else [None])]
-             + [(t, None, None) for t in tensors[first:] if not t.per_layer])
+    return ([(t, None, None) for t in tensors[:first]]
+            + [(t, i, e) for i in range(spec.num_layers) for t in layered
+               for e in (range(t.experts) if t.experts else [None])]
+            + [(t, None, None) for t in tensors[first:] if not t.per_layer])
 
+
+def _write_tensors(out_dir: pathlib.Path, max_bytes: int, flat: dict, order: list[tuple],
+                   dtype) -> list[str]:
+    """Each tensor fetched to the host (one layer, one expert at a time), laid out as HF
+    keeps it and added to the shard being filled; returns the shard files."""
     def fetch(path, layer, expert) -> np.ndarray:
         value = flat[path] if layer is None else flat[path][layer]
         return np.asarray(jax.device_get(value if expert is None else value[expert]))
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     writer = SafetensorsWriter(out_dir, max_bytes)
     for tensor, layer, expert in tqdm(order, desc="export", unit="tensor", file=sys.stderr):
         pieces = [part.to_hf(fetch(part.path, layer, expert)) for part in tensor.parts]
         value = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=tensor.axis)
         name = tensor.named(layer, expert)
         assert value.shape == tensor.shape, (name, value.shape, tensor.shape)
-        writer.add(name, value.astype(DTYPES[dtype]))
-    files = writer.close()
-    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    print(f"jaxtrain: exported step {step} of {workdir} ({spec.family} {spec.num_layers}x"
-          f"{spec.d_model}, {dtype}) to {out_dir}: config.json, {', '.join(files)}",
-          file=sys.stderr)
-    return ["config.json", *files]
+        writer.add(name, value.astype(dtype))
+    return writer.close()

@@ -23,8 +23,20 @@ import jax.numpy as jnp
 
 from jaxtrain.mesh import constrain, logical_to_spec
 
+# Tokens (rows × positions) whose logits one chunk of the fused head and loss forms: about
+# 128 MB of float32 logits at a 32k vocabulary.
+CHUNK_TOKENS = 1024
 
-def chunk_size(length: int, batch: int, target_tokens: int = 1024) -> int:
+
+def logits_chunk(length: int, batch: int, shards: int = 1) -> int:
+    """Positions per row of one chunk of `batch` rows of `length`, the sequence sharded
+    `shards` ways (context parallelism: strided chunks `shards` times longer, so that each
+    device's share is the unsharded chunk's). The planner's memory model reads it through
+    the objective (objectives.py Objective.logits_chunk)."""
+    return chunk_size(length, batch, CHUNK_TOKENS * shards)
+
+
+def chunk_size(length: int, batch: int, target_tokens: int = CHUNK_TOKENS) -> int:
     """Largest divisor of length with chunk·batch <= target_tokens (logits chunk ~128 MB).
     The planner's memory model counts the same chunk."""
     best = 1
@@ -97,7 +109,7 @@ def _run(x_BLD, head, targets_BL, weights_BL, rules, with_grads: bool, vocab_maj
     # share of a chunk is the unsharded chunk's size.
     shards = length_shards(rules)
     strided = shards > 1
-    chunk = chunk_size(x_BLD.shape[1], x_BLD.shape[0], 1024 * shards)
+    chunk = logits_chunk(x_BLD.shape[1], x_BLD.shape[0], shards)
     xs = tuple(None if a is None else _split(a, chunk, strided)
                for a in (x_BLD, targets_BL, weights_BL))
 
@@ -169,7 +181,7 @@ def token_logprobs(x_BLD: jax.Array, head: jax.Array, targets_BL: jax.Array, rul
     head_axes = _head_axes(vocab_major)
     shards = length_shards(rules)
     strided = shards > 1
-    chunk = chunk_size(x_BLD.shape[1], x_BLD.shape[0], 1024 * shards)
+    chunk = logits_chunk(x_BLD.shape[1], x_BLD.shape[0], shards)
 
     @jax.checkpoint
     def chunk_logprobs(x_BCD, targets_BC):

@@ -93,6 +93,21 @@ def parse_targets(text: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in str(text).split(",") if t.strip())
 
 
+def defaults() -> dict:
+    """The `model.lora` section of config.base_config() (docs/finetune.md): rank 0 trains
+    every weight."""
+    return {
+        "rank": 0,  # the adapters' rank; 0: off
+        "alpha": 16.0,  # their output is scaled by alpha/rank (as PEFT's lora_alpha)
+        "targets": DEFAULT_TARGETS,  # comma list: q,k,v,o,up,gate,down,experts
+        "dropout": 0.0,  # only 0.0 (no dropout) is implemented
+        # The frozen base: a run directory (local, gs://, s3://) whose newest checkpoint's
+        # parameters it is (jaxtrain convert --from-hf ... --workdir BASE, or any training
+        # run); empty: the base is initialised from `seed` (tests, benchmarks).
+        "base": "",
+    }
+
+
 def check(c) -> None:
     """ConfigError for a model.lora setting that cannot work (called by config.validate)."""
     m, lora = c.model, c.model.lora

@@ -90,6 +90,23 @@ _SCALINGS: dict[str, Callable | None] = {
 ROPE_SCALINGS = tuple(_SCALINGS)
 
 
+def defaults() -> dict:
+    """The `model.rope_scaling` section of config.base_config(): RoPE scaling for context
+    extension; the names are transformers' rope_parameters keys, so HF import/export maps
+    them 1:1."""
+    return {
+        "type": "none",  # none | llama3 | yarn
+        "factor": 8.0,
+        "original_max_position_embeddings": 8192,
+        "low_freq_factor": 1.0,  # llama3
+        "high_freq_factor": 4.0,  # llama3
+        "beta_fast": 32.0,  # yarn
+        "beta_slow": 1.0,  # yarn
+        "attention_factor": 0.0,  # yarn; 0: 0.1·ln(factor) + 1
+        "truncate": True,  # yarn
+    }
+
+
 def check(section) -> None:
     """One-line errors for model.rope_scaling."""
     kind = section.type

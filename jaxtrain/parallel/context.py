@@ -56,11 +56,16 @@ class ContextSpec:
 
     def slot_positions(self, length: int) -> np.ndarray:
         """[C, T] int32: the row positions device i holds, in its slot order."""
-        c = self.size
-        if not self.load_balance:
-            return np.arange(length, dtype=np.int32).reshape(c, length // c)
-        chunks = np.arange(length, dtype=np.int32).reshape(2 * c, length // (2 * c))
-        return np.concatenate([chunks[:c], chunks[c:][::-1]], axis=1)
+        return slot_positions(self.size, length, self.load_balance)
+
+
+def slot_positions(size: int, length: int, load_balance: bool) -> np.ndarray:
+    """[C, T] int32: the row positions device i of `size` holds, in its slot order (the
+    layout alone: how K/V travel does not change it)."""
+    if not load_balance:
+        return np.arange(length, dtype=np.int32).reshape(size, length // size)
+    chunks = np.arange(length, dtype=np.int32).reshape(2 * size, length // (2 * size))
+    return np.concatenate([chunks[:size], chunks[size:][::-1]], axis=1)
 
 
 def to_layout(x_BL, spec: ContextSpec | None):
@@ -73,8 +78,7 @@ def to_layout(x_BL, spec: ContextSpec | None):
 def causal_pairs(size: int, length: int, load_balance: bool, window: int = 0) -> np.ndarray:
     """[C]: the (query, key) pairs each device's queries attend to under the causal (and
     sliding-window) mask: its attention work. max/mean − 1 is the imbalance."""
-    spec = ContextSpec(size, "ring", load_balance)
-    pos_CT = spec.slot_positions(length).astype(np.int64)
+    pos_CT = slot_positions(size, length, load_balance).astype(np.int64)
     keys_CT = pos_CT + 1 if not window else np.minimum(pos_CT + 1, window)
     return keys_CT.sum(axis=1)
 

@@ -105,6 +105,18 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
 )}
 
 
+def defaults() -> dict:
+    """The `pipeline` section of config.base_config(): used when mesh.pipeline > 1
+    (docs/parallelism.md)."""
+    return {
+        "schedule": "gpipe",
+        # Pipeline micro-batches: the slices of each (accumulation) micro-batch that flow
+        # through the stages; not train.microbatches, which is gradient accumulation.
+        "microbatches": 4,
+        "repeats": 1,  # layer chunks per stage; circular only
+    }
+
+
 def bubble_fraction(stages: int, repeats: int, microbatches: int) -> float:
     return PipelineSpec(stages, repeats, microbatches).bubble
 

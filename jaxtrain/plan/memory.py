@@ -14,6 +14,7 @@ import functools
 import json
 import math
 import os
+from typing import Any
 
 import jax
 from flax import nnx
@@ -21,8 +22,6 @@ from flax import nnx
 from jaxtrain.mesh import batch_shards, logical_to_spec
 from jaxtrain.models import ModelSpec, Transformer, lora
 from jaxtrain.models.attention import KERNELS, VARIANTS
-from jaxtrain.models.attention.context_tiles import KEY_TILE, QUERY_TILE
-from jaxtrain.models.head_loss import chunk_size
 from jaxtrain.models.moe import DISPATCHES
 from jaxtrain.models.remat import REMATS
 from jaxtrain.objectives import OBJECTIVES
@@ -270,7 +269,8 @@ def _context_working(spec: ModelSpec, rows: float, sizes: dict, c: int) -> float
     held = kv_row if blocks is None else blocks * kv_row / cp
     dq = rows * spec.seq_len / cp * spec.num_heads * spec.head_dim / t * F32
     run = spec.seq_len / cp / spec.context.chunks_per_device
-    tile = rows * spec.num_heads / t * min(run, QUERY_TILE) * min(run, KEY_TILE) * F32
+    query_tile, key_tile = VARIANTS[spec.context.variant].score_tile
+    tile = rows * spec.num_heads / t * min(run, query_tile) * min(run, key_tile) * F32
     return held * (c + F32) + dq + 4 * tile
 
 
@@ -363,6 +363,113 @@ def _backward_working(spec: ModelSpec, rows: float, sizes: dict, saved: str, c: 
     return working
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Step:
+    """What every part of the estimate counts from: one device's share of one step."""
+
+    cfg: Any
+    spec: ModelSpec
+    sizes: dict[str, int]
+    k: Factors
+    c: int  # bytes per activation (value_bytes)
+    shards: dict[str, int]  # param_shards
+    rows: int  # sequences of one (accumulation) micro-batch on this device
+
+    @property
+    def layers_here(self) -> int:
+        return self.spec.num_layers // self.sizes["pipeline"]
+
+    @property
+    def moe_layers_here(self) -> int:
+        moe = self.spec.moe
+        return 0 if moe is None else moe.layers(self.spec.num_layers) // self.sizes["pipeline"]
+
+    def per_layer(self, rows: float, saved: str) -> float:
+        """Bytes of the device's layers for `rows` sequences, averaged over its layers."""
+        spec, sizes, c = self.spec, self.sizes, self.c
+        dense = _layer_activations(spec, rows, sizes, saved, c)
+        if not self.moe_layers_here:
+            return dense
+        return dense + self.moe_layers_here / self.layers_here * _moe_layer_delta(
+            spec, rows, sizes, saved, c, self.k)
+
+
+def _model_state(s: _Step) -> dict[str, float]:
+    """Parameters, optimizer state and gradients: float32 whatever train.precision."""
+    params = s.shards["total"] * F32
+    # An objective's frozen reference copy of the parameters (without LoRA, whose base is
+    # the reference): float32 like them, no gradient or optimizer state.
+    objective = OBJECTIVES[s.cfg.train.objective]
+    params += s.shards["total"] * F32 * (objective.holds_reference and s.spec.lora is None)
+    # The optimizer's state mirrors the trained params (AdamW: mu and nu; under LoRA the
+    # adapters only, the frozen base has none).
+    opt = OPTIMIZERS[s.cfg.optimizer.name].state_per_param * s.shards["total_trained"] * F32
+    # Gradients in float32 like the trained params; accumulating over micro-batches holds
+    # the sum and the current micro-batch's gradients at once.
+    grads = s.shards["total_trained"] * F32 * (2 if s.cfg.train.microbatches > 1 else 1)
+    return {"params": params, "optimizer": opt, "gradients": grads}
+
+
+def _pipeline_kept(s: _Step, saved: str) -> tuple[float, float]:
+    """(activations kept, rows of one backward pass) on a pipeline stage."""
+    spec, p, t = s.spec, s.sizes["pipeline"], s.sizes["tensor"]
+    m, v = spec.pipeline.microbatches, spec.pipeline.repeats
+    # Every loop iteration keeps its stage's chunk activations for one pipeline
+    # micro-batch: (v·m + p − 1) iterations of L/(p·v) layers, bubble iterations included.
+    per_micro = s.rows // m
+    iterations = v * m + p - 1
+    kept = iterations * (s.layers_here / v) * s.per_layer(per_micro, saved)
+    # The loop's buffers: the stage buffer (p micro-batches), the last stage's output of
+    # every iteration, and (circular only) the micro-batches stored between repeats.
+    buffered = p * per_micro + iterations * per_micro + (s.rows if v > 1 else 0)
+    # (The buffers hold the residual stream: under sequence parallelism, 1/t of it.)
+    residual = spec.seq_len * spec.d_model * s.c / (t if _sequence_parallel(spec) else 1)
+    kept += buffered * residual
+    # Stages copy their weight stacks between layouts (the circular schedule re-lays
+    # the stored stack into stage-interleaved order each step, docs/parallelism.md;
+    # both schedules move the stacked weights, gradients and Adam states between
+    # [L, ...] and per-stage layouts): float32 copies of this device's layer weights.
+    kept += s.k.pipeline_weight_copies * s.shards["stack"] * F32
+    return kept, per_micro
+
+
+def _kept(s: _Step, saved: str) -> tuple[float, float]:
+    """(activations the layers keep for the backward pass, rows of one backward pass)."""
+    if s.sizes["pipeline"] > 1:
+        return _pipeline_kept(s, saved)
+    return s.layers_here * s.per_layer(s.rows, saved), s.rows
+
+
+def _layer_backward(s: _Step, saved: str, working_rows: float) -> float:
+    """One layer's backward pass: its working set, and its gathered weights with their
+    gradients."""
+    working = _backward_working(s.spec, working_rows, s.sizes, saved, s.c, s.k, s.per_layer,
+                                moe=bool(s.moe_layers_here))
+    layer_weights = (s.shards["layer_gathered"] * s.k.layer_weights * s.c
+                     + s.shards["layer_gathered_trained"] * s.k.layer_weight_grads * F32)
+    return working + layer_weights
+
+
+def _head_and_loss(s: _Step) -> float:
+    """The fused head and loss (models/head_loss.py): float32 logits, their exponent and
+    the compute-dtype logit gradient for a chunk, the stacked input gradient, and the
+    gathered head with its float32 gradient."""
+    spec, sizes, k, c = s.spec, s.sizes, s.k, s.c
+    cp = sizes.get("context", 1)
+    global_rows = s.cfg.train.global_batch // s.cfg.train.microbatches
+    # Under context parallelism the chunks are cp× longer and each device holds 1/cp.
+    chunk = OBJECTIVES[s.cfg.train.objective].logits_chunk(spec.seq_len, global_rows, cp)
+    chunk_tokens = chunk * global_rows / batch_shards(sizes) / cp
+    vocab_local = spec.vocab_size / sizes["tensor"]
+    logits = chunk_tokens * vocab_local * (k.logit_f32 * F32 + c) + \
+        k.head_stream * s.rows * spec.seq_len * spec.d_model * c / cp
+    # The output head gathered for the loss, with its float32 gradient; the embedding table
+    # is gathered for the lookup in the forward pass only (its gradient is formed in its
+    # shard: models/embedding.py).
+    head = s.shards["head_gathered"] * c + s.shards["head_gathered_trained"] * F32
+    return logits + head
+
+
 def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
              platform: str | None = None, factors: Factors | None = None
              ) -> dict[str, float]:
@@ -374,95 +481,28 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
     model.attention='auto' resolves for.
     """
     platform = platform or ("cpu" if backend == "cpu" else "gpu")
-    k = factors or factors_for(platform)
     spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"], platform=platform,
                                  context=sizes.get("context", 1))
-    shards = param_shards(spec, sizes)
-    c = value_bytes(spec, backend)
-    micro = cfg.train.microbatches
-    rows = cfg.train.global_batch // micro // batch_shards(sizes)
-    p, t = sizes["pipeline"], sizes["tensor"]
-    layers_here = spec.num_layers // p
-    moe_layers_here = 0 if spec.moe is None else spec.moe.layers(spec.num_layers) // p
-
-    def per_layer(rows: float, saved: str) -> float:
-        """Bytes of the device's layers for `rows` sequences, averaged over its layers."""
-        dense = _layer_activations(spec, rows, sizes, saved, c)
-        if not moe_layers_here:
-            return dense
-        return dense + moe_layers_here / layers_here * _moe_layer_delta(spec, rows, sizes,
-                                                                         saved, c, k)
-
-    params = shards["total"] * F32  # float32 master weights, whatever train.precision
-    # An objective's frozen reference copy of the parameters (without LoRA, whose base is
-    # the reference): float32 like them, no gradient or optimizer state.
-    objective = OBJECTIVES[cfg.train.objective]
-    params += shards["total"] * F32 * (objective.holds_reference and spec.lora is None)
-    # The optimizer's state mirrors the trained params (AdamW: mu and nu; under LoRA the
-    # adapters only, the frozen base has none).
-    opt = OPTIMIZERS[cfg.optimizer.name].state_per_param * shards["total_trained"] * F32
-    # Gradients in float32 like the trained params; accumulating over micro-batches holds
-    # the sum and the current micro-batch's gradients at once.
-    grads = shards["total_trained"] * F32 * (2 if micro > 1 else 1)
-
+    s = _Step(cfg, spec, sizes, factors or factors_for(platform), value_bytes(spec, backend),
+              param_shards(spec, sizes),
+              cfg.train.global_batch // cfg.train.microbatches // batch_shards(sizes))
+    state = _model_state(s)
     # What stays on the device per layer, from the remat registry (the finer policies are
     # modelled by their nearest coarse one: save_dots_except_mlp as save_dots,
     # save_attention_out and offload_dots as full remat; --compile gives XLA's figure).
     saved = REMATS[spec.remat].saves
-    if p > 1:
-        m, v = spec.pipeline.microbatches, spec.pipeline.repeats
-        # Every loop iteration keeps its stage's chunk activations for one pipeline
-        # micro-batch: (v·m + p − 1) iterations of L/(p·v) layers, bubble iterations included.
-        per_micro = rows // m
-        iterations = v * m + p - 1
-        kept = iterations * (layers_here / v) * per_layer(per_micro, saved)
-        working_rows = per_micro
-        # The loop's buffers: the stage buffer (p micro-batches), the last stage's output of
-        # every iteration, and (circular only) the micro-batches stored between repeats.
-        buffered = p * per_micro + iterations * per_micro + (rows if v > 1 else 0)
-        # (The buffers hold the residual stream: under sequence parallelism, 1/t of it.)
-        residual = spec.seq_len * spec.d_model * c / (t if _sequence_parallel(spec) else 1)
-        kept += buffered * residual
-        # Stages copy their weight stacks between layouts (the circular schedule re-lays
-        # the stored stack into stage-interleaved order each step, docs/parallelism.md;
-        # both schedules move the stacked weights, gradients and Adam states between
-        # [L, ...] and per-stage layouts): float32 copies of this device's layer weights.
-        kept += k.pipeline_weight_copies * shards["stack"] * F32
-    else:
-        kept = layers_here * per_layer(rows, saved)
-        working_rows = rows
-    # One layer's backward pass: its working set, and its gathered weights with their
-    # gradients.
-    working = _backward_working(spec, working_rows, sizes, saved, c, k, per_layer,
-                                moe=bool(moe_layers_here))
-    layer_weights = (shards["layer_gathered"] * k.layer_weights * c
-                     + shards["layer_gathered_trained"] * k.layer_weight_grads * F32)
-
-    cp = sizes.get("context", 1)
-    # The fused head and loss (models/head_loss.py): chunks of ≤1024 global tokens; float32
-    # logits, their exponent and the compute-dtype logit gradient for a chunk, the stacked
-    # input gradient, and the gathered head with its float32 gradient.
-    global_rows = cfg.train.global_batch // micro
-    # Under context parallelism the chunks are cp× longer and each device holds 1/cp.
-    chunk_tokens = chunk_size(spec.seq_len, global_rows, 1024 * cp) * global_rows \
-        / batch_shards(sizes) / cp
-    vocab_local = spec.vocab_size / sizes["tensor"]
-    logits = chunk_tokens * vocab_local * (k.logit_f32 * F32 + c) + \
-        k.head_stream * rows * spec.seq_len * spec.d_model * c / cp
-    # The output head gathered for the loss, with its float32 gradient; the embedding table
-    # is gathered for the lookup in the forward pass only (its gradient is formed in its
-    # shard: models/embedding.py).
-    head = shards["head_gathered"] * c + shards["head_gathered_trained"] * F32
+    kept, working_rows = _kept(s, saved)
     # The two phases of the step that peak at different times: the head and loss (between
     # the layers' forward and backward passes), and one layer's backward pass.
-    phases = {"layer_backward": working + layer_weights, "head_and_loss": logits + head}
+    phases = {"layer_backward": _layer_backward(s, saved, working_rows),
+              "head_and_loss": _head_and_loss(s)}
     # XLA overlaps them in part (the head's gradient, formed in the first, is reduced with
     # the others at the end): the larger, and a fitted share of the smaller.
-    peak = max(phases.values()) + k.phase_overlap * min(phases.values())
-    temporaries = k.temp_margin * (grads + kept + peak) + k.peak_margin * peak
-    parts = {"params": params, "optimizer": opt, "gradients": grads, "activations": kept,
-             **phases, "temporaries": temporaries}
-    parts["total"] = params + opt + grads + kept + peak + temporaries
+    peak = max(phases.values()) + s.k.phase_overlap * min(phases.values())
+    grads = state["gradients"]
+    temporaries = s.k.temp_margin * (grads + kept + peak) + s.k.peak_margin * peak
+    parts = {**state, "activations": kept, **phases, "temporaries": temporaries}
+    parts["total"] = state["params"] + state["optimizer"] + grads + kept + peak + temporaries
     return parts
 
 

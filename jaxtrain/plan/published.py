@@ -18,6 +18,7 @@ from jaxtrain.config import apply_overrides, base_config, dcn_shape, validate
 from jaxtrain.models import ModelSpec
 from jaxtrain.models.flops import matmul_params
 from jaxtrain.plan import memory, timing
+from jaxtrain.precision import PRECISIONS
 
 RUNS_FILE = pathlib.Path(__file__).with_name("published_runs.json")
 
@@ -65,7 +66,8 @@ def _published_tokens_per_s(run_id: str) -> float:
     if "tflops_per_device" in pub:
         flops = pub["tflops_per_device"] * 1e12
     else:
-        flops = pub["mfu"] * hardware.get(run["hardware"]).peak_flops("bfloat16")
+        # Published MFU figures are against the bf16 datasheet peak.
+        flops = pub["mfu"] * hardware.get(run["hardware"]).peak_flops(PRECISIONS["bfloat16"])
     return flops / source_flops_per_token(spec, run["flops_counting"])
 
 
@@ -95,7 +97,8 @@ def predicted_tokens_per_s(run: dict, cal) -> float:
     """The planner's tokens/s per device for a run under calibration `cal`."""
     f = features(run["id"])
     hw = _hardware(run["hardware"])
-    t = timing.step_time(f, hw, hw.peak_flops(run["config"]["train.precision"]), cal)
+    t = timing.step_time(f, hw, hw.peak_flops(PRECISIONS[run["config"]["train.precision"]]),
+                         cal)
     return f["tokens_per_step"] / t["step_s"] / f["devices"]
 
 

@@ -32,6 +32,7 @@ from jaxtrain.parallel.context import imbalance
 from jaxtrain.parallel.pipeline import bubble_fraction
 from jaxtrain.plan import calibration as calibration_lib
 from jaxtrain.plan.memory import routed_rows, value_bytes
+from jaxtrain.precision import PRECISIONS
 
 F32 = 4
 
@@ -292,7 +293,7 @@ def predict(cfg, sizes: dict[str, int], hw, param_elems: int, dcn: dict[str, int
     calibration (default: the hardware's family, plan/calibration.json)."""
     cal = cal or calibration_lib.for_hardware(hw.name)
     features = step_features(cfg, sizes, hw, param_elems, dcn)
-    peak = hw.peak_flops(cfg.train.precision)
+    peak = hw.peak_flops(PRECISIONS[cfg.train.precision])
     t = step_time(features, hw, peak, cal)
     tokens, n = features["tokens_per_step"], features["devices"]
     return {**t, "comm_bytes": {k: a["bytes"] for k, a in features["axes"].items()},

@@ -47,7 +47,7 @@ from tqdm import tqdm
 from jaxtrain import storage
 from jaxtrain.data import dataset as fmt
 from jaxtrain.data import tokenizers as tokenizers_lib
-from jaxtrain.errors import DataError
+from jaxtrain.errors import DataError, require_package
 from jaxtrain.prepare import bpe, chat_template, readers, remote, workers
 from jaxtrain.prepare import request as request_lib
 from jaxtrain.prepare.chat import ChatSpec
@@ -125,7 +125,7 @@ def layout_inputs(r: Request) -> InputLayout:
     skipped, shown = {}, {}
     if r.inputs.hf_dataset is not None and not hf.is_saved(pathlib.Path(r.inputs.hf_dataset)):
         inputs = [Input(r.inputs.hf_dataset, hf.STREAM, 0)]
-        readers.require_packages(inputs)
+        require_package(hf.PACKAGE, f"--hf-dataset={r.inputs.hf_dataset}", error=DataError)
         if r.run.shard is not None:
             raise DataError("--shard splits input files; a streamed dataset has none")
         work = StreamedRows(r.inputs.hf_dataset, r.inputs.hf_config, reading,

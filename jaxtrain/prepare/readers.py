@@ -82,11 +82,8 @@ def require_packages(inputs: list[Input]) -> None:
     """DataError (one line) for the first input whose format's package is missing, before
     anything is read or written."""
     for item in inputs:
-        module = hf.PACKAGE if item.format == hf.STREAM else FORMATS[item.format].package
-        if module is not None:
-            what = (f"--hf-dataset={item.path}" if item.format == hf.STREAM
-                    else f"input {item.path} ({item.format})")
-            require_package(module, what, error=DataError)
+        if (module := FORMATS[item.format].package) is not None:
+            require_package(module, f"input {item.path} ({item.format})", error=DataError)
 
 
 def _note_file(skipped: dict, kind: str, example: str) -> None:

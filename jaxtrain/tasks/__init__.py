@@ -47,3 +47,18 @@ BACKENDS: dict[str, TaskBackend] = {b.name: b for b in (
     TaskBackend("lm_eval", "EleutherAI's lm-evaluation-harness: its task catalogue and any "
                 "local task YAML or JSONL file", harness.load, "lm_eval"),
 )}
+
+
+def defaults() -> dict:
+    """The `eval` section of config.base_config(): downstream tasks during training
+    (docs/evaluation.md), scored on the live parameters every tasks_every_steps and at the
+    end, logged beside val_loss as tasks/TASK/METRIC."""
+    return {
+        "tasks": "",  # comma-separated task names, task YAML or JSONL files; "": none
+        "tasks_every_steps": 0,  # 0: only at the end of the run
+        "task_dir": "",  # comma-separated directories of task YAML files
+        "tasks_limit": 0,  # documents per task; 0: all
+        "tasks_num_fewshot": -1,  # -1: each task's own default
+        "tasks_batch": 8,  # rows per scoring batch (rounded up to what the mesh splits)
+        "backend": "lm_eval",  # BACKENDS
+    }

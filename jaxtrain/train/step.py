@@ -55,28 +55,64 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
     DPO's copy, or LoRA's base; None without), which objectives without one ignore. With
     a LossScale in the state (float16) the loss is scaled before differentiation and the
     gradients unscaled after."""
-    microbatches = options.microbatches
+    loss_and_grads = _accumulated(_differentiated(loss), rules, options)
 
+    def train_step(state: TrainState, tokens_BT: jax.Array) -> tuple[TrainState, dict]:
+        scale = None if state.loss_scale is None else state.loss_scale.scale
+        (value, forward), grads = loss_and_grads(state.params, tokens_BT, state.step, scale,
+                                                 state.frozen, state.reference_params())
+        value, grads, loss_scale, extra = _unscaled(state, scale, value, grads,
+                                                    options.loss_scale_period)
+        opt_state = state.opt_state
+        if options.opt_device_shardings is not None:
+            opt_state = jax.device_put(opt_state, options.opt_device_shardings)
+        updates, opt_state = optimizer.update(grads, opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        skipped, in_a_row = skipped_steps(opt_state)
+        metrics = {"loss": value, "grad_norm": optax.tree.norm(grads),
+                   "learning_rate": schedule(state.step), "skipped_steps": skipped,
+                   "bad_steps_in_a_row": in_a_row, **forward, **extra,
+                   **dict(options.constants)}
+        if (tokens := trained_tokens(tokens_BT)) is not None:
+            metrics["trained_tokens"] = tokens
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                             loss_scale=loss_scale), metrics
+
+    return train_step
+
+
+def _differentiated(loss: Callable) -> Callable:
+    """(params, tokens, step, scale, frozen, reference) -> ((scaled value, metrics),
+    grads): the loss differentiated in the trained parameters (LoRA: the adapters alone,
+    joined to the frozen base inside), times the loss scale when there is one."""
     def objective(params, tokens_BT, step, scale, frozen, reference):
-        if frozen is not None:  # LoRA: differentiated in the adapters alone
+        if frozen is not None:
             params = lora.join(frozen, params)
         value, metrics = loss(params, tokens_BT, step, reference)
         return (value if scale is None else value * scale), metrics
 
-    grad_fn = jax.value_and_grad(objective, has_aux=True)
+    return jax.value_and_grad(objective, has_aux=True)
 
-    def split(tokens_BT):
-        b, t = tokens_BT.shape
-        # Micro-batch i takes rows i, i+m, i+2m, ...: each device's contiguous block of rows
-        # holds its share of every micro-batch, so splitting moves no data between devices.
-        micro_MBT = tokens_BT.reshape(b // microbatches, microbatches, t).swapaxes(0, 1)
-        return jax.lax.with_sharding_constraint(
-            micro_MBT, logical_to_spec((None, "batch", None), rules))
 
-    def scaled_loss_and_grads(params, tokens_BT, step, scale, frozen, reference):
+def _micro_split(tokens_BT, microbatches: int, rules):
+    """[B, T] -> [M, B/M, T]: micro-batch i takes rows i, i+m, i+2m, ...: each device's
+    contiguous block of rows holds its share of every micro-batch, so splitting moves no
+    data between devices."""
+    b, t = tokens_BT.shape
+    micro_MBT = tokens_BT.reshape(b // microbatches, microbatches, t).swapaxes(0, 1)
+    return jax.lax.with_sharding_constraint(
+        micro_MBT, logical_to_spec((None, "batch", None), rules))
+
+
+def _accumulated(grad_fn: Callable, rules, options: StepOptions) -> Callable:
+    """grad_fn over options.microbatches micro-batches, scanned: their mean (packed rows
+    weighted by target shares when the objective counts targets)."""
+    microbatches = options.microbatches
+
+    def loss_and_grads(params, tokens_BT, step, scale, frozen, reference):
         if microbatches == 1:
             return grad_fn(params, tokens_BT, step, scale, frozen, reference)
-        micro_MBT = jax.tree.map(split, tokens_BT)
+        micro_MBT = jax.tree.map(lambda x: _micro_split(x, microbatches, rules), tokens_BT)
         # Packed rows: each micro-batch's mean weighted by its share of the counted targets
         # (loss mask included), so that the sum is the mean over the whole batch's.
         shares_M = (_target_shares(micro_MBT) if isinstance(tokens_BT, Packed)
@@ -97,33 +133,17 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
             return totals
         return jax.tree.map(lambda x: x / microbatches, totals)
 
-    def train_step(state: TrainState, tokens_BT: jax.Array) -> tuple[TrainState, dict]:
-        scale = None if state.loss_scale is None else state.loss_scale.scale
-        (value, forward), grads = scaled_loss_and_grads(state.params, tokens_BT, state.step,
-                                                        scale, state.frozen,
-                                                        state.reference_params())
-        loss_scale, extra = state.loss_scale, {}
-        if scale is not None:
-            value, grads = jax.tree.map(lambda x: x / scale, (value, grads))
-            finite = jnp.isfinite(optax.tree.norm(grads))
-            loss_scale = state.loss_scale.update(finite, options.loss_scale_period)
-            extra = {"loss_scale": scale}
-        opt_state = state.opt_state
-        if options.opt_device_shardings is not None:
-            opt_state = jax.device_put(opt_state, options.opt_device_shardings)
-        updates, opt_state = optimizer.update(grads, opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        skipped, in_a_row = skipped_steps(opt_state)
-        metrics = {"loss": value, "grad_norm": optax.tree.norm(grads),
-                   "learning_rate": schedule(state.step), "skipped_steps": skipped,
-                   "bad_steps_in_a_row": in_a_row, **forward, **extra,
-                   **dict(options.constants)}
-        if (tokens := trained_tokens(tokens_BT)) is not None:
-            metrics["trained_tokens"] = tokens
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                             loss_scale=loss_scale), metrics
+    return loss_and_grads
 
-    return train_step
+
+def _unscaled(state: TrainState, scale, value, grads, period: int):
+    """(value, grads, the next loss scale, its metrics): under a loss scale (float16) the
+    value and gradients divided by it, and the scale updated by whether they are finite."""
+    if scale is None:
+        return value, grads, state.loss_scale, {}
+    value, grads = jax.tree.map(lambda x: x / scale, (value, grads))
+    finite = jnp.isfinite(optax.tree.norm(grads))
+    return value, grads, state.loss_scale.update(finite, period), {"loss_scale": scale}
 
 
 def _target_shares(micro_MBT: Packed) -> jax.Array:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxtrain.errors import fail
 from jaxtrain.models.attention.context_tiles import (
     AXIS,
+    KEY_TILE,
     MIN_TILE,
     QUERY_TILE,
     Device,
@@ -142,8 +143,11 @@ class ContextVariant:
     check: Callable | None = None
     # Planner: K/V blocks a device holds at once (None: the whole row's C blocks),
     kv_blocks: int | None = None
-    # and whether the other blocks arrive in C−1 dependent hops (else one collective).
+    # and whether the other blocks arrive in C−1 dependent hops (else one collective),
     hops: bool = False
+    # and the most (query, key) positions of one score tile of a visited block (both
+    # variants visit blocks in context_tiles.py's tiles).
+    score_tile: tuple[int, int] = (QUERY_TILE, KEY_TILE)
 
     def validate(self, c, sizes: dict[str, int]) -> None:
         if self.check is not None:
