@@ -15,6 +15,7 @@ from jaxtrain.config import ConfigError, validate
 from jaxtrain.metrics import flops_per_token, matmul_params
 from jaxtrain.models import ModelSpec
 from jaxtrain.models import moe as moe_lib
+from jaxtrain.models.stack import Groups
 from jaxtrain.plan import memory, timing
 from jaxtrain.plan.compile_check import load_config
 from jaxtrain.plan.planner import make_plan
@@ -173,6 +174,28 @@ def test_dense_layers_and_moe_layers_interleave():
         flops_per_token(dense_spec) - 6 * matmul_params(dense_spec))
 
 
+@pytest.mark.parametrize("every_n,layers", [(0, 3), (1, 3), (2, 6), (3, 6)])
+def test_the_walker_reads_each_layer_in_model_order(every_n, layers):
+    """Groups (models/stack.py): layers n−1, 2n−1, ... are MoE; the kv cache, [layers, ...],
+    split into the walker's per-group parts holds each kind's layers in order, and joins
+    back as it was."""
+    moe = moe_lib.MoeSpec(8, 2, 24, every_n_layers=every_n) if every_n else None
+    groups = Groups.of(ModelSpec("llama", 16, layers, 2, 2, 8, 24, 32, 12, moe=moe))
+    is_moe = (np.arange(layers) + 1) % every_n == 0 if every_n else np.zeros(layers, bool)
+    np.testing.assert_array_equal(groups.moe_layers(), is_moe)
+    cache = (np.arange(layers)[:, None] * np.ones(3), -np.arange(layers)[:, None] * np.ones(3))
+    parts = groups.split(cache)
+    for kind, chosen in (("dense", ~is_moe), ("moe", is_moe)):
+        if not chosen.any():
+            assert kind not in parts
+            continue
+        # Group g's layers of this kind, in order (its group axis first).
+        got = np.asarray(parts[kind][0])[..., 0].reshape(groups.count, -1)
+        np.testing.assert_array_equal(got, np.flatnonzero(chosen).reshape(groups.count, -1))
+    for joined, original in zip(groups.join(parts), cache):
+        np.testing.assert_array_equal(joined, original)
+
+
 @pytest.mark.slow
 def test_train_step_logs_routing_metrics(devices):
     cfg = moe_config(**{"model.moe.dispatch": "capacity", "model.moe.capacity_factor": 0.5})
@@ -271,8 +294,9 @@ def test_expert_parallel_matches_single_device(case, devices):
 
 
 @pytest.mark.slow
-def test_cached_decoding_gives_the_full_forward_logits(devices):
-    cfg = moe_config(**{"model.num_layers": 4, "model.moe.every_n_layers": 2,
+@pytest.mark.parametrize("every_n", [2, 3])  # a group's dense layers: one, or an inner scan
+def test_cached_decoding_gives_the_full_forward_logits(every_n, devices):
+    cfg = moe_config(**{"model.num_layers": 2 * every_n, "model.moe.every_n_layers": every_n,
                         "model.moe.dispatch": "capacity", "train.global_batch": 1,
                         "model.moe.capacity_factor": 4.0, "model.init_std": 0.3})
     setup = build(cfg, devices[:1])

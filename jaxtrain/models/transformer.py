@@ -1,4 +1,5 @@
-"""Decoder-only Transformer: any family of models/families.py, layers stacked and scanned."""
+"""Decoder-only Transformer: any family of models/families.py, layers stacked and scanned
+(models/stack.py walks them)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from jaxtrain.models.mlp import Mlp
 from jaxtrain.models.moe import STAT_NAMES, MoeMlp, MoeSpec, routing_losses
 from jaxtrain.models.remat import REMATS
 from jaxtrain.models.rope import RopeScaling
+from jaxtrain.models.stack import Groups, stacked, walk
 from jaxtrain.parallel.context import ContextSpec
 from jaxtrain.parallel.pipeline import PipelineSpec, pipeline
 from jaxtrain.precision import PRECISIONS
@@ -115,9 +117,11 @@ class Block(nnx.Module):
     def _make_mlp(self, spec: ModelSpec, rngs: nnx.Rngs):
         return Mlp(spec, rngs=rngs)
 
-    def __call__(self, x_BLD: jax.Array, segments_BL=None, positions_BL=None) -> jax.Array:
-        """segments_BL, positions_BL: packed documents' ids and restarted positions
-        (models/attention/kernels.py); None: one document per row."""
+    def __call__(self, x_BLD: jax.Array, segments_BL=None, positions_BL=None):
+        """(x_BLD, aux): aux is the layer's per-row routing stats in an MoE block, {} in a
+        dense one (models/stack.py sums them over the layers). segments_BL, positions_BL:
+        packed documents' ids and restarted positions (models/attention/kernels.py); None:
+        one document per row."""
         q_BLHK, k_BLGK, v_BLGK = self._norm_then(
             lambda x: self.attn.qkv(self.attn_norm(x), positions_BL))(x_BLD)
         x_BLD = x_BLD + self.attn.attend(q_BLHK, k_BLGK, v_BLGK, segments_BL)
@@ -134,43 +138,34 @@ class Block(nnx.Module):
             return norm_and_project
         return jax.checkpoint(norm_and_project, policy=jax.checkpoint_policies.nothing_saveable)
 
-    def _mlp_residual(self, x_BLD):
-        x_BLD = constrain(x_BLD, ("batch", "sequence", "embed"), self.spec.rules)
-        h_BLF, gate_BLF = self._norm_then(lambda x: self.mlp.up(self.mlp_norm(x)))(x_BLD)
-        x_BLD = x_BLD + self.mlp.down(h_BLF, gate_BLF)
-        return constrain(x_BLD, ("batch", "sequence", "embed"), self.spec.rules)
-
-    def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):
-        y_BTD, cache = self.attn.decode(self.attn_norm(x_BTD), cache, start)
-        return self._mlp_residual(x_BTD + y_BTD), cache
-
-
-class MoeBlock(Block):
-    """A block whose feed-forward is a mixture of experts: __call__ returns (x, the layer's
-    per-row routing stats)."""
-
-    def _make_mlp(self, spec: ModelSpec, rngs: nnx.Rngs):
-        return MoeMlp(spec, rngs=rngs)
-
     def _mlp_residual(self, x_BLD, drop: bool = True):
         rules = self.spec.rules
         x_BLD = constrain(x_BLD, ("batch", "sequence", "embed"), rules)
-        y_BLD, stats = self.mlp(self.mlp_norm(x_BLD), drop)
-        return constrain(x_BLD + y_BLD, ("batch", "sequence", "embed"), rules), stats
+        y_BLD, aux = self._feed_forward(x_BLD, drop)
+        return constrain(x_BLD + y_BLD, ("batch", "sequence", "embed"), rules), aux
+
+    def _feed_forward(self, x_BLD, drop: bool):
+        """(the normed feed-forward's output, aux); drop: whether an MoE layer may drop
+        tokens over an expert's capacity (not while decoding)."""
+        del drop
+        h_BLF, gate_BLF = self._norm_then(lambda x: self.mlp.up(self.mlp_norm(x)))(x_BLD)
+        return self.mlp.down(h_BLF, gate_BLF), {}
 
     def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):
-        """As Block.decode; no expert drops a token while generating."""
+        """(x_BTD, the layer's updated cache); no expert drops a token while generating."""
         y_BTD, cache = self.attn.decode(self.attn_norm(x_BTD), cache, start)
         return self._mlp_residual(x_BTD + y_BTD, drop=False)[0], cache
 
 
-def _stack(block_cls, spec: ModelSpec, keys: jax.Array):
-    """Layers created with nnx.vmap: one stacked parameter per weight, axis `layers` first."""
-    blocks = nnx.vmap(lambda key: block_cls(spec, rngs=nnx.Rngs(key)))(keys)
-    for _, var in nnx.iter_graph(blocks):
-        if isinstance(var, nnx.Variable):
-            var.set_metadata("axes", ("layers",) + var.get_metadata()["axes"])
-    return blocks
+class MoeBlock(Block):
+    """A block whose feed-forward is a mixture of experts: its aux is the layer's per-row
+    routing stats (models/moe.py STAT_NAMES)."""
+
+    def _make_mlp(self, spec: ModelSpec, rngs: nnx.Rngs):
+        return MoeMlp(spec, rngs=rngs)
+
+    def _feed_forward(self, x_BLD, drop: bool):
+        return self.mlp(self.mlp_norm(x_BLD), drop)
 
 
 class Transformer(nnx.Module):
@@ -181,13 +176,12 @@ class Transformer(nnx.Module):
         if not spec.rope:
             self.pos_embed = param(rngs, (spec.seq_len, d), (None, "embed"), spec.init_std, dt)
         keys = jax.random.split(rngs.params(), spec.num_layers)
-        if spec.moe is None:
-            self.blocks = _stack(Block, spec, keys)
-        else:  # dense layers under `blocks`, MoE layers (every n-th) under `moe_blocks`
-            moe_layer = (np.arange(spec.num_layers) + 1) % spec.moe.every_n_layers == 0
-            if not moe_layer.all():
-                self.blocks = _stack(Block, spec, keys[np.flatnonzero(~moe_layer)])
-            self.moe_blocks = _stack(MoeBlock, spec, keys[np.flatnonzero(moe_layer)])
+        # Dense layers under `blocks`, MoE layers (every n-th) under `moe_blocks`.
+        moe_layer = Groups.of(spec).moe_layers()
+        if not moe_layer.all():
+            self.blocks = stacked(Block, spec, keys[np.flatnonzero(~moe_layer)])
+        if moe_layer.any():
+            self.moe_blocks = stacked(MoeBlock, spec, keys[np.flatnonzero(moe_layer)])
         self.final_norm = Norm(d, rms=spec.rms_norm, eps=spec.norm_eps, dtype=dt, rngs=rngs)
         if not spec.tied_embeddings:
             self.lm_head = param(rngs, (d, v), ("embed", "vocab"), spec.init_std, dt)
@@ -220,11 +214,9 @@ class Transformer(nnx.Module):
         # Positions alone (no documents) come with a context-parallel layout's reordering.
         documents = None if segments_BL is None and positions_BL is None \
             else (segments_BL, positions_BL)
+        x_BLD, stats = self._layers(x_BLD, documents)
         penalty, metrics = None, {}
-        if spec.moe is None:
-            x_BLD = self._dense_layers(x_BLD, documents)
-        else:
-            x_BLD, stats = self._moe_layers(x_BLD, documents)
+        if spec.moe is not None:
             penalty, metrics = routing_losses(stats, spec.moe, tokens_BL.size)
         return (constrain(self.final_norm(x_BLD), ("batch", "length", "embed"), spec.rules),
                 penalty, metrics)
@@ -233,61 +225,45 @@ class Transformer(nnx.Module):
         policy = REMATS[self.spec.remat].policy
         return f if policy is None else jax.checkpoint(f, policy=policy, prevent_cse=False)
 
-    def _dense_layers(self, x_BLD: jax.Array, documents) -> jax.Array:
-        """documents: (segments_BL, positions_BL) of packed rows, or None; under the
-        pipeline they travel with their micro-batch through the stages."""
-        spec = self.spec
-        graphdef, stacked = nnx.split(self.blocks)
+    def _stacks(self) -> tuple[dict, dict]:
+        """({kind: graphdef}, {kind: stacked state, by group}) of the layer stacks."""
+        groups, defs, states = Groups.of(self.spec), {}, {}
+        for kind, blocks in (("dense", "blocks"), ("moe", "moe_blocks")):
+            if hasattr(self, blocks):
+                defs[kind], state = nnx.split(getattr(self, blocks))
+                states[kind] = groups.by_group(state) if kind == "dense" else state
+        return defs, states
 
-        def layers(chunk, x_BLD, documents=None):
-            layer = self._remat(lambda x, state: (
-                nnx.merge(graphdef, state)(x, *(documents or ())), None))
-            return jax.lax.scan(layer, x_BLD, chunk)[0]
+    def _layers(self, x_BLD: jax.Array, documents):
+        """(x_BLD after every layer, routing stats [B, MoE layers, ...] or {}). documents:
+        (segments_BL, positions_BL) of packed rows, or None; under the pipeline they travel
+        with their micro-batch through the stages, as the stats do in the carry."""
+        spec, groups = self.spec, Groups.of(self.spec)
+        defs, xs = self._stacks()
+        stats = {}
+        if groups.moe:
+            xs["index"] = jnp.arange(groups.count)
+            stats = self._zero_stats(x_BLD.shape[0], groups.count)
+
+        def run(chunk, carry, documents=None):
+            def layer(kind, x_BLD, state):
+                block = self._remat(lambda x, state: nnx.merge(defs[kind], state)(
+                    x, *(documents or ())))
+                return (*block(x_BLD, state), None)
+
+            return walk(groups, layer, carry, chunk)[0]
 
         if spec.pipeline is None:
-            return layers(stacked, x_BLD, documents)
-        return pipeline(layers, stacked, x_BLD, spec.pipeline, spec.rules, documents)
+            return run(xs, (x_BLD, stats), documents)
+        return pipeline(run, xs, (x_BLD, stats), spec.pipeline, spec.rules, documents)
 
-    def _moe_layers(self, x_BLD: jax.Array, documents):
-        """The layers scanned in groups of model.moe.every_n_layers: n−1 dense layers, then
-        an MoE layer (one scan step per group keeps the scan, and the pipeline splits the
-        groups). Routing stats ride with the rows in the carry, [B, MoE layers, ...]."""
-        spec = self.spec
-        n, groups = spec.moe.every_n_layers, spec.moe.layers(spec.num_layers)
-        moe_def, moe_state = nnx.split(self.moe_blocks)
-        xs = {"moe": moe_state, "index": jnp.arange(groups)}
-        if n > 1:
-            dense_def, dense_state = nnx.split(self.blocks)
-            xs["dense"] = jax.tree.map(lambda a: a.reshape(groups, n - 1, *a.shape[1:]),
-                                       dense_state)
-
-        def run_groups(chunk, carry, documents=None):
-            extra = documents or ()
-            dense_layer = self._remat(
-                lambda x, state: (nnx.merge(dense_def, state)(x, *extra), None))
-            moe_layer = self._remat(lambda x, state: nnx.merge(moe_def, state)(x, *extra))
-
-            def group(carry, xs):
-                x_BLD, stats = carry
-                if n > 1:
-                    x_BLD = jax.lax.scan(dense_layer, x_BLD, xs["dense"])[0]
-                x_BLD, new = moe_layer(x_BLD, xs["moe"])
-                slot_N = jax.nn.one_hot(xs["index"], groups, dtype=jnp.float32)
-                stats = {k: acc + jnp.expand_dims(new[k], 1)
-                         * slot_N.reshape((1, groups) + (1,) * (new[k].ndim - 1))
-                         for k, acc in stats.items()}
-                return (x_BLD, stats), None
-
-            return jax.lax.scan(group, carry, chunk)[0]
-
-        b, e = x_BLD.shape[0], spec.moe.num_experts
-        shapes = {k: (b, groups, e) if k in ("load", "prob") else (b, groups) for k in STAT_NAMES}
-        stats = {k: constrain(jnp.zeros(shape, jnp.float32),
-                              ("batch",) + (None,) * (len(shape) - 1), spec.rules)
-                 for k, shape in shapes.items()}
-        if spec.pipeline is None:
-            return run_groups(xs, (x_BLD, stats), documents)
-        return pipeline(run_groups, xs, (x_BLD, stats), spec.pipeline, spec.rules, documents)
+    def _zero_stats(self, batch: int, layers: int) -> dict:
+        e = self.spec.moe.num_experts
+        shapes = {k: (batch, layers, e) if k in ("load", "prob") else (batch, layers)
+                  for k in STAT_NAMES}
+        return {k: constrain(jnp.zeros(shape, jnp.float32),
+                             ("batch",) + (None,) * (len(shape) - 1), self.spec.rules)
+                for k, shape in shapes.items()}
 
     def head(self) -> jax.Array:
         """The output projection [D, V]: the embedding table transposed when tied."""
@@ -316,49 +292,18 @@ class Transformer(nnx.Module):
 
     def decode(self, tokens_BT: jax.Array, cache: tuple, start: jax.Array):
         """Logits of T new tokens at positions [start, start+T), reading and extending the
-        kv cache of the earlier ones (prefill: start 0, T = prompt; then T = 1 per token)."""
-        x_BTD = self._embed(tokens_BT, start)
-        if self.spec.moe is not None:
-            x_BTD, cache = self._moe_decode(x_BTD, cache, start)
-            logits_BTV = self.final_norm(x_BTD) @ self.head()
-            return constrain(logits_BTV, ("batch", "length", "vocab"), self.spec.rules), cache
-        graphdef, stacked = nnx.split(self.blocks)
+        kv cache of the earlier ones (prefill: start 0, T = prompt; then T = 1 per token).
+        The cache stays [layers, ...]; the walker reads it by group."""
+        groups = Groups.of(self.spec)
+        defs, states = self._stacks()
+        xs = {kind: (states[kind], c) for kind, c in groups.split(cache).items()}
 
-        def layer(x_BTD, layer_state_and_cache):
-            layer_state, layer_cache = layer_state_and_cache
-            return nnx.merge(graphdef, layer_state).decode(x_BTD, layer_cache, start)
-
-        x_BTD, cache = jax.lax.scan(layer, x_BTD, (stacked, cache))
-        logits_BTV = self.final_norm(x_BTD) @ self.head()
-        return constrain(logits_BTV, ("batch", "length", "vocab"), self.spec.rules), cache
-
-
-    def _moe_decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):
-        """decode's layers in the groups of _moe_layers; the cache stays [layers, ...]."""
-        spec = self.spec
-        n, groups = spec.moe.every_n_layers, spec.moe.layers(spec.num_layers)
-        moe_def, moe_state = nnx.split(self.moe_blocks)
-        dense_def, dense_state = nnx.split(self.blocks) if n > 1 else (None, None)
-        by_group = jax.tree.map(lambda c: c.reshape(groups, n, *c.shape[1:]), cache)
-        if n > 1:
-            dense_state = jax.tree.map(lambda a: a.reshape(groups, n - 1, *a.shape[1:]),
-                                       dense_state)
-
-        def dense_layer(x_BTD, state_and_cache):
+        def layer(kind, x_BTD, state_and_cache):
             state, layer_cache = state_and_cache
-            return nnx.merge(dense_def, state).decode(x_BTD, layer_cache, start)
+            x_BTD, layer_cache = nnx.merge(defs[kind], state).decode(x_BTD, layer_cache, start)
+            return x_BTD, {}, layer_cache
 
-        def group(x_BTD, xs):
-            moe, dense, group_cache = xs
-            caches = []
-            if n > 1:
-                x_BTD, dense_cache = jax.lax.scan(
-                    dense_layer, x_BTD, (dense, jax.tree.map(lambda c: c[:n - 1], group_cache)))
-                caches.append(dense_cache)
-            x_BTD, moe_cache = nnx.merge(moe_def, moe).decode(
-                x_BTD, jax.tree.map(lambda c: c[n - 1], group_cache), start)
-            caches.append(jax.tree.map(lambda c: c[None], moe_cache))
-            return x_BTD, jax.tree.map(lambda *c: jnp.concatenate(c), *caches)
-
-        x_BTD, by_group = jax.lax.scan(group, x_BTD, (moe_state, dense_state, by_group))
-        return x_BTD, jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), by_group)
+        (x_BTD, _), new = walk(groups, layer, (self._embed(tokens_BT, start), {}), xs)
+        logits_BTV = self.final_norm(x_BTD) @ self.head()
+        return (constrain(logits_BTV, ("batch", "length", "vocab"), self.spec.rules),
+                groups.join(new))

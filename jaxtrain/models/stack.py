@@ -1,0 +1,128 @@
+"""The layer stack as groups, and the one walker that runs them for training and decoding.
+
+A group is `dense` dense layers then, in an MoE model, one MoE layer: model.moe.every_n_layers
+layers, n−1 dense and the n-th MoE. A dense model is groups of one dense layer and no MoE
+layer, so its walk stays one scan over the stacked layers. The parameters stay stored by
+kind (`blocks`, `moe_blocks`, each [layers, ...]); the walker views them per group. One scan
+step per group keeps the scan where stacking all layers alike cannot (the two kinds have
+different parameters), and lets the pipeline split the groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    count: int  # groups: the walker's scan steps
+    dense: int  # dense layers per group: one is the layer itself, more an inner scan
+    moe: bool  # whether each group ends in an MoE layer
+
+    @classmethod
+    def of(cls, spec) -> Groups:
+        if spec.moe is None:
+            return cls(spec.num_layers, 1, False)
+        n = spec.moe.every_n_layers
+        return cls(spec.moe.layers(spec.num_layers), n - 1, True)
+
+    @property
+    def size(self) -> int:
+        return self.dense + self.moe
+
+    def moe_layers(self) -> np.ndarray:
+        """Which of the model's layers (in order) are MoE: bool [layers]."""
+        return np.tile(np.arange(self.size) >= self.dense, self.count)
+
+    def by_group(self, tree):
+        """A kind's stacked leaves [groups·k, ...] as [groups, k, ...] (k > 1) or as they are."""
+        k = self.dense
+        if k <= 1:
+            return tree
+        return jax.tree.map(lambda a: a.reshape(self.count, k, *a.shape[1:]), tree)
+
+    def split(self, tree) -> dict:
+        """Per-layer leaves [layers, ...] (the kv cache) as the walker reads them:
+        {"dense": [groups(, dense), ...], "moe": [groups, ...]}."""
+        kinds = self._kinds()
+        if len(kinds) == 1:  # every layer of one kind: already in order
+            return {kinds[0][0]: tree}
+
+        def part(a, lo, hi):
+            a = a.reshape(self.count, self.size, *a.shape[1:])[:, lo:hi]
+            return a[:, 0] if hi - lo == 1 else a
+
+        return {kind: jax.tree.map(lambda a: part(a, lo, hi), tree) for kind, lo, hi in kinds}
+
+    def join(self, parts: dict):
+        """split's inverse: per-layer leaves [layers, ...] in the model's order."""
+        kinds = self._kinds()
+        if len(kinds) == 1:
+            return parts[kinds[0][0]]
+
+        def whole(*pieces):
+            pieces = [p if hi - lo > 1 else p[:, None] for p, (_, lo, hi) in zip(pieces, kinds)]
+            a = jnp.concatenate(pieces, axis=1)
+            return a.reshape(-1, *a.shape[2:])
+
+        return jax.tree.map(whole, *(parts[kind] for kind, _, _ in kinds))
+
+    def _kinds(self) -> list[tuple[str, int, int]]:
+        """(kind, first, end) of each kind's layers within a group."""
+        kinds = [("dense", 0, self.dense)] if self.dense else []
+        return kinds + [("moe", self.dense, self.size)] if self.moe else kinds
+
+
+def stacked(block_cls, spec, keys: jax.Array):
+    """Layers created with nnx.vmap: one stacked parameter per weight, axis `layers` first."""
+    blocks = nnx.vmap(lambda key: block_cls(spec, rngs=nnx.Rngs(key)))(keys)
+    for _, var in nnx.iter_graph(blocks):
+        if isinstance(var, nnx.Variable):
+            var.set_metadata("axes", ("layers",) + var.get_metadata()["axes"])
+    return blocks
+
+
+def walk(groups: Groups, layer: Callable, carry, xs):
+    """Runs the groups in one scan: ((x, aux sums), ys).
+
+    layer(kind, x, layer_xs) -> (x, aux, y) runs one layer of `kind` ("dense", "moe") on
+    layer_xs, its slice of xs[kind] (its state, and its kv cache when decoding); y is what
+    the layer emits (its new cache), aux its pytree of per-row stats ({} for a dense layer).
+    carry: (x, aux sums); the sums ({} to drop them) are [B, groups, ...], group g's MoE
+    layer's aux added at slot xs["index"] = g, so that they ride with their rows (the
+    pipeline's buffers carry them from stage to stage).
+    """
+    def dense(x, layer_xs):
+        x, _, y = layer("dense", x, layer_xs)
+        return x, y
+
+    def group(carry, xs):
+        x, sums = carry
+        ys = {}
+        if groups.dense > 1:
+            x, ys["dense"] = jax.lax.scan(dense, x, xs["dense"])
+        elif groups.dense:
+            x, ys["dense"] = dense(x, xs["dense"])
+        if groups.moe:
+            x, aux, ys["moe"] = layer("moe", x, xs["moe"])
+            sums = _add_at(sums, aux, xs.get("index"), groups.count)
+        return (x, sums), ys
+
+    return jax.lax.scan(group, carry, xs)
+
+
+def _add_at(sums: dict, aux: dict, index, count: int) -> dict:
+    """sums [B, groups, ...] + aux [B, ...] at slot `index` (a one-hot product rather than a
+    scatter: under the pipeline the slot is per stage)."""
+    if not sums:
+        return sums
+    slot_N = jax.nn.one_hot(index, count, dtype=jnp.float32)
+    return {k: acc + jnp.expand_dims(aux[k], 1)
+            * slot_N.reshape((1, count) + (1,) * (aux[k].ndim - 1))
+            for k, acc in sums.items()}
