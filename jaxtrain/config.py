@@ -98,28 +98,8 @@ def _model() -> dict:
         "rope_scaling": rope_lib.defaults(),
         "norm_eps": 1e-5,
         "init_std": 0.02,
-        "moe": _moe(),
+        "moe": moe_lib.defaults(),
         "lora": lora_lib.defaults(),
-    }
-
-
-def _moe() -> dict:
-    """The `model.moe` section (models/moe.py, docs/parallelism.md); num_experts 0: a dense
-    model. (Written here while models/moe.py is being reworked; it belongs beside DISPATCHES.)"""
-    return {
-        "num_experts": 0,  # E routed experts per MoE layer (>= 2), llama family
-        "top_k": 2,  # experts per token; their router probabilities renormalised
-        "expert_mlp_dim": 0,  # each expert's SwiGLU width; 0: model.mlp_dim
-        "shared_experts": 0,  # always-on experts of expert_mlp_dim (DeepSeek/Qwen)
-        "every_n_layers": 1,  # layers n-1, 2n-1, ... are MoE, the rest dense
-        "router_dtype": "float32",  # the router's matmul (softmax is always float32)
-        "aux_loss_weight": 0.01,  # load balancing: (E/k)·Σ f·P, 1.0 when balanced
-        "z_loss_weight": 0.001,  # router z-loss: mean logsumexp(logits)²
-        # capacity dispatch: an expert takes at most ⌈capacity_factor·T·k/E⌉ of a device's
-        # T tokens, the rest are dropped (moe_dropped_fraction in metrics.jsonl).
-        "capacity_factor": 1.25,
-        # auto: dropless on TPU (grouped matmuls), capacity on CPU and GPU; or either by name.
-        "dispatch": "auto",
     }
 
 

@@ -326,6 +326,7 @@ def test_dispatch_defaults_per_backend():
     assert moe_lib.resolve_dispatch("auto", "cpu") == "capacity"
     assert moe_lib.resolve_dispatch("auto", "gpu") == "capacity"
     assert moe_lib.resolve_dispatch("auto", "tpu") == "dropless"
+    assert moe_lib.resolve_dispatch("auto", "") == "capacity", "an unnamed platform: the \"*\" entry"
     assert moe_lib.resolve_dispatch("dropless", "cpu") == "dropless"
 
 

@@ -58,7 +58,8 @@ class Dispatch:
     # (moe, axes, x_TD, route, experts, drop) -> (y_AD, dropped_A), both in the route's
     # sorted row order.
     run: Callable
-    default_on: tuple[str, ...]  # 'auto' picks it on these platforms
+    # 'auto' picks it on these platforms ("*": on any platform no other entry names).
+    default_on: tuple[str, ...]
     # (config, mesh axis sizes) -> None, raising ConfigError: what it cannot run under.
     check: Callable | None = None
     # Planner: its buffers hold capacity_factor·k rows per token, padding included (else
@@ -75,6 +76,24 @@ class Dispatch:
         if self.check is not None:
             self.check(c, sizes)
 
+def defaults() -> dict:
+    """The `model.moe` section (docs/parallelism.md); num_experts 0: a dense model."""
+    return {
+        "num_experts": 0,  # E routed experts per MoE layer (>= 2), llama family
+        "top_k": 2,  # experts per token; their router probabilities renormalised
+        "expert_mlp_dim": 0,  # each expert's SwiGLU width; 0: model.mlp_dim
+        "shared_experts": 0,  # always-on experts of expert_mlp_dim (DeepSeek/Qwen)
+        "every_n_layers": 1,  # layers n-1, 2n-1, ... are MoE, the rest dense
+        "router_dtype": "float32",  # the router's matmul (softmax is always float32)
+        "aux_loss_weight": 0.01,  # load balancing: (E/k)·Σ f·P, 1.0 when balanced
+        "z_loss_weight": 0.001,  # router z-loss: mean logsumexp(logits)²
+        # capacity dispatch: an expert takes at most ⌈capacity_factor·T·k/E⌉ of a device's
+        # T tokens, the rest are dropped (moe_dropped_fraction in metrics.jsonl).
+        "capacity_factor": 1.25,
+        # auto: dropless on TPU (grouped matmuls), capacity on CPU and GPU; or either by name.
+        "dispatch": "auto",
+    }
+
 
 def dispatch_choices() -> tuple[str, ...]:
     """model.moe.dispatch's valid values (read when asked, so a new entry is one)."""
@@ -84,7 +103,8 @@ def dispatch_choices() -> tuple[str, ...]:
 def resolve_dispatch(name: str, platform: str) -> str:
     if name != "auto":
         return name
-    return next((d.name for d in DISPATCHES.values() if platform in d.default_on), "capacity")
+    named = [d.name for d in DISPATCHES.values() if platform in d.default_on]
+    return (named or [d.name for d in DISPATCHES.values() if "*" in d.default_on])[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -442,7 +462,7 @@ DISPATCHES: dict[str, Dispatch] = {d.name: d for d in (
              "nothing dropped", _dropless, ("tpu",), check_mesh, peer_buffers=True,
              grouped_matmuls=True),
     Dispatch("capacity", "fixed [experts, capacity] buffers and batched matmuls; tokens past "
-             "an expert's capacity dropped", _capacity, ("cpu", "gpu"), check_mesh,
+             "an expert's capacity dropped", _capacity, ("cpu", "gpu", "*"), check_mesh,
              padded=True),
 )}
 
