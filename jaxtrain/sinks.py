@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import sys
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -50,14 +51,28 @@ class JsonlSink:
         self.log.close()
 
 
+def _summary_writer():
+    """tensorboardX's SummaryWriter, imported only where it writes, and without torch:
+    tensorboardX imports torch when it can (to accept its tensors; we write floats), which
+    cost a CLI start 1.7 s on a machine with torch installed."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class TensorBoardSink:
     """WORKDIR/tensorboard: a scalar per key (non-finite values are left out)."""
 
     PUBLISH_S = 120.0
 
     def __init__(self, workdir: pathlib.Path, cfg, start_step: int):
-        from tensorboardX import SummaryWriter  # heavy import, only where it writes
-
+        SummaryWriter = _summary_writer()
         target = workdir / TENSORBOARD_DIR
         # Event files are appended to, which an object store cannot do: on gs:// or s3://
         # they are written to this host's scratch disk and uploaded whole, at most every
