@@ -3,6 +3,7 @@ run's metric sinks (sinks.py)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import pathlib
 import sys
@@ -49,7 +50,13 @@ def peak_flops_per_device(precision: str) -> tuple[float, str]:
                 pass
     dtype = jnp.float32 if device.platform == "cpu" else peak.compute_dtype
     n = 2048 if device.platform == "cpu" else 8192
-    return measure_matmul_peak(dtype, n), f"measured {n}x{n} {jnp.dtype(dtype).name} matmul"
+    name = jnp.dtype(dtype).name
+    return _measured_peak(name, n), f"measured {n}x{n} {name} matmul"
+
+
+@functools.cache  # once per process: a later run in it (eval, tests) does not wait again
+def _measured_peak(dtype_name: str, n: int) -> float:
+    return measure_matmul_peak(jnp.dtype(dtype_name), n)
 
 
 class MetricsWriter:

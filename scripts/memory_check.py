@@ -12,7 +12,7 @@ compared with the like-for-like estimate (memory.estimate(backend='cpu'): XLA:CP
 plan/memory_fit.json, which scripts/fit_memory.py fits the estimate's factors on and
 tests/test_plan.py checks every estimate against. Exit code 1 when a case fails to compile,
 its estimate is outside memory_fit.TARGET, or its compiled figure moved from the stored one.
-CI runs it on the published layouts (.ci/run; the suite recompiles the grid and configs).
+CI runs it on the published layouts and the grid (.ci/run; the suite recompiles the configs).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from jaxtrain.plan.compile_check import (
     compiled_memory,
     load_config,
 )
-from jaxtrain.plan.grid import GRID, SHIPPED_TARGETS, grid_config
+from jaxtrain.plan.grid import SHIPPED_TARGETS
 from jaxtrain.plan.planner import make_plan
 from jaxtrain.plan.search import search
 
@@ -45,19 +45,9 @@ def test_user_hardware_file_adds_an_entry(tmp_path):
     assert catalog.get("mycard", str(path)).memory_gb == 123
 
 
+# The stored figures are XLA's: the shipped configs are recompiled below, the grid and the
+# published layouts by scripts/memory_check.py --grid --published, which CI runs (.ci/run).
 STORED = {(c["source"], c["case"]): c for c in memory_fit.cases()}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", list(GRID))
-def test_the_grid_compiles_to_the_stored_figures(case, devices):
-    """Each grid case compiles to the figure plan/memory_fit.json holds, which the stored-row
-    test below holds the estimate against (the figures are this code's)."""
-    compiled = compiled_memory(grid_config(case), devices)["total_bytes_per_device"]
-    if not memory_fit.same_compiler():
-        pytest.skip("plan/memory_fit.json was compiled with another jax: refresh it")
-    assert compiled == pytest.approx(STORED[("cpu", f"grid {case}")]["compiled_bytes"],
-                                     rel=memory_fit.SAME)
 
 
 def test_known_figures():
