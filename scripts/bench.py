@@ -7,6 +7,9 @@
 MFU is model FLOPs/s (jaxtrain.models.flops.flops_per_token) over the devices' peak: on CPU a
 jitted 2048×2048 matmul measured in this same process, on known accelerators the datasheet
 (and, as `mfu_vs_measured`, an 8192² matmul in the compute dtype measured in this process).
+--against torch also runs scripts/bench_torch.py (the same shape in plain PyTorch, eager and
+torch.compile, on the same batches), alternating the three for --rounds rounds, each in a
+fresh process but the first, and prints each one's median tokens/s and jaxtrain's ratio to it.
 --sweep benchmarks every combination of attention × remat × precision and prints a table
 (tokens/s, MFU, XLA memory per device) and, with --json, one JSON object per line.
 """
@@ -32,6 +35,11 @@ _STEPS = flags.DEFINE_integer("steps", 5, "Timed steps (after 2 warm-up steps)."
 _SWEEP = flags.DEFINE_bool("sweep", False, "Benchmark attention × remat × precision.")
 _COMPILE_ONLY = flags.DEFINE_bool("compile_only", False, "Compile and report XLA's memory "
                                   "analysis without running a step (for shapes too big to run).")
+_AGAINST = flags.DEFINE_enum("against", None, ["torch"], "Also time the PyTorch peer "
+                              "(scripts/bench_torch.py, eager and torch.compile) and print "
+                              "the ratios.")
+_ROUNDS = flags.DEFINE_integer("rounds", 2, "--against: rounds of (jaxtrain, torch.compile, "
+                               "torch eager), alternated so that drift hits all three alike.")
 _ATTENTIONS = flags.DEFINE_list("attentions", None, "Sweep: attention implementations "
                                 "(default: all that run on this backend).")
 _REMATS = flags.DEFINE_list("remats", None, "Sweep: remat policies (default: all).")
@@ -173,8 +181,57 @@ def print_table(rows: list[dict]) -> None:
               f"{r['memory_argument_bytes'] / 2**20:.0f} | {r['memory_temp_bytes'] / 2**20:.0f} |")
 
 
+def _torch_peer(mode: str) -> dict:
+    """scripts/bench_torch.py in a child process, with this run's config and overrides."""
+    import os
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_torch.py")
+    passed = [a for a in sys.argv[1:] if a.startswith("--config")]
+    out = subprocess.run([sys.executable, script, *passed, f"--mode={mode}",
+                          f"--steps={_STEPS.value}", "--json"],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def against_torch(cfg) -> list[dict]:
+    """jaxtrain, torch.compile and torch eager, alternated for --rounds rounds; one row per
+    implementation with its median tokens/s over the rounds and jaxtrain's ratio to it."""
+    import statistics
+
+    runs = {"jaxtrain": [], "torch compile": [], "torch eager": []}
+    for _ in range(_ROUNDS.value):
+        runs["jaxtrain"].append(bench(cfg, _STEPS.value))
+        runs["torch compile"].append(_torch_peer("compile"))
+        runs["torch eager"].append(_torch_peer("eager"))
+    ours = statistics.median(r["tokens_per_s"] for r in runs["jaxtrain"])
+    rows = []
+    for impl, results in runs.items():
+        tokens_per_s = statistics.median(r["tokens_per_s"] for r in results)
+        rows.append({"impl": impl, "tokens_per_s": tokens_per_s,
+                     "each": [round(r["tokens_per_s"], 1) for r in results],
+                     "jaxtrain_ratio": ours / tokens_per_s,
+                     **({"mfu": statistics.median(r["mfu"] for r in results)}
+                        if impl == "jaxtrain" else {})})
+    return rows
+
+
 def main(argv) -> None:
     del argv
+    if _AGAINST.value:
+        load = __import__("os").getloadavg()
+        rows = against_torch(_CONFIG.value)
+        if _JSON.value:
+            print(json.dumps(rows))
+            return
+        print(f"load average before: {load}, after: {__import__('os').getloadavg()}")
+        print("| implementation | tokens/s (median) | each round | jaxtrain / it |")
+        print("|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['impl']} | {r['tokens_per_s']:.4g} | {r['each']} | "
+                  f"{r['jaxtrain_ratio']:.3f} |")
+        print(f"jaxtrain MFU (median): {rows[0]['mfu']:.3f}")
+        return
     if _SWEEP.value:
         rows = sweep(_CONFIG.value, _STEPS.value)
         if not _JSON.value:
