@@ -754,7 +754,8 @@ def _files_problem(root: pathlib.Path, files: dict, checksums: bool,
     """What is wrong with the files under `root` by their manifest's {name: [size, xxh3]}
     (named under `shown`, e.g. the URL they were downloaded from)."""
     for name, (size, digest) in files.items():
-        path, named = root / name, (shown or root) / name
+        path = storage.contained(root, name, f"the manifest of {shown or root}", CheckpointError)
+        named = (shown or root) / name
         if not path.exists():
             return f"{named} is missing"
         actual = path.stat().st_size

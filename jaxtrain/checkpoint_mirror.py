@@ -129,11 +129,15 @@ class Mirror:
 
     def download(self, step: int, files: dict, target: pathlib.Path) -> None:
         """The files of `step` ({relative name: [size, digest]}) into `target`. Raises
-        FileNotFoundError with the URL of an object that is missing."""
+        FileNotFoundError with the URL of an object that is missing; CheckpointError, before
+        anything is written, for a name that would land outside `target`."""
+        what = f"checkpoints={self.url}: the manifest of step {step}"
+        paths = {name: storage.contained(target, name, what, CheckpointError,
+                                         where=f"{self.url}/{step}") for name in sorted(files)}
         pairs = []
-        for name in sorted(files):
-            (target / name).parent.mkdir(parents=True, exist_ok=True)
-            pairs.append((f"{self._step_key(step)}/{name}", str(target / name)))
+        for name, path in paths.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            pairs.append((f"{self._step_key(step)}/{name}", str(path)))
         try:
             self._each(f"download of step {step}", "_get_file", pairs,
                        sum(size for size, _ in files.values()))

@@ -27,7 +27,7 @@ import fsspec
 import fsspec.callbacks
 from etils import epath
 
-from jaxtrain.errors import ConfigError, require_package
+from jaxtrain.errors import ConfigError, DataError, JaxtrainError, require_package
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -162,13 +162,39 @@ def upload_tree(local: pathlib.Path, remote, last: str | None = None, progress=N
     return len(files)
 
 
-def download_tree(remote, local: pathlib.Path) -> pathlib.Path:
+def contained(root, name, what: str, error: type[JaxtrainError] = DataError,
+              links: bool = False, where=None):
+    """root / name, for a `name` read from a manifest, a listing or a bucket (`what` says
+    which), once it is shown to stay inside `root`: a relative path with no '..' part (a
+    bucket key may be '../../x' or '/tmp/x'), and on local disk one that does not lead out
+    through a symbolic link already there (unless `links`: a Hugging Face cache links its
+    files to blobs beside the folder). Else `error`, one line naming the name and where it
+    came from (`where`: the folder to name, default `root`). The one check of such names:
+    every reader and downloader calls it before it reads or writes anything."""
+    parts = name.split("/") if isinstance(name, str) else None
+    if not parts or not name or "\0" in name or name.startswith("/") or ".." in parts:
+        raise error(f"{what} names {name!r}, which is not a file inside {where or root}: a "
+                    "name there must be a relative path without '..'; refused")
+    path = root / name
+    if not links and not is_remote(root):
+        base = pathlib.Path(root).resolve()
+        if not pathlib.Path(path).resolve().is_relative_to(base):
+            raise error(f"{what} names {name!r}, which leads out of {where or root} (through "
+                        f"a symbolic link, to {pathlib.Path(path).resolve()}); refused")
+    return path
+
+
+def download_tree(remote, local: pathlib.Path, what: str | None = None) -> pathlib.Path:
     """Copies every object under the remote prefix into the local directory (created);
-    returns it."""
+    returns it. Every object's name is checked first (`contained`; `what` says whose objects
+    they are), so a hostile key writes nothing anywhere."""
     fs, root = filesystem(remote)
+    # A key ending in '/' is a folder marker some tools make: it names no file.
+    names = [n for n in sorted(fs.find(root)) if not n.endswith("/") and n != root]
+    targets = [contained(local, name[len(root):].lstrip("/"),
+                         what or f"the listing of {remote}", where=remote) for name in names]
     local.mkdir(parents=True, exist_ok=True)
-    for name in fs.find(root):
-        target = local / name[len(root):].lstrip("/")
+    for name, target in zip(names, targets):
         target.parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(name, str(target))
     return local

@@ -31,7 +31,7 @@ import threading
 import numpy as np
 
 from jaxtrain import storage
-from jaxtrain.data import fingerprints, remote_file
+from jaxtrain.data import fingerprints, remote_file, shard_check
 from jaxtrain.data import tokenizers as tokenizers_lib
 from jaxtrain.errors import DataError
 
@@ -148,10 +148,21 @@ class PreparedDataset:
         self.shard_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         docs = [s["num_documents"] for s in self.shards]
         self.doc_starts = np.concatenate([[0], np.cumsum(docs, dtype=np.int64)])
+        self._files = self._contained_files(path, what)
         self._tokens: list = [None] * len(self.shards)
         self._masks: list = [None] * len(self.shards)
         self._index: list = [None] * len(self.shards)
         self._local_tokenizer: pathlib.Path | None = None
+
+    def _contained_files(self, path, what: str) -> list[dict]:
+        """Each shard's {key: path} of its tokens, index and mask, every name checked to lie
+        inside the dataset before anything is read (a manifest is someone else's input)."""
+        files = []
+        for k, shard in enumerate(self.shards):
+            files.append({key: storage.contained(
+                self.path, shard[key], f"{what}={path}: {MANIFEST} (shard {k}'s {key!r})")
+                for key in ("tokens", "index", "mask") if shard.get(key) is not None})
+        return files
 
     @property
     def num_tokens(self) -> int:
@@ -206,15 +217,20 @@ class PreparedDataset:
 
     def _open_tokens(self, k: int, key: str = "tokens"):
         dtype = self.dtype if key == "tokens" else np.dtype(np.uint8)
-        path = self.path / self.shards[k][key]
+        path = self._files[k][key]
         expected = self.shards[k]["num_tokens"] * dtype.itemsize
         if self.remote:
-            size = remote_file.object_size(path, self.what)
+            info = remote_file.object_info(path, self.what)
+            size = None if info is None else int(info["size"])
         else:
-            size = path.stat().st_size if path.is_file() else None
+            info = path.stat() if path.is_file() else None
+            size = None if info is None else info.st_size
         if size != expected:
             raise DataError(f"{self.what}={self.path}: shard {path.name} is missing or not "
                             f"{expected} bytes; the dataset is damaged: prepare it again")
+        if key == "tokens" and self.shards[k].get("sha256"):
+            shard_check.verify(path, size, info, self.shards[k]["sha256"],
+                               f"{self.what}={self.path}")
         if self.remote:
             return remote_file.RemoteArray(path, dtype, self.cache, size, self.what)
         return np.memmap(path, dtype=dtype, mode="r")
@@ -225,7 +241,7 @@ class PreparedDataset:
         if self._index[k] is None:
             with _OPENING:
                 if self._index[k] is None:
-                    path = self.path / self.shards[k]["index"]
+                    path = self._files[k]["index"]
                     self._index[k] = (
                         np.load(io.BytesIO(remote_file.read_whole(path, self.what)))
                         if self.remote else np.load(path, mmap_mode="r"))

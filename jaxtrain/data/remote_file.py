@@ -121,12 +121,19 @@ def read_whole(path, what: str = "data.path", missing_ok: bool = False) -> bytes
     return data
 
 
-def object_size(path, what: str = "data.path") -> int | None:
-    """The object's size in bytes (a metadata request), or None when there is none."""
+def object_info(path, what: str = "data.path") -> dict | None:
+    """The object's metadata (size, ETag or generation: one request), or None when there
+    is none."""
     fs, name = storage.filesystem(path)
     info = _retrying(lambda: fs.info(name), str(path), what, missing_ok=True)
     _count("requests")
-    return None if info is None or info.get("type") == "directory" else int(info["size"])
+    return None if info is None or info.get("type") == "directory" else info
+
+
+def object_size(path, what: str = "data.path") -> int | None:
+    """The object's size in bytes (a metadata request), or None when there is none."""
+    info = object_info(path, what)
+    return None if info is None else int(info["size"])
 
 
 class BlockCache:

@@ -15,6 +15,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxtrain import storage
 from jaxtrain.errors import ConfigError
 
 INDEX = "model.safetensors.index.json"
@@ -58,7 +59,10 @@ class SafetensorsDir:
                 for key in self._handle(name).keys():
                     self.files[key] = name
         for name in sorted(set(self.files.values())):
-            if not (directory / name).is_file():
+            # A model directory from the Hub cache links its files to blobs beside it.
+            path = storage.contained(directory, name, f"--from-hf={directory}: {INDEX}'s "
+                                     "weight_map", ConfigError, links=True)
+            if not path.is_file():
                 raise ConfigError(f"{directory / name} is missing (listed in {INDEX})")
 
     def __enter__(self) -> SafetensorsDir:

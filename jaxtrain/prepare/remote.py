@@ -115,6 +115,8 @@ def fetch_inputs(patterns: list[str], progress: bool) -> tuple[list[str], dict[s
         storage.check_path(pattern, "input")
         base, fs, objects = _objects(pattern)
         files = storage.scratch_dir(pattern, "input") / "files"
+        for name in objects:  # a key may hold '../': refused before anything is written
+            storage.contained(files, name, f"input {pattern}", where=base)
         with errors("input", pattern):
             _sync(fs, objects, files, progress)
         rest = pattern.rstrip("/")[len(base):].lstrip("/")
