@@ -404,3 +404,145 @@ def test_lora_weight_decay_equals_peft_with_torch_adamw(tmp_path, devices):
     undecayed = _torch_lora(peft_model(), batches, cfg, 0.0)
     assert np.abs(np.asarray(ours) / np.asarray(undecayed) - 1).max() > 1e-3
 
+
+def _save_run(workdir, cfg, devices):
+    """A run directory holding one checkpoint (step 1) of `cfg`'s fresh state, without
+    training (a LoRA config: its adapters, on model.lora.base, with that base's
+    fingerprint)."""
+    from jaxtrain.checkpoint import Checkpoints
+
+    state = build(cfg, devices[:1]).init_state()
+    checkpoints = Checkpoints(workdir / "checkpoints", keep=1, log=lambda _: None)
+    checkpoints.save(1, state.tree(), cfg.to_dict())
+    checkpoints.close()
+
+
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory, devices):
+    """{"base", "other" (the same shape, another seed), "narrow" (another mlp_dim), "lora"
+    (adapters trained on "base", a non-zero B so that the base shows through)} run
+    directories."""
+    root = tmp_path_factory.mktemp("lora_runs")
+    plain = {"model.lora.rank": 0}
+    _save_run(root / "base", _llama(**plain), devices)
+    _save_run(root / "other", _llama(seed=7, **plain), devices)
+    _save_run(root / "narrow", _llama(**plain, **{"model.mlp_dim": 96}), devices)
+    _save_run(root / "lora", _llama(**{"model.lora.base": str(root / "base")}), devices)
+    return root
+
+
+def _swap_base(root, replacement):
+    """model.lora.base's directory replaced by `replacement`'s (undone by the caller)."""
+    import shutil
+
+    shutil.move(root / "base", root / "base.orig")
+    shutil.copytree(root / replacement, root / "base")
+
+
+def _restore_base(root):
+    import shutil
+
+    shutil.rmtree(root / "base")
+    shutil.move(root / "base.orig", root / "base")
+
+
+def test_every_command_that_loads_a_lora_run_refuses_a_changed_base(saved_runs, devices,
+                                                                    tmp_path):
+    """inference.load is what eval, generate, quantize and convert --to-hf load a run
+    with: a base replaced by another of the same shape is refused in one line."""
+    from jaxtrain import inference
+    from jaxtrain.commands.quantize import quantize_run
+    from jaxtrain.hf.save import export_hf
+
+    inference.load(saved_runs / "lora", devices=devices[:1])  # on its own base: loads
+    _swap_base(saved_runs, "other")
+    try:
+        calls = [lambda: inference.load(saved_runs / "lora", devices=devices[:1]),
+                 lambda: inference.task_scorer(saved_runs / "lora", devices=devices[:1],
+                                               progress=False),
+                 lambda: export_hf(saved_runs / "lora", tmp_path / "hf", devices=devices[:1]),
+                 lambda: quantize_run(saved_runs / "lora", tmp_path / "int8")]
+        for call in calls:
+            with pytest.raises(ConfigError) as e:
+                call()
+            assert "is not the base these adapters were trained on" in str(e.value)
+            assert "put that base back" in str(e.value) and "\n" not in str(e.value)
+    finally:
+        _restore_base(saved_runs)
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "int8").exists()
+
+
+def test_a_base_of_another_shape_is_refused_naming_the_parameter(saved_runs, devices):
+    from jaxtrain import inference
+
+    _swap_base(saved_runs, "narrow")
+    try:
+        with pytest.raises(ConfigError) as e:
+            inference.load(saved_runs / "lora", devices=devices[:1])
+    finally:
+        _restore_base(saved_runs)
+    assert str(e.value) == (
+        f"model.lora.base={str(saved_runs / 'base')!r}: its step 1 does not fit this model "
+        "(blocks/mlp/w_down is [2, 96, 64] there, [2, 128, 64] here); name a run of the "
+        "same model.* shape")
+
+
+@pytest.mark.parametrize("base,says", [
+    ("nowhere", "holds no checkpoints/ directory"),
+    ("empty", "holds no usable checkpoint"),
+    ("narrow", "blocks/mlp/w_down is [2, 96, 64] there, [2, 128, 64] here"),
+])
+def test_a_missing_or_misshapen_base_is_refused_before_the_workdir_is_written(
+        base, says, saved_runs, tmp_path, devices):
+    from jaxtrain.train.loop import run
+
+    (saved_runs / "empty" / "checkpoints").mkdir(parents=True, exist_ok=True)
+    cfg = _llama(**{"model.lora.base": str(saved_runs / base)})
+    with pytest.raises(ConfigError) as e:
+        run(cfg, tmp_path / "run", devices[:1])
+    assert str(e.value).startswith(f"model.lora.base={str(saved_runs / base)!r}")
+    assert says in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_a_changed_or_misshapen_base_in_one_line(saved_runs):
+    """exit 2 and one line, without orbax's message or an asyncio traceback at exit."""
+    import subprocess
+    import sys
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "jaxtrain", *args], capture_output=True,
+                              text=True, timeout=300)
+
+    for replacement, command, says in [
+            ("other", ("generate", "--prompt_ids=1,2,3", "--max_new_tokens=4"), "is not the base these adapters"),
+            ("narrow", ("eval", "--batches=1"), "does not fit this model")]:
+        _swap_base(saved_runs, replacement)
+        try:
+            result = cli(*command, f"--workdir={saved_runs / 'lora'}")
+        finally:
+            _restore_base(saved_runs)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert says in result.stderr and result.stderr.strip().count("\n") == 0, \
+            result.stderr[-2000:]
+        assert "Traceback" not in result.stderr and "strict=False" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_quantized_lora_model_holds_its_base(saved_runs, tmp_path, devices):
+    """quantize writes the whole model (base and adapters): its directory loads (it gave a
+    KeyError traceback) with the int8 loss quantize measured, whatever model.lora.base
+    holds since."""
+    from jaxtrain import inference
+    from jaxtrain.commands.quantize import quantize_run
+
+    summary = quantize_run(saved_runs / "lora", tmp_path / "int8")
+    _swap_base(saved_runs, "other")
+    try:
+        loaded = inference.load(tmp_path / "int8", devices=devices[:1])
+    finally:
+        _restore_base(saved_runs)
+    _, windows, _ = inference.evaluation_windows(loaded.cfg, None)
+    result = inference.evaluate(loaded, windows, loaded.cfg.eval_batches)
+    assert result["loss"] == pytest.approx(summary["int8_val_loss"], rel=1e-6)
