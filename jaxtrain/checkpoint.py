@@ -504,9 +504,7 @@ class Checkpoints:
 
     def mismatch(self, step: int, target: dict) -> str | None:
         """How the saved tree differs from `target` ('lacks opt_state/...'), None if not."""
-        saved = tree_signature(_state_handler(self.parts is not None).metadata(
-            epath.Path(self._local(step) / "state")))
-        wanted = tree_signature(target)
+        saved, wanted = self.signature(step), tree_signature(target)
         if saved == wanted:
             return None
         missing = sorted(set(wanted) - set(saved))
@@ -525,17 +523,25 @@ class Checkpoints:
         return self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target))).state
 
+    def signature(self, step: int) -> dict[tuple, tuple]:
+        """tree_signature of a step's saved tree, read from its metadata (nothing restored)."""
+        return tree_signature(_state_handler(self.parts is not None).metadata(
+            epath.Path(self._local(step) / "state")))
+
     def restore_params(self, step: int, target_params: dict) -> dict:
         """Only the parameters of a step (no optimizer state), into `target_params`' shapes
         and shardings: what generation, evaluation and export read."""
+        return self.restore_items(step, {"params": target_params})["params"]
+
+    def restore_items(self, step: int, target: dict) -> dict:
+        """Only the top-level entries of the saved tree that `target` names (e.g. params and
+        a LoRA run's base_fingerprint), into its shapes and shardings."""
         self._local(step)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
+        return self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(
-                item={"params": target_params},
-                restore_args=ocp.checkpoint_utils.construct_restore_args(
-                    {"params": target_params}),
+                item=target,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                 partial_restore=True))).state
-        return restored["params"]
 
     def latest_intact(self) -> tuple[int, dict]:
         """(step, saved config) of the newest checkpoint whose files are all there."""

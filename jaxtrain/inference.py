@@ -91,21 +91,38 @@ def load(workdir, *, data: int = 1, fsdp: int = 1, tensor: int = 1, batch: int |
     target = setup.abstract_state().params
     quantization = _quantization(workdir)
     if quantization is not None:
+        # A quantized LoRA model holds its base too (quantize.py saves the whole model).
+        whole = setup.abstract_step_state()
+        target = whole.params if whole.frozen is None else lora.join(whole.frozen, whole.params)
         axes_by_path = param_axes(abstract_model(setup.spec))
         target = quantization_lib.abstract_quantized(target, axes_by_path)
-    checkpoints = Checkpoints(workdir / CHECKPOINTS, keep=1_000_000, log=lambda _: None,
-                              read_only=True)
-    try:
-        params = checkpoints.restore_params(step, target)
-    finally:
-        checkpoints.manager.close()
-    if setup.spec.lora is not None:  # the adapters, on the base they were trained on
-        params = lora.join(frozen.load_base(cfg, setup.spec, setup.shardings.frozen), params)
+    params = _restore(workdir, step, setup, target, adapters=quantization is None)
     if quantization is not None:
         params = quantization_lib.from_dicts(params, quantization["int8_activations"],
                                              quantization_lib.quantized_paths(axes_by_path))
     return LoadedModel(cfg=cfg, setup=setup, params=params, step=step,
                        quantization=quantization)
+
+
+def _restore(workdir, step: int, setup: Setup, target: dict, adapters: bool) -> dict:
+    """The parameters of `step` into `target`; `adapters` (a LoRA run, not a quantized
+    model directory): joined to the base they were trained on, refused for another
+    (train/frozen.py on_base, against the fingerprint the checkpoint holds)."""
+    items = {"params": target}
+    lora_run = adapters and setup.spec.lora is not None
+    if lora_run:
+        items["base_fingerprint"] = jax.ShapeDtypeStruct(
+            (8,), np.uint32, sharding=setup.shardings.base_fingerprint)
+    checkpoints = Checkpoints(workdir / CHECKPOINTS, keep=1_000_000, log=lambda _: None,
+                              read_only=True)
+    try:
+        restored = checkpoints.restore_items(step, items)
+    finally:
+        checkpoints.manager.close()
+    if not lora_run:
+        return restored["params"]
+    return frozen.on_base(setup.cfg, setup.spec, setup.shardings.frozen, restored["params"],
+                          restored["base_fingerprint"])
 
 
 def task_scorer(workdir, *, data: int = 1, fsdp: int = 1, tensor: int = 1, batch: int = 8,

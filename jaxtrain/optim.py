@@ -9,6 +9,8 @@ from collections.abc import Callable
 import jax
 import optax
 
+from jaxtrain.models import lora
+
 EMBEDDINGS = ("tok_embed", "pos_embed")
 NEVER = 2**31 - 1
 
@@ -35,10 +37,14 @@ def make_schedule(cfg) -> optax.Schedule:
                                 [warmup])
 
 
-def decay_mask(params, decay_embeddings: bool):
-    """Decay matmul weights (w_*, lm_head); never norms or biases; embeddings if asked."""
+def decay_mask(params, decay_embeddings: bool, decay_adapters: bool = True):
+    """Decay matmul weights (w_*, lm_head) and LoRA's adapters (lora_*/a, b: the weights a
+    LoRA run trains) unless told not to; never norms or biases; embeddings if asked."""
     def decays(path, _):
-        name = path[-1].key
+        keys = tuple(getattr(k, "key", k) for k in path)
+        if lora.is_adapter(keys):
+            return decay_adapters
+        name = keys[-1]
         return (name.startswith("w_") or name == "lm_head"
                 or (decay_embeddings and name in EMBEDDINGS))
     return jax.tree_util.tree_map_with_path(decays, params)
@@ -104,7 +110,9 @@ def defaults() -> dict:
 def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
     o = cfg.optimizer
     schedule = make_schedule(cfg)
-    rule = OPTIMIZERS[o.name].make(schedule, o, lambda p: decay_mask(p, o.decay_embeddings))
+    decay_adapters = bool(cfg.model.lora.weight_decay)
+    rule = OPTIMIZERS[o.name].make(schedule, o, lambda p: decay_mask(p, o.decay_embeddings,
+                                                                     decay_adapters))
     inner = optax.chain(optax.clip_by_global_norm(o.clip_norm), rule) if o.clip_norm > 0 \
         else rule
     # A step with non-finite gradients leaves params and moments untouched, however many come

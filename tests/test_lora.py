@@ -120,6 +120,7 @@ def test_rank_zero_trains_every_parameter_as_before(devices):
     ("model.lora.dropout", 1.0, "must be in [0, 1)"),
     ("model.lora.dropout", 0.1, "only 0.0 is supported"),
     ("model.lora.alpha", 0.0, "must be > 0"),
+    ("model.lora.rank", 65, "at most 64, the width (min(in, out)) of target q"),
 ])
 def test_config_errors_are_one_line(key, value, says):
     cfg = small_config("gpt2", **{"model.lora.rank": 4, key: value})
@@ -279,3 +280,269 @@ def test_the_mfu_numerator_drops_the_frozen_weights_gradients_as_xla_does(device
     full_xla, full_ours = _compiled_flops(_llama(**shape, **{"model.lora.rank": 0}), devices)
     lora_xla, lora_ours = _compiled_flops(_llama(**shape, **{"model.lora.rank": 8}), devices)
     assert lora_ours / full_ours == pytest.approx(lora_xla / full_xla, rel=0.03)
+
+
+@pytest.mark.parametrize("overrides,limit,target", [
+    ({}, 32, "k"),  # 4 kv heads of 8: k and v are [64, 32]
+    ({"model.lora.targets": "q,up", "model.mlp_dim": 48}, 48, "up"),
+    ({"model.lora.targets": "q,experts", "model.moe.num_experts": 4,
+      "model.moe.expert_mlp_dim": 16}, 16, "experts"),
+])
+def test_a_rank_wider_than_a_target_is_refused_and_its_width_accepted(overrides, limit,
+                                                                      target):
+    validate(small_config("llama", **{"model.lora.rank": limit, **overrides}), 1, "cpu")
+    with pytest.raises(ConfigError) as e:
+        validate(small_config("llama", **{"model.lora.rank": limit + 1, **overrides}), 1,
+                 "cpu")
+    assert str(e.value).startswith(f"model.lora.rank={limit + 1} is invalid: at most {limit}")
+    assert f"of target {target} " in str(e.value) and "\n" not in str(e.value)
+
+
+def test_weight_decay_reaches_the_adapters_unless_turned_off():
+    """optimizer.weight_decay decays the adapters (as PEFT under the HF Trainer decays every
+    trainable weight); model.lora.weight_decay=False leaves them alone. A zero gradient
+    moves a parameter by decay alone."""
+    from jaxtrain.optim import make_optimizer
+
+    ones = np.ones((4, 4), np.float32)
+    params = {"blocks": {"attn": {"w_q": ones, "lora_q": {"a": ones, "b": ones}},
+                         "norm": {"scale": ones[0]}}}
+
+    def moved(**overrides):
+        cfg = _llama(**{"optimizer.weight_decay": 0.5, "optimizer.warmup_steps": 0,
+                        **overrides})
+        optimizer, _ = make_optimizer(cfg)
+        updates, _ = optimizer.update(jax.tree.map(np.zeros_like, params),
+                                      optimizer.init(params), params)
+        return {"/".join(k): bool(np.abs(v).max() > 0)
+                for k, v in traverse_util.flatten_dict(updates).items()}
+
+    assert moved() == {"blocks/attn/w_q": True, "blocks/attn/lora_q/a": True,
+                       "blocks/attn/lora_q/b": True, "blocks/norm/scale": False}
+    assert moved(**{"model.lora.weight_decay": False}) == {
+        "blocks/attn/w_q": True, "blocks/attn/lora_q/a": False, "blocks/attn/lora_q/b": False,
+        "blocks/norm/scale": False}
+
+
+def test_weight_decay_changes_a_lora_run(single, devices):
+    """The issue's symptom: weight decay 0.0 and the default 0.1 gave bit-identical LoRA
+    runs. The first loss is the same (step 0 is the base); the decay shows from step 2."""
+    losses, norms, _, _ = _steps(_llama(**{"model.lora.targets": ALL_DENSE,
+                                           "optimizer.weight_decay": 0.0}), devices[:1])
+    decayed_losses, decayed_norms = single["dense"][:2]
+    assert losses[0] == decayed_losses[0]
+    assert losses[1:] != decayed_losses[1:] and norms[1:] != decayed_norms[1:]
+
+
+def _torch_lora(model, batches, cfg, weight_decay):
+    """(loss, gradient norm) of each step of PyTorch over a PEFT model's trainable (adapter)
+    parameters: torch.optim.AdamW with `weight_decay` on all of them (what the HF Trainer
+    does: no biases or norms among them), global-norm clipping, jaxtrain's schedule."""
+    import torch
+    from test_sft import _lr
+
+    trained = [p for p in model.parameters() if p.requires_grad]
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(trained, lr=o.lr, betas=(o.b1, o.b2), eps=o.eps,
+                            weight_decay=weight_decay)
+    model.train()
+    out = []
+    for step, batch in enumerate(batches):
+        tokens = torch.from_numpy(batch.astype(np.int64))
+        logits = model(input_ids=tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(trained, o.clip_norm)
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, cfg)
+        opt.step()
+        out.append((float(loss.detach()), float(norm)))
+    return out
+
+
+@pytest.mark.slow
+def test_lora_weight_decay_equals_peft_with_torch_adamw(tmp_path, devices):
+    """5 steps of LoRA with weight decay 0.5 on an HF-made Llama: jaxtrain against PEFT with
+    torch.optim.AdamW(weight_decay=0.5) over the adapters, from the same adapters (random
+    non-zero A and B, exported to PEFT's format): losses and gradient norms within 1e-5.
+    Without decay on the PyTorch side they differ by more than that."""
+    pytest.importorskip("torch")
+    import transformers
+    from peft import PeftModel
+
+    from jaxtrain.hf.adapter import export_adapter
+    from jaxtrain.hf.load import import_hf
+
+    shape = {"model.attention": "xla", "optimizer.lr": 1e-2, "optimizer.warmup_steps": 2,
+             "steps": 5, "optimizer.clip_norm": 0.5, "optimizer.weight_decay": 0.5}
+    base_cfg = _llama(**shape, **{"model.lora.rank": 0})
+    _hf_llama(base_cfg).save_pretrained(tmp_path / "hf")
+    import_hf(base_cfg, tmp_path / "hf", tmp_path / "base", devices[:1])
+    cfg = _llama(**shape, **{"model.lora.targets": ALL_DENSE,
+                             "model.lora.base": str(tmp_path / "base")})
+    setup = build(cfg, devices[:1])
+    state = setup.init_state()
+    adapters = _random_adapters(state.params, jax.random.key(5))
+    state = state.replace(params=jax.tree.map(
+        lambda x, old: jax.device_put(x, old.sharding), adapters, state.params))
+    export_adapter(setup, state.model_params(), 0, tmp_path, tmp_path / "adapter", np.float32)
+    data = make_batches(cfg).train_iter(0)
+    batches = [next(data) for _ in range(cfg.steps)]
+    ours = []
+    with jax.set_mesh(setup.mesh):
+        step = setup.train_step()
+        for batch in batches:
+            state, metrics = step(state, to_global(batch, setup.tokens_sharding))
+            ours.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+
+    def peft_model():
+        base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+        return PeftModel.from_pretrained(base, tmp_path / "adapter", is_trainable=True)
+
+    np.testing.assert_allclose(ours, _torch_lora(peft_model(), batches, cfg, 0.5), rtol=1e-5)
+    undecayed = _torch_lora(peft_model(), batches, cfg, 0.0)
+    assert np.abs(np.asarray(ours) / np.asarray(undecayed) - 1).max() > 1e-3
+
+
+def _save_run(workdir, cfg, devices):
+    """A run directory holding one checkpoint (step 1) of `cfg`'s fresh state, without
+    training (a LoRA config: its adapters, on model.lora.base, with that base's
+    fingerprint)."""
+    from jaxtrain.checkpoint import Checkpoints
+
+    state = build(cfg, devices[:1]).init_state()
+    checkpoints = Checkpoints(workdir / "checkpoints", keep=1, log=lambda _: None)
+    checkpoints.save(1, state.tree(), cfg.to_dict())
+    checkpoints.close()
+
+
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory, devices):
+    """{"base", "other" (the same shape, another seed), "narrow" (another mlp_dim), "lora"
+    (adapters trained on "base", a non-zero B so that the base shows through)} run
+    directories."""
+    root = tmp_path_factory.mktemp("lora_runs")
+    plain = {"model.lora.rank": 0}
+    _save_run(root / "base", _llama(**plain), devices)
+    _save_run(root / "other", _llama(seed=7, **plain), devices)
+    _save_run(root / "narrow", _llama(**plain, **{"model.mlp_dim": 96}), devices)
+    _save_run(root / "lora", _llama(**{"model.lora.base": str(root / "base")}), devices)
+    return root
+
+
+def _swap_base(root, replacement):
+    """model.lora.base's directory replaced by `replacement`'s (undone by the caller)."""
+    import shutil
+
+    shutil.move(root / "base", root / "base.orig")
+    shutil.copytree(root / replacement, root / "base")
+
+
+def _restore_base(root):
+    import shutil
+
+    shutil.rmtree(root / "base")
+    shutil.move(root / "base.orig", root / "base")
+
+
+def test_every_command_that_loads_a_lora_run_refuses_a_changed_base(saved_runs, devices,
+                                                                    tmp_path):
+    """inference.load is what eval, generate, quantize and convert --to-hf load a run
+    with: a base replaced by another of the same shape is refused in one line."""
+    from jaxtrain import inference
+    from jaxtrain.commands.quantize import quantize_run
+    from jaxtrain.hf.save import export_hf
+
+    inference.load(saved_runs / "lora", devices=devices[:1])  # on its own base: loads
+    _swap_base(saved_runs, "other")
+    try:
+        calls = [lambda: inference.load(saved_runs / "lora", devices=devices[:1]),
+                 lambda: inference.task_scorer(saved_runs / "lora", devices=devices[:1],
+                                               progress=False),
+                 lambda: export_hf(saved_runs / "lora", tmp_path / "hf", devices=devices[:1]),
+                 lambda: quantize_run(saved_runs / "lora", tmp_path / "int8")]
+        for call in calls:
+            with pytest.raises(ConfigError) as e:
+                call()
+            assert "is not the base these adapters were trained on" in str(e.value)
+            assert "put that base back" in str(e.value) and "\n" not in str(e.value)
+    finally:
+        _restore_base(saved_runs)
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "int8").exists()
+
+
+def test_a_base_of_another_shape_is_refused_naming_the_parameter(saved_runs, devices):
+    from jaxtrain import inference
+
+    _swap_base(saved_runs, "narrow")
+    try:
+        with pytest.raises(ConfigError) as e:
+            inference.load(saved_runs / "lora", devices=devices[:1])
+    finally:
+        _restore_base(saved_runs)
+    assert str(e.value) == (
+        f"model.lora.base={str(saved_runs / 'base')!r}: its step 1 does not fit this model "
+        "(blocks/mlp/w_down is [2, 96, 64] there, [2, 128, 64] here); name a run of the "
+        "same model.* shape")
+
+
+@pytest.mark.parametrize("base,says", [
+    ("nowhere", "holds no checkpoints/ directory"),
+    ("empty", "holds no usable checkpoint"),
+    ("narrow", "blocks/mlp/w_down is [2, 96, 64] there, [2, 128, 64] here"),
+])
+def test_a_missing_or_misshapen_base_is_refused_before_the_workdir_is_written(
+        base, says, saved_runs, tmp_path, devices):
+    from jaxtrain.train.loop import run
+
+    (saved_runs / "empty" / "checkpoints").mkdir(parents=True, exist_ok=True)
+    cfg = _llama(**{"model.lora.base": str(saved_runs / base)})
+    with pytest.raises(ConfigError) as e:
+        run(cfg, tmp_path / "run", devices[:1])
+    assert str(e.value).startswith(f"model.lora.base={str(saved_runs / base)!r}")
+    assert says in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_a_changed_or_misshapen_base_in_one_line(saved_runs):
+    """exit 2 and one line, without orbax's message or an asyncio traceback at exit."""
+    import subprocess
+    import sys
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "jaxtrain", *args], capture_output=True,
+                              text=True, timeout=300)
+
+    for replacement, command, says in [
+            ("other", ("generate", "--prompt_ids=1,2,3", "--max_new_tokens=4"), "is not the base these adapters"),
+            ("narrow", ("eval", "--batches=1"), "does not fit this model")]:
+        _swap_base(saved_runs, replacement)
+        try:
+            result = cli(*command, f"--workdir={saved_runs / 'lora'}")
+        finally:
+            _restore_base(saved_runs)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert says in result.stderr and result.stderr.strip().count("\n") == 0, \
+            result.stderr[-2000:]
+        assert "Traceback" not in result.stderr and "strict=False" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_quantized_lora_model_holds_its_base(saved_runs, tmp_path, devices):
+    """quantize writes the whole model (base and adapters): its directory loads (it gave a
+    KeyError traceback) with the int8 loss quantize measured, whatever model.lora.base
+    holds since."""
+    from jaxtrain import inference
+    from jaxtrain.commands.quantize import quantize_run
+
+    summary = quantize_run(saved_runs / "lora", tmp_path / "int8")
+    _swap_base(saved_runs, "other")
+    try:
+        loaded = inference.load(tmp_path / "int8", devices=devices[:1])
+    finally:
+        _restore_base(saved_runs)
+    _, windows, _ = inference.evaluation_windows(loaded.cfg, None)
+    result = inference.evaluate(loaded, windows, loaded.cfg.eval_batches)
+    assert result["loss"] == pytest.approx(summary["int8_val_loss"], rel=1e-6)

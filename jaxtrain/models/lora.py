@@ -105,6 +105,9 @@ def defaults() -> dict:
         # parameters it is (jaxtrain convert --from-hf ... --workdir BASE, or any training
         # run); empty: the base is initialised from `seed` (tests, benchmarks).
         "base": "",
+        # optimizer.weight_decay applies to the adapters (A and B), as PEFT under the
+        # Hugging Face Trainer decays every trainable weight; False: never decay them.
+        "weight_decay": True,
     }
 
 
@@ -131,6 +134,27 @@ def check(c) -> None:
         if problem := TARGETS[t].problem(m.family, m.moe.num_experts, m.moe.every_n_layers,
                                          m.moe.shared_experts):
             fail("model.lora.targets", lora.targets, problem)
+    name, width = min(((t, _width(m, t)) for t in targets), key=lambda tw: tw[1])
+    if lora.rank > width:
+        fail("model.lora.rank", lora.rank, f"at most {width}, the width (min(in, out)) of "
+             f"target {name} ({TARGETS[name].doc}): a larger rank adds nothing but cost")
+
+
+def _width(m, target: str) -> int:
+    """min(input, output) of the narrowest weight `target` adapts in this model."""
+    head_dim = m.head_dim or m.d_model // m.num_heads
+    heads, kv_heads = m.num_heads * head_dim, (m.num_kv_heads or m.num_heads) * head_dim
+    experts = m.moe.num_experts
+    expert_mlp = m.moe.expert_mlp_dim or m.mlp_dim
+    if target in ("q", "o"):
+        return min(m.d_model, heads)
+    if target in ("k", "v"):
+        return min(m.d_model, kv_heads)
+    if target == "experts":
+        return min(m.d_model, expert_mlp)
+    mlps = [m.mlp_dim] if not experts or m.moe.every_n_layers > 1 else []
+    mlps += [m.moe.shared_experts * expert_mlp] if experts and m.moe.shared_experts else []
+    return min(m.d_model, *mlps)
 
 
 class Adapter(nnx.Module):

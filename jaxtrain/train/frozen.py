@@ -5,11 +5,15 @@ The base is `model.lora.base`'s newest checkpoint's parameters (a run directory:
 from `seed`. It is loaded straight into its shards at the start of every run, fresh or
 resumed, and never saved: a LoRA checkpoint holds the adapters, their optimizer state, the
 step and the base's fingerprint, a sha256 over the exact per-leaf bit sums
-(checkpoint.tree_bits: the same on every mesh), which a resume compares.
+(checkpoint.tree_bits: the same on every mesh), which a resume compares, and so does every
+command that loads the run (on_base, through inference.load). A base's shapes are checked
+against the model from its checkpoint's metadata before anything is restored, and a run
+checks its base (check_sources) before it writes its workdir.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 
@@ -17,8 +21,9 @@ import jax
 import numpy as np
 
 from jaxtrain import storage
-from jaxtrain.checkpoint import Checkpoints, tree_bits
+from jaxtrain.checkpoint import Checkpoints, tree_bits, tree_signature
 from jaxtrain.errors import CheckpointError, ConfigError
+from jaxtrain.models import lora
 from jaxtrain.train.state import TrainState, create_base
 from jaxtrain.workdir import CHECKPOINTS
 
@@ -35,6 +40,23 @@ def load_base(cfg, spec, shardings: dict) -> dict:
     return load_params(cfg.model.lora.base, "model.lora.base", cfg.seed, spec, shardings)
 
 
+def check_sources(setup) -> None:
+    """The run directories a run's frozen parameters come from (LoRA's model.lora.base, or
+    DPO's train.dpo.reference without LoRA) hold a checkpoint that fits the model, from its
+    metadata (nothing restored): called before the workdir is written, so that a missing or
+    misshapen one is refused (ConfigError, one line) before anything else happens."""
+    cfg = setup.cfg
+    if setup.spec.lora is not None:
+        source, key = cfg.model.lora.base, "model.lora.base"
+    elif setup.shardings.reference is not None:
+        source, key = cfg.train.dpo.reference, "train.dpo.reference"
+    else:
+        return
+    if source:
+        with _newest(source, key) as (checkpoints, step):
+            _check_fits(checkpoints, step, _base_shapes(setup.spec), key, source)
+
+
 def load_params(source: str, key: str, seed: int, spec, shardings: dict) -> dict:
     """The parameters of the model without adapters in `shardings`: the newest checkpoint
     of the run directory `source` (the config key `key` names it), or initialised from
@@ -44,30 +66,70 @@ def load_params(source: str, key: str, seed: int, spec, shardings: dict) -> dict
         with jax.set_mesh(mesh):
             return jax.jit(lambda key: create_base(spec, key), out_shardings=shardings)(
                 jax.random.key(seed))
+    shapes = _base_shapes(spec)
+    with _newest(source, key) as (checkpoints, step):
+        _check_fits(checkpoints, step, shapes, key, source)  # before orbax sees a misfit
+        return checkpoints.restore_params(step, jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            shapes, shardings))
+
+
+@contextlib.contextmanager
+def _newest(source: str, key: str):
+    """(Checkpoints, newest intact step) of the run directory `source`, opened read-only;
+    ConfigError (one line) where it holds none."""
     workdir = storage.as_path(source, key)
+    if not (workdir / CHECKPOINTS).is_dir():
+        raise ConfigError(f"{key}={source!r} holds no {CHECKPOINTS}/ directory: name a run "
+                          "directory (jaxtrain convert --from-hf ... --workdir BASE, or a "
+                          "training run)")
     checkpoints = Checkpoints(workdir / CHECKPOINTS, keep=1_000_000, log=lambda _: None,
                               read_only=True)
     try:
-        step, _ = checkpoints.latest_intact()
         try:
-            return checkpoints.restore_params(step, _abstract(spec, shardings))
-        except (ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"{key}={source!r}: its step {step} does not fit this "
-                              f"model ({str(e).splitlines()[0][:160]}); name a run of the "
-                              "same model.* shape") from None
-    except CheckpointError as e:
-        raise ConfigError(f"{key}={source!r} holds no usable checkpoint ({e}); "
-                          "name a run directory (jaxtrain convert --from-hf ... --workdir "
-                          "BASE, or a training run)") from None
+            step, _ = checkpoints.latest_intact()
+        except CheckpointError as e:
+            raise ConfigError(f"{key}={source!r} holds no usable checkpoint ({e}); name a "
+                              "run directory (jaxtrain convert --from-hf ... --workdir BASE, "
+                              "or a training run)") from None
+        yield checkpoints, step
     finally:
         checkpoints.manager.close()
 
 
-def _abstract(spec, shardings: dict) -> dict:
-    """ShapeDtypeStructs of the base parameters, with `shardings` as their .sharding."""
-    shapes = jax.eval_shape(lambda: create_base(spec, jax.random.key(0)))
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        shapes, shardings)
+def _base_shapes(spec) -> dict:
+    """ShapeDtypeStructs of the parameters of the model without adapters."""
+    return jax.eval_shape(lambda: create_base(spec, jax.random.key(0)))
+
+
+def _check_fits(checkpoints: Checkpoints, step: int, shapes: dict, key: str,
+                source: str) -> None:
+    """ConfigError naming the first parameter whose saved shape is not this model's (or
+    that one side lacks), with both shapes, from the step's metadata."""
+    saved = {path: shape for path, (shape, _) in checkpoints.signature(step).items()
+             if path[:1] == ("params",)}  # dtypes may differ: orbax casts on restore
+    wanted = {path: shape for path, (shape, _) in tree_signature({"params": shapes}).items()}
+    problem = next((f"{'/'.join(p[1:])} is {list(saved[p])} there, {list(wanted[p])} here"
+                    for p in sorted(wanted) if p in saved and saved[p] != wanted[p]), None)
+    problem = problem or next((f"it lacks {'/'.join(p[1:])} {list(wanted[p])}"
+                               for p in sorted(wanted) if p not in saved), None)
+    problem = problem or next((f"it has {'/'.join(p[1:])} {list(saved[p])}, which this model "
+                               "lacks" for p in sorted(saved) if p not in wanted), None)
+    if problem:
+        raise ConfigError(f"{key}={source!r}: its step {step} does not fit this model "
+                          f"({problem}); name a run of the same model.* shape")
+
+
+def on_base(cfg, spec, shardings: dict, adapters: dict, saved_fingerprint) -> dict:
+    """The whole model's parameters: a LoRA run's `adapters` joined to model.lora.base,
+    which must be the base they were trained on (`saved_fingerprint`, from their
+    checkpoint): ConfigError (one line) for a base changed since. What every command that
+    loads a LoRA run (inference.load: eval, generate, quantize, export) goes through."""
+    base = load_base(cfg, spec, shardings)
+    check_same(saved_fingerprint, fingerprint(base), f"model.lora.base="
+               f"{cfg.model.lora.base!r} is not the base these adapters were trained on",
+               "put that base back there, or train the adapters again on this one")
+    return lora.join(base, adapters)
 
 
 def attach(state: TrainState, cfg, spec, shardings: TrainState, fresh: bool) -> TrainState:
@@ -79,17 +141,17 @@ def attach(state: TrainState, cfg, spec, shardings: TrainState, fresh: bool) -> 
         return state.replace(frozen=base, base_fingerprint=jax.device_put(
             found, shardings.base_fingerprint))
     check_same(state.base_fingerprint, found, f"model.lora.base={cfg.model.lora.base!r} "
-               "is not the base these adapters were trained on", "the same base")
+               "is not the base these adapters were trained on", "resume with the same base")
     return state.replace(frozen=base)
 
 
 def check_same(saved, found: np.ndarray, mismatch: str, remedy: str) -> None:
     """ConfigError unless a checkpoint's fingerprint (`saved`, on device) is `found`:
-    "MISMATCH (fingerprint ..., the checkpoint's ...); resume with REMEDY"."""
+    "MISMATCH (fingerprint ..., the checkpoint's ...); REMEDY"."""
     saved = np.asarray(jax.device_get(saved))
     if not np.array_equal(saved, found):
         raise ConfigError(f"{mismatch} (fingerprint {_hex(found)}, the checkpoint's "
-                          f"{_hex(saved)}); resume with {remedy}")
+                          f"{_hex(saved)}); {remedy}")
 
 
 def _hex(words: np.ndarray) -> str:

@@ -35,6 +35,7 @@ from jaxtrain.metrics import MetricsWriter, flops_per_token, peak_flops_per_devi
 from jaxtrain.metrics_log import keep_metrics_up_to, read_metrics
 from jaxtrain.models.attention import computed_scores
 from jaxtrain.parallel.pipeline import microbatches_for_bubble
+from jaxtrain.train import frozen
 from jaxtrain.train.checkpointing import Checkpointer, Restored, Tiers, restore_or_init
 from jaxtrain.train.evaluation import Evaluator
 from jaxtrain.train.faults import data_with_faults
@@ -91,6 +92,7 @@ def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None,
     batches = make_batches(cfg)  # and the data
     tasks = load_tasks(cfg)  # and the downstream tasks (eval.tasks)
     data = record.run_data(cfg)  # and the data's tokenizer (its package, its vocabulary)
+    frozen.check_sources(setup)  # and LoRA's base (or DPO's reference): there, of this shape
     prepare_workdir(workdir)
     main_process = jax.process_index() == 0
     say = _say if main_process else _quiet

@@ -34,5 +34,5 @@ def attach(state: TrainState, cfg, spec, shardings: TrainState, fresh: bool) -> 
                              reference_fingerprint=jax.device_put(
                                  found, shardings.reference_fingerprint))
     check_same(state.reference_fingerprint, found, f"train.dpo.reference={source!r} is not "
-               "the reference this run was trained against", "the same reference")
+               "the reference this run was trained against", "resume with the same reference")
     return state.replace(reference=reference)
