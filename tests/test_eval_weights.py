@@ -147,3 +147,6 @@ def test_jaxtrain_eval_of_a_dpo_run_reports_the_dpo_loss_and_rewards_by_pairs(de
     assert 0 < expected["rewards/accuracies"] < 1
     for name, value in expected.items():
         np.testing.assert_allclose(result[name], value, rtol=2e-5, atol=1e-6, err_msg=name)
+    with pytest.raises(DataError, match="evaluated on its pairs") as e:  # text has no pairs
+        eval_cmd.check_data(setup.objective, "val.txt")
+    assert "\n" not in str(e.value)

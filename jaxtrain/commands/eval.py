@@ -158,13 +158,14 @@ def _evaluate(f: dict, argv) -> None:
         return _evaluate_tasks(f)
     workdir, data = f["workdir"].value, f["data"].value
     step, cfg = inference.run_config(workdir)
+    objective = OBJECTIVES[cfg.train.objective]
+    check_data(objective, data)
     tokenizer = record.run_tokenizer(workdir, cfg)
     name, windows, ids_of = inference.evaluation_windows(cfg, data, tokenizer)
     rows = cfg.train.global_batch
     batches = batch_count(name, windows, rows, f["batches"].value,
                           cfg.eval_batches if data is None else None)
     loaded = inference.load(workdir, data=f["devices"].value, batch=rows)
-    objective = OBJECTIVES[cfg.train.objective]
     result = evaluate_windows(loaded, windows, batches)
     if objective.units == "tokens":
         used = min(batches * rows, len(windows))
@@ -172,6 +173,15 @@ def _evaluate(f: dict, argv) -> None:
     print(json.dumps({"workdir": str(workdir), "step": step, "data": name,
                       "objective": objective.name,
                       "quantized": loaded.quantization is not None, **result}))
+
+
+def check_data(objective, data: str | None) -> None:
+    """DataError (one line) for --data on a run whose objective does not score text: a DPO
+    run is evaluated on preference pairs, which only its validation split holds."""
+    if data is not None and objective.units != "tokens":
+        raise DataError(f"--data={data}: a train.objective={objective.name!r} run is "
+                        f"evaluated on its {objective.units} (its validation split), not "
+                        "on a token or text file; leave --data out")
 
 
 def batch_count(name: str, windows, rows: int, asked: int | None, default: int | None
