@@ -8,6 +8,7 @@ import math
 import pathlib
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,19 +21,36 @@ from jaxtrain.models.flops import attention_flops_per_token, flops_per_token, ma
 from jaxtrain.precision import PRECISIONS
 
 
+def best_time(time_once: Callable[[], float], repeats: int = 5, rounds: int = 4,
+              spread: float = 0.1) -> float:
+    """The shortest of `repeats` timings, in rounds until one is steady: its median within
+    `spread` of the best seen so far (at most `rounds`). Contention slows some timings of
+    a round, or all of them for a while, and a peak taken from them reads low, which makes
+    MFU read high: the rounds retry it, and the best of all of them is kept."""
+    best = math.inf
+    for _ in range(rounds):
+        times = sorted(time_once() for _ in range(repeats))
+        best = min(best, times[0])
+        if times[len(times) // 2] <= best * (1 + spread):
+            break
+    return best
+
+
 def measure_matmul_peak(dtype=jnp.float32, n: int = 2048, repeats: int = 5,
                         device: jax.Device | None = None) -> float:
-    """FLOP/s of a jitted n×n matmul on one device, best of `repeats` (after warm-up)."""
+    """FLOP/s of a jitted n×n matmul on one device: best_time of its timings (after
+    warm-up)."""
     device = device or jax.local_devices()[0]
     a = jax.device_put(jnp.ones((n, n), dtype), device)
     f = jax.jit(lambda x, y: x @ y)
     f(a, a).block_until_ready()
-    best = math.inf
-    for _ in range(repeats):
+
+    def time_once() -> float:
         t0 = time.perf_counter()
         f(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n ** 3 / best
+        return time.perf_counter() - t0
+
+    return 2.0 * n ** 3 / best_time(time_once, repeats)
 
 
 def peak_flops_per_device(precision: str) -> tuple[float, str]:

@@ -36,6 +36,9 @@ from jaxtrain.parallel.context import to_layout
 # Logged by the dpo objective (TRL's DPOTrainer names).
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
                "logps/chosen", "logps/rejected")
+# A DPO margin within this many float32 epsilons of the pair's log-likelihoods (their
+# summed magnitudes, times beta) is a tie (dpo_per_pair).
+TIE_ULPS = 8
 
 
 def loss_fn(params: dict, graphdef: nnx.GraphDef, tokens_BT) -> jax.Array:
@@ -112,17 +115,33 @@ def pair_logps(params: dict, graphdef: nnx.GraphDef, pairs: Packed):
     return sums[0], sums[1], penalty, metrics
 
 
+def dpo_per_pair(policy_c_B, policy_r_B, reference_c_B, reference_r_B, beta: float
+                 ) -> dict:
+    """{name: [B] per pair}: the sigmoid DPO loss (`loss`) and TRL's reward metrics.
+
+    A pair's win (`rewards/accuracies`) is TRL's chosen reward > rejected reward, a tie
+    being no win. The reference and the policy pass are compiled apart (one is
+    differentiated, the other not), so where they hold the same parameters their sums can
+    differ in the last bits and a tie would count as a win at random: a margin within
+    float32 rounding of the four log-likelihoods is a tie."""
+    chosen_B = beta * (policy_c_B - reference_c_B)
+    rejected_B = beta * (policy_r_B - reference_r_B)
+    margin_B = chosen_B - rejected_B
+    scale_B = beta * (jnp.abs(policy_c_B) + jnp.abs(policy_r_B) + jnp.abs(reference_c_B)
+                      + jnp.abs(reference_r_B))
+    won_B = margin_B > TIE_ULPS * jnp.finfo(jnp.float32).eps * scale_B
+    return {"loss": -jax.nn.log_sigmoid(margin_B), "rewards/chosen": chosen_B,
+            "rewards/rejected": rejected_B, "rewards/margins": margin_B,
+            "rewards/accuracies": won_B.astype(jnp.float32), "logps/chosen": policy_c_B,
+            "logps/rejected": policy_r_B}
+
+
 def dpo_loss(policy_c_B, policy_r_B, reference_c_B, reference_r_B, beta: float
              ) -> tuple[jax.Array, dict]:
     """(mean sigmoid DPO loss, TRL's reward metrics) of per-pair log-likelihoods."""
-    chosen_B = beta * (policy_c_B - reference_c_B)
-    rejected_B = beta * (policy_r_B - reference_r_B)
-    loss = -jax.nn.log_sigmoid(chosen_B - rejected_B).mean()
-    metrics = {"rewards/chosen": chosen_B.mean(), "rewards/rejected": rejected_B.mean(),
-               "rewards/margins": (chosen_B - rejected_B).mean(),
-               "rewards/accuracies": (chosen_B > rejected_B).astype(jnp.float32).mean(),
-               "logps/chosen": policy_c_B.mean(), "logps/rejected": policy_r_B.mean()}
-    return loss, metrics
+    means = {k: v.mean() for k, v in dpo_per_pair(policy_c_B, policy_r_B, reference_c_B,
+                                                   reference_r_B, beta).items()}
+    return means.pop("loss"), means
 
 
 def dpo_objective(params: dict, graphdef: nnx.GraphDef, reference: dict,
@@ -131,13 +150,42 @@ def dpo_objective(params: dict, graphdef: nnx.GraphDef, reference: dict,
     """(DPO loss, plus an MoE model's router losses; metrics): the reference forward runs
     on `reference` under stop_gradient (LoRA's frozen base, or the frozen copy)."""
     policy_c, policy_r, penalty, metrics = pair_logps(params, graphdef, pairs)
-    reference_c, reference_r, _, _ = pair_logps(jax.lax.stop_gradient(reference),
-                                                reference_graphdef, pairs)
-    loss, rewards = dpo_loss(policy_c, policy_r, jax.lax.stop_gradient(reference_c),
-                             jax.lax.stop_gradient(reference_r), beta)
+    reference_c, reference_r = _reference_logps(reference, reference_graphdef, pairs)
+    loss, rewards = dpo_loss(policy_c, policy_r, reference_c, reference_r, beta)
     if penalty is None:
         return loss, {**rewards, **metrics}
     return loss + penalty, {"loss": loss, **rewards, **metrics}
+
+
+def _reference_logps(reference, reference_graphdef, pairs: Packed):
+    reference_c, reference_r, _, _ = pair_logps(jax.lax.stop_gradient(reference),
+                                                reference_graphdef, pairs)
+    return jax.lax.stop_gradient(reference_c), jax.lax.stop_gradient(reference_r)
+
+
+def dpo_sums(params: dict, graphdef: nnx.GraphDef, reference: dict,
+             reference_graphdef: nnx.GraphDef, pairs: Packed, beta: float) -> dict:
+    """What evaluation adds up over a batch of pairs: each of dpo_per_pair's values summed
+    over the batch's pairs, and `weight`, the pairs (rows holding a chosen reply: an
+    empty row, the padding of a last batch, counts nothing)."""
+    policy_c, policy_r, _, _ = pair_logps(params, graphdef, pairs)
+    reference_c, reference_r = _reference_logps(reference, reference_graphdef, pairs)
+    real_B = (batch_targets(pairs) & (pairs.segments[:, :-1] == 1)).any(axis=-1)
+    per_pair = dpo_per_pair(policy_c, policy_r, reference_c, reference_r, beta)
+    return {"weight": real_B.sum(dtype=jnp.float32),
+            **{k: jnp.where(real_B, v, 0.0).sum() for k, v in per_pair.items()}}
+
+
+def lm_sums(params: dict, graphdef: nnx.GraphDef, tokens_BT) -> dict:
+    """What evaluation adds up over a batch: the cross entropy summed over its counted
+    targets (`loss`), and their number (`weight`; 0 for a batch with none, which then adds
+    nothing: the mean of a split is over its targets, not over its batches)."""
+    if isinstance(tokens_BT, Packed):
+        count = batch_targets(tokens_BT).sum(dtype=jnp.float32)
+    else:
+        count = jnp.float32(tokens_BT.shape[0] * (tokens_BT.shape[1] - 1))
+    # The mean is the sum over max(count, 1): times the count it is the sum again.
+    return {"weight": count, "loss": loss_fn(params, graphdef, tokens_BT) * count}
 
 
 def _dpo_losses(graphdef, reference_graphdef, cfg) -> tuple[Callable, Callable]:
@@ -148,7 +196,7 @@ def _dpo_losses(graphdef, reference_graphdef, cfg) -> tuple[Callable, Callable]:
         return dpo_objective(params, graphdef, reference, reference_graphdef, pairs, beta)
 
     def evaluate(params, pairs, reference):
-        return dpo_objective(params, graphdef, reference, reference_graphdef, pairs, beta)[0]
+        return dpo_sums(params, graphdef, reference, reference_graphdef, pairs, beta)
 
     return loss, evaluate
 
@@ -156,7 +204,7 @@ def _dpo_losses(graphdef, reference_graphdef, cfg) -> tuple[Callable, Callable]:
 def _lm_losses(graphdef, reference_graphdef, cfg) -> tuple[Callable, Callable]:
     del reference_graphdef, cfg
     return (lambda params, tokens_BT, step, reference: objective_fn(params, graphdef, tokens_BT),
-            lambda params, tokens_BT: loss_fn(params, graphdef, tokens_BT))
+            lambda params, tokens_BT: lm_sums(params, graphdef, tokens_BT))
 
 
 def _check_lm(c) -> None:
@@ -191,7 +239,9 @@ class Objective:
     name: str
     doc: str
     # (graphdef, reference graphdef, config) -> (loss(params, batch, step, reference) ->
-    # (value, metrics), eval(params, batch[, reference]) -> value)
+    # (value, metrics), eval(params, batch[, reference]) -> {"weight": units, name: sum
+    # over the units, for each name of `reports`}: train/evaluation.py divides the sums of
+    # a set of batches by their weights)
     losses: Callable
     check: Callable  # (config) -> None; ConfigError (one line)
     # How train.microbatches are weighted: "targets" (each micro-batch's mean by its share
@@ -204,6 +254,11 @@ class Objective:
     # planner: (seq_len, rows, length shards) -> positions per row whose logits the loss
     # forms at once (both objectives read the head through models/head_loss.py's chunks)
     logits_chunk: Callable = logits_chunk
+    # What evaluation reports (the in-training val_loss is `loss`; `jaxtrain eval` prints
+    # them all), each the mean over `units`: "tokens" (counted targets: perplexity and bits
+    # per token and byte follow) or "pairs"
+    reports: tuple[str, ...] = ("loss",)
+    units: str = "tokens"
 
 
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
@@ -212,5 +267,5 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
     Objective("dpo", "Direct Preference Optimization (sigmoid loss, beta train.dpo.beta) "
               "on rows of preference pairs, against a frozen reference",
               _dpo_losses, _check_dpo, weighting="rows", reference_forwards=1,
-              holds_reference=True),
+              holds_reference=True, reports=("loss", *DPO_METRICS), units="pairs"),
 )}

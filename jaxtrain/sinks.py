@@ -67,7 +67,8 @@ def _summary_writer():
 
 
 class TensorBoardSink:
-    """WORKDIR/tensorboard: a scalar per key (non-finite values are left out)."""
+    """WORKDIR/tensorboard: a scalar per key (non-finite values, and text such as the
+    session's peak_source, are left out)."""
 
     PUBLISH_S = 120.0
 
@@ -84,7 +85,7 @@ class TensorBoardSink:
 
     def write(self, step: int, row: dict) -> None:
         for key, value in row.items():
-            if math.isfinite(value):
+            if isinstance(value, (int, float)) and math.isfinite(value):
                 self.writer.add_scalar(key, value, step)
         if self.remote is not None and time.monotonic() - self.published > self.PUBLISH_S:
             self._publish()

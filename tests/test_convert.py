@@ -212,6 +212,7 @@ def test_bfloat16_export_imports_back_rounded(tmp_path, devices):
 
 def test_the_training_loop_resumes_from_an_import(tmp_path, devices):
     from jaxtrain.data.batches import make_batches, to_global
+    from jaxtrain.train.evaluation import evaluate_batches
     from jaxtrain.train.loop import run
 
     cfg = _config("gpt2", steps=2)
@@ -219,8 +220,8 @@ def test_the_training_loop_resumes_from_an_import(tmp_path, devices):
     setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
     with jax.set_mesh(setup.mesh):
         eval_step = setup.eval_step()
-        imported = np.mean([float(eval_step(state.params, to_global(b, setup.tokens_sharding)))
-                            for b in make_batches(cfg).val_batches()])
+        imported = evaluate_batches(eval_step, state.params, [
+            to_global(b, setup.tokens_sharding) for b in make_batches(cfg).val_batches()])[0]["loss"]
     rows = run(cfg, tmp_path / "run", devices[:1])
     assert [r["step"] for r in rows] == [1, 2]
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]

@@ -411,8 +411,10 @@ def test_a_dpo_run_logs_rewards_and_a_resume_refuses_another_reference(tmp_path,
     stepped = [r for r in rows if "rewards/chosen" in r]
     assert [r["step"] for r in stepped] == [1, 2]
     assert all(name in stepped[-1] for name in DPO_METRICS)
+    assert stepped[0]["rewards/accuracies"] == 0.0  # the policy is the reference: all ties
     assert abs(rows[0]["val_loss"] - np.log(2)) < 1e-6  # the policy starts as the reference
     assert any("val_loss" in r and r["step"] == 2 for r in rows)
+    _eval_reports_the_dpo_loss(tmp_path / "run", rows)
     with pytest.raises(ConfigError, match="is not the reference this run") as e:
         run(_dpo_config(tmp_path / "d", family="gpt2", steps=4, seed=5, **overrides),
             tmp_path / "run", devices[:1])
@@ -420,6 +422,26 @@ def test_a_dpo_run_logs_rewards_and_a_resume_refuses_another_reference(tmp_path,
     rest = run(_dpo_config(tmp_path / "d", family="gpt2", steps=3, **overrides),
                tmp_path / "run", devices[:1])
     assert [r["step"] for r in rest if "rewards/chosen" in r] == [3]
+
+
+def _eval_reports_the_dpo_loss(workdir, rows):
+    """`jaxtrain eval`'s numbers on the run: its DPO val_loss (not a cross entropy), TRL's
+    rewards, by pairs; the default batches (eval_batches, or what the split holds)."""
+    from jaxtrain import inference
+    from jaxtrain.commands import eval as eval_cmd
+
+    _, cfg = inference.run_config(workdir)
+    name, windows, _ = inference.evaluation_windows(cfg, None)
+    batches = eval_cmd.batch_count(name, windows, 8, None, cfg.eval_batches)
+    result = eval_cmd.evaluate_windows(inference.load(workdir, batch=8), windows, batches)
+    val_loss = [r["val_loss"] for r in rows if "val_loss" in r][-1]
+    # A small split: 2 pairs, one batch of 8 rows padded with 6 empty ones (the loop's batch
+    # repeats the 2 pairs 4 times: the same mean). It was refused: "fewer than 1 batches".
+    assert len(windows) == 2 and batches == 1 and result["pairs"] == 2
+    np.testing.assert_allclose(result["loss"], val_loss, rtol=1e-5)
+    assert abs(result["loss"] - np.log(2)) > 1e-4  # trained, and no cross entropy
+    assert set(result) == {"loss", *DPO_METRICS, "pairs"}
+    assert eval_cmd.batch_count(name, windows, 8, None, 4) == 1  # eval_batches=4: still 1
 
 
 def test_the_planner_counts_the_reference_copy_without_lora_only():
@@ -432,3 +454,49 @@ def test_the_planner_counts_the_reference_copy_without_lora_only():
     lora_lm = estimate(small_config("llama", **{"model.lora.rank": 4}), sizes)
     lora_dpo = estimate(_dpo_config(**{"model.lora.rank": 4}), sizes)
     assert lora_dpo["params"] == lora_lm["params"]  # the frozen base is the reference
+
+
+def test_a_margin_of_float_rounding_is_a_tie_not_a_win():
+    """TRL's accuracy is (chosen_rewards > rejected_rewards).mean(): at step 1 the policy is
+    the reference and every margin is 0, so it is 0. Our reference and policy passes are
+    compiled apart, and their sums can differ in the last bits (gpt2: margins of ~0.5
+    float32 epsilons of the log-likelihoods): such a margin is a tie. A real margin, even of
+    1e-4 relative, still wins."""
+    from jaxtrain.objectives import dpo_loss
+
+    rng = np.random.default_rng(0)
+    policy_c, policy_r = (-rng.uniform(5, 200, 64).astype(np.float32) for _ in range(2))
+    # the reference's chosen sums a last bit lower: every margin is +1 ulp
+    reference_c = np.nextafter(policy_c, np.float32(-np.inf))
+    assert ((policy_c - reference_c) - (policy_r - policy_r) > 0).all()
+    _, tied = dpo_loss(*map(jnp.asarray, (policy_c, policy_r, reference_c, policy_r)), BETA)
+    assert float(tied["rewards/accuracies"]) == 0.0
+    moved = policy_c * np.float32(1 - 1e-4)  # a log-likelihood 1e-4 higher
+    _, won = dpo_loss(*map(jnp.asarray, (moved, policy_r, policy_c, policy_r)), BETA)
+    assert float(won["rewards/accuracies"]) == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_mfu_credits_the_reference_forward_as_xla_counts_it(devices, lora_rank):
+    """A DPO step runs the policy's forward and backward and the reference's forward (the
+    frozen copy, or LoRA's base): our model FLOPs of a DPO step over an lm step of the same
+    model equal the ratio of XLA's cost analysis of the two compiled steps, to 3% (no
+    remat; the head is small, so DPO's recomputed head chunks stay under that). Without the
+    reference's forward the ratio is 1 against XLA's ~1.3."""
+    from jaxtrain.models.flops import flops_per_token
+
+    shape = {"model.d_model": 128, "model.mlp_dim": 512, "model.vocab_size": 64,
+             "model.num_heads": 4, "model.num_kv_heads": 2, "model.num_layers": 2,
+             "model.seq_len": 64, "train.global_batch": 4, "model.remat": "none",
+             "model.attention": "xla", "model.lora.rank": lora_rank}
+    results = []
+    for cfg in (small_config("llama", **shape, **SYNTHETIC), _dpo_config(**shape)):
+        setup = build(cfg, devices[:1])
+        with jax.set_mesh(setup.mesh):
+            compiled = setup.train_step().lower(setup.abstract_step_state(),
+                                                setup.abstract_batch()).compile()
+        ours = flops_per_token(setup.spec, setup.objective.reference_forwards)
+        results.append((compiled.cost_analysis()["flops"], ours))
+    (lm_xla, lm_ours), (dpo_xla, dpo_ours) = results
+    assert dpo_ours / lm_ours == pytest.approx(dpo_xla / lm_xla, rel=0.03)

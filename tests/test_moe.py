@@ -205,7 +205,7 @@ def test_train_step_logs_routing_metrics(devices):
     state = setup.init_state()
     tokens = to_global(next(make_batches(cfg).train_iter(0)), setup.tokens_sharding)
     with jax.set_mesh(setup.mesh):
-        val = setup.eval_step()(state.params, tokens)
+        val = setup.eval_step()(state.params, tokens)  # sums over the targets
         _, metrics = setup.train_step()(state, tokens)  # donates the state
     m = {k: float(v) for k, v in metrics.items()}
     assert 0 < m["moe_dropped_fraction"] < 1
@@ -213,7 +213,7 @@ def test_train_step_logs_routing_metrics(devices):
     assert m["moe_aux_loss"] >= 1 - 1e-6 and m["moe_z_loss"] > 0
     # `loss` is the cross entropy (the objective adds the weighted router losses), as the
     # eval step reports it.
-    np.testing.assert_allclose(m["loss"], float(val), rtol=1e-6)
+    np.testing.assert_allclose(m["loss"], float(val["loss"] / val["weight"]), rtol=1e-6)
 
 
 @pytest.mark.slow

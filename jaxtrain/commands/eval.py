@@ -4,7 +4,10 @@
        [--devices N --fsdp N --tensor N] [--log_samples] [--out FILE]
 
 Loss, perplexity and bits per token/byte of a run's newest checkpoint (or a quantized model
-directory) as one JSON line: on the run's validation split by default, or on a token file
+directory) as one JSON line, each the mean over the counted targets of the batches (a batch
+weighs by its targets); for a DPO run (train.objective=dpo) its DPO loss and TRL's rewards
+and accuracy instead, each the mean over the pairs (what the objective's entry in
+objectives.py OBJECTIVES `reports`): on the run's validation split by default, or on a token file
 (`.bin`, in the run's data.dtype) or a text file (any other name; encoded with the run's
 tokenizer). Bits per byte come from real byte counts: the UTF-8 bytes each evaluated target
 token stands for, by the tokenizer of the ids (the data source's for the validation split,
@@ -21,18 +24,25 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import pathlib
 import sys
 
+import jax
+import numpy as np
 from absl import flags, logging
 
 from jaxtrain import inference, storage
 from jaxtrain.commands.common import run_absl
 from jaxtrain.data import record
+from jaxtrain.data.batches import to_global
 from jaxtrain.data.packing import Packed, batch_targets
 from jaxtrain.errors import DataError
+from jaxtrain.models import lora
+from jaxtrain.objectives import OBJECTIVES
 from jaxtrain.tasks import BACKENDS, TaskSpec
 from jaxtrain.tasks.text import run_tokenizer
+from jaxtrain.train import evaluation, frozen
 from jaxtrain.train.task_eval import RESULTS_DIR
 
 
@@ -42,9 +52,9 @@ def _define_flags() -> dict:
                                        "model's."),
         "data": flags.DEFINE_string("data", None, "A token file (.bin) or text file; "
                                     "default: the run's validation split."),
-        "batches": flags.DEFINE_integer("batches", None, "Batches to average (default: the "
-                                        "run's eval_batches for the validation split, all of "
-                                        "a file)."),
+        "batches": flags.DEFINE_integer("batches", None, "Batches to evaluate (default: the "
+                                        "run's eval_batches for the validation split, or as "
+                                        "many as it holds if fewer; all of a file)."),
         "devices": flags.DEFINE_integer("devices", 1, "Devices to spread the batch over "
                                         "(data parallel)."),
         "bytes_per_token": flags.DEFINE_float("bytes_per_token", None, "For bits per byte of "
@@ -148,18 +158,86 @@ def _evaluate(f: dict, argv) -> None:
         return _evaluate_tasks(f)
     workdir, data = f["workdir"].value, f["data"].value
     step, cfg = inference.run_config(workdir)
+    objective = OBJECTIVES[cfg.train.objective]
+    check_data(objective, data)
     tokenizer = record.run_tokenizer(workdir, cfg)
     name, windows, ids_of = inference.evaluation_windows(cfg, data, tokenizer)
     rows = cfg.train.global_batch
-    batches = f["batches"].value or (cfg.eval_batches if data is None else len(windows) // rows)
-    if batches < 1 or batches * rows > len(windows):
-        raise DataError(f"{name} holds {len(windows)} windows of {cfg.model.seq_len + 1} "
-                        f"tokens: fewer than {max(batches, 1)} batches of {rows}")
+    batches = batch_count(name, windows, rows, f["batches"].value,
+                          cfg.eval_batches if data is None else None)
     loaded = inference.load(workdir, data=f["devices"].value, batch=rows)
-    result = inference.evaluate(loaded, windows, batches)
-    result.update(per_byte(result, ids_of, windows, batches * rows, f["bytes_per_token"].value))
+    result = evaluate_windows(loaded, windows, batches)
+    if objective.units == "tokens":
+        used = min(batches * rows, len(windows))
+        result.update(per_byte(result, ids_of, windows, used, f["bytes_per_token"].value))
     print(json.dumps({"workdir": str(workdir), "step": step, "data": name,
+                      "objective": objective.name,
                       "quantized": loaded.quantization is not None, **result}))
+
+
+def check_data(objective, data: str | None) -> None:
+    """DataError (one line) for --data on a run whose objective does not score text: a DPO
+    run is evaluated on preference pairs, which only its validation split holds."""
+    if data is not None and objective.units != "tokens":
+        raise DataError(f"--data={data}: a train.objective={objective.name!r} run is "
+                        f"evaluated on its {objective.units} (its validation split), not "
+                        "on a token or text file; leave --data out")
+
+
+def batch_count(name: str, windows, rows: int, asked: int | None, default: int | None
+                ) -> int:
+    """Batches of `rows` to evaluate: `asked`, else at most `default` (the run's
+    eval_batches), else all. Packed rows (documents, pairs) end in a batch padded with
+    empty rows, which count nothing, so every row can be used; plain windows count every
+    target, so only whole batches of them are."""
+    packed = len(windows) > 0 and isinstance(windows[0], Packed)
+    available = -(-len(windows) // rows) if packed else len(windows) // rows
+    wanted = asked or min(default or available, available)
+    if wanted < 1 or wanted > available:
+        whole = "" if packed else " (only whole batches of plain windows: each counts all " \
+            "its targets)"
+        raise DataError(f"{name} holds {len(windows)} rows: fewer than {max(wanted, 1)} "
+                        f"batches of {rows}{whole}")
+    return wanted
+
+
+def evaluate_windows(loaded, windows, batches: int) -> dict:
+    """The run's objective on `batches` batches of its windows (the last padded with empty
+    rows where packed rows run out): what the objective reports, each the mean over its
+    units (counted targets, or pairs), and their number; with targets as units, perplexity
+    and bits per token too."""
+    setup, rows = loaded.setup, loaded.cfg.train.global_batch
+    objective = setup.objective
+    eval_step = jax.jit(setup.losses()[1])
+    reference = _reference(loaded) if setup.uses_reference else None
+    with jax.set_mesh(setup.mesh):
+        means, weight = evaluation.evaluate_batches(
+            eval_step, loaded.params, (to_global(_batch(windows, b, rows),
+                                                 setup.tokens_sharding)
+                                       for b in range(batches)), reference)
+    result = {**{name: means[name] for name in objective.reports}, objective.units: int(weight)}
+    if objective.units == "tokens":
+        result.update(perplexity=math.exp(means["loss"]),
+                      bits_per_token=means["loss"] / math.log(2))
+    return result
+
+
+def _batch(windows, b: int, rows: int):
+    """Batch b of the windows: rows b·rows, ...; rows past the end are empty (packed rows
+    only: zeros, no segment, nothing counted)."""
+    taken = [windows[i] for i in range(b * rows, min((b + 1) * rows, len(windows)))]
+    empty = jax.tree.map(np.zeros_like, taken[0])
+    return jax.tree.map(lambda *r: np.stack(r), *taken, *[empty] * (rows - len(taken)))
+
+
+def _reference(loaded) -> dict:
+    """The reference model's parameters of an objective that runs one (DPO): with LoRA its
+    frozen base, else train.dpo.reference's parameters, loaded as training loads them."""
+    setup = loaded.setup
+    if setup.spec.lora is not None:
+        return lora.split(loaded.params)[1]
+    return frozen.load_params(loaded.cfg.train.dpo.reference, "train.dpo.reference",
+                              loaded.cfg.seed, setup.spec, setup.shardings.reference)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,7 +5,9 @@
 Panels: loss and val_loss, tokens/s, MFU, the step time split into waiting for data and
 device work, goodput, and where the rest of the wall time went (start-up, checkpoints,
 evaluation, data, restarts, recomputed steps), and downstream task scores (eval.tasks)
-where the run has them, from RUN/metrics.jsonl.
+where the run has them, from RUN/metrics.jsonl. The summary names the peak MFU was divided
+by (the newest session's first row records it) and the steps where MFU came out over 1
+(left out of the rows: the peak was too low).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def summary(rows: list[dict]) -> str:
         lines.append(f"loss: first {train[0]['loss']:.4f}, last {train[-1]['loss']:.4f}")
         mean = lambda k: sum(r[k] for r in steady) / len(steady)  # noqa: E731
         lines.append(f"tokens/s: {mean('tokens_per_s'):.4g} (mean after the first log), "
-                     f"MFU {mean('mfu'):.3f}, step {mean('step_time_s'):.4g}s")
+                     f"{_mfu_text(steady)}, step {mean('step_time_s'):.4g}s")
+        lines.extend(_peak_lines(rows))
         if "data_wait_s" in steady[0]:
             waited = sum(r["data_wait_s"] for r in steady) / sum(r["step_time_s"] for r in steady)
             lines.append(f"waiting for data: {waited:.1%} of step time")
@@ -77,6 +80,28 @@ def summary(rows: list[dict]) -> str:
                      f"{last['wall_s']:.4g}s since the job first started{apart}); lost: "
                      f"{lost or 'nothing'}")
     return "\n".join(lines)
+
+
+def _mfu_text(steady: list[dict]) -> str:
+    """The mean MFU of the rows that have one (a row whose MFU came out over 1 leaves it
+    out: its peak is suspect, train/step_log.py)."""
+    mfus = [r["mfu"] for r in steady if isinstance(r.get("mfu"), (int, float))]
+    return f"MFU {sum(mfus) / len(mfus):.3f}" if mfus else "MFU n/a"
+
+
+def _peak_lines(rows: list[dict]) -> list[str]:
+    """The peak MFU divided by (the newest session's), and the rows where it was suspect."""
+    peaks = [r for r in rows if "peak_flops_per_device" in r]
+    lines = []
+    if peaks:
+        peak = peaks[-1]
+        lines.append(f"MFU peak: {peak['peak_flops_per_device'] / 1e12:.4g} TFLOP/s per "
+                     f"device ({peak.get('peak_source') or 'source unknown'})")
+    suspect = [r["step"] for r in rows if r.get("mfu_peak_suspect")]
+    if suspect:
+        lines.append(f"MFU over 1 at {len(suspect)} logged step(s) (first {suspect[0]}), left "
+                     "out: the peak is too low for this run, e.g. measured on a busy machine")
+    return lines
 
 
 def draw(rows: list[dict], out: pathlib.Path, title: str) -> None:

@@ -1,7 +1,9 @@
 """Model FLOPs per token: the MFU numerator, shared by the training loop's metrics and the
 planner. Counted from the model's shape alone (6 per trained matmul weight and token: the
 forward, the input's gradient and the weight's; 4 per frozen one, whose weight gradient is
-never formed; plus causal attention); no credit for recomputation."""
+never formed; plus causal attention), plus the forward passes of a frozen reference model an
+objective runs (DPO: 2 per weight and token, the attention's forward); no credit for
+recomputation."""
 
 from __future__ import annotations
 
@@ -20,11 +22,24 @@ def matmul_params(spec: ModelSpec) -> int:
             + d * spec.vocab_size)
 
 
-def flops_per_token(spec: ModelSpec) -> float:
+def flops_per_token(spec: ModelSpec, reference_forwards: int = 0) -> float:
     """Training FLOPs per token: 6 per matmul weight, plus causal attention 6·L·s·(h·k).
     Under LoRA the base is frozen: 4 per base weight (no weight gradient; the routed
     experts' 6 when `experts` is targeted, since their adapters are folded into the weights
-    and the full gradient is formed), plus 6 per adapter weight."""
+    and the full gradient is formed), plus 6 per adapter weight. Plus `reference_forwards`
+    forward passes of the frozen reference model (objectives.py Objective.reference_forwards:
+    DPO's frozen copy, or LoRA's base), which the step runs too."""
+    return (_trained_flops_per_token(spec)
+            + reference_forwards * reference_forward_flops_per_token(spec))
+
+
+def reference_forward_flops_per_token(spec: ModelSpec) -> float:
+    """One forward pass of the model without adapters: 2 per matmul weight, plus the
+    forward third of the causal attention."""
+    return 2.0 * matmul_params(spec) + attention_flops_per_token(spec) / 3
+
+
+def _trained_flops_per_token(spec: ModelSpec) -> float:
     if spec.lora is None:
         return 6.0 * matmul_params(spec) + attention_flops_per_token(spec)
     gradient_formed = 0

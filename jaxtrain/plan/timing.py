@@ -25,7 +25,12 @@ from collections.abc import Callable
 from jaxtrain.mesh import batch_shards
 from jaxtrain.models import ModelSpec
 from jaxtrain.models.attention import KERNELS, VARIANTS
-from jaxtrain.models.flops import attention_flops_per_token, flops_per_token, matmul_params
+from jaxtrain.models.flops import (
+    attention_flops_per_token,
+    flops_per_token,
+    matmul_params,
+    reference_forward_flops_per_token,
+)
 from jaxtrain.models.remat import REMATS
 from jaxtrain.objectives import OBJECTIVES
 from jaxtrain.parallel.context import imbalance
@@ -217,11 +222,13 @@ def step_features(cfg, sizes: dict[str, int], hw, param_elems: int,
     n = math.prod(sizes.values())
     tokens = cfg.train.global_batch * cfg.model.seq_len
     flops = step_flops(spec, tokens)
-    # An objective's reference forwards (DPO: one, no backward): a third of the training
-    # FLOPs each, which the hardware runs and MFU does not count.
-    reference = OBJECTIVES[cfg.train.objective].reference_forwards * flops["model"] / 3
+    # An objective's reference forwards (DPO: one, no backward), which the hardware runs
+    # and MFU counts (models/flops.py).
+    reference = OBJECTIVES[cfg.train.objective].reference_forwards \
+        * reference_forward_flops_per_token(spec) * tokens
     share = flops["weights"] / flops["hardware"]
-    flops = {**flops, "hardware": flops["hardware"] + reference,
+    flops = {**flops, "model": flops["model"] + reference,
+             "hardware": flops["hardware"] + reference,
              "weights": flops["weights"] + reference * share,
              "attention": flops["attention"] + reference * (1 - share)}
     c = value_bytes(spec)

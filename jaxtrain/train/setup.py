@@ -125,8 +125,9 @@ class Setup:
         return self.objective.reference_forwards > 0
 
     def eval_step(self) -> Callable:
-        """jit(eval)(params, tokens) -> the objective's mean loss on a batch;
-        (params, tokens, reference) when it runs a reference (uses_reference)."""
+        """jit(eval)(params, tokens) -> the objective's sums over a batch and its units
+        (train/evaluation.py weighs batches by them); (params, tokens, reference) when it
+        runs a reference (uses_reference)."""
         s = self.shardings
         references = None
         if self.uses_reference:

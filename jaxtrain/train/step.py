@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtrain.data.packing import Packed, batch_targets, counted_targets  # noqa: F401
 from jaxtrain.mesh import logical_to_spec
 from jaxtrain.models import lora
-from jaxtrain.objectives import loss_fn, objective_fn  # noqa: F401 (their old home)
+from jaxtrain.objectives import lm_sums, loss_fn, objective_fn  # noqa: F401 (their old home)
 from jaxtrain.optim import skipped_steps
 from jaxtrain.train.state import TrainState
 
@@ -163,10 +163,11 @@ def jit_train_step(train_step: Callable, shardings: TrainState,
 def jit_eval_step(graphdef: nnx.GraphDef, param_shardings: dict,
                   batch_sharding: NamedSharding, evaluate: Callable | None = None,
                   reference_shardings: dict | None = None) -> Callable:
-    """jit(eval)(params, tokens) -> mean loss: the cross entropy, or `evaluate` (an
-    objective's eval loss); with reference_shardings, eval(params, tokens, reference)."""
+    """jit(eval)(params, tokens) -> the batch's sums and units (objectives.py
+    Objective.losses): the cross entropy's, or `evaluate` (an objective's eval); with
+    reference_shardings, eval(params, tokens, reference)."""
     if evaluate is None:
-        evaluate = lambda params, tokens: loss_fn(params, graphdef, tokens)  # noqa: E731
+        evaluate = lambda params, tokens: lm_sums(params, graphdef, tokens)  # noqa: E731
     shardings = (param_shardings, batch_sharding)
     if reference_shardings is not None:
         shardings += (reference_shardings,)
