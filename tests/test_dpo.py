@@ -74,7 +74,7 @@ def test_prepare_stores_pairs_adjacent_masked_on_replies_and_counts_bad_records(
     # documents 2k and 2k+1: the same prompt, then the chosen and the rejected reply
     assert _text(ds, *docs[0]).startswith("<|im_start|>user\nSay yes.<|im_end|>\n")
     assert [_text(ds, *d, masked=True) for d in docs] == [
-        "Yes.<|im_end|>", "No.<|im_end|>", "4<|im_end|>", "5<|im_end|>"]  # not "Hello."
+        "Yes.<|im_end|>\n", "No.<|im_end|>\n", "4<|im_end|>\n", "5<|im_end|>\n"]  # not "Hello."
     assert "Hello.<|im_end|>" in _text(ds, *docs[2]) and "Hello." in _text(ds, *docs[3])
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert manifest["pairs"] is True and manifest["chat"]["preference"] is True
@@ -102,8 +102,8 @@ def test_shards_and_merge_never_separate_a_pair(tmp_path):
         for k in range(40):
             chosen, rejected = (_text(ds, *ds.document(2 * k + j), masked=True)
                                 for j in (0, 1))
-            assert chosen == "c" * len(records[k]["chosen"]) + "<|im_end|>"
-            assert rejected == "r" * len(records[k]["rejected"]) + "<|im_end|>"
+            assert chosen == "c" * len(records[k]["chosen"]) + "<|im_end|>\n"
+            assert rejected == "r" * len(records[k]["rejected"]) + "<|im_end|>\n"
 
 
 def _dpo_config(path="unused", family="llama", **overrides):
@@ -128,7 +128,7 @@ def test_rows_of_pairs_hold_chosen_then_rejected_with_their_masks(tmp_path):
     assert (positions[:n_c] == np.arange(n_c)).all()
     assert (positions[n_c:n_c + n_r] == np.arange(n_r)).all()
     kept = bytes(np.asarray(row.tokens)[np.asarray(row.mask, bool)].astype(np.uint8)).decode()
-    assert kept == "cccc<|im_end|>rrrrr<|im_end|>"  # pair 3
+    assert kept == "cccc<|im_end|>\nrrrrr<|im_end|>\n"  # pair 3
     # a pair longer than the row is refused before anything compiles
     with pytest.raises(Exception, match="more than a row of model.seq_len"):
         make_batches(_dpo_config(tmp_path / "d", **{"model.seq_len": 96}))

@@ -243,6 +243,29 @@ def test_a_mixture_of_masked_and_unmasked_data_trains(tmp_path, devices):
     assert isinstance(make_batches(_with_packing(cfg, masked)).train_source, PackedDocuments)
 
 
+def test_conversations_longer_than_a_row_are_named_in_one_line(tmp_path, capsys):
+    """Without --max-length a conversation longer than the row is cut into pieces (the
+    later ones without their prompt): the run says how many and the longest, once per split,
+    and what to do; data prepared with --max-length of the row gets no warning."""
+    chats = [{"prompt": "Q" * n, "completion": "a" * 5} for n in (3, 80, 4, 5, 120, 6, 2, 7)]
+    cfg = small_config(**{"data.source": "prepared", "data.packing": "documents",
+                          "data.path": _prepare(tmp_path, "long", chats),
+                          "data.val_fraction": 0.1, "model.seq_len": 96})
+    capsys.readouterr()
+    train = make_batches(cfg).train_source
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxtrain: warning: the training split")
+    longest = PreparedDataset(cfg.data.path).document(4)[1]
+    assert (f"2 conversation(s) longer than a row of model.seq_len+1=97 tokens (the longest "
+            f"{longest})") in lines[0] and "--max-length 97" in lines[0]
+    assert train.cut_documents() == (2, longest)
+    cfg.data.path = _prepare(tmp_path, "short", chats, max_length=97,
+                             max_bad_fraction=0.5)
+    capsys.readouterr()
+    make_batches(cfg)
+    assert "warning" not in capsys.readouterr().err
+
+
 def _with_packing(cfg, path):
     c = cfg.copy_and_resolve_references()
     c.data.mixture, c.data.path = "", path

@@ -8,6 +8,7 @@ run would have, with nothing to checkpoint but the step.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterator
 
 import grain
@@ -69,6 +70,9 @@ def make_batches(cfg) -> Batches:
         raise DataError(f"train.global_batch={cfg.train.global_batch} must divide by the "
                         f"{jax.process_count()} processes")
     train, val = SOURCES[cfg.data.source].splits(cfg)
+    if jax.process_index() == 0:
+        for line in cut_warnings(train, val):
+            print(line, file=sys.stderr)
     return Batches(train, val, cfg.train.global_batch, cfg.seed, cfg.data.prefetch,
                    cfg.eval_batches)
 
@@ -78,3 +82,21 @@ def to_global(local_batch, sharding: NamedSharding):
     (jaxtrain.data.packing), all sharded alike."""
     return jax.tree.map(lambda rows: jax.make_array_from_process_local_data(sharding, rows),
                         local_batch)
+
+
+def cut_warnings(*sources) -> list[str]:
+    """One line for each split of a chat dataset whose conversations are longer than a row
+    (packing.PackedDocuments.cut_documents): prepare's --max-length skips them, and without
+    it they would be cut without a word."""
+    lines = []
+    for source in sources:
+        for rows in getattr(source, "sources", [source]):  # a mixture's components
+            count, longest = rows.cut_documents() if hasattr(rows, "cut_documents") else (0, 0)
+            if count:
+                lines.append(
+                    f"jaxtrain: warning: {rows.name}: {count:,} conversation(s) longer than a "
+                    f"row of model.seq_len+1={rows.capacity} tokens (the longest {longest:,}) "
+                    "are cut into pieces, the pieces after the first without their prompt; "
+                    f"prepare with --max-length {rows.capacity} to skip them, or raise "
+                    "model.seq_len")
+    return lines

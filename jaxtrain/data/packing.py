@@ -26,11 +26,15 @@ window's `ROWS_PER_WINDOW` rows by best fit decreasing (longest first, each into
 whose free space fits it most tightly). Whatever best fit leaves over is split, sharing one
 token at each cut as above, into the rows' remaining free space in row order. The window's
 size guarantees that everything fits (the bound in `window_tokens`); the padding this leaves
-is measured in docs/benchmarks.md. Row i is row i % 64 of window i // 64: a pure function of
-the dataset and L, computed from the document index alone when a row is read, so the grain
-pipeline shuffles rows with the run's seed and reads any step's rows without reading the
-ones before (exact resume, each process reading only its own rows), as for concat. Rows hold
-neighbouring documents, as windows of the concatenated stream do; the shuffle is over rows.
+is measured in docs/benchmarks.md. The last window holds the split's tail, usually far less
+than a window: only its rows that hold something are rows (best fit opens a row only when
+no open one fits, so they are its first ones), so a small split (30 conversations in one
+window) is not 64 rows mostly of padding. Row i is row i % 64 of window i // 64: a pure
+function of the dataset and L, computed from the document index alone when a row is read
+(the last window's count at start-up, from its plan), so the grain pipeline shuffles rows
+with the run's seed and reads any step's rows without reading the ones before (exact
+resume, each process reading only its own rows), as for concat. Rows hold neighbouring
+documents, as windows of the concatenated stream do; the shuffle is over rows.
 """
 
 from __future__ import annotations
@@ -172,12 +176,16 @@ class PackedDocuments:
         self.windows = -(-(end - start) // self.span)
         if end - start < MIN_PIECE:
             raise DataError(f"{name} holds {end - start} tokens: no document to pack")
+        self.name = name
         # Rows are read in shuffled order, so a window is rarely met twice in a row; the
         # cache serves validation, which reads rows in order.
         self._plan = functools.lru_cache(maxsize=16)(self._plan_window)
+        self._last_rows = [r for r, parts in enumerate(self._plan(self.windows - 1)) if parts]
+        if not len(self):
+            raise DataError(f"{name} holds no document of {MIN_PIECE} tokens or more to pack")
 
     def __len__(self) -> int:
-        return self.windows * self.rows
+        return (self.windows - 1) * self.rows + len(self._last_rows)
 
     def _plan_window(self, w: int) -> list[list[tuple[int, int]]]:
         lo = self.start + w * self.span
@@ -188,10 +196,24 @@ class PackedDocuments:
         start_P, length_P = pieces(starts, ends - starts, self.seq_len, lo, hi)
         return plan_rows(start_P, length_P, self.rows, self.capacity)
 
+    def _rows_of(self, w: int) -> list[int]:
+        return self._last_rows if w == self.windows - 1 else range(self.rows)
+
     def __getitem__(self, index: int) -> Packed:
         w, r = divmod(index % len(self), self.rows)
-        return row_arrays(self._plan(w)[r], self.dataset.read, self.capacity,
-                          self.dataset.read_mask if self.masked else None)
+        return row_arrays(self._plan(w)[self._rows_of(w)[r]], self.dataset.read,
+                          self.capacity, self.dataset.read_mask if self.masked else None)
+
+    def cut_documents(self) -> tuple[int, int]:
+        """(how many documents of a chat dataset are longer than a row, the longest's
+        tokens): they are cut into pieces, and the pieces after the first lose their prompt.
+        (0, 0) for a dataset without a loss mask, whose long documents are meant to be cut."""
+        if not getattr(self.dataset, "masked", False):
+            return 0, 0
+        starts, lengths = self.dataset.documents_in(self.start, self.end)
+        lengths = np.minimum(starts + lengths, self.end) - np.maximum(starts, self.start)
+        long = lengths[lengths > self.capacity]
+        return len(long), int(long.max()) if len(long) else 0
 
     def padding(self, sample: int = 64) -> float:
         """The fraction of slots left as padding, over the first `sample` windows."""
@@ -199,7 +221,7 @@ class PackedDocuments:
         for w in range(min(sample, self.windows)):
             plan = self._plan(w)
             used += sum(n for parts in plan for _, n in parts)
-            total += self.rows * self.capacity
+            total += len(self._rows_of(w)) * self.capacity
         return 1.0 - used / max(total, 1)
 
 

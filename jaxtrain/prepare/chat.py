@@ -5,14 +5,21 @@ A record is `{"messages": [{"role", "content"}, ...]}` (roles system, user, assi
 the chat template (chat_template.py) and tokenized as transformers' apply_chat_template does;
 no BOS/EOS is added beyond what the template writes.
 
-The mask (1: the token is a target the loss counts) under `train_on="assistant"` marks each
-assistant turn: the characters the template adds for the turn after its generation prompt
-(`render(messages[:k], add_generation_prompt=True)`) up to the end of
-`render(messages[:k + 1])`, without the whitespace that ends it. That is the reply and the
-end-of-turn token(s) the template writes after it (ChatML's `<|im_end|>`, Llama 3's
-`<|eot_id|>`), as TRL's assistant_only_loss and torchtune train it, but not the newline
-between turns, which generation never reaches (it stops at the end-of-turn token). A token
-counts when any of its characters lies in such a span. `train_on="all"` counts every token.
+The mask (1: the token is a target the loss counts) under `train_on="assistant"`:
+- a template with `{% generation %}` blocks (TRL's training templates): the characters those
+  blocks write, exactly as transformers' `apply_chat_template(...,
+  return_assistant_tokens_mask=True)` marks them (TRL's assistant_only_loss). TRL's
+  qwen2_5_training.jinja marks `'\n' + content + '<|im_end|>\n'`: the newline after
+  `<|im_start|>assistant` and the one after `<|im_end|>` too.
+- any other template: each assistant turn, the characters the template adds for the turn
+  after its generation prompt (`render(messages[:k], add_generation_prompt=True)`) up to the
+  end of `render(messages[:k + 1])`, without the whitespace that ends it. That is the reply
+  and the end-of-turn token(s) the template writes after it (ChatML's `<|im_end|>`, Llama
+  3's `<|eot_id|>`), but not the newline between turns, which generation never reaches (it
+  stops at the end-of-turn token). For Llama 3 this equals TRL's llama3_training.jinja; for
+  ChatML it is two tokens a turn fewer than TRL's Qwen training template (docs/data.md).
+A token counts when any of its characters lies in such a span. `train_on="all"` counts
+every token.
 
 Bad records are counted, never fatal (the kinds below, in the prepare report with file:line).
 """
@@ -31,7 +38,7 @@ TRAIN_ON = ("assistant", "all")
 # What --max-bad-fraction counts, beyond the formats' own kinds (records.BAD; a content that
 # is not a string is their `not_text`).
 BAD = ("no_messages", "unknown_role", "no_assistant", "too_long", "template_error",
-       "no_reply")  # no_reply: a preference record's chosen or rejected (preference.py)
+       "no_reply", "same_replies")  # the last two: preference records (preference.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +56,9 @@ class ChatSpec:
                     "max_length": self.max_length}
         if self.preference:  # absent otherwise: chat plans made before stay valid
             identity["preference"] = True
+            identity["mask"] = "after_prompt"  # TRL's completions (preference.py)
+        elif self.train_on == "assistant" and self.template.has_generation:
+            identity["mask"] = "generation"
         return identity
 
 
@@ -102,19 +112,28 @@ def encode(record, spec: ChatSpec, tokenizer) -> tuple[np.ndarray, np.ndarray, i
     if spec.train_on == "assistant" and not any(m["role"] == "assistant" for m in messages):
         raise BadRecord("no_assistant")
     try:
-        text = spec.template.render(messages)
-        spans = (assistant_spans(messages, spec.template, text)
-                 if spec.train_on == "assistant" else [])
+        text, spans = rendered(messages, spec)
     except jinja2.TemplateError:  # raise_exception in the template, or a render error
         raise BadRecord("template_error") from None
     ids, starts, ends = tokenizer.encode_rendered(text)
     if spec.max_length is not None and len(ids) > spec.max_length:
         raise BadRecord("too_long")
     if spec.train_on == "all":
-        mask = np.ones(len(ids), np.uint8)
-    else:
-        mask = span_mask(starts, ends, spans)
+        return ids, np.ones(len(ids), np.uint8), len(text.encode("utf-8"))
+    mask = span_mask(starts, ends, spans)
+    if not mask.any():  # generation blocks that mark nothing of this conversation
+        raise BadRecord("no_assistant")
     return ids, mask, len(text.encode("utf-8"))
+
+
+def rendered(messages: list[dict], spec: ChatSpec) -> tuple[str, list[tuple]]:
+    """(the conversation as text, the spans its mask marks: module docstring)."""
+    if spec.train_on == "all":
+        return spec.template.render(messages), []
+    if spec.template.has_generation:
+        return spec.template.render_tracked(messages)
+    text = spec.template.render(messages)
+    return text, assistant_spans(messages, spec.template, text)
 
 
 def span_mask(starts: np.ndarray, ends: np.ndarray, spans: list[tuple]) -> np.ndarray:

@@ -8,6 +8,10 @@ A template comes from `--chat-template` (a file, or the name of one shipped in t
 e.g. `chatml`), else from the tokenizer's own files (`chat_template.jinja`, or
 `chat_template` in tokenizer_config.json, as transformers saves them). It is stored with the
 dataset's tokenizer as `tokenizer/chat_template.jinja`, where transformers looks for it too.
+
+`{% generation %}...{% endgeneration %}` blocks (TRL's training templates) are tracked as
+transformers tracks them for `return_assistant_tokens_mask`: `render_tracked` gives the
+[start, end) characters each block wrote, which then define the loss mask (chat.py).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import functools
 import hashlib
 import json
 import pathlib
+import re
+from contextvars import ContextVar
 
 import jinja2
 import jinja2.ext
@@ -27,6 +33,11 @@ from jaxtrain.errors import DataError
 
 TEMPLATE_FILE = "chat_template.jinja"
 SHIPPED = pathlib.Path(__file__).parent / "templates"
+# as TRL's has_generation_markers spells the tag, trim variants included
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# While render_tracked runs: (the pieces written so far, the blocks' [start, end))
+_TRACKING: ContextVar[tuple[list, list] | None] = ContextVar("generation_tracking",
+                                                             default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +52,31 @@ class ChatTemplate:
     def sha256(self) -> str:
         return hashlib.sha256(self.source.encode()).hexdigest()
 
+    @property
+    def has_generation(self) -> bool:
+        """Whether the template marks what is trained with {% generation %} blocks."""
+        return _GENERATION_TAG.search(self.source) is not None
+
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """The conversation as text; jinja2.TemplateError when the template refuses it."""
-        return _compiled(self.source).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        return _compiled(self.source).render(**self._variables(messages, add_generation_prompt))
+
+    def render_tracked(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """(the conversation as text, [start, end) in characters of the output of each
+        {% generation %} block), the pieces streamed as transformers' apply_chat_template
+        streams them, so that the spans are its generation indices."""
+        pieces, spans = [], []
+        token = _TRACKING.set((pieces, spans))
+        try:
+            for piece in _compiled(self.source).generate(**self._variables(messages, False)):
+                pieces.append(piece)
+        finally:
+            _TRACKING.reset(token)
+        return "".join(pieces), spans
+
+    def _variables(self, messages: list[dict], add_generation_prompt: bool) -> dict:
+        return {"messages": messages, "add_generation_prompt": add_generation_prompt,
+                "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
 
 
 def shipped_names() -> list[str]:
@@ -114,7 +145,8 @@ def _token_string(value, token_id: int | None, tokenizer) -> str | None:
 
 
 class _Generation(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (TRL-style templates) renders its body."""
+    """`{% generation %}...{% endgeneration %}` (TRL-style templates) renders its body, and
+    under render_tracked records where it starts and ends in the output."""
 
     tags = {"generation"}
 
@@ -124,7 +156,13 @@ class _Generation(jinja2.ext.Extension):
         return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
     def _body(self, caller):
-        return caller()
+        body = caller()
+        tracking = _TRACKING.get()
+        if tracking is not None:
+            pieces, spans = tracking
+            start = sum(map(len, pieces))
+            spans.append((start, start + len(body)))
+        return body
 
 
 def _raise_exception(message):

@@ -5,15 +5,21 @@ A record is `{"prompt": str, "chosen": str, "rejected": str}` (the prompt one us
 roles as for --chat); a reply is a string, an assistant message `{"role": "assistant",
 "content": str}`, or a list holding one (TRL's conversational form). Each reply is rendered
 after the conversation with the chat template, as --chat renders a conversation
-(chat.py), and its mask marks the reply alone: the characters the template adds for that
-last assistant turn (its content and end-of-turn token), not earlier assistant turns of
-the prompt, which both documents share.
+(chat.py), and its mask marks the completion as TRL's DPOTrainer takes it: every token after
+the prompt rendered with its generation prompt (`render(messages,
+add_generation_prompt=True)`), to the end of the rendering. For ChatML that is the reply,
+`<|im_end|>` and the newline after it; for Llama 3 the reply and `<|eot_id|>`. Earlier
+assistant turns of the prompt, which both documents share, are not marked, and
+`{% generation %}` blocks do not change it (TRL's DPO does not read them either).
 
 Pair k is documents 2k (chosen) and 2k + 1 (rejected): one record, so shards, parts and
 merges never separate them. A bad record (counted with file:line, never fatal): no prompt
 or messages (`no_messages`), a missing, empty or non-assistant reply (`no_reply`,
-`unknown_role`), a role not in chat.ROLES, a pair whose two documents together exceed
---max-length (`too_long`: they share one row), a template that refuses it.
+`unknown_role`), a chosen reply equal to the rejected one (`same_replies`: its DPO loss is
+log 2 whatever the model, and its gradient 0), a role not in chat.ROLES, a pair whose two
+documents together exceed --max-length (`too_long`: they share one row), a template that
+refuses it (or does not render the prompt as a prefix of the conversation:
+`template_error`, where TRL would cut the completion where the tokens diverge).
 """
 
 from __future__ import annotations
@@ -59,16 +65,20 @@ def encode_pair(record, spec: chat.ChatSpec, tokenizer
     one record; BadRecord."""
     messages = prompt_messages(record)
     replies = [reply(record.get(key)) for key in ("chosen", "rejected")]
+    if replies[0] == replies[1]:
+        raise BadRecord("same_replies")
     documents, text_bytes = [], 0
-    for text_reply in replies:
-        conversation = messages + [{"role": "assistant", "content": text_reply}]
-        try:
-            text = spec.template.render(conversation)
-            spans = chat.assistant_spans(conversation, spec.template, text)[-1:]
-        except jinja2.TemplateError:
-            raise BadRecord("template_error") from None
+    try:
+        prompt = spec.template.render(messages, add_generation_prompt=True)
+        texts = [spec.template.render(messages + [{"role": "assistant", "content": text}])
+                 for text in replies]
+    except jinja2.TemplateError:
+        raise BadRecord("template_error") from None
+    for text in texts:
+        if not text.startswith(prompt):
+            raise BadRecord("template_error")
         ids, starts, ends = tokenizer.encode_rendered(text)
-        documents.append((ids, chat.span_mask(starts, ends, spans)))
+        documents.append((ids, chat.span_mask(starts, ends, [(len(prompt), len(text))])))
         text_bytes += len(text.encode("utf-8"))
     if spec.max_length is not None and sum(len(ids) for ids, _ in documents) > spec.max_length:
         raise BadRecord("too_long")
