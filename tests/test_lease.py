@@ -289,3 +289,23 @@ def test_lease_times_from_the_environment(monkeypatch):
     monkeypatch.setenv("JAXTRAIN_LEASE_STALE_S", "20")
     assert lease_times() == (2.0, 20.0)
     assert lease_times(0.5, 3) == (0.5, 3.0)
+
+
+def test_a_heartbeat_stamped_in_the_future_goes_stale_by_the_objects_write_time(bucket):
+    workdir = f"{bucket}/run"
+    _forge(workdir, age_s=-3600)  # its holder's clock an hour ahead, or a forged lease
+    with pytest.raises(ConfigError) as refused:
+        Lease(workdir, heartbeat_s=0.5, stale_s=2).acquire()
+    text = str(refused.value)
+    assert 3590 <= int(re.search(r"stamped (\d+)s in the future", text).group(1)) <= 3600
+    assert _aged(re.sub(r"stamped \d+s", "stamped Ms", text), 0) == _refusal(
+        workdir, f"pid 4242 on node-7 since {SINCE}",
+        "heartbeat stamped Ms in the future, last written Ns ago").replace(
+            "after 300s", "after 2s")
+    time.sleep(3.2)  # S3 keeps write times in whole seconds
+    said = []
+    with Lease(workdir, say=said.append, heartbeat_s=0.5, stale_s=2) as lease:
+        assert _content(workdir)["id"] == lease.id
+    assert [_aged(line, 2, 6) for line in said] == [
+        f"jaxtrain: taking over the lease of pid 4242 on node-7 since {SINCE} ({workdir}/.lock), "
+        "whose heartbeat is stamped in the future and which was last written Ns ago"]
