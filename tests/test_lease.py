@@ -3,6 +3,7 @@ fake-gcs-server: refusal, release, heartbeat, the two takeovers, races, a lost l
 
 import json
 import os
+import pathlib
 import re
 import socket
 import subprocess
@@ -309,3 +310,25 @@ def test_a_heartbeat_stamped_in_the_future_goes_stale_by_the_objects_write_time(
     assert [_aged(line, 2, 6) for line in said] == [
         f"jaxtrain: taking over the lease of pid 4242 on node-7 since {SINCE} ({workdir}/.lock), "
         "whose heartbeat is stamped in the future and which was last written Ns ago"]
+
+
+def test_a_heartbeat_costs_the_requests_docs_operations_md_says():
+    from conftest import object_server
+    server = object_server("s3")
+    workdir = f"{server.bucket()}/run"
+    lease = Lease(workdir, heartbeat_s=600, stale_s=6000)  # no heartbeat of its own
+    lease.acquire()
+    before = dict(server.proxy.requests)
+    beats = 3
+    for _ in range(beats):
+        assert lease._renew()  # what the heartbeat thread does each beat
+    during = {k: n - before.get(k, 0) for k, n in server.proxy.requests.items()}
+    lease.release()
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    said = re.search(r"the lease: (\d+) requests per heartbeat \((\d+) GET, (\d+) HEAD, "
+                     r"(\d+) PUT\), every 30 s", doc)
+    assert said, "docs/operations.md quotes scripts/storage_requests.py's lease line"
+    per_beat = {"GET": int(said[2]), "HEAD": int(said[3]), "PUT": int(said[4])}
+    assert int(said[1]) == sum(per_beat.values())
+    assert {k: n for k, n in during.items() if n} == {
+        k: n * beats for k, n in per_beat.items()}, during
