@@ -194,8 +194,11 @@ class Lease:
             return "which is no longer running"
         age = _age(seen)
         if age is not None and age > self.stale_s:
-            if _heartbeat(holder) is not None:
+            if _believed_heartbeat(seen) is not None:
                 return f"whose last heartbeat was {age:.0f}s ago"
+            if _heartbeat(holder) is not None:
+                return (f"whose heartbeat is stamped in the future and which was last "
+                        f"written {age:.0f}s ago")
             unreadable = " is unreadable and" if holder is None else ""
             return f"which{unreadable} was last written {age:.0f}s ago"
         return None
@@ -291,18 +294,38 @@ def _heartbeat(holder: dict | None) -> float | None:
     return float(beat) if isinstance(beat, (int, float)) and math.isfinite(beat) else None
 
 
+# How far a heartbeat may lie ahead of this host's clock (two hosts' clocks differ a little)
+# before it is not believed: a heartbeat from the future would never go stale.
+FUTURE_TOLERANCE_S = 5.0
+
+
+def _believed_heartbeat(seen: Seen) -> float | None:
+    """The holder's heartbeat, unless it is stamped in the future (a holder's clock far
+    ahead, or a forged lease): then the object's own write time (the server's clock)
+    stands in, as for content that is no lease."""
+    when = _heartbeat(seen.holder)
+    if when is not None and when > time.time() + FUTURE_TOLERANCE_S:
+        return None
+    return when
+
+
 def _age(seen: Seen) -> float | None:
     """Seconds since the holder's last heartbeat; for content that is no lease (garbage, a
-    local .lock copied into the bucket), since the object was last written."""
-    when = _heartbeat(seen.holder)
+    local .lock copied into the bucket) or a heartbeat stamped in the future, since the
+    object was last written."""
+    when = _believed_heartbeat(seen)
     if when is None:
         when = seen.modified
     return None if when is None else max(0.0, time.time() - when)
 
 
 def _age_label(seen: Seen | None) -> str:
-    has_beat = seen is not None and _heartbeat(seen.holder) is not None
-    return "last heartbeat" if has_beat else "last written"
+    if seen is None or _heartbeat(seen.holder) is None:
+        return "last written"
+    if _believed_heartbeat(seen) is None:
+        ahead = _heartbeat(seen.holder) - time.time()
+        return f"heartbeat stamped {ahead:.0f}s in the future, last written"
+    return "last heartbeat"
 
 
 def _precondition_failed(error: BaseException) -> bool:

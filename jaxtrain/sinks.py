@@ -11,9 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import netrc
+import os
 import pathlib
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import Protocol
 
@@ -143,6 +146,27 @@ def _check_wandb(c) -> None:
     if c.metrics.wandb.mode not in WANDB_MODES:
         fail("metrics.wandb.mode", c.metrics.wandb.mode,
              f"valid values are {', '.join(WANDB_MODES)}")
+    if c.metrics.wandb.mode == "online" and not _wandb_credentials():
+        # Else wandb.init waits ~25 s for a login that never comes, after the run has
+        # written its workdir.
+        raise ConfigError(f"metrics.sinks={c.metrics.sinks!r}: W&B online mode needs an API "
+                          "key and none is set (WANDB_API_KEY, or `wandb login`, which writes "
+                          "~/.netrc); or set metrics.wandb.mode=offline (no key needed)")
+
+
+def _wandb_credentials() -> bool:
+    """Whether W&B will find credentials where it looks first (its environment variables,
+    or the netrc entry of its server, as `wandb login` writes it), without importing it."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL")
+                                 or "https://api.wandb.ai").hostname
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        entry = netrc.netrc(path).authenticators(host or "")
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(entry and entry[2])
 
 
 @dataclasses.dataclass(frozen=True)

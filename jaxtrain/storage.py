@@ -59,6 +59,15 @@ def is_remote(path) -> bool:
     return scheme_of(path) is not None
 
 
+def normalized(value) -> str:
+    """The URL with its scheme in lower case: a scheme is case-insensitive (RFC 3986 3.1),
+    so S3://b/x is s3://b/x, but fsspec and etils know only the lower-case names (a KeyError
+    for 'S3://'); one spelling also gives one scratch folder per URL."""
+    text = str(value)
+    match = _URL.match(text)
+    return text if match is None else match.group(1).lower() + text[len(match.group(1)):]
+
+
 def check_path(value, key: str) -> None:
     """ConfigError (one line, naming the flag or key) for a URL of a scheme jaxtrain cannot
     use, or one whose client package is not installed. Checked on the text as given
@@ -84,14 +93,14 @@ def as_path(value, key: str = "path"):
         return value
     check_path(value, key)
     if is_remote(value):
-        return epath.Path(str(value))
+        return epath.Path(normalized(value))
     return pathlib.Path(value).expanduser()
 
 
 def filesystem(path):
     """(fsspec filesystem, the path as that filesystem names it) for the calls epath does
     not offer: conditional creation, range reads, listing with sizes."""
-    return fsspec.core.url_to_fs(str(path))
+    return fsspec.core.url_to_fs(normalized(path))
 
 
 def atomic_write(path, data: bytes | str) -> None:
@@ -218,6 +227,26 @@ def first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
 
 
+# S3's codes for a key it does not know and for a secret that does not match the key (moto
+# answers the same); GCS answers 401 (gcsfs: an HttpError with code 401).
+_INVALID_CREDENTIALS = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
+                        "Invalid Credentials", "invalid_grant")
+
+
+def _invalid_credentials(error: BaseException, text: str) -> bool:
+    for e in (error, error.__cause__):
+        if getattr(e, "code", None) == 401:
+            return True
+    return any(code in text for code in _INVALID_CREDENTIALS)
+
+
+def _missing_gcs_bucket(error: FileNotFoundError, bucket: str) -> bool:
+    """gcsfs names a missing bucket by the request's path: its listing b/BUCKET/o, or an
+    upload's .../b/BUCKET/o?name=KEY (a missing object is b/BUCKET/o/KEY)."""
+    message = str(error).strip().rstrip("/")
+    return re.search(rf"(^|/)b/{re.escape(bucket)}/o(\?.*)?$", message) is not None
+
+
 def user_error(error: BaseException, key: str, value) -> ConfigError | None:
     """The one-line ConfigError for an object-store failure that is the user's to fix
     (credentials, bucket, permission), or None for anything else (a server error, a lost
@@ -226,20 +255,23 @@ def user_error(error: BaseException, key: str, value) -> ConfigError | None:
     # AccessDenied) only in the cause.
     text = f"{type(error).__name__}: {error} {error.__cause__ or ''}"
     bucket = str(value).split("://", 1)[-1].split("/", 1)[0]
-    if "NoCredentials" in text or "credentials" in text.lower() and "not" in text.lower():
-        scheme = SCHEMES[scheme_of(value)]
-        return ConfigError(f"{key}={value}: no credentials for {scheme_of(value)}:// "
+    name = scheme_of(value)
+    scheme = SCHEMES.get(name)
+    # GCS answers an anonymous caller (no credentials found) 401 too.
+    anonymous = "NoCredentials" in text or "Anonymous caller" in text
+    if not anonymous and _invalid_credentials(error, text):
+        return ConfigError(f"{key}={value}: invalid credentials for {name}:// (the server "
+                           f"does not accept the key in use: {scheme.credentials})")
+    if anonymous or "credentials" in text.lower() and "not" in text.lower():
+        return ConfigError(f"{key}={value}: no credentials for {name}:// "
                            f"({scheme.credentials})")
     # Not a bare "403": a lost connection's message may hold a URL with 403 in a name.
     if isinstance(error, PermissionError) or any(
             sign in text for sign in ("AccessDenied", "(403)", "Forbidden")):
         return ConfigError(f"{key}={value}: no permission for bucket {bucket} (the "
                            "credentials in use may not read or write it)")
-    # s3fs says "The specified bucket does not exist" without naming it.
-    # gcsfs names a missing bucket by its listing path, b/BUCKET/o (an object: b/BUCKET/o/KEY).
     if "NoSuchBucket" in text or "bucket does not exist" in text.lower() or (
-            isinstance(error, FileNotFoundError)
-            and str(error).strip().rstrip("/").endswith(f"b/{bucket}/o")):
+            isinstance(error, FileNotFoundError) and _missing_gcs_bucket(error, bucket)):
         return ConfigError(f"{key}={value}: bucket {bucket} does not exist")
     return None
 

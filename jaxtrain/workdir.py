@@ -34,6 +34,13 @@ QUANTIZATION_FILE = "quantization.json"  # an int8 model directory (quantize)
 WANDB_RUN_FILE = "wandb_run.json"  # the W&B run a resume continues (sinks.py)
 REPORT_FILE = "report.png"  # jaxtrain report
 LOCK_FILE = ".lock"
+MANIFESTS_DIR = "checkpoint_manifests"  # a remote run's step manifests (checkpoint_mirror.py)
+
+# What only a run writes: a folder holding one of these is a run directory. (config.json and
+# tokenizer/ are not marks: a Hugging Face model folder and a prepared dataset hold them.)
+RUN_MARKS = (CHECKPOINTS, MANIFESTS_DIR, RECORD_FILE, METRICS_FILE, METRICS_DIR, GOODPUT_FILE,
+             TENSORBOARD_DIR, WANDB_RUN_FILE, QUANTIZATION_FILE)
+DATASET_MANIFEST = "manifest.json"  # a prepared dataset's (data/dataset.py MANIFEST)
 
 
 def check_local_path(value, key: str) -> None:
@@ -49,24 +56,92 @@ def check_local_path(value, key: str) -> None:
 
 
 def prepare_workdir(workdir) -> None:
-    """Creates the directory (a prefix needs no creating) and checks that it can be written;
-    ConfigError (one line) when it cannot: the disk's reason, or the object store's
-    (credentials, bucket, permission)."""
-    probe = workdir / f".write_test_{socket.gethostname()}_{os.getpid()}"
-    if storage.is_remote(workdir):
+    """Creates the directory (a prefix needs no creating) and checks that it can be written
+    and is a run's (check_run_folder); ConfigError (one line) when it cannot: the disk's
+    reason, or the object store's (credentials, bucket, permission)."""
+    check_writable(workdir, "--workdir")
+    check_run_folder(workdir)
+
+
+def check_writable(directory, key: str) -> None:
+    """Creates the local directory and writes (and deletes) a probe file in it, or in the
+    prefix on object storage; ConfigError (one line, naming `key`) when it cannot."""
+    probe = directory / f".write_test_{socket.gethostname()}_{os.getpid()}"
+    if storage.is_remote(directory):
         try:
             probe.write_bytes(b"")
             probe.unlink()
         except Exception as e:  # noqa: BLE001 - each client raises its own
-            raise storage.user_error(e, "--workdir", workdir) or ConfigError(
-                f"--workdir={workdir} cannot be written: {storage.first_line(e)}") from None
+            raise storage.user_error(e, key, directory) or ConfigError(
+                f"{key}={directory} cannot be written: {storage.first_line(e)}") from None
         return
     try:
-        workdir.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"--workdir={workdir} is not writable: {e.strerror}") from None
+        raise ConfigError(f"{key}={directory} is not writable: {e.strerror}") from None
+
+
+def folder_names(directory) -> list[str]:
+    """The names in a local directory or under a prefix (none when there is none), less
+    hidden ones (a lock, another process's write probe, a file manager's)."""
+    if storage.is_remote(directory):
+        fs, root = storage.filesystem(directory)
+        fs.invalidate_cache(root)
+        try:
+            names = [str(n).rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(root, detail=False)]
+        except FileNotFoundError:
+            return []
+    else:
+        names = [p.name for p in directory.iterdir()] if directory.is_dir() else []
+    return sorted(n for n in names if n and not n.startswith("."))
+
+
+def check_new_folder(directory, key: str) -> None:
+    """ConfigError (one line, naming `key`) unless `directory` is a new or empty folder this
+    process can write (on object storage: its bucket exists and takes a write, and nothing
+    is under the prefix), checked before any work: an export would mix its files with, or
+    overwrite, whatever is there."""
+    if storage.is_remote(directory):
+        check_writable(directory, key)
+        fs, root = storage.filesystem(directory)
+        fs.invalidate_cache(root)
+        try:
+            held = fs.find(root, maxdepth=None)
+        except Exception as e:  # noqa: BLE001 - each client raises its own
+            raise storage.user_error(e, key, directory) or ConfigError(
+                f"{key}={directory} cannot be listed: {storage.first_line(e)}") from None
+    else:
+        directory = pathlib.Path(directory)
+        if directory.exists() and not directory.is_dir():
+            raise ConfigError(f"{key}={directory} is a file; give a new or empty directory")
+        held = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+        parent = next(p for p in (directory, *directory.parents) if p.exists())
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"{key}={directory} is not writable: {parent} does not let "
+                              "this user create files")
+    if held:
+        names = sorted(str(n).rstrip("/").rsplit("/", 1)[-1] for n in held)
+        raise ConfigError(f"{key}={directory} is not empty (it holds {', '.join(names[:3])}"
+                          f"{' and more' if len(names) > 3 else ''}); export into a new or "
+                          "empty folder")
+
+
+def check_run_folder(workdir) -> None:
+    """ConfigError (one line) for a folder that is not a run's: a prepared dataset, or one
+    that holds files but none that only a run writes (RUN_MARKS). A run writes its
+    tokenizer, config and metrics there, which would overwrite what the folder holds."""
+    names = folder_names(workdir)
+    use = "give a new or empty folder, or an existing run's"
+    if DATASET_MANIFEST in names:
+        raise ConfigError(f"--workdir={workdir} holds a prepared dataset ({DATASET_MANIFEST}), "
+                          f"not a run: a run would overwrite its tokenizer/; {use}")
+    if names and not set(names) & set(RUN_MARKS):
+        shown = ", ".join(names[:3]) + (f" (and {len(names) - 3} more)" if len(names) > 3
+                                        else "")
+        raise ConfigError(f"--workdir={workdir} is not a run directory: it holds {shown} and "
+                          f"none of a run's files ({', '.join(RUN_MARKS[:4])}, ...); {use}")
 
 
 def workdir_lock(workdir, say=print):

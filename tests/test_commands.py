@@ -6,6 +6,8 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
+import shutil
 import subprocess
 import sys
 
@@ -217,3 +219,92 @@ def test_every_command_lists_its_own_flags_for_help(tmp_path):
             assert flag in out, (name, flag, out)
         assert "--helpfull" not in out and "--logtostderr" not in out, (name, out)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_folders_a_command_may_not_write_into_are_refused_in_one_line(tmp_path):
+    (tmp_path / "a.txt").write_text("".join(f"line {i} of a small corpus\n" for i in range(300)))
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine\n")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}\n")  # a lone file: not empty
+    results = run_commands([
+        ["prepare", "a.txt", "--out", "ds", "--tokenizer", "bytes", "--no-progress"],
+        ["train", "--config", CONFIG, "--config.steps=2", "--workdir", "ds"],
+        ["train", "--config", CONFIG, "--config.steps=2", "--workdir", "notes"],
+        ["train", "--config", CONFIG, "--config.data.path=ds", "--workdir", "run"],
+        ["convert", "--to-hf", "hf", "--workdir", "run"],
+    ], tmp_path)
+    assert results[0][0] in (0, None), results[0][2][-2000:]
+    dataset = {p: p.stat().st_mtime_ns for p in (tmp_path / "ds").rglob("*")}
+    expected = [
+        "--workdir=ds holds a prepared dataset (manifest.json), not a run: a run would "
+        "overwrite its tokenizer/; give a new or empty folder, or an existing run's",
+        "--workdir=notes is not a run directory: it holds todo.txt and none of a run's files "
+        "(checkpoints, checkpoint_manifests, data.json, metrics.jsonl, ...); give a new or "
+        "empty folder, or an existing run's",
+        "data.path='ds' is invalid: data.source='stdlib' reads no path (it would train on the "
+        "bytes of this Python's standard library sources); data.path is read by "
+        "data.source='bin' or 'prepared': set data.source, or drop data.path",
+        "--to-hf=hf is not empty (it holds tokenizer.json); export into a new or empty folder",
+    ]
+    for message, (code, _, err) in zip(expected, results[1:]):
+        assert code == 2, err[-2000:]
+        assert err.strip().splitlines() == [f"jaxtrain: error: {message}"]
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "ds").rglob("*")} == dataset
+    assert [p.name for p in (tmp_path / "notes").iterdir()] == ["todo.txt"]
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["tokenizer.json"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_dataset_whose_tokenizer_was_overwritten_is_refused(tmp_path):
+    from jaxtrain.data import record
+    from jaxtrain.data.tokenizers import ByteTokenizer
+    from jaxtrain.errors import ConfigError, DataError
+    from jaxtrain.prepare import pipeline
+    from jaxtrain.workdir import prepare_workdir
+
+    (tmp_path / "in").mkdir()
+    for i in range(40):
+        (tmp_path / "in" / f"{i}.txt").write_text(f"hello world number {i} " * 5)
+    ds = tmp_path / "bpe"
+    pipeline.prepare(pipeline.Request.build(inputs=[str(tmp_path / "in")], out=str(ds),
+                                            progress=False, processes=1, tokenizer=None,
+                                            train_tokenizer=300))
+    cfg = small_config(**{"data.source": "prepared", "data.path": str(ds),
+                          "model.vocab_size": 512})
+    assert record.run_data(cfg)[1].kind == "huggingface"  # the manifest's own: accepted
+    with pytest.raises(ConfigError, match=r"holds a prepared dataset \(manifest.json\), not a "
+                       "run"):
+        prepare_workdir(ds)
+    # What a run used to leave there when given the dataset as its --workdir.
+    shutil.rmtree(ds / "tokenizer")
+    ByteTokenizer().save(ds / "tokenizer")
+    with pytest.raises(DataError) as error:
+        record.run_data(cfg)
+    assert re.fullmatch(
+        rf"data.path: {ds}/tokenizer holds the tokenizer bytes \(UTF-8, 256 ids\), but the "
+        r"dataset's manifest records huggingface \(\d+ ids, sha256 [0-9a-f]{12}\), which made "
+        r"its ids: put back the tokenizer/ the prepare wrote, or prepare the data again",
+        str(error.value)), str(error.value)
+
+
+def test_wandb_online_without_an_api_key_is_refused_before_the_run_starts(monkeypatch,
+                                                                         tmp_path):
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    cfg = {"metrics.sinks": "jsonl,wandb"}
+    with pytest.raises(JaxtrainError) as error:
+        validate(small_config(**cfg), 1, "cpu")
+    assert str(error.value) == (
+        "metrics.sinks='jsonl,wandb': W&B online mode needs an API key and none is set "
+        "(WANDB_API_KEY, or `wandb login`, which writes ~/.netrc); or set "
+        "metrics.wandb.mode=offline (no key needed)")
+    validate(small_config(**cfg, **{"metrics.wandb.mode": "offline"}), 1, "cpu")
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password "
+                                    + "k" * 40 + "\n")
+    validate(small_config(**cfg), 1, "cpu")  # what `wandb login` writes
+    (tmp_path / "netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    validate(small_config(**cfg), 1, "cpu")

@@ -31,6 +31,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     ({"model.sliding_window": -1}, 1, "model.sliding_window=-1 is invalid: must be 0 (off)"),
     ({"model.num_kv_heads": 3}, 1, "model.num_kv_heads=3 is invalid: must divide model.num_heads=8"),
     ({"data.source": "bin"}, 1, "data.path='' is invalid: data.source='bin' needs"),
+    # A path for a source that reads none (the default stdlib corpus) would be ignored.
+    ({"data.path": "ds"}, 1, "data.path='ds' is invalid: data.source='stdlib' reads no path "
+     "(it would train on the bytes of this Python's standard library sources); data.path is "
+     "read by data.source='bin' or 'prepared': set data.source, or drop data.path"),
+    ({"data.path": "ds", "data.source": "synthetic"}, 1,
+     "data.path='ds' is invalid: data.source='synthetic' reads no path"),
     ({"model.vocab_size": 100}, 1, "model.vocab_size=100 is invalid: the byte-level stdlib corpus needs >= 256"),
     ({"mesh.pipeline": 4, "mesh.data": 2, "model.num_layers": 6}, 8,
      "model.num_layers=6 is invalid: must divide into mesh.pipeline×pipeline.repeats=4×1 "

@@ -3,6 +3,7 @@ fake-gcs-server: refusal, release, heartbeat, the two takeovers, races, a lost l
 
 import json
 import os
+import pathlib
 import re
 import socket
 import subprocess
@@ -289,3 +290,45 @@ def test_lease_times_from_the_environment(monkeypatch):
     monkeypatch.setenv("JAXTRAIN_LEASE_STALE_S", "20")
     assert lease_times() == (2.0, 20.0)
     assert lease_times(0.5, 3) == (0.5, 3.0)
+
+
+def test_a_heartbeat_stamped_in_the_future_goes_stale_by_the_objects_write_time(bucket):
+    workdir = f"{bucket}/run"
+    _forge(workdir, age_s=-3600)  # its holder's clock an hour ahead, or a forged lease
+    with pytest.raises(ConfigError) as refused:
+        Lease(workdir, heartbeat_s=0.5, stale_s=2).acquire()
+    text = str(refused.value)
+    assert 3590 <= int(re.search(r"stamped (\d+)s in the future", text).group(1)) <= 3600
+    assert _aged(re.sub(r"stamped \d+s", "stamped Ms", text), 0) == _refusal(
+        workdir, f"pid 4242 on node-7 since {SINCE}",
+        "heartbeat stamped Ms in the future, last written Ns ago").replace(
+            "after 300s", "after 2s")
+    time.sleep(3.2)  # S3 keeps write times in whole seconds
+    said = []
+    with Lease(workdir, say=said.append, heartbeat_s=0.5, stale_s=2) as lease:
+        assert _content(workdir)["id"] == lease.id
+    assert [_aged(line, 2, 6) for line in said] == [
+        f"jaxtrain: taking over the lease of pid 4242 on node-7 since {SINCE} ({workdir}/.lock), "
+        "whose heartbeat is stamped in the future and which was last written Ns ago"]
+
+
+def test_a_heartbeat_costs_the_requests_docs_operations_md_says():
+    from conftest import object_server
+    server = object_server("s3")
+    workdir = f"{server.bucket()}/run"
+    lease = Lease(workdir, heartbeat_s=600, stale_s=6000)  # no heartbeat of its own
+    lease.acquire()
+    before = dict(server.proxy.requests)
+    beats = 3
+    for _ in range(beats):
+        assert lease._renew()  # what the heartbeat thread does each beat
+    during = {k: n - before.get(k, 0) for k, n in server.proxy.requests.items()}
+    lease.release()
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    said = re.search(r"the lease: (\d+) requests per heartbeat \((\d+) GET, (\d+) HEAD, "
+                     r"(\d+) PUT\), every 30 s", doc)
+    assert said, "docs/operations.md quotes scripts/storage_requests.py's lease line"
+    per_beat = {"GET": int(said[2]), "HEAD": int(said[3]), "PUT": int(said[4])}
+    assert int(said[1]) == sum(per_beat.values())
+    assert {k: n for k, n in during.items() if n} == {
+        k: n * beats for k, n in per_beat.items()}, during

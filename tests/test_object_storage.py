@@ -155,3 +155,94 @@ def test_a_missing_bucket_or_credentials_is_one_line_and_exit_2(tmp_path):
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(
             f"jaxtrain: error: --workdir={workdir}: {message}"), lines
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_a_missing_bucket_is_named_in_one_line_on_either_store(scheme):
+    from jaxtrain.errors import ConfigError
+    from jaxtrain.workdir import check_new_folder, prepare_workdir
+
+    object_server(scheme)
+    url = f"{scheme}://no-such-bucket-jt/run"
+    for check, key in ((prepare_workdir, "--workdir"),
+                       (lambda p: check_new_folder(p, "--to-hf"), "--to-hf")):
+        with pytest.raises(ConfigError) as error:
+            check(storage.as_path(url))
+        assert str(error.value) == f"{key}={url}: bucket no-such-bucket-jt does not exist"
+
+
+def test_an_upper_case_scheme_is_the_same_store(bucket):
+    from jaxtrain.lease import Lease
+    from jaxtrain.workdir import prepare_workdir
+
+    name = bucket.split("://", 1)[1]
+    upper = f"{bucket.split('://')[0].upper()}://{name}/run"  # S3://... as a user may type it
+    storage.check_path(upper, "--workdir")
+    path = storage.as_path(upper, "--workdir")
+    assert str(path) == f"{bucket}/run"
+    prepare_workdir(path)
+    with Lease(upper) as lease:
+        assert json.loads(storage.as_path(f"{bucket}/run/.lock").read_text())["id"] == lease.id
+
+
+def _fresh_s3_clients() -> None:
+    """Forgets the s3 clients made so far (fsspec's instances and epath's cache of them), so
+    that the next one reads the endpoint from the environment."""
+    import s3fs
+    from etils.epath import backend
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    backend._FileSystemSpecBackend._get_filesystem.cache_clear()
+
+
+def test_a_key_the_server_does_not_know_is_invalid_credentials(monkeypatch):
+    from servers import S3Server
+
+    from jaxtrain.errors import ConfigError
+    from jaxtrain.workdir import prepare_workdir
+
+    # moto checks keys when its IAM auth is on: the one request it lets through unchecked
+    # makes the bucket; every later one with the unknown key "testing" is refused.
+    monkeypatch.setenv("INITIAL_NO_AUTH_ACTION_COUNT", "1")
+    server = S3Server()
+    try:
+        workdir = server.bucket() + "/run"
+        for name, value in server.env().items():
+            monkeypatch.setenv(name, value)
+        _fresh_s3_clients()
+        with pytest.raises(ConfigError) as error:
+            prepare_workdir(storage.as_path(workdir))
+    finally:
+        monkeypatch.undo()  # the shared server's endpoint again, for the next clients
+        _fresh_s3_clients()
+        server.stop()
+    assert str(error.value) == (
+        f"--workdir={workdir}: invalid credentials for s3:// (the server does not accept the "
+        f"key in use: {storage.SCHEMES['s3'].credentials})")
+
+
+def test_gcs_401_is_invalid_credentials_and_an_anonymous_401_no_credentials():
+    from gcsfs.retry import HttpError
+
+    bad = HttpError({"code": 401, "message": "Invalid Credentials"})
+    anonymous = HttpError({"code": 401, "message": "Anonymous caller does not have "
+                           "storage.objects.create access to the Google Cloud Storage object."})
+    assert str(storage.user_error(bad, "--workdir", "gs://b/run")).startswith(
+        "--workdir=gs://b/run: invalid credentials for gs:// (the server does not accept")
+    assert str(storage.user_error(anonymous, "--workdir", "gs://b/run")).startswith(
+        "--workdir=gs://b/run: no credentials for gs://")
+
+
+@pytest.mark.slow
+def test_an_export_to_a_missing_bucket_is_refused_before_any_work(tmp_path):
+    from test_commands import run_commands
+
+    object_server("s3")
+    object_server("gs")
+    (tmp_path / "run").mkdir()  # no run: the destination is checked before it is read
+    argvs = [["convert", "--to-hf", f"{scheme}://no-such-bucket-jt/hf", "--workdir", "run"]
+             for scheme in ("s3", "gs")]
+    for argv, (code, _, err) in zip(argvs, run_commands(argvs, tmp_path)):
+        assert code == 2, err[-2000:]
+        assert err.strip().splitlines() == [
+            f"jaxtrain: error: --to-hf={argv[2]}: bucket no-such-bucket-jt does not exist"]

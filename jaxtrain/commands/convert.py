@@ -35,6 +35,7 @@ from jaxtrain.errors import ConfigError, require_package
 from jaxtrain.hf.load import import_hf
 from jaxtrain.hf.save import DTYPES, export_hf
 from jaxtrain.inference import run_config
+from jaxtrain.workdir import check_new_folder
 
 
 def _say(message: str) -> None:
@@ -91,7 +92,10 @@ def _convert(flag: dict, argv) -> None:
         if config.value is not None:
             raise ConfigError("--config is for --from-hf only: --to-hf reads the run's own "
                               "config from its checkpoint")
-        # The tokenizer first: a package it needs that is missing fails before any export.
+        # The destination first (a bucket that is missing or refuses writes, a folder that
+        # holds files), then the tokenizer (a package it needs that is missing): before any
+        # export is done.
+        check_new_folder(storage.as_path(target, "--to-hf"), "--to-hf")
         tokenizer = record.run_tokenizer(workdir, run_config(workdir)[1])
         converter = tokenizer and tokenizers.KINDS[tokenizer.kind].export_package
         if converter:
@@ -113,10 +117,7 @@ def _export(flag: dict, workdir, target, tokenizer) -> None:
 def _export_remote(flag: dict, workdir, target: str, tokenizer) -> None:
     """Exports into a local staging directory, then uploads it, config.json last (what
     transformers looks for first): safetensors are written by a library that wants files."""
-    remote = storage.as_path(target, "--to-hf")
-    if (remote / "config.json").exists() or list(remote.glob("*.safetensors")):
-        raise ConfigError(f"--to-hf={target} already holds a model; export into a new or "
-                          "empty prefix")
+    remote = storage.as_path(target, "--to-hf")  # checked new or empty by _convert
     with tempfile.TemporaryDirectory(prefix="jaxtrain-export-") as staged:
         _export(flag, workdir, staged, tokenizer)
         count = storage.upload_tree(pathlib.Path(staged), remote, last="config.json")

@@ -251,4 +251,5 @@ def fingerprint(c) -> dict[str, dict]:
 def tokenizer(c) -> tokenizers.Tokenizer:
     """The tokenizer the datasets were prepared with (open_all checks they share one)."""
     ds, _, what = _components(c)[0]
-    return tokenizers.load_tokenizer(ds.tokenizer_dir, what)  # a local copy if remote
+    # Checked against the manifest: a tokenizer/ overwritten since would misread the ids.
+    return tokenizers.load_recorded(ds.tokenizer_dir, ds.tokenizer_meta, what)

@@ -197,6 +197,7 @@ class DataSource:
     tokenizer: Callable | None = None  # config -> Tokenizer | None (None: not known)
     validation_text: bool = True  # has held-out data to evaluate on
     documents: bool = False  # knows its documents: data.packing='documents' can pack them
+    reads_path: bool = False  # reads data.path (a path given to any other is refused)
 
     def fingerprints(self, c) -> dict:
         items = ({"data.source": fingerprints.item(self.name, repr(self.name))}
@@ -206,6 +207,11 @@ class DataSource:
         return items
 
     def validate(self, c) -> None:
+        if c.data.path and not self.reads_path:
+            readers = " or ".join(repr(s.name) for s in SOURCES.values() if s.reads_path)
+            fail("data.path", c.data.path, f"data.source={self.name!r} reads no path (it "
+                 f"would train on {self.doc}); data.path is read by data.source={readers}: "
+                 "set data.source, or drop data.path")
         if c.data.packing == "documents" and not self.documents:
             fail("data.packing", "documents", f"data.source={self.name!r} has no document "
                  "index; use data.source='prepared' (jaxtrain prepare --stdlib makes one of "
@@ -220,14 +226,14 @@ SOURCES: dict[str, DataSource] = {s.name: s for s in (
                fingerprint=_stdlib_fingerprint, tokenizer=lambda c: tokenizers.ByteTokenizer()),
     DataSource("bin", "nanoGPT-style flat uint16/uint32 token files", _windows(_bin_tokens),
                _check_bin, tokens=_bin_tokens, fingerprint=_bin_fingerprint,
-               tokenizer=_bin_tokenizer),
+               tokenizer=_bin_tokenizer, reads_path=True),
     DataSource("synthetic", "uniform random tokens, a function of (seed, index)",
                _synthetic_splits, fingerprint=_synthetic_fingerprint, validation_text=False,
                documents=True),
     DataSource(prepared_source.NAME, "datasets made by `jaxtrain prepare`, alone or mixed "
                "by weight (docs/data.md)", prepared_source.splits, prepared_source.check,
                fingerprint=prepared_source.fingerprint, tokenizer=prepared_source.tokenizer,
-               documents=True),
+               documents=True, reads_path=True),
 )}
 
 

@@ -20,6 +20,7 @@ from jaxtrain.hf import module_for
 from jaxtrain.hf.files import SafetensorsWriter, parse_size
 from jaxtrain.models import lora
 from jaxtrain.train.setup import Setup
+from jaxtrain.workdir import check_new_folder
 
 DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16}
 
@@ -71,15 +72,12 @@ def export_hf(workdir, out_dir, max_shard_size: str | int = "2GB", dtype: str = 
 
 
 def _check_request(workdir, out_dir: pathlib.Path, dtype: str, adapter: bool) -> None:
-    """ConfigError (one line) before anything is loaded: the dtype, a fresh directory,
+    """ConfigError (one line) before anything is loaded: the dtype, a new or empty directory,
     --adapter of a LoRA run."""
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype={dtype!r} is invalid: valid values are "
                           f"{', '.join(DTYPES)}")
-    if out_dir.exists() and (list(out_dir.glob("*.safetensors"))
-                             or (out_dir / "config.json").exists()):
-        raise ConfigError(f"--to-hf={out_dir} already holds a model; export into a new or "
-                          "empty directory")
+    check_new_folder(out_dir, "--to-hf")  # any file there (a lone tokenizer.json) counts
     if adapter and inference.run_config(workdir)[1].model.lora.rank == 0:
         raise ConfigError(f"--adapter: {workdir} is no LoRA run (model.lora.rank=0); export "
                           "without --adapter")

@@ -32,6 +32,7 @@ from jaxtrain.data.tokenizers.loading import (
                                            KINDS,
                                            copy_saved,
                                            kind_of,
+                                           load_recorded,
                                            load_tokenizer,
                                            read_meta,
                                            require_tokenizer_package,
@@ -43,4 +44,4 @@ from jaxtrain.data.tokenizers.utf8 import ByteTokenizer
 __all__ = ["HF_FILE", "META_FILE", "NO_TOKENIZER", "PROBE_TEXT", "SPM_FILE", "TIKTOKEN_FILE",
            "KINDS", "ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer",
            "TiktokenTokenizer", "Tokenizer", "TokenizerKind", "copy_saved", "kind_of",
-           "load_tokenizer", "read_meta", "require_tokenizer_package"]
+           "load_recorded", "load_tokenizer", "read_meta", "require_tokenizer_package"]

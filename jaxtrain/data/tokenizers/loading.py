@@ -85,6 +85,20 @@ def _load_directory(directory: pathlib.Path, what: str) -> Tokenizer:
     return KINDS.get(kind, _fallback()).load_saved(directory, meta, what)
 
 
+def load_recorded(directory, recorded: dict, what: str) -> Tokenizer:
+    """The tokenizer saved in `directory`, checked to be the one a manifest records
+    (`recorded`: its meta, with the fingerprint); DataError (one line) for another one (a
+    dataset's tokenizer/ overwritten: its ids would be read as other text)."""
+    tokenizer = load_tokenizer(directory, what)
+    if tokenizer.fingerprint() != recorded.get("fingerprint"):
+        about = (f"{recorded.get('kind')} ({recorded.get('vocab_size')} ids, sha256 "
+                 f"{str(recorded.get('fingerprint'))[:12]})")
+        raise DataError(f"{what}: {directory} holds the tokenizer {tokenizer.describe()}, but "
+                        f"the dataset's manifest records {about}, which made its ids: put "
+                        "back the tokenizer/ the prepare wrote, or prepare the data again")
+    return tokenizer
+
+
 def read_meta(directory) -> dict | None:
     """The meta file of a saved tokenizer, or None."""
     path = storage.as_path(directory) / META_FILE
