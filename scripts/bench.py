@@ -181,13 +181,26 @@ def print_table(rows: list[dict]) -> None:
               f"{r['memory_argument_bytes'] / 2**20:.0f} | {r['memory_temp_bytes'] / 2**20:.0f} |")
 
 
+def _config_args(argv: list[str]) -> list[str]:
+    """The --config flag and its overrides, each as one `--KEY=VALUE` word: absl also takes
+    `--config PATH` as two words, and the peer must not read the path as a flag."""
+    out, words = [], iter(argv)
+    for word in words:
+        if not word.startswith("--config"):
+            continue
+        if "=" not in word:
+            word = f"{word}={next(words, '')}"
+        out.append(word)
+    return out
+
+
 def _torch_peer(mode: str) -> dict:
     """scripts/bench_torch.py in a child process, with this run's config and overrides."""
     import os
     import subprocess
 
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_torch.py")
-    passed = [a for a in sys.argv[1:] if a.startswith("--config")]
+    passed = _config_args(sys.argv[1:])
     out = subprocess.run([sys.executable, script, *passed, f"--mode={mode}",
                           f"--steps={_STEPS.value}", "--json"],
                          check=True, capture_output=True, text=True).stdout
