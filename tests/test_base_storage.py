@@ -23,8 +23,9 @@ def _weight(shape, seed=0):
 
 def _bnb(w_OI):
     """bitsandbytes' NF4 (blocks of 64, double-quantized absmax) of a [out, in] matrix."""
-    torch = pytest.importorskip("torch")
-    functional = pytest.importorskip("bitsandbytes.functional")
+    # In the test extra: a missing bitsandbytes fails here rather than skipping.
+    import torch
+    from bitsandbytes import functional
     packed, state = functional.quantize_4bit(torch.from_numpy(w_OI), blocksize=64,
                                              quant_type="nf4", compress_statistics=True)
     return functional, packed, state
