@@ -4,7 +4,8 @@ Every config file in configs/ starts from `base_config()` and overrides what it 
 set of keys is defined once: each section beside the module that reads it (its `defaults()`),
 assembled here. `validate()` catches impossible combinations before anything
 compiles and names the key with the values that would be valid. Each extensible choice (model
-family, attention kernel, remat policy, precision, data source, mesh axis, schedule) is a
+family, attention kernel, remat policy, precision, data source, batch layout, objective,
+mesh axis, schedule) is a
 registry entry in the module that implements it, carrying its own checks; validate() asks
 the registries, so this module sits above them and they never import it.
 """
@@ -18,11 +19,12 @@ import ml_collections
 
 from jaxtrain import distributed as distributed_lib
 from jaxtrain import mesh as mesh_lib
+from jaxtrain import objectives as objectives_lib
 from jaxtrain import optim as optim_lib
 from jaxtrain import sinks as sinks_lib
 from jaxtrain import tasks as tasks_lib
 from jaxtrain.data import sources as sources_lib
-from jaxtrain.data.packing import PACKINGS
+from jaxtrain.data.layouts import LAYOUTS
 from jaxtrain.data.remote_file import check_cache_config
 from jaxtrain.data.sources import SOURCES
 from jaxtrain.errors import ConfigError, divisors, fail
@@ -120,14 +122,8 @@ def _train() -> dict:
         # float16 only: dynamic loss scaling, doubled after this many finite steps in a row.
         "loss_scale_init": 2.0**15,
         "loss_scale_period": 2000,
-        # What the step minimises (objectives.py OBJECTIVES, docs/finetune.md): lm (next-token
-        # cross entropy) or dpo (preference pairs, data.packing='pairs', against a frozen
-        # reference: LoRA's base, or train.dpo.reference's parameters, also the starting ones).
-        "objective": "lm",
-        "dpo": {
-            "beta": 0.1,  # the strength of the implicit KL penalty (TRL's beta)
-            "reference": "",  # a run directory; empty: the model initialised from seed
-        },
+        # train.objective and each objective's section (train.dpo, train.simpo).
+        **objectives_lib.defaults(),
     }
 
 
@@ -232,8 +228,6 @@ def _check_numbers(c) -> None:
             fail(f"model.{key}", m[key], "must be >= 1")
     if m.sliding_window < 0:
         fail("model.sliding_window", m.sliding_window, "must be 0 (off) or a window >= 1")
-    if c.data.packing == "documents" and m.seq_len < 2:
-        fail("model.seq_len", m.seq_len, "data.packing='documents' needs >= 2")
     if not 0.0 < c.data.val_fraction < 1.0:
         fail("data.val_fraction", c.data.val_fraction, "must be between 0 and 1")
     if c.optimizer.lr <= 0:
@@ -263,6 +257,8 @@ def _check_numbers(c) -> None:
 
 def _check_model(c, platform: str | None) -> None:
     m = c.model
+    if m.seq_len < (least := LAYOUTS[c.data.packing].min_seq_len):
+        fail("model.seq_len", m.seq_len, f"data.packing={c.data.packing!r} needs >= {least}")
     heads, kv_heads = m.num_heads, m.num_kv_heads or m.num_heads
     if heads % kv_heads:
         fail("model.num_kv_heads", m.num_kv_heads,
@@ -275,7 +271,7 @@ def _check_model(c, platform: str | None) -> None:
     if m.rope_scaling.type != "none" and not FAMILIES[m.family].rope:
         fail("model.rope_scaling.type", m.rope_scaling.type, f"model.family={m.family!r} has "
              "learned positions, no RoPE: use none")
-    documents = c.data.packing == "documents"
+    documents = LAYOUTS[c.data.packing].segments
     kernel = resolve_attention(m.attention, c.train.precision, platform or "", m.seq_len,
                                m.sliding_window, documents)
     if problem := KERNELS[kernel].problem(c.train.precision, platform, m.seq_len,
@@ -347,12 +343,12 @@ def validate(c: ml_collections.ConfigDict, num_devices: int,
     for key, registry in (("model.family", FAMILIES), ("model.attention", ("auto", *KERNELS)),
                           ("model.remat", REMATS), ("train.precision", PRECISIONS),
                           ("optimizer.schedule", SCHEDULES), ("data.source", SOURCES),
-                          ("eval.backend", BACKENDS), ("data.packing", PACKINGS),
+                          ("eval.backend", BACKENDS), ("data.packing", LAYOUTS),
                           ("model.context_attention", ("auto", *CONTEXT_VARIANTS)),
                           ("pipeline.schedule", PIPELINE_SCHEDULES),
                           ("optimizer.name", OPTIMIZERS), ("train.objective", OBJECTIVES)):
         _choice(c, key, tuple(registry))
-    OBJECTIVES[c.train.objective].check(c)
+    objectives_lib.check(c)
     _check_model(c, platform)
     _check_eval(c)
     validate_sinks(c)

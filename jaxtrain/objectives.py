@@ -17,6 +17,14 @@ parameters as that reference.
   and r the frozen reference's. The reference is LoRA's frozen base (the same arrays, no
   second copy), or without LoRA a frozen copy of the starting parameters held in the
   state (train/reference.py): computed on the fly, docs/finetune.md says why.
+- `simpo`: SimPO (Meng et al. 2024), reference-free, on the same rows of pairs: a reply's
+  score is its mean log-probability over its counted targets (TRL's average_log_prob);
+  loss = mean over pairs of −log σ(β·(π̄_c − π̄_r) − γ) (with label smoothing ε:
+  −(1−ε)·log σ(z) − ε·log σ(−z)), as TRL's CPOTrainer with loss_type='simpo' and
+  cpo_alpha=0. No reference model: nothing is loaded, held or run for one.
+
+An entry names the batch layouts it trains on (`layouts`, data/layouts.py) and carries the
+defaults of its own config section (`train.<name>`, `defaults`), which config.py assembles.
 """
 
 from __future__ import annotations
@@ -28,14 +36,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtrain.data.layouts import LAYOUTS
 from jaxtrain.data.packing import Packed, batch_targets
 from jaxtrain.errors import fail
 from jaxtrain.models.head_loss import head_cross_entropy, logits_chunk, token_logprobs
 from jaxtrain.parallel.context import to_layout
 
-# Logged by the dpo objective (TRL's DPOTrainer names).
+# Logged by the dpo objective (TRL's DPOTrainer names), and by simpo (CPOTrainer's: the
+# same names, its rewards being β times the mean log-probabilities).
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
                "logps/chosen", "logps/rejected")
+SIMPO_METRICS = DPO_METRICS
 # A DPO margin within this many float32 epsilons of the pair's log-likelihoods (their
 # summed magnitudes, times beta) is a tie (dpo_per_pair).
 TIE_ULPS = 8
@@ -99,10 +110,11 @@ def _laid_out(tokens_BT, context):
 
 # --- dpo -----------------------------------------------------------------------------------
 
-def pair_logps(params: dict, graphdef: nnx.GraphDef, pairs: Packed):
-    """([B] chosen, [B] rejected log-likelihoods, MoE penalty or None, routing metrics) of
-    rows of pairs: the sums of log p(target) over each segment's counted targets (the
-    replies: the loss mask), segment 1 chosen, 2 rejected."""
+def segment_logps(params: dict, graphdef: nnx.GraphDef, pairs: Packed):
+    """(([B] chosen, [B] rejected) log-likelihoods, ([B] chosen, [B] rejected) counted
+    targets, MoE penalty or None, routing metrics) of rows of pairs: the sums of
+    log p(target) over each segment's counted targets (the replies: the loss mask), and
+    how many there are; segment 1 chosen, 2 rejected."""
     model = nnx.merge(graphdef, params)
     head, vocab_major = model.head_as_stored()
     inputs_BL, targets_BL, documents, counted_BL = _laid_out(pairs, model.spec.context)
@@ -110,8 +122,16 @@ def pair_logps(params: dict, graphdef: nnx.GraphDef, pairs: Packed):
     logp_BL = token_logprobs(features, head, targets_BL, model.spec.rules, vocab_major)
     # A counted target is of its input's segment (packing.counted_targets).
     segments_BL = documents[0]
-    sums = [jnp.where(counted_BL & (segments_BL == k), logp_BL, 0.0).sum(axis=-1)
-            for k in (1, 2)]
+    in_segment = [counted_BL & (segments_BL == k) for k in (1, 2)]
+    sums = tuple(jnp.where(m, logp_BL, 0.0).sum(axis=-1) for m in in_segment)
+    counts = tuple(m.sum(axis=-1, dtype=jnp.float32) for m in in_segment)
+    return sums, counts, penalty, metrics
+
+
+def pair_logps(params: dict, graphdef: nnx.GraphDef, pairs: Packed):
+    """([B] chosen, [B] rejected log-likelihoods, MoE penalty or None, routing metrics) of
+    rows of pairs (segment_logps' sums)."""
+    sums, _, penalty, metrics = segment_logps(params, graphdef, pairs)
     return sums[0], sums[1], penalty, metrics
 
 
@@ -165,13 +185,16 @@ def _reference_logps(reference, reference_graphdef, pairs: Packed):
 
 def dpo_sums(params: dict, graphdef: nnx.GraphDef, reference: dict,
              reference_graphdef: nnx.GraphDef, pairs: Packed, beta: float) -> dict:
-    """What evaluation adds up over a batch of pairs: each of dpo_per_pair's values summed
-    over the batch's pairs, and `weight`, the pairs (rows holding a chosen reply: an
-    empty row, the padding of a last batch, counts nothing)."""
+    """What evaluation adds up over a batch of pairs: pair_sums of dpo_per_pair."""
     policy_c, policy_r, _, _ = pair_logps(params, graphdef, pairs)
     reference_c, reference_r = _reference_logps(reference, reference_graphdef, pairs)
+    return pair_sums(pairs, dpo_per_pair(policy_c, policy_r, reference_c, reference_r, beta))
+
+
+def pair_sums(pairs: Packed, per_pair: dict) -> dict:
+    """Each per-pair value summed over the batch's pairs, and `weight`, the pairs (rows
+    holding a chosen reply: an empty row, the padding of a last batch, counts nothing)."""
     real_B = (batch_targets(pairs) & (pairs.segments[:, :-1] == 1)).any(axis=-1)
-    per_pair = dpo_per_pair(policy_c, policy_r, reference_c, reference_r, beta)
     return {"weight": real_B.sum(dtype=jnp.float32),
             **{k: jnp.where(real_B, v, 0.0).sum() for k, v in per_pair.items()}}
 
@@ -187,6 +210,81 @@ def lm_sums(params: dict, graphdef: nnx.GraphDef, tokens_BT) -> dict:
     # The mean is the sum over max(count, 1): times the count it is the sum again.
     return {"weight": count, "loss": loss_fn(params, graphdef, tokens_BT) * count}
 
+
+# --- simpo ---------------------------------------------------------------------------------
+
+def simpo_per_pair(chosen_B, rejected_B, beta: float, gamma: float, smoothing: float = 0.0
+                   ) -> dict:
+    """{name: [B] per pair}: SimPO's loss (`loss`) and TRL's reward metrics, from each
+    reply's mean log-probability (chosen_B, rejected_B), in TRL's CPOTrainer.cpo_loss
+    order of operations (logits − γ/β, then times β). A win is a chosen reward above the
+    rejected one, as TRL counts it: both come from one forward pass, so no float tie."""
+    z_B = beta * ((chosen_B - rejected_B) - gamma / beta)
+    loss_B = (-jax.nn.log_sigmoid(z_B) * (1.0 - smoothing)
+              - jax.nn.log_sigmoid(-z_B) * smoothing)
+    reward_c_B, reward_r_B = beta * chosen_B, beta * rejected_B
+    return {"loss": loss_B, "rewards/chosen": reward_c_B, "rewards/rejected": reward_r_B,
+            "rewards/margins": reward_c_B - reward_r_B,
+            "rewards/accuracies": (reward_c_B > reward_r_B).astype(jnp.float32),
+            "logps/chosen": chosen_B, "logps/rejected": rejected_B}
+
+
+def mean_logps(params: dict, graphdef: nnx.GraphDef, pairs: Packed):
+    """([B] chosen, [B] rejected mean log-probabilities over each reply's counted targets,
+    MoE penalty or None, routing metrics); an empty row's are 0."""
+    sums, counts, penalty, metrics = segment_logps(params, graphdef, pairs)
+    chosen_B, rejected_B = (total / jnp.maximum(count, 1.0)
+                            for total, count in zip(sums, counts))
+    return chosen_B, rejected_B, penalty, metrics
+
+
+def _simpo_settings(cfg) -> tuple[float, float, float]:
+    s = cfg.train.simpo
+    return float(s.beta), float(s.simpo_gamma), float(s.label_smoothing)
+
+
+def _simpo_losses(graphdef, reference_graphdef, cfg) -> tuple[Callable, Callable]:
+    del reference_graphdef  # reference-free
+    settings = _simpo_settings(cfg)
+
+    def loss(params, pairs, step, reference):
+        del step, reference  # LoRA passes its frozen base; SimPO runs no reference on it
+        chosen_B, rejected_B, penalty, metrics = mean_logps(params, graphdef, pairs)
+        means = {k: v.mean() for k, v in simpo_per_pair(chosen_B, rejected_B,
+                                                         *settings).items()}
+        value = means.pop("loss")
+        if penalty is None:
+            return value, {**means, **metrics}
+        return value + penalty, {"loss": value, **means, **metrics}
+
+    def evaluate(params, pairs):
+        chosen_B, rejected_B, _, _ = mean_logps(params, graphdef, pairs)
+        return pair_sums(pairs, simpo_per_pair(chosen_B, rejected_B, *settings))
+
+    return loss, evaluate
+
+
+def _simpo_defaults() -> dict:
+    """train.simpo: TRL's CPOConfig names; the SimPO paper's β and γ (Meng et al. 2024,
+    Llama-3-Base), where CPOConfig's defaults (0.1, 0.5) are DPO's scale of β."""
+    return {
+        "beta": 2.0,  # the reward scale β (TRL's beta)
+        "simpo_gamma": 1.0,  # the target reward margin γ (TRL's simpo_gamma)
+        "label_smoothing": 0.0,  # ε, conservative labels (TRL's label_smoothing)
+    }
+
+
+def _check_simpo(c) -> None:
+    s = c.train.simpo
+    if not s.beta > 0:
+        fail("train.simpo.beta", s.beta, "must be > 0 (the reward scale, e.g. 2.0)")
+    if not 0.0 <= s.label_smoothing < 0.5:
+        fail("train.simpo.label_smoothing", s.label_smoothing, "must be in [0, 0.5)")
+    _check_pair_data(c, "simpo")
+    _check_no_reference(c)
+
+
+# --- lm, dpo: losses and checks --------------------------------------------------------------
 
 def _dpo_losses(graphdef, reference_graphdef, cfg) -> tuple[Callable, Callable]:
     beta = float(cfg.train.dpo.beta)
@@ -207,26 +305,33 @@ def _lm_losses(graphdef, reference_graphdef, cfg) -> tuple[Callable, Callable]:
             lambda params, tokens_BT: lm_sums(params, graphdef, tokens_BT))
 
 
-def _check_lm(c) -> None:
-    if c.data.packing == "pairs":
-        fail("data.packing", "pairs", "rows of preference pairs train train.objective='dpo'")
+def _check_no_reference(c) -> None:
     if c.train.dpo.reference:
         fail("train.dpo.reference", c.train.dpo.reference, "goes with train.objective='dpo'")
+
+
+def _check_pair_data(c, name: str) -> None:
+    """What an objective on pairs needs of the data: one prepared dataset of pairs."""
+    if c.data.source != "prepared":
+        fail("data.source", c.data.source, f"train.objective={name!r} needs data.source="
+             "'prepared' (a dataset made by jaxtrain prepare --preference)")
+    if c.data.mixture:
+        fail("data.mixture", c.data.mixture, "mixtures of preference datasets are not "
+             "supported: give one dataset as data.path")
+
+
+def _dpo_defaults() -> dict:
+    return {
+        "beta": 0.1,  # the strength of the implicit KL penalty (TRL's beta)
+        "reference": "",  # a run directory; empty: the model initialised from seed
+    }
 
 
 def _check_dpo(c) -> None:
     d = c.train.dpo
     if not d.beta > 0:
         fail("train.dpo.beta", d.beta, "must be > 0 (the KL penalty's strength, e.g. 0.1)")
-    if c.data.packing != "pairs":
-        fail("data.packing", c.data.packing, "train.objective='dpo' takes rows of preference "
-             "pairs: set data.packing='pairs' (a dataset made by jaxtrain prepare --preference)")
-    if c.data.source != "prepared":
-        fail("data.source", c.data.source, "train.objective='dpo' needs data.source='prepared' "
-             "(a dataset made by jaxtrain prepare --preference)")
-    if c.data.mixture:
-        fail("data.mixture", c.data.mixture, "mixtures of preference datasets are not "
-             "supported: give one dataset as data.path")
+    _check_pair_data(c, "dpo")
     if d.reference and c.model.lora.rank:
         fail("train.dpo.reference", d.reference, "with LoRA the reference is the frozen base "
              "(model.lora.base): leave train.dpo.reference empty")
@@ -259,13 +364,59 @@ class Objective:
     # per token and byte follow) or "pairs"
     reports: tuple[str, ...] = ("loss",)
     units: str = "tokens"
+    # The data.packing values it trains on (data/layouts.py); None: every layout that no
+    # other objective names (rows of tokens: concat, documents, a new one of theirs).
+    layouts: tuple[str, ...] | None = None
+    # () -> the defaults of its config section train.<name> (None: it has none).
+    defaults: Callable | None = None
+
+    def takes(self, layout: str) -> bool:
+        """Whether it trains on rows of this data.packing value."""
+        if self.layouts is not None:
+            return layout in self.layouts
+        return not any(o.layouts and layout in o.layouts for o in OBJECTIVES.values())
 
 
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
     Objective("lm", "next-token cross entropy over the counted targets (+ MoE router losses)",
-              _lm_losses, _check_lm, weighting="targets"),
+              _lm_losses, _check_no_reference, weighting="targets"),
     Objective("dpo", "Direct Preference Optimization (sigmoid loss, beta train.dpo.beta) "
               "on rows of preference pairs, against a frozen reference",
               _dpo_losses, _check_dpo, weighting="rows", reference_forwards=1,
-              holds_reference=True, reports=("loss", *DPO_METRICS), units="pairs"),
+              holds_reference=True, reports=("loss", *DPO_METRICS), units="pairs",
+              layouts=("pairs",), defaults=_dpo_defaults),
+    Objective("simpo", "SimPO (TRL's CPOTrainer loss_type='simpo', cpo_alpha=0): "
+              "reference-free, mean log-probabilities, margin train.simpo.simpo_gamma",
+              _simpo_losses, _check_simpo, weighting="rows", reports=("loss", *SIMPO_METRICS),
+              units="pairs", layouts=("pairs",), defaults=_simpo_defaults),
 )}
+
+
+def defaults() -> dict:
+    """`train.objective` and each objective's own section (train.dpo, ...) of
+    config.base_config()'s `train` section (docs/finetune.md)."""
+    return {
+        # What the step minimises (OBJECTIVES, docs/finetune.md): lm (next-token cross
+        # entropy), dpo (preference pairs against a frozen reference: LoRA's base, or
+        # train.dpo.reference's parameters, also the starting ones), simpo (pairs, no
+        # reference).
+        "objective": "lm",
+        **{o.name: o.defaults() for o in OBJECTIVES.values() if o.defaults is not None},
+    }
+
+
+def training_on(layout: str) -> str:
+    """"train.objective='a' or 'b'": the objectives that train on rows of a layout."""
+    return " or ".join(f"train.objective={o.name!r}" for o in OBJECTIVES.values()
+                       if o.takes(layout))
+
+
+def check(c) -> None:
+    """The chosen objective's config checks: it takes data.packing's rows, then its own
+    entry's (ConfigError, one line)."""
+    objective, packing = OBJECTIVES[c.train.objective], c.data.packing
+    if not objective.takes(packing):
+        takes = " or ".join(repr(n) for n in LAYOUTS if objective.takes(n))
+        fail("data.packing", packing, f"{LAYOUTS[packing].doc} train {training_on(packing)}; "
+             f"train.objective={objective.name!r} takes data.packing={takes}")
+    objective.check(c)

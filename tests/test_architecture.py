@@ -212,6 +212,41 @@ def _entry_cases():
         return (SyntheticWindows(c.model.vocab_size, c.model.seq_len, 7),
                 SyntheticWindows(c.model.vocab_size, c.model.seq_len, 8, size=64))
 
+    from jaxtrain.data.layouts import LAYOUTS, BatchLayout
+    from jaxtrain.data.packing import Packed
+    from jaxtrain.objectives import OBJECTIVES, Objective, objective_fn
+
+    class Halves:
+        """Synthetic rows of two documents, one per half of the row."""
+
+        def __init__(self, vocab, seq, seed, size=1 << 30):
+            self.vocab, self.seq, self.seed, self.size = vocab, seq, seed, size
+
+        def __len__(self):
+            return self.size
+
+        def __getitem__(self, index):
+            import numpy as np
+            tokens = np.random.default_rng((self.seed, index)).integers(
+                0, self.vocab, self.seq + 1, dtype=np.int32)
+            half = (self.seq + 1) // 2
+            segments = np.r_[np.ones(half), np.full(self.seq + 1 - half, 2)].astype(np.int32)
+            positions = np.r_[np.arange(half), np.arange(self.seq + 1 - half)].astype(np.int32)
+            return Packed(tokens, segments, positions)
+
+    def halves_unread(*args):
+        raise AssertionError("synthetic only")
+
+    def doubled_losses(graphdef, reference_graphdef, cfg):
+        scale = cfg.train.doubled.scale
+
+        def loss(params, tokens, step, reference):
+            value, metrics = objective_fn(params, graphdef, tokens)
+            return scale * value, metrics
+
+        return loss, lambda params, tokens: {"weight": 1.0, "loss": loss(
+            params, tokens, 0, None)[0]}
+
     moe = {"model.family": "llama", "model.num_kv_heads": 4, "model.moe.num_experts": 4,
            "model.moe.top_k": 2}
     ring = VARIANTS["ring"]
@@ -247,17 +282,26 @@ def _entry_cases():
             "sgd_momentum", "SGD with heavy-ball momentum b1",
             lambda schedule, o, mask: optax.sgd(schedule, momentum=o.b1),
             state_per_param=1), 1),
+        "layout": ({"data.packing": "halves", "data.source": "synthetic"}, LAYOUTS, "halves",
+                   BatchLayout("halves", "two documents a row", halves_unread, halves_unread,
+                               halves_unread, lambda rows: Packed(rows, rows, rows),
+                               synthetic=Halves, segments=True, documents=True), 1),
+        "objective": ({"train.objective": "doubled"}, OBJECTIVES, "doubled", Objective(
+            "doubled", "twice the cross entropy", doubled_losses, lambda c: None,
+            weighting="targets", defaults=lambda: {"scale": 2.0}), 1),
     }
 
 
 @pytest.mark.slow  # trains two steps per case: a compile each
 @pytest.mark.parametrize("case", ["remat", "attention", "precision", "data", "family",
-                                  "dispatch", "context", "schedule", "optimizer"])
+                                  "dispatch", "context", "schedule", "optimizer", "layout",
+                                  "objective"])
 def test_a_new_choice_is_one_registry_entry(case, monkeypatch, devices):
     """Adding a remat policy, an attention kernel, a precision, a data source, a model
-    family, an MoE dispatch path, a context variant, a pipeline schedule or an optimizer
-    is one registry entry: validation accepts it, a typo lists it, the planner reads its
-    facts, and it trains."""
+    family, an MoE dispatch path, a context variant, a pipeline schedule, an optimizer, a
+    batch layout or an objective (with its own config section, train.<name>) is one
+    registry entry: validation accepts it, a typo lists it, the planner reads its facts,
+    and it trains."""
     import math
 
     from conftest import small_config
@@ -411,3 +455,21 @@ def test_no_long_function_without_a_reason():
     # pipeline by its comment alone.
     shorter = _long_functions(40)
     assert shorter and not any(" pipeline (" in f for f in shorter)
+
+
+def test_no_module_tests_a_layout_or_objective_name():
+    """Batch layouts (data/layouts.py) and objectives (objectives.py) are read by their
+    entries' fields: no module compares a value with one's name (`packing == "pairs"`),
+    and only their own registries spell one, or hold config data (defaults, PLAN_DATA)."""
+    from jaxtrain.data.layouts import LAYOUTS
+    from jaxtrain.objectives import OBJECTIVES
+
+    names = {*LAYOUTS, *OBJECTIVES}
+    found = []
+    for module, path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                found += [f"jaxtrain.{module}:{node.lineno} compares with {part.value!r}"
+                          for part in [node.left, *node.comparators]
+                          if isinstance(part, ast.Constant) and part.value in names]
+    assert not found, found

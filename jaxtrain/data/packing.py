@@ -46,7 +46,6 @@ import numpy as np
 
 from jaxtrain.errors import DataError
 
-PACKINGS = ("concat", "documents", "pairs")  # pairs: data/pairs.py
 ROWS_PER_WINDOW = 64
 MIN_PIECE = 2  # tokens: one prediction
 

@@ -1,4 +1,4 @@
-"""data.packing='pairs': one preference pair per row, for train.objective='dpo'.
+"""data.packing='pairs': one preference pair per row, for the objectives on pairs (dpo, simpo).
 
 A dataset made by `jaxtrain prepare --preference` (manifest `"pairs": true`) stores pair k
 as documents 2k (the prompt and the chosen reply) and 2k + 1 (the prompt and the rejected
@@ -53,6 +53,21 @@ class PairRows:
         k = 2 * (index % len(self))
         parts = [(int(self.starts[k + j]), int(self.lengths[k + j])) for j in (0, 1)]
         return row_arrays(parts, self.dataset.read, self.capacity, self.dataset.read_mask)
+
+
+def pair_count(dataset) -> int:
+    """The pairs of a pairs dataset: its units (data/layouts.py)."""
+    return dataset.num_documents // 2
+
+
+def held_out_pair(dataset, val_fraction: float, what: str) -> int:
+    """The first held-out pair of a dataset split into training and validation pairs;
+    DataError (one line) with fewer than 2 pairs."""
+    pairs = pair_count(dataset)
+    if pairs < 2:
+        raise DataError(f"{what}={dataset.path} holds {pairs} preference pair(s): at least 2 "
+                        "are needed (one to train on, one held out), or give data.val_path")
+    return split_pairs(pairs, val_fraction)
 
 
 def split_pairs(num_pairs: int, val_fraction: float) -> int:

@@ -21,11 +21,11 @@ from __future__ import annotations
 import grain
 import numpy as np
 
-from jaxtrain.data import fingerprints, remote_file, tokenizers
+from jaxtrain.data import fingerprints, layouts, remote_file, tokenizers
 from jaxtrain.data.dataset import PreparedDataset
-from jaxtrain.data.packing import PackedDocuments
-from jaxtrain.data.pairs import PairRows, split_pairs
+from jaxtrain.data.windows import PreparedWindows  # noqa: F401 (its old home)
 from jaxtrain.errors import ConfigError, DataError
+from jaxtrain.objectives import training_on
 
 NAME = "prepared"
 
@@ -97,56 +97,31 @@ def _about(meta: dict) -> str:
     return f"{meta['kind']} ({meta['vocab_size']} ids, sha256 {meta['fingerprint'][:12]})"
 
 
-class PreparedWindows:
-    """Non-overlapping windows of seq_len + 1 tokens over tokens [start, end) of a dataset
-    (documents concatenated: data.packing='concat')."""
-
-    def __init__(self, dataset: PreparedDataset, start: int, end: int, seq_len: int,
-                 name: str):
-        if end - start < seq_len + 1:
-            raise DataError(f"{name} holds {end - start} tokens, fewer than one sequence of "
-                            f"model.seq_len+1={seq_len + 1}")
-        self.dataset, self.start, self.seq_len = dataset, start, seq_len
-        self.size = (end - start - 1) // seq_len
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        offset = self.start + (index % self.size) * self.seq_len
-        return self.dataset.read(offset, self.seq_len + 1)
+def _splits_of(c, layout, ds: PreparedDataset, what: str, masked: bool):
+    """(train, validation) rows of one dataset: its held-out tail of about
+    data.val_fraction is the validation split (layout.held_out: at a unit boundary)."""
+    cut, seq = layout.held_out(ds, c.data.val_fraction, what), c.model.seq_len
+    return (layout.rows(ds, 0, cut, seq, f"the training split of {what}={ds.path}", masked),
+            layout.rows(ds, cut, layout.units(ds), seq,
+                        f"the validation split of {what}={ds.path}", masked))
 
 
-def _rows(c, ds: PreparedDataset, start: int, end: int, name: str, masked: bool = False):
-    """The rows of tokens [start, end) of ds as data.packing says: windows of the
-    concatenated documents, or documents packed into rows (jaxtrain.data.packing), with a
-    loss mask when the run's data has one (`masked`)."""
-    if c.data.packing == "documents":
-        return PackedDocuments(ds, start, end, c.model.seq_len, name, masked=masked)
-    return PreparedWindows(ds, start, end, c.model.seq_len, name)
+def _whole(c, layout, ds: PreparedDataset, what: str, masked: bool):
+    """Rows of all of a dataset's units."""
+    return layout.rows(ds, 0, layout.units(ds), c.model.seq_len, f"{what}={ds.path}", masked)
 
 
-def _split_windows(ds: PreparedDataset, c, what: str, masked: bool) -> tuple[object, object]:
-    fraction = c.data.val_fraction
-    if ds.num_documents >= 2:
-        cut = ds.document(ds.split_point(fraction))[0]
-    else:
-        cut = int(ds.num_tokens * (1.0 - fraction))
-    return (_rows(c, ds, 0, cut, f"the training split of {what}={ds.path}", masked),
-            _rows(c, ds, cut, ds.num_tokens, f"the validation split of {what}={ds.path}",
-                  masked))
-
-
-def _masked(c, datasets: list[tuple[PreparedDataset, str]]) -> bool:
+def _masked(c, layout, datasets: list[tuple[PreparedDataset, str]]) -> bool:
     """Whether the run's rows carry a loss mask: when any dataset has one (chat data), and
-    then every row does (a mixture's unmasked datasets count every target). A mask needs
-    documents packed into rows: windows of the concatenated stream would cut conversations
-    anywhere, so concat refuses it."""
+    then every row does (a mixture's unmasked datasets count every target). A mask needs a
+    layout that keeps it (documents packed into rows: windows of the concatenated stream
+    would cut conversations anywhere)."""
     masked = [(ds, what) for ds, what in datasets if ds.masked]
-    if masked and c.data.packing != "documents":
+    if masked and not layout.loss_mask:
         ds, what = masked[0]
+        keeps = layouts.named(lambda other: other.loss_mask and other.pairs == ds.pairs)
         raise ConfigError(f"data.packing={c.data.packing!r} cannot keep the loss mask of "
-                          f"{what}={ds.path} (a chat dataset): set data.packing='documents'")
+                          f"{what}={ds.path} (a chat dataset): set {keeps}")
     return bool(masked)
 
 
@@ -172,56 +147,40 @@ class MixtureWindows:
         return self._plain[index]
 
 
-def _check_pairs(c, datasets: list[tuple[PreparedDataset, str]]) -> None:
-    """Preference pairs are read as pairs (data.packing='pairs'), and only they are."""
-    pairs = c.data.packing == "pairs"
+def _check_pairs(c, layout, datasets: list[tuple[PreparedDataset, str]]) -> None:
+    """Preference pairs are read by a layout of pairs, and only they are."""
     for ds, what in datasets:
-        if ds.pairs and not pairs:
+        if ds.pairs and not layout.pairs:
+            first = next(n for n, other in layouts.LAYOUTS.items() if other.pairs)
             raise ConfigError(f"{what}={ds.path} holds preference pairs (prepare "
-                              "--preference): set data.packing='pairs' and "
-                              "train.objective='dpo'")
-        if pairs and not ds.pairs:
-            raise ConfigError(f"data.packing='pairs' needs a dataset of preference pairs, "
-                              f"and {what}={ds.path} is not one: prepare it with --preference")
-
-
-def _pair_splits(c, ds: PreparedDataset, val_ds: PreparedDataset | None):
-    """(train, validation) rows of pairs: validation is data.val_path, or the tail of
-    about data.val_fraction of the pairs."""
-    pairs, seq = ds.num_documents // 2, c.model.seq_len
-    if val_ds is not None:
-        return (PairRows(ds, 0, pairs, seq, f"data.path={ds.path}"),
-                PairRows(val_ds, 0, val_ds.num_documents // 2, seq,
-                         f"data.val_path={val_ds.path}"))
-    if pairs < 2:
-        raise DataError(f"data.path={ds.path} holds {pairs} preference pair(s): at least 2 "
-                        "are needed (one to train on, one held out), or give data.val_path")
-    cut = split_pairs(pairs, c.data.val_fraction)
-    return (PairRows(ds, 0, cut, seq, f"the training split of data.path={ds.path}"),
-            PairRows(ds, cut, pairs, seq, f"the validation split of data.path={ds.path}"))
+                              f"--preference): set data.packing={first!r} and "
+                              f"{training_on(first)}")
+        if layout.pairs and not ds.pairs:
+            raise ConfigError(f"data.packing={c.data.packing!r} needs a dataset of preference "
+                              f"pairs, and {what}={ds.path} is not one: prepare it with "
+                              "--preference")
 
 
 def splits(c) -> tuple[object, object]:
-    """(train, validation) random-access rows for data.source='prepared'."""
+    """(train, validation) random-access rows for data.source='prepared', in the layout
+    data.packing names (data/layouts.py)."""
     check(c)
+    layout = layouts.LAYOUTS[c.data.packing]
     components, val_ds = open_all(c)
-    _check_pairs(c, [(ds, what) for ds, _, what in components]
-                 + ([(val_ds, "data.val_path")] if val_ds is not None else []))
-    if c.data.packing == "pairs":  # one dataset (the dpo objective refuses mixtures)
-        return _pair_splits(c, components[0][0], val_ds)
-    masked = _masked(c, [(ds, what) for ds, _, what in components]
-                     + ([(val_ds, "data.val_path")] if val_ds is not None else []))
+    everyone = [(ds, what) for ds, _, what in components] + (
+        [(val_ds, "data.val_path")] if val_ds is not None else [])
+    _check_pairs(c, layout, everyone)
+    masked = _masked(c, layout, everyone)
     trains, vals = [], []
     for ds, _, what in components:
         if val_ds is None:
-            train, val = _split_windows(ds, c, what, masked)
+            train, val = _splits_of(c, layout, ds, what, masked)
             vals.append(val)
         else:
-            train = _rows(c, ds, 0, ds.num_tokens, f"{what}={ds.path}", masked)
+            train = _whole(c, layout, ds, what, masked)
         trains.append(train)
     if val_ds is not None:
-        vals = [_rows(c, val_ds, 0, val_ds.num_tokens, f"data.val_path={val_ds.path}",
-                      masked)]
+        vals = [_whole(c, layout, val_ds, "data.val_path", masked)]
     if len(trains) == 1:
         return trains[0], vals[0]
     weights = [w for _, w, _ in components]

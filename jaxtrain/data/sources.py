@@ -16,8 +16,9 @@ import numpy as np
 
 from jaxtrain import storage
 from jaxtrain.data import fingerprints, prepared_source, remote_file, tokenizers
-from jaxtrain.data.packing import SyntheticDocuments
+from jaxtrain.data.layouts import LAYOUTS
 from jaxtrain.data.stdlib import stdlib_files
+from jaxtrain.data.windows import SyntheticWindows  # noqa: F401 (its old home)
 from jaxtrain.errors import DataError, fail
 
 
@@ -37,20 +38,6 @@ class TokenWindows:
     def __getitem__(self, index: int) -> np.ndarray:
         start = (index % self.size) * self.seq_len
         return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int32)
-
-
-class SyntheticWindows:
-    """Uniform random tokens, a fixed function of (seed, index); for benchmarks."""
-
-    def __init__(self, vocab_size: int, seq_len: int, seed: int, size: int = 1 << 30):
-        self.vocab_size, self.seq_len, self.seed, self.size = vocab_size, seq_len, seed, size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        rng = np.random.default_rng((self.seed, index))
-        return rng.integers(0, self.vocab_size, self.seq_len + 1, dtype=np.int32)
 
 
 def stdlib_corpus() -> np.ndarray:
@@ -135,9 +122,15 @@ def _windows(tokens_of: Callable) -> Callable:
 
 def _synthetic_splits(c):
     seq, vocab = c.model.seq_len, c.model.vocab_size
-    rows = SyntheticDocuments if c.data.packing == "documents" else SyntheticWindows
+    rows = LAYOUTS[c.data.packing].synthetic
     return (rows(vocab, seq, c.seed),
             rows(vocab, seq, c.seed + 1, size=c.eval_batches * c.train.global_batch))
+
+
+def _check_synthetic(c) -> None:
+    if LAYOUTS[c.data.packing].synthetic is None:
+        fail("data.packing", c.data.packing, "data.source='synthetic' has no synthetic rows "
+             "of this layout; use data.source='prepared'")
 
 
 def _check_stdlib(c) -> None:
@@ -196,13 +189,13 @@ class DataSource:
     fingerprint: Callable | None = None
     tokenizer: Callable | None = None  # config -> Tokenizer | None (None: not known)
     validation_text: bool = True  # has held-out data to evaluate on
-    documents: bool = False  # knows its documents: data.packing='documents' can pack them
+    documents: bool = False  # knows its documents (a layout that needs them: data/layouts.py)
     reads_path: bool = False  # reads data.path (a path given to any other is refused)
 
     def fingerprints(self, c) -> dict:
         items = ({"data.source": fingerprints.item(self.name, repr(self.name))}
                  if self.fingerprint is None else self.fingerprint(c))
-        if c.data.packing != "concat":  # absent for concat: records made before packing
+        if LAYOUTS[c.data.packing].recorded:
             items["data.packing"] = fingerprints.value(c.data.packing)
         return items
 
@@ -212,8 +205,8 @@ class DataSource:
             fail("data.path", c.data.path, f"data.source={self.name!r} reads no path (it "
                  f"would train on {self.doc}); data.path is read by data.source={readers}: "
                  "set data.source, or drop data.path")
-        if c.data.packing == "documents" and not self.documents:
-            fail("data.packing", "documents", f"data.source={self.name!r} has no document "
+        if LAYOUTS[c.data.packing].documents and not self.documents:
+            fail("data.packing", c.data.packing, f"data.source={self.name!r} has no document "
                  "index; use data.source='prepared' (jaxtrain prepare --stdlib makes one of "
                  "the built-in corpus) or 'synthetic'")
         if self.check is not None:
@@ -228,7 +221,8 @@ SOURCES: dict[str, DataSource] = {s.name: s for s in (
                _check_bin, tokens=_bin_tokens, fingerprint=_bin_fingerprint,
                tokenizer=_bin_tokenizer, reads_path=True),
     DataSource("synthetic", "uniform random tokens, a function of (seed, index)",
-               _synthetic_splits, fingerprint=_synthetic_fingerprint, validation_text=False,
+               _synthetic_splits, _check_synthetic, fingerprint=_synthetic_fingerprint,
+               validation_text=False,
                documents=True),
     DataSource(prepared_source.NAME, "datasets made by `jaxtrain prepare`, alone or mixed "
                "by weight (docs/data.md)", prepared_source.splits, prepared_source.check,
@@ -247,8 +241,9 @@ def defaults() -> dict:
         "dtype": "uint16",  # token width of .bin files
         "val_fraction": 0.05,  # held-out tail (prepared: at a document boundary)
         "prefetch": 2,
-        # concat: rows are windows of the concatenated documents; documents: whole documents
-        # packed into rows, attention and positions kept within each (data/packing.py).
+        # The batch layout (data/layouts.py LAYOUTS): concat, rows are windows of the
+        # concatenated documents; documents, whole documents packed into rows, attention and
+        # positions kept within each (data/packing.py); pairs, a preference pair per row.
         "packing": "concat",
         # prepared: several datasets drawn by weight, "DIR:WEIGHT,DIR:WEIGHT" (instead of path).
         "mixture": "",

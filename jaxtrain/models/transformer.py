@@ -58,9 +58,11 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, cfg, pipeline_stages: int = 1, platform: str = "cpu",
-                    context: int = 1) -> ModelSpec:
+                    context: int = 1, segments: bool = False) -> ModelSpec:
         """pipeline_stages, context: the resolved sizes of the mesh's pipeline and context
-        axes; platform: the devices' platform, which model.attention='auto' picks for."""
+        axes; platform: the devices' platform, which model.attention='auto' picks for;
+        segments: the batch layout gives the kernels document masks (data/layouts.py
+        `segments`, which this layer below data/ is handed)."""
         m = cfg.model
         pipeline = None
         if pipeline_stages > 1:
@@ -79,7 +81,7 @@ class ModelSpec:
             head_dim=m.head_dim or m.d_model // m.num_heads, mlp_dim=m.mlp_dim,
             vocab_size=m.vocab_size, seq_len=m.seq_len,
             attention=resolve_attention(m.attention, cfg.train.precision, platform, m.seq_len,
-                                        m.sliding_window, cfg.data.packing == "documents"),
+                                        m.sliding_window, segments),
             sliding_window=m.sliding_window,
             remat=m.remat, rope_theta=m.rope_theta, rope_scaling=_rope_scaling(m),
             norm_eps=m.norm_eps,

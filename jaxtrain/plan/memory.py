@@ -19,6 +19,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jaxtrain.data.layouts import LAYOUTS
 from jaxtrain.mesh import batch_shards, logical_to_spec
 from jaxtrain.models import ModelSpec, Transformer, lora
 from jaxtrain.models.attention import KERNELS, VARIANTS
@@ -481,8 +482,10 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
     model.attention='auto' resolves for.
     """
     platform = platform or ("cpu" if backend == "cpu" else "gpu")
+    # The batch layout's document masks take part in the kernel 'auto' picks.
     spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"], platform=platform,
-                                 context=sizes.get("context", 1))
+                                 context=sizes.get("context", 1),
+                                 segments=LAYOUTS[cfg.data.packing].segments)
     s = _Step(cfg, spec, sizes, factors or factors_for(platform), value_bytes(spec, backend),
               param_shards(spec, sizes),
               cfg.train.global_batch // cfg.train.microbatches // batch_shards(sizes))

@@ -22,6 +22,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+from jaxtrain.data.layouts import LAYOUTS
 from jaxtrain.mesh import batch_shards
 from jaxtrain.models import ModelSpec
 from jaxtrain.models.attention import KERNELS, VARIANTS
@@ -218,7 +219,8 @@ def step_features(cfg, sizes: dict[str, int], hw, param_elems: int,
     """Everything step_time needs, counted from the config (nothing fitted)."""
     spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"],
                                  platform=hw.kind if hw.kind in ("gpu", "tpu") else "cpu",
-                                 context=sizes.get("context", 1))
+                                 context=sizes.get("context", 1),
+                                 segments=LAYOUTS[cfg.data.packing].segments)
     n = math.prod(sizes.values())
     tokens = cfg.train.global_batch * cfg.model.seq_len
     flops = step_flops(spec, tokens)

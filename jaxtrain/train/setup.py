@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxtrain.config import validate
-from jaxtrain.data.packing import Packed
+from jaxtrain.data.layouts import LAYOUTS
 from jaxtrain.mesh import dcn_shape, make_mesh
 from jaxtrain.models import ModelSpec, lora
 from jaxtrain.objectives import OBJECTIVES, Objective
@@ -109,14 +109,10 @@ class Setup:
 
     def abstract_batch(self):
         """Shapes, dtype and sharding of one global batch: a token array [B, seq_len + 1],
-        a Packed batch of three (data.packing='documents'), or of four, a loss mask with
-        them (data.packing='pairs')."""
+        or a Packed batch of such arrays, as the batch layout (data.packing) says."""
         rows = jax.ShapeDtypeStruct((self.cfg.train.global_batch, self.cfg.model.seq_len + 1),
                                     jnp.int32, sharding=self.tokens_sharding)
-        packing = self.cfg.data.packing
-        if packing == "pairs":
-            return Packed(rows, rows, rows, rows)
-        return Packed(rows, rows, rows) if packing == "documents" else rows
+        return LAYOUTS[self.cfg.data.packing].batch(rows)
 
     @property
     def uses_reference(self) -> bool:
@@ -153,7 +149,8 @@ def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
     sizes = validate(cfg, len(devices), devices[0].platform)
     mesh = make_mesh(sizes, devices, dcn_shape(cfg.mesh))
     spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"],
-                                 platform=devices[0].platform, context=sizes["context"])
+                                 platform=devices[0].platform, context=sizes["context"],
+                                 segments=LAYOUTS[cfg.data.packing].segments)
     optimizer, schedule = make_optimizer(cfg)
     return Setup(cfg=cfg, mesh=mesh, spec=spec, optimizer=optimizer, schedule=schedule,
                  graphdef=nnx.graphdef(state_lib.abstract_model(spec)),

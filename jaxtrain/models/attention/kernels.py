@@ -6,7 +6,8 @@ so faster implementations plug in without touching the layer. window=None: full 
 attention; window=W: query position i sees keys (i - W, i] (W keys including itself, as
 Mistral's sliding_window).
 
-Document masks (data.packing='documents', docs/data.md): `segments_BL` is an int32 [B, L]
+Document masks (a batch layout with `segments`, data/layouts.py: documents, pairs;
+docs/data.md): `segments_BL` is an int32 [B, L]
 array, the document of each position of a packed row (1, 2, ... in row order; 0 for the
 padding at the row's end, which is one more segment and attends only to itself). A query
 sees a key only when both hold the same id, on top of the causal (and window) mask; None is
@@ -45,7 +46,7 @@ class AttentionKernel:
     interpreted: tuple[str, ...] = ()  # of those, where it runs in an interpreter (tests)
     float32: bool = True  # runs in float32 (else 16-bit compute only)
     window: bool = True  # takes a sliding window
-    segments: bool = True  # takes document masks (segment ids), for data.packing=documents
+    segments: bool = True  # takes document masks (segment ids): data/layouts.py `segments`
     seq_multiple: int = 1  # the sequence length must be a multiple of this
     auto_on: str | None = None  # 'auto' picks it first on this platform, where it applies
     # Planner: the whole L×L score matrix exists (and, without remat, is kept for the
@@ -93,7 +94,7 @@ class AttentionKernel:
             return f"it has no sliding window (model.sliding_window={window}); use cudnn or chunked"
         if documents and not self.segments:
             return ("it cannot mask attention at document boundaries (data.packing="
-                    "'documents'); use " + ", ".join(k.name for k in KERNELS.values()
+                    "gives document masks); use " + ", ".join(k.name for k in KERNELS.values()
                                                      if k.segments))
         if seq_len % self.seq_multiple:
             return (f"it tiles the sequence in blocks of {self.seq_multiple}: model.seq_len="
