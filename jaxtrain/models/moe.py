@@ -243,12 +243,16 @@ def _mesh_axes(entry) -> tuple:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def routed_experts(spec, x_BLD, weights, drop: bool):
+def routed_experts(spec, x_BLD, weights, drop: bool, route: Callable | None = None,
+                   route_state: tuple = ()):
     """The routed experts' output and per-row stats; in a shard_map over the whole mesh
-    when there is one (plain local code without)."""
+    when there is one (plain local code without). route: (moe, x_TD, w_router_DE,
+    *route_state) -> _Route, another router (models/router.py ROUTERS; default the softmax
+    top-k here); route_state: its replicated arrays (a correction bias)."""
+    route = route or _route
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return _local(spec, _Axes(), drop, x_BLD, *weights)
+        return _local(spec, _Axes(), drop, route, x_BLD, *weights, *route_state)
     rules = spec.rules
     tokens = logical_to_spec(("batch", "length", None), rules)
     w_in = logical_to_spec(("experts", "embed", "mlp"), rules)
@@ -260,13 +264,15 @@ def routed_experts(spec, x_BLD, weights, drop: bool):
         "the batch rule must include the experts' mesh axes and exclude the mlp ones", rules)
     rows = P(tokens[0])
     stats_specs = {name: rows for name in STAT_NAMES}
-    body = functools.partial(_local, spec, axes, drop)
-    return jax.shard_map(body, in_specs=(tokens, P(), w_in, w_in, w_out),
-                         out_specs=(P(tokens[0], tokens[1]), stats_specs))(x_BLD, *weights)
+    body = functools.partial(_local, spec, axes, drop, route)
+    return jax.shard_map(body, in_specs=(tokens, P(), w_in, w_in, w_out,
+                                         *(P() for _ in route_state)),
+                         out_specs=(P(tokens[0], tokens[1]), stats_specs))(
+        x_BLD, *weights, *route_state)
 
 
-def _local(spec, axes: _Axes, drop: bool, x_BLD, w_router_DE, w_up_EDF, w_gate_EDF,
-           w_down_EFD):
+def _local(spec, axes: _Axes, drop: bool, route, x_BLD, w_router_DE, w_up_EDF, w_gate_EDF,
+           w_down_EFD, *route_state):
     """One device's tokens through the router and the experts (whose other shards it
     reaches through the collectives over `axes`)."""
     moe, dt = spec.moe, spec.compute_dtype
@@ -277,7 +283,7 @@ def _local(spec, axes: _Axes, drop: bool, x_BLD, w_router_DE, w_up_EDF, w_gate_E
         w_down_EFD = jax.lax.all_gather(w_down_EFD, axes.embed, axis=2, tiled=True)
     experts = (w_up_EDF.astype(dt), w_gate_EDF.astype(dt), w_down_EFD.astype(dt))
     x_TD = x_BLD.reshape(b * length, d)
-    route = _route(moe, x_TD, w_router_DE)
+    route = route(moe, x_TD, w_router_DE, *route_state)
     y_AD, dropped_A = DISPATCHES[moe.dispatch].run(moe, axes, x_TD, route, experts, drop)
     # Back to token order and summed over each token's k choices with its router weights.
     y_TKD = y_AD[route.inverse].reshape(b * length, moe.top_k, d)
@@ -307,6 +313,12 @@ def _route(moe: MoeSpec, x_TD, w_router_DE) -> _Route:
     probs_TE = jax.nn.softmax(logits_TE.astype(jnp.float32), axis=-1)
     top_TK, experts_TK = jax.lax.top_k(probs_TE, moe.top_k)
     weights_TK = top_TK / top_TK.sum(-1, keepdims=True)
+    return sorted_route(moe, logits_TE, probs_TE, experts_TK, weights_TK)
+
+
+def sorted_route(moe: MoeSpec, logits_TE, probs_TE, experts_TK, weights_TK) -> _Route:
+    """A router's choices with the token×choice rows sorted by expert, as the dispatch
+    paths take them."""
     expert_A = experts_TK.reshape(-1)
     order = jnp.argsort(expert_A, stable=True)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
