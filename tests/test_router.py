@@ -5,6 +5,7 @@ implementation of the DeepSeek-V3 report's rule."""
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 import torch
@@ -173,8 +174,6 @@ def test_bias_update_follows_the_report_and_balances_the_load():
     ({"bias_update_rate": -1.0}, "model.moe.bias_update_rate=-1.0 is invalid"),
 ])
 def test_router_config_errors_name_the_key(overrides, match):
-    import ml_collections
-
     moe = {**router_lib.defaults(), "router": "sigmoid_bias", "num_experts": E, "top_k": K,
            "n_group": 4, "topk_group": 2, **overrides}
     c = ml_collections.ConfigDict({"model": {"moe": moe}})
