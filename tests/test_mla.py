@@ -2,6 +2,7 @@
 with copied weights, decoding through the latent cache against the full forward, the
 kernels that take a v head dim unlike q/k's, and the cache's size against GQA's."""
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -34,13 +35,18 @@ def _hf(q_lora_rank):
     return cfg, attn
 
 
-def _hf_forward(cfg, attn, x):
+def _hf_forward_grad(cfg, attn, x):
+    """transformers' output (a torch tensor that autograd can differentiate)."""
     rotary = DeepseekV3RotaryEmbedding(cfg)
     xt = torch.from_numpy(x)
     cos_sin = rotary(xt, torch.arange(L)[None])
     mask = torch.full((L, L), float("-inf")).triu(1)[None, None]
+    return attn(xt, position_embeddings=cos_sin, attention_mask=mask)[0]
+
+
+def _hf_forward(cfg, attn, x):
     with torch.no_grad():
-        return attn(xt, position_embeddings=cos_sin, attention_mask=mask)[0].numpy()
+        return _hf_forward_grad(cfg, attn, x).numpy()
 
 
 def _mla(q_lora_rank, attention="chunked"):
@@ -73,6 +79,18 @@ def test_mla_equals_transformers_and_decodes_through_the_latent_cache(q_lora_ran
     layer = _copied(attn, _mla(q_lora_rank))
     got = nnx.jit(lambda m, x: m(x))(layer, x)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    # Gradients of every weight through the chunked kernel's backward (v's head dim
+    # unlike q/k's) against torch's autograd.
+    cot = np.random.default_rng(1).normal(size=want.shape).astype(np.float32)
+    grads = nnx.jit(nnx.grad(lambda m, x: (m(x) * cot).sum()))(layer, x)
+    (torch.from_numpy(cot) * _hf_forward_grad(cfg, attn, x)).sum().backward()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(p.grad)
+    want_grads = nnx.state(_copied(attn, _mla(q_lora_rank)), nnx.Param)
+    for got_g, want_g in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(got_g, want_g, rtol=1e-4, atol=1e-5)
+    attn = _hf(q_lora_rank)[1]  # the weights again, for decoding
     # Decoding: a 4-token prefill, then one token at a time, through the latent cache with
     # the up-projections absorbed, gives the full forward's outputs.
     cache = layer.init_cache(2, L, jnp.float32)
