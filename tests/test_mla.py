@@ -141,6 +141,20 @@ def test_which_kernels_take_a_v_head_dim_unlike_qk():
         mla_lib.check(config(attention="xla"))
     with pytest.raises(ConfigError, match="mesh.context=2 is invalid: MLA's v head dim"):
         mla_lib.check(config(), {"context": 2})
+    # 'auto' takes only such kernels: not cuDNN on a GPU.
+    assert mla_lib.resolve_kernel("auto", "bfloat16", "gpu", 256) == "chunked"
+    assert mla_lib.resolve_kernel("auto", "bfloat16", "cpu", 256) == "chunked"
+    # At 17 chunks the chunked kernel loops (another code path): named, it is refused and
+    # the able kernels are offered; under 'auto' on a GPU nothing is left.
+    with pytest.raises(ConfigError, match=r"model.attention='chunked' is invalid: .* "
+                       r"model.seq_len=2176; use splash$"):
+        mla_lib.check(config(seq_len=128 * 17))
+    long = config(seq_len=128 * 17, attention="auto")
+    long.train = {"precision": "bfloat16"}
+    mla_lib.check(long, platform="tpu")  # splash
+    with pytest.raises(ConfigError, match=r"model.attention='auto' is invalid: no kernel on "
+                       r"gpu runs MLA's v head dim \(unlike q/k's\) at model.seq_len=2176"):
+        mla_lib.check(long, platform="gpu")
     bad = config()
     bad.model.mla.qk_rope_head_dim = 3
     with pytest.raises(ConfigError, match="model.mla.qk_rope_head_dim=3 is invalid"):

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.errors import fail
-from jaxtrain.models.attention.kernels import KERNELS
+from jaxtrain.models.attention.kernels import KERNELS, resolve_attention
 from jaxtrain.models.attention.scaffold import causal_mask
 from jaxtrain.models.layers import Norm, dense, param
 from jaxtrain.models.rope import rope
@@ -141,9 +141,26 @@ def kernel_problem(kernel: str, seq_len: int, context: int = 1) -> str | None:
             f"use {' or '.join(able) or 'a shorter model.seq_len with chunked'}")
 
 
-def check(c, sizes: dict[str, int] | None = None) -> None:
+def resolve_kernel(name: str, precision: str, platform: str, seq_len: int,
+                   window: int = 0, documents: bool = False) -> str | None:
+    """`model.attention` for MLA layers: resolve_attention's choice, except that 'auto'
+    takes only kernels that take MLA's v head dim (on GPUs it would pick cuDNN, which does
+    not): the first whose auto_on is the platform, else chunked, else any that runs here;
+    None when none can (the check refuses that config)."""
+    if name != "auto":
+        return resolve_attention(name, precision, platform, seq_len, window, documents)
+    def able(kernel) -> bool:
+        return (takes_value_head_dim(kernel.name, seq_len)
+                and not kernel.problem(precision, platform, seq_len, window, documents))
+
+    preferred = [k for k in KERNELS.values() if k.auto_on == platform]
+    fallback = [KERNELS["chunked"], *KERNELS.values()]
+    return next((k.name for k in preferred + fallback if able(k)), None)
+
+
+def check(c, sizes: dict[str, int] | None = None, platform: str | None = None) -> None:
     """ConfigError for a model.mla setting that cannot work; sizes: the mesh's axis sizes
-    (None before the mesh is known)."""
+    (None before the mesh is known); platform: the devices' (None: not known yet)."""
     m = c.model.mla
     if not m.kv_lora_rank:
         return
@@ -161,9 +178,13 @@ def check(c, sizes: dict[str, int] | None = None) -> None:
     context = (sizes or {}).get("context", 1)
     if context > 1:
         fail("mesh.context", context, kernel_problem("chunked", c.model.seq_len, context))
-    if c.model.attention != "auto" and (why := kernel_problem(c.model.attention,
-                                                              c.model.seq_len)):
-        fail("model.attention", c.model.attention, why)
+    if c.model.attention != "auto":
+        if why := kernel_problem(c.model.attention, c.model.seq_len):
+            fail("model.attention", c.model.attention, why)
+    elif platform is not None and resolve_kernel(
+            "auto", c.train.precision, platform, c.model.seq_len) is None:
+        fail("model.attention", "auto", f"no kernel on {platform} runs MLA's v head dim "
+             f"(unlike q/k's) at model.seq_len={c.model.seq_len}; use a shorter model.seq_len")
 
 
 @dataclasses.dataclass(frozen=True)
