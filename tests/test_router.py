@@ -99,16 +99,17 @@ def _loss_and_grads(layer, x, mesh=None):
         return f(params, x)
 
 
-def test_expert_parallel_equals_one_device(devices):
-    """expert=2 (dropless: the ragged exchange's CPU stand-in) against no mesh: output loss,
-    loads and every gradient."""
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_expert_parallel_equals_one_device(dispatch, devices):
+    """expert=2 (dropless: the ragged exchange's CPU stand-in; capacity: the fixed
+    all-to-all) against no mesh: loss, loads and every gradient."""
     hf = _hf_moe(4, 2)
     x = _x(b=4, length=6)
-    one = _loss_and_grads(_copied(hf, _spec("dropless"), _router(4, 2)), x)
+    one = _loss_and_grads(_copied(hf, _spec(dispatch), _router(4, 2)), x)
     mesh = jax.make_mesh((1, 1, 1, 2, 1, 1), MESH_AXES, devices=devices[:2],
                          axis_types=(jax.sharding.AxisType.Auto,) * 6)
     rules = active_rules(DEFAULT_RULES, False)
-    two = _loss_and_grads(_copied(hf, _spec("dropless", rules=rules), _router(4, 2)), x, mesh)
+    two = _loss_and_grads(_copied(hf, _spec(dispatch, rules=rules), _router(4, 2)), x, mesh)
     (loss1, load1), g1 = one
     (loss2, load2), g2 = two
     np.testing.assert_allclose(loss2, loss1, rtol=1e-6)
