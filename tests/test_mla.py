@@ -22,11 +22,11 @@ from jaxtrain.models import mla as mla_lib
 D, H, NOPE, ROPE, V, RKV, L = 32, 4, 8, 4, 6, 16, 10
 
 
-def _hf(q_lora_rank):
+def _hf(q_lora_rank, interleave=True):
     torch.manual_seed(0)
     cfg = DeepseekV3Config(hidden_size=D, num_attention_heads=H, num_key_value_heads=H,
                            q_lora_rank=q_lora_rank, kv_lora_rank=RKV, qk_nope_head_dim=NOPE,
-                           qk_rope_head_dim=ROPE, v_head_dim=V, rope_interleave=True,
+                           qk_rope_head_dim=ROPE, v_head_dim=V, rope_interleave=interleave,
                            attn_implementation="eager")
     attn = DeepseekV3Attention(cfg, layer_idx=0).float().eval()
     with torch.no_grad():
@@ -49,9 +49,9 @@ def _hf_forward(cfg, attn, x):
         return _hf_forward_grad(cfg, attn, x).numpy()
 
 
-def _mla(q_lora_rank, attention="chunked"):
+def _mla(q_lora_rank, attention="chunked", interleave=True):
     spec = ModelSpec("llama", D, 2, H, H, NOPE + ROPE, 64, 32, L, attention=attention)
-    mla = mla_lib.MlaSpec(RKV, NOPE, ROPE, V, q_lora_rank or 0)
+    mla = mla_lib.MlaSpec(RKV, NOPE, ROPE, V, q_lora_rank or 0, interleave)
     return mla_lib.Mla(spec, mla, rngs=nnx.Rngs(0))
 
 
@@ -71,12 +71,13 @@ def _copied(attn, layer):
     return layer
 
 
-@pytest.mark.parametrize("q_lora_rank", [12, None])
-def test_mla_equals_transformers_and_decodes_through_the_latent_cache(q_lora_rank):
+@pytest.mark.parametrize("q_lora_rank, interleave", [(12, True), (None, False)])
+def test_mla_equals_transformers_and_decodes_through_the_latent_cache(q_lora_rank, interleave):
+    """Low-rank q with DeepSeek's interleaved rotary pairs; full-rank q with rotate-half."""
     x = np.random.default_rng(0).normal(size=(2, L, D)).astype(np.float32)
-    cfg, attn = _hf(q_lora_rank)
+    cfg, attn = _hf(q_lora_rank, interleave)
     want = _hf_forward(cfg, attn, x)
-    layer = _copied(attn, _mla(q_lora_rank))
+    layer = _copied(attn, _mla(q_lora_rank, interleave=interleave))
     got = nnx.jit(lambda m, x: m(x))(layer, x)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     # Gradients of every weight through the chunked kernel's backward (v's head dim
@@ -87,10 +88,9 @@ def test_mla_equals_transformers_and_decodes_through_the_latent_cache(q_lora_ran
     with torch.no_grad():
         for p in attn.parameters():
             p.copy_(p.grad)
-    want_grads = nnx.state(_copied(attn, _mla(q_lora_rank)), nnx.Param)
+    want_grads = nnx.state(_copied(attn, _mla(q_lora_rank, interleave=interleave)), nnx.Param)
     for got_g, want_g in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(got_g, want_g, rtol=1e-4, atol=1e-5)
-    attn = _hf(q_lora_rank)[1]  # the weights again, for decoding
     # Decoding: a 4-token prefill, then one token at a time, through the latent cache with
     # the up-projections absorbed, gives the full forward's outputs.
     cache = layer.init_cache(2, L, jnp.float32)
