@@ -48,7 +48,10 @@ class JsonlSink:
         self.log.write({"step": int(step), **row})
 
     def flush(self) -> None:
-        self.log.flush()
+        self.log.flush()  # hands the rows to the log's writer thread; sync() waits for them
+
+    def sync(self, timeout: float | None = None) -> bool:
+        return self.log.sync(timeout)
 
     def close(self) -> None:
         self.log.close()
