@@ -144,12 +144,14 @@ class Mirror:
         self.put_manifest(step, manifest)
 
     def put_files(self, step: int, root: pathlib.Path, files: dict) -> None:
+        storage.fence(self.url + "/")  # this run may still write here (its lease)
         pairs = [(str(root / name), f"{self._step_key(step)}/{name}") for name in sorted(files)]
         self._each(f"upload of step {step}", "_put_file", pairs,
                    sum(size for size, _ in files.values()))
         self.puts += len(pairs)
 
     def put_manifest(self, step: int, manifest: bytes) -> None:
+        storage.fence(self.url + "/")
         self._call(f"upload of the manifest of step {step}", "_pipe_file",
                    self._manifest_key(step), manifest)
         self.puts += 1

@@ -128,6 +128,26 @@ def atomic_write(path, data: bytes | str) -> None:
         raise
 
 
+# Checks every remote write makes first (a held lease's `check`: it raises when this run may
+# no longer write to its workdir). Called with the path about to be written.
+_fences: list = []
+
+
+def add_fence(check) -> None:
+    _fences.append(check)
+
+
+def remove_fence(check) -> None:
+    if check in _fences:
+        _fences.remove(check)
+
+
+def fence(path) -> None:
+    """Every fence's check of a write to `path`, before it is made."""
+    for check in list(_fences):
+        check(path)
+
+
 def put(path, blob: bytes, mode: str = "overwrite", say=None,
         budget: float | None = None) -> None:
     """One object written whole, under the one retry policy (retry.py): each attempt is
@@ -137,6 +157,7 @@ def put(path, blob: bytes, mode: str = "overwrite", say=None,
     fs, name = filesystem(path)
 
     def attempt(timeout: float) -> None:
+        fence(path)  # before every attempt: a retry may come after the lease is lost
         run_async(fs, fs._pipe_file(name, blob, mode=mode), timeout)
 
     retry.call(attempt, f"writing {path}", say=say, budget=budget)

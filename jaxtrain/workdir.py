@@ -16,7 +16,7 @@ import socket
 import sys
 
 from jaxtrain import storage
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, WorkdirBusy
 from jaxtrain.lease import Lease, describe_holder, now
 
 # The layout of WORKDIR.
@@ -171,7 +171,7 @@ class WorkdirLock:
         except OSError:
             holder = _holder(self.path)
             handle.close()
-            raise ConfigError(f"--workdir={self.path.parent} is in use by {holder} "
+            raise WorkdirBusy(f"--workdir={self.path.parent} is in use by {holder} "
                               f"({self.path}); wait for that run to end or stop it, or use "
                               "another --workdir") from None
         left = _read(handle)
