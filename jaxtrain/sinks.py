@@ -29,8 +29,9 @@ WANDB_MODES = ("online", "offline", "disabled")
 
 
 class Sink(Protocol):
-    """Also, optionally, flush(): make the rows written so far durable (the loop calls it
-    before each checkpoint save, so a resume finds the rows up to its step)."""
+    """Also, optionally, flush(): make the rows written so far durable, or start to, without
+    waiting on a remote store (the loop calls it before each checkpoint save, so a resume
+    finds the rows up to its step); and sync(timeout): wait for what flush started."""
 
     def write(self, step: int, row: dict) -> None: ...
 

@@ -464,3 +464,27 @@ def test_a_restart_with_the_same_pid_in_a_new_pid_namespace_takes_the_lease_at_o
         _, err = second.communicate()
     assert (f"jaxtrain: taking over the lease of pid 1 on {socket.gethostname()} since "
             in err and f"({workdir}/.lock), which is no longer running" in err), err
+
+
+def test_the_launcher_retries_in_use_after_the_takeover_time(monkeypatch):
+    """Exit 75 (in use) is restarted after $JAXTRAIN_LEASE_STALE_S; exit 2 is not."""
+    from jaxtrain.commands import launch
+
+    monkeypatch.setenv("JAXTRAIN_LEASE_HEARTBEAT_S", "0.05")
+    monkeypatch.setenv("JAXTRAIN_LEASE_STALE_S", "0.5")
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # launch() sets handlers
+    started = []
+
+    class Job:
+        def __init__(self, *args):
+            started.append(time.monotonic())
+
+        def wait(self, poll_s):
+            return codes.pop(0)
+
+    monkeypatch.setattr(launch, "Job", Job)
+    codes = [(75, 0), (0, None)]
+    assert launch.launch(1, 1, [], max_restarts=2) == 0
+    assert len(started) == 2 and started[1] - started[0] >= 0.5
+    codes, started[:] = [(2, 0), (0, None)], []
+    assert launch.launch(1, 1, [], max_restarts=2) == 2 and len(started) == 1

@@ -30,7 +30,7 @@ from jax.experimental import multihost_utils
 
 from jaxtrain.data import record
 from jaxtrain.data.batches import make_batches, to_global
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, WorkdirBusy
 from jaxtrain.metrics import MetricsWriter, flops_per_token, peak_flops_per_device
 from jaxtrain.metrics_log import keep_metrics_up_to, read_metrics
 from jaxtrain.models.attention import computed_scores
@@ -259,7 +259,8 @@ def _locked(workdir: pathlib.Path, main_process: bool, say):
     if jax.process_count() > 1:
         held = multihost_utils.broadcast_one_to_all(np.int32(problem is None))
         if not held and problem is None:
-            problem = ConfigError(f"--workdir={workdir}: process 0 could not lock it")
+            # Every process exits IN_USE with process 0, so a launcher retries them all.
+            problem = WorkdirBusy(f"--workdir={workdir}: process 0 could not lock it")
     if problem is not None:
         raise problem
     try:
