@@ -2,6 +2,7 @@
 object-storage servers tests/servers.py starts on 127.0.0.1."""
 
 import json
+import threading
 import time
 
 from conftest import small_config
@@ -245,18 +246,28 @@ def test_a_stall_is_reported_while_the_training_thread_goes_on(bucket, monkeypat
     assert log.sync(30)
     server = _server_of(bucket)
     server.pause()
-    slowest, step, heard = 0.0, 1, []
-    try:
+    trained = {"slowest": 0.0, "steps": 1}
+
+    def train():  # the training thread: a row every 50 ms for 3 s
         began = time.monotonic()
-        while time.monotonic() - began < 3.0:  # the training thread: a row every 50 ms
+        while time.monotonic() - began < 3.0:
             t0 = time.monotonic()
-            log.write(_rows([step])[0])  # flushes by time (flush_s) on its own
-            slowest = max(slowest, time.monotonic() - t0)
-            step += 1
-            heard = [line for line in said if "has not answered" in line]
+            log.write(_rows([trained["steps"]])[0])  # flushes by time (flush_s) on its own
+            trained["slowest"] = max(trained["slowest"], time.monotonic() - t0)
+            trained["steps"] += 1
             time.sleep(0.05)
+
+    trainer = threading.Thread(target=train, daemon=True)
+    try:
+        trainer.start()
+        trainer.join(10)  # the server stays paused all along
+        went_on = not trainer.is_alive()
+        heard = [line for line in said if "has not answered" in line]
     finally:
         server.resume()
+    trainer.join(60)
+    slowest, step = trained["slowest"], trained["steps"]
+    assert went_on, "the training thread waited on the paused store"
     assert slowest < 0.1, slowest
     assert heard, said  # said during the stall, not after it
     assert heard[0].startswith(f"jaxtrain: writing {workdir}/metrics/00000000-000001.jsonl: "
