@@ -108,8 +108,10 @@ def watch(what: str, say, every_s: float | None = None):
 
     def report() -> None:
         while not done.wait(every):
-            say(f"jaxtrain: {what}: the store has not answered for "
-                f"{time.monotonic() - began:.0f}s; still trying (training goes on)")
+            waited = time.monotonic() - began
+            how_long = f"{waited:.0f}s" if waited >= 10 else f"{waited:.1f}s"
+            say(f"jaxtrain: {what}: the store has not answered for {how_long}; still trying "
+                "(training goes on)")
 
     thread = threading.Thread(target=report, name="jaxtrain-stall-watch", daemon=True)
     thread.start()

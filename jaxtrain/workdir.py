@@ -15,7 +15,7 @@ import pathlib
 import socket
 import sys
 
-from jaxtrain import storage
+from jaxtrain import retry, storage
 from jaxtrain.errors import ConfigError, WorkdirBusy
 from jaxtrain.lease import Lease, describe_holder, now
 
@@ -59,6 +59,7 @@ def prepare_workdir(workdir) -> None:
     """Creates the directory (a prefix needs no creating) and checks that it can be written
     and is a run's (check_run_folder); ConfigError (one line) when it cannot: the disk's
     reason, or the object store's (credentials, bucket, permission)."""
+    retry.budget_s(), retry.stall_s()  # a bad $JAXTRAIN_STORAGE_* is one line, up front
     check_writable(workdir, "--workdir")
     check_run_folder(workdir)
 
