@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 
-from jaxtrain import storage
+from jaxtrain import retry, storage
 from jaxtrain.errors import ConfigError, LeaseLost, WorkdirBusy
 
 LEASE_FILE = ".lock"
@@ -184,7 +184,10 @@ class Lease(_Heartbeat):
         try:
             if self.fs is None:
                 self.fs, self.fpath = storage.filesystem(self.path)
-            self._acquire()
+            # The one retry policy: a lost connection while acquiring is tried again (a
+            # create whose reply was lost finds its own lease: _ours).
+            retry.call(lambda _timeout: self._acquire(), f"acquiring the lease {self.path}",
+                       user_error=lambda e: storage.user_error(e, "--workdir", self.workdir))
         except ConfigError:
             raise
         except Exception as e:
@@ -206,6 +209,9 @@ class Lease(_Heartbeat):
             seen = self._read()
             if seen is None:
                 continue
+            if self._ours(seen):  # our create went through; its reply was lost
+                self._start()
+                return
             reason = self._stale(seen)
             if reason is None:
                 break

@@ -80,3 +80,21 @@ def test_bad_times_are_one_line(monkeypatch, name):
     with pytest.raises(ConfigError) as e:
         retry.budget_s() if name == retry.RETRY_ENV else retry.stall_s()
     assert str(e.value) == f"{name}=soon: must be a number of seconds > 0"
+
+
+def test_in_use_and_a_lost_lease_exit_75_and_config_errors_2(capsys):
+    """What the launchers read: guarded (every command's wrapper) exits 75 for a workdir in
+    use or a lost lease (retried after the takeover time), 2 for a config error."""
+    from jaxtrain.commands.common import guarded
+    from jaxtrain.errors import IN_USE, LeaseLost, WorkdirBusy
+
+    for error, code in ((WorkdirBusy("--workdir=x is in use by pid 1"), IN_USE),
+                        (LeaseLost("--workdir=x: lost the lease"), IN_USE),
+                        (ConfigError("steps=-1 is invalid"), 2)):
+        def fail(error=error):
+            raise error
+        with pytest.raises(SystemExit) as exited:
+            guarded(fail)()
+        assert exited.value.code == code
+        assert capsys.readouterr().err == f"jaxtrain: error: {error}\n"
+    assert IN_USE == 75
