@@ -49,16 +49,12 @@ import jax
 # it the same way, orbax/checkpoint/_src/multihost).
 from jax._src import distributed
 
-from jaxtrain import storage
+from jaxtrain import retry, storage
 from jaxtrain.errors import CheckpointError
 
 RETRY_ENV = "JAXTRAIN_CHECKPOINT_RETRY_S"
 _CONCURRENCY = 8  # objects in flight at once in one transfer
 _MIN_RATE = 1 << 20  # bytes/s: an attempt may take this long per byte on top of the budget
-# Errors of the client libraries themselves (a reset connection, a 5xx answer) that are not
-# OSErrors: retried like them.
-_CLIENT_PACKAGES = ("aiohttp", "botocore", "aiobotocore", "gcsfs", "google", "requests",
-                    "urllib3")
 
 
 class Unreachable(CheckpointError):
@@ -69,13 +65,8 @@ class Unreachable(CheckpointError):
         self.reason = reason
 
 
-def _transient(error: BaseException) -> bool:
-    """A lost connection, a timeout or a server error: worth trying again."""
-    if isinstance(error, (FileNotFoundError, PermissionError)):
-        return False
-    if isinstance(error, OSError):  # reset, refused, timed out (TimeoutError is one)
-        return True
-    return type(error).__module__.split(".")[0] in _CLIENT_PACKAGES
+# The one classifier of transient and permanent errors (retry.py), shared by every transfer.
+_transient = retry.transient
 
 
 def _steps(paths, prefix: str, suffix: str = "") -> set[int]:
@@ -153,12 +144,14 @@ class Mirror:
         self.put_manifest(step, manifest)
 
     def put_files(self, step: int, root: pathlib.Path, files: dict) -> None:
+        storage.fence(self.url + "/")  # this run may still write here (its lease)
         pairs = [(str(root / name), f"{self._step_key(step)}/{name}") for name in sorted(files)]
         self._each(f"upload of step {step}", "_put_file", pairs,
                    sum(size for size, _ in files.values()))
         self.puts += len(pairs)
 
     def put_manifest(self, step: int, manifest: bytes) -> None:
+        storage.fence(self.url + "/")
         self._call(f"upload of the manifest of step {step}", "_pipe_file",
                    self._manifest_key(step), manifest)
         self.puts += 1

@@ -25,6 +25,23 @@ class CheckpointError(JaxtrainError, RuntimeError):
     """No usable checkpoint where one was expected, or one that does not fit the config."""
 
 
+# "In use": the run directory is another run's (its lock, or a lease that was taken over).
+# Not 2: a launcher retries it after the wait docs/operations.md gives (EX_TEMPFAIL).
+IN_USE = 75
+
+
+class WorkdirBusy(ConfigError):
+    """The workdir is locked by another run (one line, exit code IN_USE, which the launchers
+    retry after the lease's takeover time)."""
+    exit_code = IN_USE
+
+
+class LeaseLost(JaxtrainError, RuntimeError):
+    """This run's lease was taken over, or its heartbeat failed for longer than the takeover
+    time: it stops before its next write (one line, exit code IN_USE)."""
+    exit_code = IN_USE
+
+
 def fail(key: str, value, valid: str) -> None:
     """Raises ConfigError('KEY=VALUE is invalid: VALID')."""
     raise ConfigError(f"{key}={value!r} is invalid: {valid}")

@@ -2,20 +2,29 @@
 uses a gs:// or s3:// workdir (workdir.WorkdirLock's twin; a bucket has no flock).
 
 The lease is created with a precondition (S3 `If-None-Match: *`, GCS `ifGenerationMatch=0`),
-so of two runs starting together exactly one creates it. It names its holder (host, pid,
-since, argv) and a heartbeat (unix time) that a daemon thread rewrites every `heartbeat_s`.
-No kernel releases it when its holder dies, so a lease is taken over only when its holder
-is known dead (same host, no such pid: the restart after kill -9) or its heartbeat is older
-than `stale_s` (10 heartbeats by default: a holder that missed that many is gone or cut off).
-A taker deletes the stale lease only if it is still the object it judged (S3 `If-Match`,
-GCS `ifGenerationMatch`), then creates its own with the precondition: of two takers exactly
-one wins, and the other is refused by the lease the winner wrote.
+so of two runs starting together exactly one creates it. It names its holder: host, pid,
+since, argv, and what tells this run from any other with the same pid (a random id, the
+boot id, the pid namespace and start time of its process, and the host lock it holds: a
+flock in the workdir's scratch folder), and a heartbeat (unix time) that a daemon thread
+rewrites every `heartbeat_s`. No kernel releases it when its holder dies, so a lease is
+taken over only when its holder is known dead (this host and boot, and no such process:
+the restart after kill -9, pid 1 again in a new container included) or its heartbeat is
+older than `stale_s` (10 heartbeats by default: a holder that missed that many is gone or
+cut off). A taker deletes the stale lease only if it is still the object it judged (S3
+`If-Match`, GCS `ifGenerationMatch`), then creates its own with the precondition: of two
+takers exactly one wins, and the other is refused by the lease the winner wrote.
+
+Fencing: every write of the run to the workdir asks `Lease.check` first (storage.fence),
+which refuses (LeaseLost, exit 75) once the lease was taken over or went unconfirmed past
+the takeover time, and reads it again when it went unconfirmed for half of it (a paused
+process), so a holder resumed after a takeover stops before it writes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import fcntl
 import json
 import math
 import os
@@ -25,13 +34,18 @@ import threading
 import time
 import uuid
 
-from jaxtrain import storage
-from jaxtrain.errors import ConfigError
+from jaxtrain import retry, storage
+from jaxtrain.errors import ConfigError, LeaseLost, WorkdirBusy
 
 LEASE_FILE = ".lock"
 HEARTBEAT_S = 30.0
 STALE_S = 300.0
 HEARTBEAT_ENV = "JAXTRAIN_LEASE_HEARTBEAT_S"
+# A holder trusts its lease without asking the store for stale_s / 2 after its heartbeat,
+# and rewrites it blind (no conditional write: GCS through gcsfs) only within 3/4 of
+# stale_s: the rest is the margin for the write's own time and the hosts' clocks.
+TRUST_WITHIN = 0.5
+RENEW_WITHIN = 0.75
 STALE_ENV = "JAXTRAIN_LEASE_STALE_S"
 
 
@@ -46,7 +60,102 @@ class Seen:
     empty: bool = False  # a lease never is: a released local .lock copied into the bucket
 
 
-class Lease:
+class _Heartbeat:
+    """The held lease's side of Lease: its heartbeat thread, and the fencing every write
+    asks (check). Uses Lease's store calls (_read, _blob) and its fields."""
+
+    def _start(self) -> None:
+        self.held = True
+        self._confirmed = self._stamped
+        self.lost.clear()
+        storage.add_fence(self.check)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, name="jaxtrain-lease",
+                                        daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        failing = False
+        while not self._stop.wait(self.heartbeat_s):
+            with self._mutex:
+                if self._stop.is_set():
+                    return
+                try:
+                    if not self._renew():
+                        return
+                    failing = False
+                except Exception as e:  # the store unreachable: try again next beat
+                    if self._overdue():
+                        return
+                    if not failing:
+                        self.say(f"jaxtrain: could not renew the lease {self.path} "
+                                 f"({storage.first_line(e)}); retrying every {self.heartbeat_s:g}s")
+                    failing = True
+
+    def _renew(self) -> bool:
+        """Rewrites the lease with a fresh heartbeat if it is still ours; False (said once,
+        `lost` set) when another run has taken it over, or may have (_overdue). Fencing: a
+        taker judges by our last heartbeat, so once read as ours the lease is safe to
+        rewrite only until that heartbeat is RENEW_WITHIN of stale_s old; on S3 the write is
+        conditional on the version read (If-Match) and safe at any time."""
+        began = time.monotonic()
+        seen = self._read()
+        if seen is None or not self._ours(seen):
+            where = "it is gone" if seen is None else f"it is now held by {_describe(seen)}"
+            self._lose(f"lost the lease {self.path}: {where}; its heartbeat stopped")
+            return False
+        conditional = storage.scheme_of(self.path) == "s3" and bool(seen.version)
+        if not conditional and time.monotonic() - self._confirmed > RENEW_WITHIN * self.stale_s:
+            return not self._overdue()  # too late to write blind: the next beat judges
+        blob = self._blob()
+        # Cut off where a blind write would no longer be safe: no heartbeat lands late.
+        left = max(RENEW_WITHIN * self.stale_s - (time.monotonic() - self._confirmed), 0.1)
+        if conditional:
+            if not _put_if(self.fs, self.fpath, blob, seen.version, left):
+                return True  # changed since read: the next beat reads who holds it
+        else:
+            storage.put(self.path, blob, budget=left)
+        self._confirmed = began
+        return True
+
+    def _overdue(self) -> bool:
+        """True (and `lost` set, said once) when the lease has not been confirmed for longer
+        than the takeover time: another run may hold it now."""
+        late = time.monotonic() - self._confirmed
+        if late <= self.stale_s:
+            return False
+        self._lose(f"the heartbeat of the lease {self.path} failed for {late:.0f}s, longer "
+                   f"than the takeover time ({self.stale_s:g}s): another run may hold it now")
+        return True
+
+    def _lose(self, reason: str) -> None:
+        if not self.lost.is_set():
+            self.lost_reason = reason
+            self.say(f"jaxtrain: {reason}")
+            self.lost.set()
+
+    def check(self, path=None) -> None:
+        """Called before every write under the workdir (a storage fence): LeaseLost (one
+        line) when the lease was lost; when it was not confirmed within stale_s / 2 (this
+        process was paused, its heartbeat late), it is read and renewed first, so a holder
+        resumed after a takeover stops before it writes."""
+        if path is not None and not str(path).startswith(f"{self.workdir}/"):
+            return
+        if str(path) == str(self.path):
+            return
+        late = time.monotonic() - self._confirmed
+        if not self.lost.is_set() and late > TRUST_WITHIN * self.stale_s:
+            with self._mutex:
+                try:
+                    self._renew()
+                except Exception:  # noqa: BLE001 - unreachable: judged by the time alone
+                    self._overdue()
+        if self.lost.is_set():
+            raise LeaseLost(f"--workdir={self.workdir}: {self.lost_reason}; stopped before "
+                            "writing")
+
+
+class Lease(_Heartbeat):
     """An exclusive lease on an object-storage run directory; the interface of WorkdirLock
     (acquire, release, a context manager). `lost` is set when the heartbeat finds the lease
     taken over by another run."""
@@ -60,7 +169,12 @@ class Lease:
         self.heartbeat_s, self.stale_s = lease_times(heartbeat_s, stale_s)
         self.id = uuid.uuid4().hex  # tells two leases of one host and pid apart
         self.lost = threading.Event()
+        self.lost_reason = ""
         self.held = False
+        # When the lease was last known ours (time.monotonic() as its heartbeat was stamped):
+        # a write is let through without asking the store only within stale_s / 2 of it.
+        self._confirmed = self._stamped = -math.inf
+        self._host = HostLock(self.workdir)
         self._since = ""
         self._stop = threading.Event()
         self._mutex = threading.Lock()  # a heartbeat and the release never interleave
@@ -70,7 +184,10 @@ class Lease:
         try:
             if self.fs is None:
                 self.fs, self.fpath = storage.filesystem(self.path)
-            self._acquire()
+            # The one retry policy: a lost connection while acquiring is tried again (a
+            # create whose reply was lost finds its own lease: _ours).
+            retry.call(lambda _timeout: self._acquire(), f"acquiring the lease {self.path}",
+                       user_error=lambda e: storage.user_error(e, "--workdir", self.workdir))
         except ConfigError:
             raise
         except Exception as e:
@@ -81,6 +198,7 @@ class Lease:
 
     def _acquire(self) -> None:
         self._since = now()
+        self._host.take()
         taken, seen = None, None
         for _ in range(4):  # a lease that vanishes or changes under us: look again
             if self._create():
@@ -91,6 +209,9 @@ class Lease:
             seen = self._read()
             if seen is None:
                 continue
+            if self._ours(seen):  # our create went through; its reply was lost
+                self._start()
+                return
             reason = self._stale(seen)
             if reason is None:
                 break
@@ -102,7 +223,9 @@ class Lease:
     def release(self) -> None:
         """Stops the heartbeat and deletes the lease if it is still ours; a lease this cannot
         delete (the store is unreachable) goes stale after stale_s."""
+        storage.remove_fence(self.check)
         if not self.held:
+            self._host.release()
             return
         self._stop.set()
         with self._mutex:
@@ -118,6 +241,7 @@ class Lease:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+        self._host.release()
 
     def __enter__(self) -> Lease:
         self.acquire()
@@ -129,12 +253,17 @@ class Lease:
     # -- the object ---------------------------------------------------------------------
 
     def _blob(self) -> bytes:
+        """The lease's content: who holds it (host, pid, and what tells this run from any
+        other with the same pid: its id, the boot, pid namespace and start time of its
+        process, and the host lock it holds) and a fresh heartbeat."""
         return (json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                             "since": self._since, "heartbeat": time.time(),
-                            "argv": sys.argv, "id": self.id}) + "\n").encode()
+                            "argv": sys.argv, "id": self.id, **process_identity(),
+                            "hostlock": self._host.identity()}) + "\n").encode()
 
     def _create(self) -> bool:
         """True when this call created the lease; False when one exists."""
+        self._stamped = time.monotonic()
         try:
             self.fs.pipe_file(self.fpath, self._blob(), mode="create")
             return True
@@ -143,10 +272,13 @@ class Lease:
 
     def _read(self) -> Seen | None:
         """The lease as it is now, or None when there is none."""
+        # Each request cut off within the takeover time: a hung store must not keep the
+        # heartbeat from noticing that the lease may be lost (_overdue).
+        timeout = self.stale_s / 4
         try:
             self.fs.invalidate_cache(self.fpath)
-            info = self.fs.info(self.fpath)
-            blob = self.fs.cat_file(self.fpath)
+            info = storage.run_async(self.fs, self.fs._info(self.fpath), timeout)
+            blob = storage.run_async(self.fs, self.fs._cat_file(self.fpath), timeout)
         except FileNotFoundError:
             return None
         version = info.get("ETag") or info.get("generation")
@@ -184,70 +316,74 @@ class Lease:
         return seen.holder is not None and seen.holder.get("id") == self.id
 
     def _stale(self, seen: Seen) -> str | None:
-        """Why the lease may be taken over ('which is no longer running', 'whose last
-        heartbeat was 400s ago'), or None while its holder may be alive."""
-        holder = seen.holder
-        if seen.empty:
-            return "which was released (the object is empty)"
-        if holder is not None and holder.get("host") == socket.gethostname() \
-                and not _alive(holder.get("pid")):
-            return "which is no longer running"
-        age = _age(seen)
-        if age is not None and age > self.stale_s:
-            if _believed_heartbeat(seen) is not None:
-                return f"whose last heartbeat was {age:.0f}s ago"
-            if _heartbeat(holder) is not None:
-                return (f"whose heartbeat is stamped in the future and which was last "
-                        f"written {age:.0f}s ago")
-            unreadable = " is unreadable and" if holder is None else ""
-            return f"which{unreadable} was last written {age:.0f}s ago"
-        return None
+        return stale_reason(seen, self.stale_s, self._host)
 
     def _refusal(self, seen: Seen | None) -> ConfigError:
-        age = _age(seen) if seen is not None else None
-        when = "unknown" if age is None else f"{age:.0f}s ago"
-        return ConfigError(f"--workdir={self.workdir} is in use by {_describe(seen)}, "
-                           f"{_age_label(seen)} {when} ({self.path}; taken over after "
-                           f"{self.stale_s:g}s without a heartbeat); wait for that run to "
-                           "end or stop it, or use another --workdir")
+        return refusal(self.workdir, self.path, seen, self.stale_s)
 
-    # -- the heartbeat ----------------------------------------------------------------
 
-    def _start(self) -> None:
-        self.held = True
-        self.lost.clear()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._beat, name="jaxtrain-lease",
-                                        daemon=True)
-        self._thread.start()
+def stale_reason(seen: Seen, stale_s: float, host: HostLock) -> str | None:
+    """Why the lease may be taken over ('which is no longer running', 'whose last
+    heartbeat was 400s ago'), or None while its holder may be alive."""
+    holder = seen.holder
+    if seen.empty:
+        return "which was released (the object is empty)"
+    if holder is not None and dead_here(holder, host):
+        return "which is no longer running"
+    age = _age(seen)
+    if age is not None and age > stale_s:
+        if _believed_heartbeat(seen) is not None:
+            return f"whose last heartbeat was {age:.0f}s ago"
+        if _heartbeat(holder) is not None:
+            return (f"whose heartbeat is stamped in the future and which was last "
+                    f"written {age:.0f}s ago")
+        unreadable = " is unreadable and" if holder is None else ""
+        return f"which{unreadable} was last written {age:.0f}s ago"
+    return None
 
-    def _beat(self) -> None:
-        failing = False
-        while not self._stop.wait(self.heartbeat_s):
-            with self._mutex:
-                if self._stop.is_set():
-                    return
-                try:
-                    if not self._renew():
-                        return
-                    failing = False
-                except Exception as e:  # the store unreachable: try again next beat
-                    if not failing:
-                        self.say(f"jaxtrain: could not renew the lease {self.path} "
-                                 f"({storage.first_line(e)}); retrying every {self.heartbeat_s:g}s")
-                    failing = True
 
-    def _renew(self) -> bool:
-        """Rewrites the lease with a fresh heartbeat if it is still ours; False (said once,
-        `lost` set) when another run has taken it over."""
-        seen = self._read()
-        if seen is None or not self._ours(seen):
-            where = "it is gone" if seen is None else f"it is now held by {_describe(seen)}"
-            self.say(f"jaxtrain: lost the lease {self.path}: {where}; its heartbeat stopped")
-            self.lost.set()
-            return False
-        storage.atomic_write(self.path, self._blob())
-        return True
+def dead_here(holder: dict, host: HostLock) -> bool:
+    """Whether the holder is a process of this host (same name and boot) that is known to
+    be gone: in this pid namespace, no process with its pid and start time (a restart in a
+    container is pid 1 again); in another (a container's restart has a new one), its host
+    lock is free, which this run (`host`) now holds. A lease from before these fields
+    judges by pid alone."""
+    if holder.get("host") != socket.gethostname():
+        return False
+    if "boot" not in holder:
+        return not _alive(holder.get("pid"))
+    mine = process_identity()
+    if holder.get("boot") != mine["boot"]:
+        return False  # a reboot, or another machine of that name: the heartbeat decides
+    if holder.get("pidns") == mine["pidns"]:
+        return _start_time(holder.get("pid")) != holder.get("start")
+    return host.held and holder.get("hostlock") == host.identity()
+
+
+def refusal(workdir, path, seen: Seen | None, stale_s: float) -> WorkdirBusy:
+    """The one line (exit code IN_USE) of a run refused by a live lease."""
+    age = _age(seen) if seen is not None else None
+    when = "unknown" if age is None else f"{age:.0f}s ago"
+    return WorkdirBusy(f"--workdir={workdir} is in use by {_describe(seen)}, "
+                       f"{_age_label(seen)} {when} ({path}; taken over after "
+                       f"{stale_s:g}s without a heartbeat); wait for that run to "
+                       "end or stop it, or use another --workdir")
+
+
+def _put_if(fs, fpath: str, blob: bytes, version: str, timeout: float) -> bool:
+    """S3 put_object conditional on the object's ETag (If-Match), cut off after `timeout`
+    seconds; False when the object changed since."""
+    bucket, key = fpath.split("/", 1)
+    try:
+        storage.run_async(fs, fs._call_s3("put_object", Bucket=bucket, Key=key, Body=blob,
+                                          IfMatch=version), timeout)
+    except OSError as e:
+        if not _precondition_failed(e):
+            raise
+        return False
+    finally:
+        fs.invalidate_cache(fpath)
+    return True
 
 
 def lease_times(heartbeat_s: float | None = None,
@@ -351,6 +487,72 @@ def _modified(info: dict) -> float | None:
                 value = value.replace(tzinfo=datetime.UTC)
             return value.timestamp()
     return None
+
+
+class HostLock:
+    """A flock on a file of this host's scratch folder for the workdir, held for as long as
+    the lease: the kernel releases it however its holder dies, and every pid namespace of
+    the host sees it. A run that finds a lease of this host naming this very file (device
+    and inode) while it holds the flock itself knows that lease's holder is gone, though
+    its pid is not visible from here (a container restarted in a new pid namespace)."""
+
+    def __init__(self, workdir):
+        self.path = storage.scratch_dir(workdir, "lease") / "host.lock"
+        self.handle = None
+        self.held = False
+
+    def take(self) -> None:
+        """Takes the flock if no other process of this host holds it (no wait)."""
+        if self.handle is None:
+            self.handle = open(self.path, "a+")
+        try:
+            fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.held = True
+        except OSError:
+            self.held = False
+
+    def identity(self) -> list[int] | None:
+        """[device, inode] of the file while this run holds its flock, else None."""
+        if not self.held:
+            return None
+        stat = os.fstat(self.handle.fileno())
+        return [stat.st_dev, stat.st_ino]
+
+    def release(self) -> None:
+        if self.handle is not None:
+            self.handle.close()  # closing drops the flock
+        self.handle, self.held = None, False
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _start_time(pid) -> int | None:
+    """The start time of process `pid` in this pid namespace (clock ticks since boot, field
+    22 of /proc/PID/stat), or None when there is no such process."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return None
+    stat = _read_text(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
+    return int(fields[19]) if len(fields) > 19 else None
+
+
+def process_identity() -> dict:
+    """What tells this process from any other that has, or had, its pid: the host's boot,
+    its pid namespace, and its start time."""
+    boot = (_read_text("/proc/sys/kernel/random/boot_id") or "").strip() or None
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = None
+    return {"boot": boot, "pidns": pidns, "start": _start_time(os.getpid())}
 
 
 def _alive(pid) -> bool:

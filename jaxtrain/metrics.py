@@ -110,6 +110,11 @@ class MetricsWriter:
             if hasattr(sink, "flush"):  # optional: a sink may store each row as it comes
                 sink.flush()
 
+    def sync(self, timeout: float | None = None) -> bool:
+        """Waits until the rows flushed so far are stored (or their writes gave up), in
+        every sink that writes in the background; False when `timeout` ran out."""
+        return all(sink.sync(timeout) for sink in self.sinks if hasattr(sink, "sync"))
+
     def advance(self, steps: int) -> None:
         if self.bar is not None:
             self.bar.update(steps)

@@ -16,13 +16,17 @@ the highest listed, by conditional create (S3 `If-None-Match: *`, GCS `ifGenerat
 so two writers never share one, and a run resumed after another gets a higher one. Other
 objects under metrics/ are ignored.
 
-When rows are durable: a writer (MetricsLog) keeps rows in memory and writes a segment at
-the first row logged `flush_s` seconds (60) after the last segment, on flush() and on
-close(). The loop flushes before every checkpoint save (train/checkpointing.py), so the rows
-up to a checkpoint's step are stored before it commits; a killed run loses only rows past
-its newest checkpoint, which its resume logs again. Requests: at most 3600 / flush_s PUTs
-an hour (60 at the default), plus one per checkpoint save that has rows to write and one
-LIST when a session writes its first segment; reading is one LIST and a GET per segment.
+When rows are durable: a writer (MetricsLog) keeps rows in memory and hands them to its
+writer thread at the first row logged `flush_s` seconds (60) after the last flush, on
+flush() and on close(); the thread writes each flush as one segment under the one retry
+policy (retry.py), so the training thread never waits on the store. The loop flushes before
+every checkpoint save (train/checkpointing.py), so the rows up to a checkpoint's step are on
+their way before it commits; a killed run loses only the rows not stored yet, which its
+resume logs again from its checkpoint's step. An outage within the retry budget costs no
+row; a longer one is one line, and its rows go out with the next segment (or are named at
+close). A stall is said while it lasts. Requests: at most 3600 / flush_s PUTs an hour (60 at
+the default), plus one per checkpoint save that has rows to write and one LIST when a
+session writes its first segment; reading is one LIST and a GET per segment.
 
 A resume (keep_metrics_up_to) rewrites the log without rename, in two phases: (1) a base
 segment, the first of a new session S, holds the kept rows after the header line
@@ -36,9 +40,11 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import threading
 import time
 
-from jaxtrain import storage
+from jaxtrain import retry, storage
 from jaxtrain.workdir import METRICS_DIR as SEGMENTS_DIR
 from jaxtrain.workdir import METRICS_FILE
 
@@ -92,50 +98,156 @@ def keep_metrics_up_to(workdir, step: int, say=print) -> None:
 
 class MetricsLog:
     """The writer of a run's metrics log: write(row) per row, flush() to make the rows so
-    far durable, close() at the end. Local rows are on disk when write returns; remote ones
-    are kept and written as one segment per flush (module docstring)."""
+    far durable, close() at the end. Local rows are on disk when write returns. Remote ones
+    are kept and written as one segment per flush by a background thread (SegmentWriter):
+    the training thread never waits on the store."""
 
-    def __init__(self, workdir, flush_s: float = FLUSH_S):
+    def __init__(self, workdir, flush_s: float = FLUSH_S, say=None):
         self.file = None
-        if not storage.is_remote(workdir):
+        self.segments = None
+        if storage.is_remote(workdir):
+            self.segments = SegmentWriter(location(workdir), flush_s, say or _say)
+        else:
             self.file = open(location(workdir), "ab", buffering=0)
-            return
-        self.directory, self.flush_s = location(workdir), flush_s
-        self.lines: list[str] = []
-        self.session: int | None = None  # taken by the first segment
-        self.seq = 0
-        self.flushed = time.monotonic()
+
+    @property
+    def flush_s(self) -> float:
+        return self.segments.flush_s
+
+    @flush_s.setter
+    def flush_s(self, value: float) -> None:
+        self.segments.flush_s = value
 
     def write(self, row: dict) -> None:
         line = json.dumps(row) + "\n"
-        if self.file is not None:
-            # One unbuffered write per row: whoever reads the file of a live run sees whole
-            # rows (a line-buffered file could flush a row in two pieces around its buffer).
-            self.file.write(line.encode())
+        if self.segments is not None:
+            self.segments.write(line)
             return
-        self.lines.append(line)
-        if time.monotonic() - self.flushed >= self.flush_s:
-            self.flush()
+        # One unbuffered write per row: whoever reads the file of a live run sees whole rows
+        # (a line-buffered file could flush a row in two pieces around its buffer).
+        self.file.write(line.encode())
 
     def flush(self) -> None:
-        if self.file is not None:
-            return  # every row is already in the file
-        self.flushed = time.monotonic()
-        if not self.lines:
-            return
-        blob = "".join(self.lines)
-        if self.session is None:
-            self.session = _claim(self.directory, blob)
-        else:
-            storage.atomic_write(self.directory / _name(self.session, self.seq), blob)
-        self.seq += 1
-        self.lines = []  # only once stored: a failed PUT keeps them for the next try
+        """Local: nothing to do (every row is in the file). Remote: hands the rows so far to
+        the background writer and returns at once; sync() waits for them."""
+        if self.segments is not None:
+            self.segments.flush()
+
+    def sync(self, timeout: float | None = None) -> bool:
+        """Waits until every row flushed so far is stored, or its write gave up; False when
+        `timeout` ran out first."""
+        return True if self.segments is None else self.segments.sync(timeout)
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
         else:
+            self.segments.close()
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class SegmentWriter:
+    """The remote log's writer thread. Rows wait in memory until a flush hands them over;
+    the thread writes them as one segment under the one retry policy (retry.py): an outage
+    within the budget costs nothing, a stall is said while it lasts (naming the store and
+    how long), and a write that gives up says one line and keeps its rows, which go out
+    with the next segment. Rows stay in order: one thread writes, and a failed segment's
+    rows go back before any newer ones."""
+
+    def __init__(self, directory, flush_s: float, say):
+        self.directory, self.flush_s, self.say = directory, flush_s, say
+        self.lines: list[str] = []  # rows not flushed yet
+        self.batches: list[list[str]] = []  # flushed rows not stored yet, a segment each
+        self.session: int | None = None  # taken by the first segment
+        self.seq = 0
+        self.flushed = time.monotonic()
+        self._cond = threading.Condition()
+        self._asked = self._done = 0  # flushes requested, and finished (stored or given up)
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def write(self, line: str) -> None:
+        with self._cond:
+            self.lines.append(line)
+        if time.monotonic() - self.flushed >= self.flush_s:
             self.flush()
+
+    def flush(self) -> None:
+        self.flushed = time.monotonic()
+        with self._cond:
+            if not self.lines:
+                return
+            self.batches.append(self.lines)  # one segment each, in order
+            self.lines = []
+            self._asked += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="jaxtrain-metrics",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def sync(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            target = self._asked
+            return self._cond.wait_for(lambda: self._done >= target, timeout)
+
+    def close(self) -> None:
+        """Flushes, and waits for the writes to end (each within its retry budget); rows
+        that could not be stored are said in one line."""
+        self.flush()
+        with self._cond:
+            if self.batches and self._done >= self._asked:
+                self._asked += 1  # a last try of rows an earlier write gave up on
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        left = sum(len(batch) for batch in self.batches)
+        if left:
+            self.say(f"jaxtrain: {left} metrics rows were not stored in {self.directory} "
+                     "(the store did not answer; see above)")
+
+    def _run(self) -> None:
+        """Writes the flushed batches in order until one fails; a failed one stays first
+        and is tried again at the next flush (or at close)."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._done < self._asked or self._closing)
+                if self._done >= self._asked:
+                    return  # closing, and the last try is over
+                target, batches = self._asked, list(self.batches)
+            for batch in batches:
+                if not self._store("".join(batch)):
+                    break
+                with self._cond:
+                    self.batches.pop(0)
+            with self._cond:
+                self._done = target
+                self._cond.notify_all()
+
+    def _store(self, blob: str) -> bool:
+        """Writes one segment; False (said in one line) when the store did not take it
+        within the retry budget."""
+        rows = blob.count("\n")
+        try:
+            if self.session is None:
+                self.session = _claim(self.directory, blob, say=self.say)
+            else:
+                storage.put(self.directory / _name(self.session, self.seq), blob.encode(),
+                            say=self.say)
+        except Exception as e:  # noqa: BLE001 - said in one line; the rows are kept
+            self.say(f"jaxtrain: could not store {rows} metrics rows in {self.directory} "
+                     f"({_first_line(e)}); they are kept and written with the next segment")
+            return False
+        self.seq += 1
+        return True
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error) if isinstance(error, retry.Unreachable) else storage.first_line(error)
 
 
 def _jsonl(rows: list[dict]) -> str:
@@ -146,30 +258,34 @@ def _name(session: int, seq: int) -> str:
     return f"{session:08d}-{seq:06d}.jsonl"
 
 
-def _listing(directory) -> list[tuple[int, int, str]]:
-    """(session, segment, name) of every segment under `directory`, in log order."""
+def _listing(directory, timeout: float | None = None) -> list[tuple[int, int, str]]:
+    """(session, segment, name) of every segment under `directory`, in log order; the
+    request cut off after `timeout` seconds (the writer's retry policy) if given."""
     fs, root = storage.filesystem(directory)
     fs.invalidate_cache()  # another process (the run, a resume) may have written since
     try:
-        names = [p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
+        listed = fs.ls(root, detail=False) if timeout is None else \
+            storage.run_async(fs, fs._ls(root, detail=False), timeout)
+        names = [p.rsplit("/", 1)[-1] for p in listed]
     except FileNotFoundError:
         return []
     found = [(_SEGMENT.match(n), n) for n in names]
     return sorted((int(m.group(1)), int(m.group(2)), n) for m, n in found if m)
 
 
-def _claim(directory, body: str, base: bool = False) -> int:
+def _claim(directory, body: str, base: bool = False, say=None) -> int:
     """Writes `body` as the first segment of a new session (a base segment if `base`) and
     returns its number: one more than the highest listed, or the next free one if another
     writer took that meanwhile."""
     fs, root = storage.filesystem(directory)
-    listed = _listing(directory)
+    listed = retry.call(lambda timeout: _listing(directory, timeout), f"listing {directory}",
+                        say=say)
     session = listed[-1][0] + 1 if listed else 0
     while True:
         head = json.dumps({BASE_KEY: session}) + "\n" if base else ""
         path, blob = f"{root}/{_name(session, 0)}", (head + body).encode()
         try:
-            fs.pipe_file(path, blob, mode="create")
+            storage.put(directory / _name(session, 0), blob, mode="create", say=say)
             return session
         except FileExistsError:
             # Ours if it holds these very bytes: a create the client retried after its reply

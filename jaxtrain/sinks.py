@@ -29,8 +29,9 @@ WANDB_MODES = ("online", "offline", "disabled")
 
 
 class Sink(Protocol):
-    """Also, optionally, flush(): make the rows written so far durable (the loop calls it
-    before each checkpoint save, so a resume finds the rows up to its step)."""
+    """Also, optionally, flush(): make the rows written so far durable, or start to, without
+    waiting on a remote store (the loop calls it before each checkpoint save, so a resume
+    finds the rows up to its step); and sync(timeout): wait for what flush started."""
 
     def write(self, step: int, row: dict) -> None: ...
 
@@ -48,7 +49,10 @@ class JsonlSink:
         self.log.write({"step": int(step), **row})
 
     def flush(self) -> None:
-        self.log.flush()
+        self.log.flush()  # hands the rows to the log's writer thread; sync() waits for them
+
+    def sync(self, timeout: float | None = None) -> bool:
+        return self.log.sync(timeout)
 
     def close(self) -> None:
         self.log.close()

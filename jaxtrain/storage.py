@@ -14,6 +14,7 @@ no rename and no append; and a failed request says why in the client's own excep
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import hashlib
@@ -24,9 +25,11 @@ import re
 import tempfile
 
 import fsspec
+import fsspec.asyn
 import fsspec.callbacks
 from etils import epath
 
+from jaxtrain import retry
 from jaxtrain.errors import ConfigError, DataError, JaxtrainError, require_package
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -109,7 +112,7 @@ def atomic_write(path, data: bytes | str) -> None:
     (an object is only ever seen whole)."""
     blob = data.encode() if isinstance(data, str) else data
     if is_remote(path):
-        path.write_bytes(blob)
+        put(path, blob)
         return
     path = pathlib.Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -123,6 +126,48 @@ def atomic_write(path, data: bytes | str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+# Checks every remote write makes first (a held lease's `check`: it raises when this run may
+# no longer write to its workdir). Called with the path about to be written.
+_fences: list = []
+
+
+def add_fence(check) -> None:
+    _fences.append(check)
+
+
+def remove_fence(check) -> None:
+    if check in _fences:
+        _fences.remove(check)
+
+
+def fence(path) -> None:
+    """Every fence's check of a write to `path`, before it is made."""
+    for check in list(_fences):
+        check(path)
+
+
+def put(path, blob: bytes, mode: str = "overwrite", say=None,
+        budget: float | None = None) -> None:
+    """One object written whole, under the one retry policy (retry.py): each attempt is
+    cut off at what is left of the budget, a transient failure is tried again, and
+    retry.Unreachable (one line) ends it. mode="create": only if there is no such object
+    (FileExistsError otherwise, not retried). `say`: where a stall is reported."""
+    fs, name = filesystem(path)
+
+    def attempt(timeout: float) -> None:
+        fence(path)  # before every attempt: a retry may come after the lease is lost
+        run_async(fs, fs._pipe_file(name, blob, mode=mode), timeout)
+
+    retry.call(attempt, f"writing {path}", say=say, budget=budget)
+
+
+def run_async(fs, coroutine, timeout: float):
+    """One of an fsspec filesystem's coroutines, run on its loop and cancelled after
+    `timeout` seconds (its client's own retries too: gcsfs sleeps up to ~35 s on a lost
+    server, s3fs waits 60 s for a read)."""
+    return fsspec.asyn.sync(fs.loop, asyncio.wait_for, coroutine, timeout)
 
 
 def write_json(path, obj, indent: int | None = None, sort_keys: bool = False,
@@ -150,7 +195,11 @@ def copy_file(fs, source: str, target: str, upload: bool, progress=None) -> None
     """fs.put_file (upload) or fs.get_file, reporting bytes to `progress(n)` (all of the
     file's bytes by its end, however finely the client reports)."""
     callback = _Bytes(progress or (lambda n: None))
-    (fs.put_file if upload else fs.get_file)(source, target, callback=callback)
+    # Not cut off by a timeout (a large file takes its time); a failed attempt is tried
+    # again whole under the one policy, and the bytes it sent are not counted twice.
+    retry.call(lambda _timeout: (fs.put_file if upload else fs.get_file)(
+        source, target, callback=callback),
+        f"{'uploading' if upload else 'downloading'} {source if not upload else target}")
     size = os.path.getsize(source if upload else target)
     if progress is not None and size > callback.seen:
         progress(size - callback.seen)
@@ -205,7 +254,7 @@ def download_tree(remote, local: pathlib.Path, what: str | None = None) -> pathl
     local.mkdir(parents=True, exist_ok=True)
     for name, target in zip(names, targets):
         target.parent.mkdir(parents=True, exist_ok=True)
-        fs.get_file(name, str(target))
+        copy_file(fs, name, str(target), False)
     return local
 
 

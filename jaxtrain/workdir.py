@@ -15,8 +15,8 @@ import pathlib
 import socket
 import sys
 
-from jaxtrain import storage
-from jaxtrain.errors import ConfigError
+from jaxtrain import retry, storage
+from jaxtrain.errors import ConfigError, WorkdirBusy
 from jaxtrain.lease import Lease, describe_holder, now
 
 # The layout of WORKDIR.
@@ -59,6 +59,7 @@ def prepare_workdir(workdir) -> None:
     """Creates the directory (a prefix needs no creating) and checks that it can be written
     and is a run's (check_run_folder); ConfigError (one line) when it cannot: the disk's
     reason, or the object store's (credentials, bucket, permission)."""
+    retry.budget_s(), retry.stall_s()  # a bad $JAXTRAIN_STORAGE_* is one line, up front
     check_writable(workdir, "--workdir")
     check_run_folder(workdir)
 
@@ -171,7 +172,7 @@ class WorkdirLock:
         except OSError:
             holder = _holder(self.path)
             handle.close()
-            raise ConfigError(f"--workdir={self.path.parent} is in use by {holder} "
+            raise WorkdirBusy(f"--workdir={self.path.parent} is in use by {holder} "
                               f"({self.path}); wait for that run to end or stop it, or use "
                               "another --workdir") from None
         left = _read(handle)

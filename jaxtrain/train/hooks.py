@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxtrain.errors import LeaseLost
+
 
 @dataclasses.dataclass
 class StepInfo:
@@ -31,6 +33,22 @@ class Hook:
 
     def after_step(self, info: StepInfo) -> None:
         pass
+
+
+class LeaseGuard(Hook):
+    """Stops the run before the next step once its workdir lease is lost (taken over, or its
+    heartbeat failed past the takeover time): LeaseLost, one line, exit code IN_USE. The
+    writes themselves are fenced in storage (Lease.check); this keeps the training thread
+    from computing steps it could never save. A flag read: no I/O on the training thread."""
+
+    def __init__(self, lock):
+        self.lock = lock
+
+    def before_step(self, step: int) -> None:
+        lost = getattr(self.lock, "lost", None)
+        if lost is not None and lost.is_set():
+            raise LeaseLost(f"--workdir={self.lock.workdir}: {self.lock.lost_reason}; "
+                            f"stopped before step {step + 1}")
 
 
 class Halt(Exception):  # noqa: N818 - a control-flow signal, like StopIteration

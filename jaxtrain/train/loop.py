@@ -30,7 +30,7 @@ from jax.experimental import multihost_utils
 
 from jaxtrain.data import record
 from jaxtrain.data.batches import make_batches, to_global
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, WorkdirBusy
 from jaxtrain.metrics import MetricsWriter, flops_per_token, peak_flops_per_device
 from jaxtrain.metrics_log import keep_metrics_up_to, read_metrics
 from jaxtrain.models.attention import computed_scores
@@ -41,7 +41,7 @@ from jaxtrain.train.evaluation import Evaluator
 from jaxtrain.train.faults import data_with_faults
 from jaxtrain.train.goodput import Goodput
 from jaxtrain.train.guards import BadStepGuard, StopOnRequest
-from jaxtrain.train.hooks import Halt, StepInfo
+from jaxtrain.train.hooks import Halt, LeaseGuard, StepInfo
 from jaxtrain.train.preemption import StartupStopped, StopRequest
 from jaxtrain.train.profiling import ProfileWindow
 from jaxtrain.train.restore_check import FirstStepCheck, RestoreRejected, expected_first_loss
@@ -73,6 +73,7 @@ class _Run:
     say: Callable[[str], None]
     logged: dict[int, float]  # loss by step in metrics.jsonl as this run found it
     compiled: dict = dataclasses.field(default_factory=dict)  # "train", "eval" steps
+    lock: object = None  # the workdir's lock (a lease on object storage: LeaseGuard)
 
     @property
     def workdir(self) -> pathlib.Path:
@@ -96,7 +97,7 @@ def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None,
     prepare_workdir(workdir)
     main_process = jax.process_index() == 0
     say = _say if main_process else _quiet
-    with StopRequest() as stop, _locked(workdir, main_process, say):
+    with StopRequest() as stop, _locked(workdir, main_process, say) as lock:
         tiers = Tiers(cfg, workdir, say, on_commit=stop.durable)
         had_checkpoints = any(tier.steps() for tier in tiers.all)
         try:
@@ -104,7 +105,7 @@ def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None,
             record.check_and_store(workdir, *data, had_checkpoints,
                                    cfg.data.allow_changed, write=main_process)
             r = _Run(setup, batches, tasks, tiers, stop, started, say,
-                     _logged_losses(workdir) if main_process else {})
+                     _logged_losses(workdir) if main_process else {}, lock=lock)
             while True:
                 try:
                     return _session(r)
@@ -170,7 +171,7 @@ def _train(r: _Run, state, start: int, restored: Restored | None, writer: Metric
                 writer.write(0, {"val_loss": value})
             stop.check("before the first step")
             checkpointer = Checkpointer(r.tiers, cfg, logger, start, stop)
-            hooks = [*_first_step_check(r, state, restored),
+            hooks = [LeaseGuard(r.lock), *_first_step_check(r, state, restored),
                      ProfileWindow(workdir, cfg.profile.start_step, cfg.profile.num_steps,
                                    writer.enabled, say=writer.print),
                      logger, BadStepGuard(cfg.train.max_consecutive_bad_steps,
@@ -258,7 +259,8 @@ def _locked(workdir: pathlib.Path, main_process: bool, say):
     if jax.process_count() > 1:
         held = multihost_utils.broadcast_one_to_all(np.int32(problem is None))
         if not held and problem is None:
-            problem = ConfigError(f"--workdir={workdir}: process 0 could not lock it")
+            # Every process exits IN_USE with process 0, so a launcher retries them all.
+            problem = WorkdirBusy(f"--workdir={workdir}: process 0 could not lock it")
     if problem is not None:
         raise problem
     try:

@@ -16,5 +16,12 @@ gcloud compute tpus tpu-vm ssh "$TPU" --zone "$ZONE" --worker=all --command "
   set -e
   [ -d jaxtrain ] || git clone https://example.invalid/your/jaxtrain.git jaxtrain
   cd jaxtrain && python3 -m pip install -q -e '.[tpu]'
-  python3 -m jaxtrain.main --config $CONFIG --workdir $WORKDIR $*
+  # Exit 75 (the workdir in use: a dead run's lease, stale JAXTRAIN_LEASE_STALE_S after its
+  # last heartbeat) is retried after that wait, up to 5 times; every worker exits 75 together.
+  for try in 1 2 3 4 5; do
+    set +e; python3 -m jaxtrain.main --config $CONFIG --workdir $WORKDIR $*; status=\$?; set -e
+    [ \$status -eq 75 ] || exit \$status
+    sleep \${JAXTRAIN_LEASE_STALE_S:-300}
+  done
+  exit 75
 "
