@@ -1,9 +1,9 @@
 """The planner's memory estimate against XLA's compiled step on real shapes: every shipped
 config on its target's device count, the published runs' layouts (plan/published_runs.json)
-with fewer layers so that a CPU compile fits this machine, and the small test grid
-(plan/grid.py).
+with fewer layers so that a CPU compile fits this machine, the small test grid
+(plan/grid.py), and Llama-3-8B LoRA with its frozen base in each storage kind (--qlora).
 
-    python scripts/memory_check.py [--configs] [--published] [--grid] [--markdown]
+    python scripts/memory_check.py [--configs] [--published] [--grid] [--qlora] [--markdown]
                                    [--json FILE] [--update] [CASE ...]
 
 Each case compiles in a fresh process with N fake CPU devices (plan/compile_check.py) and is
@@ -47,6 +47,24 @@ def shipped_cases() -> list[dict]:
     return [{"case": name, "config_file": f"configs/{name}",
              "overrides": {}, "devices": devices, "hardware": hw}
             for name, (hw, devices) in SHIPPED_TARGETS.items()]
+
+
+# Llama-3-8B LoRA on one 24 GB GPU (docs/finetune.md, issue #39): rank 16 on every dense
+# projection, seq 2048, batch 1, full remat, the frozen base in each storage kind. One CPU
+# device compiles each in 30-45 s on two cores (2026-12-05).
+LLAMA_3_8B_LORA = {
+    "model.d_model": 4096, "model.num_layers": 32, "model.num_heads": 32,
+    "model.num_kv_heads": 8, "model.mlp_dim": 14336, "model.vocab_size": 128256,
+    "model.rope_theta": 500000.0, "model.seq_len": 2048, "model.remat": "full",
+    "train.global_batch": 1, "mesh.fsdp": 1, "model.lora.rank": 16,
+    "model.lora.targets": "q,k,v,o,up,gate,down"}
+BASE_DTYPES = ("float32", "bfloat16", "int8", "nf4")
+
+
+def qlora_cases() -> list[dict]:
+    return [{"case": f"llama-3-8b lora base {kind}", "config_file": "configs/llama_1b.py",
+             "overrides": {**LLAMA_3_8B_LORA, "model.lora.base_dtype": kind},
+             "devices": 1, "hardware": "RTX-4090"} for kind in BASE_DTYPES]
 
 
 def scaled_run(run: dict, max_devices: int = MAX_DEVICES, cpu: bool = True) -> dict:
@@ -108,6 +126,8 @@ def main() -> None:
     parser.add_argument("--configs", action="store_true", help="the shipped configs")
     parser.add_argument("--published", action="store_true", help="the published runs")
     parser.add_argument("--grid", action="store_true", help="the test grid")
+    parser.add_argument("--qlora", action="store_true",
+                        help="Llama-3-8B LoRA with each frozen-base storage kind")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--update", action="store_true",
@@ -115,7 +135,7 @@ def main() -> None:
     parser.add_argument("cases", nargs="*", help="case names (default: all)")
     args = parser.parse_args()
     groups = {"configs": shipped_cases, "published": lambda: [
-        scaled_run(r) for r in published.runs()], "grid": grid_cases}
+        scaled_run(r) for r in published.runs()], "grid": grid_cases, "qlora": qlora_cases}
     chosen = [g for g in groups if getattr(args, g)] or list(groups)
     cases = [c for g in chosen for c in groups[g]()]
     if args.cases:

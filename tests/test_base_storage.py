@@ -85,7 +85,7 @@ def test_a_stacked_weight_is_quantized_layer_by_layer_as_each_linear(shape, axes
     for layer in range(shape[0]):
         linear = np.ascontiguousarray(out_in(w[layer]))  # torch's [out, in]
         functional, packed, state = _bnb(linear)
-        np.testing.assert_array_equal(np.asarray(stored["codes"][layer]),
+        np.testing.assert_array_equal(np.asarray(stored.codes[layer]),
                                       packed.numpy().reshape(-1))
         theirs = functional.dequantize_4bit(packed, state).numpy()
         np.testing.assert_allclose(out_in(back[layer]), theirs, rtol=0, atol=1e-4 * 0.02)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx, traverse_util
 
 from jaxtrain.errors import fail
+from jaxtrain.models import base_storage
 from jaxtrain.models.families import FAMILIES
 from jaxtrain.models.layers import LowRank
 
@@ -73,6 +74,7 @@ class LoraSpec:
     rank: int
     alpha: float
     targets: tuple[str, ...]
+    base_dtype: str = "float32"  # the frozen base's storage (models/base_storage.py)
 
     @property
     def scale(self) -> float:
@@ -82,7 +84,8 @@ class LoraSpec:
     def from_config(cls, m) -> LoraSpec | None:
         if not m.lora.rank:
             return None
-        return cls(m.lora.rank, float(m.lora.alpha), parse_targets(m.lora.targets))
+        return cls(m.lora.rank, float(m.lora.alpha), parse_targets(m.lora.targets),
+                   str(m.lora.base_dtype))
 
     def adapts(self, module: str, weight: str) -> bool:
         return any(TARGETS[t].module == module and weight in TARGETS[t].weights
@@ -108,6 +111,10 @@ def defaults() -> dict:
         # optimizer.weight_decay applies to the adapters (A and B), as PEFT under the
         # Hugging Face Trainer decays every trainable weight; False: never decay them.
         "weight_decay": True,
+        # How the frozen base is held (models/base_storage.py): float32 (as trained),
+        # bfloat16, int8 (per-channel absmax) or nf4 (QLoRA); each block matmul weight is
+        # read back per layer, inside the layer scan, in the compute dtype.
+        "base_dtype": "float32",
     }
 
 
@@ -116,7 +123,13 @@ def check(c) -> None:
     m, lora = c.model, c.model.lora
     if lora.rank < 0:
         fail("model.lora.rank", lora.rank, "must be 0 (off) or >= 1")
+    if lora.base_dtype not in base_storage.STORAGES:
+        fail("model.lora.base_dtype", lora.base_dtype,
+             f"one of {', '.join(base_storage.STORAGES)}")
     if not lora.rank:
+        if lora.base_dtype != "float32":
+            fail("model.lora.base_dtype", lora.base_dtype, "a frozen base's storage needs "
+                 "LoRA (model.lora.rank >= 1); without it every weight trains in float32")
         return
     if lora.alpha <= 0:
         fail("model.lora.alpha", lora.alpha, "must be > 0 (the adapters' scale is alpha/rank)")
@@ -134,10 +147,20 @@ def check(c) -> None:
         if problem := TARGETS[t].problem(m.family, m.moe.num_experts, m.moe.every_n_layers,
                                          m.moe.shared_experts):
             fail("model.lora.targets", lora.targets, problem)
+    base_storage.check(lora.base_dtype, _input_widths(m))
     name, width = min(((t, _width(m, t)) for t in targets), key=lambda tw: tw[1])
     if lora.rank > width:
         fail("model.lora.rank", lora.rank, f"at most {width}, the width (min(in, out)) of "
              f"target {name} ({TARGETS[name].doc}): a larger rank adds nothing but cost")
+
+
+def _input_widths(m) -> dict[str, int]:
+    """Each block matmul weight's input width (what NF4's blocks of 64 cut)."""
+    head_dim = m.head_dim or m.d_model // m.num_heads
+    mlp = [m.mlp_dim] if not m.moe.num_experts or m.moe.every_n_layers > 1 else []
+    mlp += [m.moe.expert_mlp_dim or m.mlp_dim] if m.moe.num_experts else []
+    return {"w_q": m.d_model, "w_k": m.d_model, "w_v": m.d_model,
+            "w_o": m.num_heads * head_dim, "w_up": m.d_model, "w_down": min(mlp)}
 
 
 def _width(m, target: str) -> int:

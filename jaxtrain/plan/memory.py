@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxtrain.data.layouts import LAYOUTS
 from jaxtrain.mesh import batch_shards, logical_to_spec
-from jaxtrain.models import ModelSpec, Transformer, lora
+from jaxtrain.models import ModelSpec, Transformer, base_storage, lora
 from jaxtrain.models.attention import KERNELS, VARIANTS
 from jaxtrain.models.moe import DISPATCHES
 from jaxtrain.models.remat import REMATS
@@ -147,15 +147,25 @@ def value_bytes(spec: ModelSpec, backend: str = "accelerator") -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _param_leaves(spec: ModelSpec) -> tuple[tuple[str, tuple[int, ...], tuple, bool], ...]:
-    """(top-level name, shape, logical axes, trained or frozen) of every parameter. The
+def _param_leaves(spec: ModelSpec) -> tuple[tuple[tuple, tuple[int, ...], tuple, bool], ...]:
+    """(path, shape, logical axes, trained or frozen) of every parameter. The
     shapes do not depend on the mesh, so a --search over a thousand layouts traces the
     model once, not once a layout (that was 150 s of a 13B search on 64 devices)."""
     model = nnx.eval_shape(lambda: Transformer(spec, rngs=nnx.Rngs(0)))
     leaves = jax.tree_util.tree_flatten_with_path(
         nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
-    return tuple((path[0].key, tuple(var.get_value().shape),
+    return tuple((tuple(k.key for k in path), tuple(var.get_value().shape),
                   tuple(var.get_metadata()["axes"]), _trained(spec, path)) for path, var in leaves)
+
+
+def frozen_bytes(spec: ModelSpec, path: tuple, shape: tuple, axes: tuple) -> float:
+    """Bytes per element of a frozen (LoRA base) parameter as model.lora.base_dtype stores
+    it: the entry's matmul_bytes for a block matmul weight, its table_bytes for a table,
+    float32 for a vector (models/base_storage.py role)."""
+    storage = base_storage.STORAGES[spec.lora.base_dtype]
+    role = base_storage.role(path, shape, axes)
+    return {"matmul": storage.matmul_bytes, "table": storage.table_bytes,
+            "vector": F32}[role]
 
 
 def _trained(spec: ModelSpec, path) -> bool:
@@ -168,10 +178,13 @@ def param_shards(spec: ModelSpec, sizes: dict[str, int]) -> dict[str, int]:
     layers), 'layer_gathered' (one layer after the ZeRO all-gather), 'head_gathered' (the
     output projection as the head gathers it); 'count': the model's parameters; the
     same three with `_trained`: those the step trains (every one, but LoRA's adapters),
-    which alone have gradients and optimizer state."""
+    which alone have gradients and optimizer state; 'frozen_bytes': the bytes of the
+    device's share of the frozen ones as stored (LoRA's base: model.lora.base_dtype)."""
     out = {"total": 0, "layer_gathered": 0, "count": 0, "head_gathered": 0, "stack": 0,
-           "total_trained": 0, "layer_gathered_trained": 0, "head_gathered_trained": 0}
-    for name, shape, axes, trained in _param_leaves(dataclasses.replace(spec, rules=())):
+           "total_trained": 0, "layer_gathered_trained": 0, "head_gathered_trained": 0,
+           "frozen_bytes": 0.0}
+    for path, shape, axes, trained in _param_leaves(dataclasses.replace(spec, rules=())):
+        name = path[0]
         pspec = logical_to_spec(axes, spec.rules)
         local = gathered = 1
         for dim, mesh_axes in zip(shape, tuple(pspec) + (None,) * len(axes)):
@@ -182,6 +195,8 @@ def param_shards(spec: ModelSpec, sizes: dict[str, int]) -> dict[str, int]:
             gathered *= math.ceil(dim / math.prod(sizes[a] for a in kept))
         out["total"] += local
         out["total_trained"] += local * trained
+        if not trained:
+            out["frozen_bytes"] += local * frozen_bytes(spec, path, shape, axes)
         out["count"] += math.prod(shape)
         if axes and axes[0] == "layers":
             layers = shape[0]
@@ -396,8 +411,9 @@ class _Step:
 
 
 def _model_state(s: _Step) -> dict[str, float]:
-    """Parameters, optimizer state and gradients: float32 whatever train.precision."""
-    params = s.shards["total"] * F32
+    """Parameters, optimizer state and gradients: float32 whatever train.precision; LoRA's
+    frozen base as model.lora.base_dtype stores it."""
+    params = s.shards["total_trained"] * F32 + s.shards["frozen_bytes"]
     # An objective's frozen reference copy of the parameters (without LoRA, whose base is
     # the reference): float32 like them, no gradient or optimizer state.
     objective = OBJECTIVES[s.cfg.train.objective]

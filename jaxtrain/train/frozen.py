@@ -5,7 +5,8 @@ The base is `model.lora.base`'s newest checkpoint's parameters (a run directory:
 from `seed`. It is loaded straight into its shards at the start of every run, fresh or
 resumed, and never saved: a LoRA checkpoint holds the adapters, their optimizer state, the
 step and the base's fingerprint, a sha256 over the exact per-leaf bit sums
-(checkpoint.tree_bits: the same on every mesh), which a resume compares, and so does every
+(checkpoint.tree_bits: the same on every mesh) as model.lora.base_dtype stores it (so
+another storage kind is another base), which a resume compares, and so does every
 command that loads the run (on_base, through inference.load). A base's shapes are checked
 against the model from its checkpoint's metadata before anything is restored, and a run
 checks its base (check_sources) before it writes its workdir.
@@ -14,8 +15,10 @@ checks its base (check_sources) before it writes its workdir.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
+import warnings
 
 import jax
 import numpy as np
@@ -24,7 +27,13 @@ from jaxtrain import storage
 from jaxtrain.checkpoint import Checkpoints, tree_bits, tree_signature
 from jaxtrain.errors import CheckpointError, ConfigError
 from jaxtrain.models import lora
-from jaxtrain.train.state import TrainState, create_base
+from jaxtrain.train.state import (
+    TrainState,
+    abstract_model,
+    create_base,
+    param_shardings,
+    stored_base,
+)
 from jaxtrain.workdir import CHECKPOINTS
 
 
@@ -36,8 +45,19 @@ def fingerprint(params: dict) -> np.ndarray:
 
 
 def load_base(cfg, spec, shardings: dict) -> dict:
-    """The frozen base parameters, in `shardings` (the model's without adapters)."""
-    return load_params(cfg.model.lora.base, "model.lora.base", cfg.seed, spec, shardings)
+    """The frozen base parameters in model.lora.base_dtype's stored form, in `shardings`
+    (TrainState's: state.stored_base_shardings). They are read in float32 and stored in one
+    jit, which frees the float32 copy."""
+    mesh = jax.tree.leaves(shardings)[0].mesh
+    full = param_shardings(abstract_model(lora.base_spec(spec)), mesh, spec.rules)
+    params = load_params(cfg.model.lora.base, "model.lora.base", cfg.seed, spec, full)
+    if spec.lora.base_dtype == "float32":
+        return params
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        # The vectors stay float32 (the same buffers): their donation is declined.
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        return jax.jit(functools.partial(stored_base, spec), out_shardings=shardings,
+                       donate_argnums=0)(params)
 
 
 def check_sources(setup) -> None:
@@ -126,9 +146,9 @@ def on_base(cfg, spec, shardings: dict, adapters: dict, saved_fingerprint) -> di
     checkpoint): ConfigError (one line) for a base changed since. What every command that
     loads a LoRA run (inference.load: eval, generate, quantize, export) goes through."""
     base = load_base(cfg, spec, shardings)
-    check_same(saved_fingerprint, fingerprint(base), f"model.lora.base="
-               f"{cfg.model.lora.base!r} is not the base these adapters were trained on",
-               "put that base back there, or train the adapters again on this one")
+    check_same(saved_fingerprint, fingerprint(base), f"{_named(cfg)} is not the base these "
+               "adapters were trained on", "put that base back there (and its "
+               "model.lora.base_dtype), or train the adapters again on this one")
     return lora.join(base, adapters)
 
 
@@ -140,9 +160,18 @@ def attach(state: TrainState, cfg, spec, shardings: TrainState, fresh: bool) -> 
     if fresh:
         return state.replace(frozen=base, base_fingerprint=jax.device_put(
             found, shardings.base_fingerprint))
-    check_same(state.base_fingerprint, found, f"model.lora.base={cfg.model.lora.base!r} "
-               "is not the base these adapters were trained on", "resume with the same base")
+    check_same(state.base_fingerprint, found, f"{_named(cfg)} is not the base these "
+               "adapters were trained on", "resume with the same base and "
+               "model.lora.base_dtype")
     return state.replace(frozen=base)
+
+
+def _named(cfg) -> str:
+    """The base as the config names it: its run directory and its storage kind (the
+    fingerprint is over the stored form, so another kind is another base)."""
+    lora_cfg = cfg.model.lora
+    return (f"model.lora.base={lora_cfg.base!r} stored as model.lora.base_dtype="
+            f"{lora_cfg.base_dtype!r}")
 
 
 def check_same(saved, found: np.ndarray, mismatch: str, remedy: str) -> None:

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.mesh import named_sharding
-from jaxtrain.models import ModelSpec, Transformer, lora
+from jaxtrain.models import ModelSpec, Transformer, base_storage, lora
 
 # Folded into the seed's key for the adapters' draws, which then differ from the base's.
 ADAPTER_KEY = 0x10CA
@@ -132,6 +132,7 @@ def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,
     params, frozen = param_shardings(abstract_model(spec), mesh, spec.rules), None
     if spec.lora is not None:
         params, frozen = lora.split(params)
+        frozen = stored_base_shardings(spec, frozen)
     shapes = jax.eval_shape(functools.partial(_create_state, spec, optimizer, loss_scale),
                             jax.random.key(0))
     memory = "pinned_host" if offload_optimizer else "device"
@@ -146,6 +147,27 @@ def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,
                       base_fingerprint=None if frozen is None else replicated,
                       reference=params if reference else None,
                       reference_fingerprint=replicated if reference else None)
+
+
+def base_axes(spec: ModelSpec) -> dict:
+    """{path: logical axes} of the model without adapters (LoRA's frozen base)."""
+    return param_axes(abstract_model(lora.base_spec(spec)))
+
+
+def stored_base_shardings(spec: ModelSpec, shardings: dict) -> dict:
+    """The frozen base's shardings in model.lora.base_dtype's stored form, from its
+    float32 parameters' (the same tree for float32)."""
+    storage = base_storage.STORAGES[spec.lora.base_dtype]
+    if storage.name == "float32":
+        return shardings
+    shapes = jax.eval_shape(functools.partial(create_base, spec), jax.random.key(0))
+    return base_storage.stored_shardings(storage, shapes, shardings, base_axes(spec))
+
+
+def stored_base(spec: ModelSpec, base: dict) -> dict:
+    """The frozen base parameters in model.lora.base_dtype's form (float32: themselves)."""
+    storage = base_storage.STORAGES[spec.lora.base_dtype]
+    return base_storage.store(storage, base, base_axes(spec))
 
 
 def _loaded_apart(shardings: TrainState) -> TrainState:
@@ -200,7 +222,10 @@ def abstract_step_state(spec: ModelSpec, optimizer: optax.GradientTransformation
                             shapes, tree_shardings)
 
     if shardings.frozen is not None:
-        state = state.replace(frozen=shaped(shardings.frozen))
+        stored = jax.eval_shape(functools.partial(stored_base, spec), shapes)
+        state = state.replace(frozen=jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            stored, shardings.frozen))
     if shardings.reference is not None:
         state = state.replace(reference=shaped(shardings.reference))
     return state

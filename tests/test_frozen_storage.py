@@ -1,0 +1,260 @@
+"""A LoRA run's frozen base held in model.lora.base_dtype's form (models/base_storage.py,
+train/frozen.py, plan/memory.py): the NF4 forward against PEFT's QLoRA, a bf16 base against
+the float32 base over 50 steps, dequantization inside the layer scan, the resume check, the
+config errors and the planner's 8B figures."""
+
+import jax
+import jax.extend
+import numpy as np
+import pytest
+from conftest import small_config
+from flax import nnx
+
+from jaxtrain.config import validate
+from jaxtrain.data.batches import make_batches, to_global
+from jaxtrain.errors import ConfigError
+from jaxtrain.models import lora
+from jaxtrain.models.base_storage import NF4Weight
+from jaxtrain.train import frozen
+from jaxtrain.train.setup import build
+
+ALL_DENSE = "q,k,v,o,up,gate,down"
+
+
+def _llama(**overrides):
+    return small_config("llama", **{"model.num_heads": 4, "model.num_kv_heads": 2,
+                                    "model.norm_eps": 1e-6, "model.lora.rank": 4,
+                                    "model.lora.alpha": 8.0, "model.lora.targets": ALL_DENSE,
+                                    **overrides})
+
+
+@pytest.mark.parametrize("overrides,says", [
+    ({"model.lora.base_dtype": "fp4"}, "one of float32, bfloat16, int8, nf4"),
+    ({"model.lora.base_dtype": "nf4", "model.mlp_dim": 96}, "w_down (96)"),
+    ({"model.lora.base_dtype": "bfloat16", "model.lora.rank": 0}, "needs LoRA"),
+])
+def test_a_storage_kind_that_cannot_work_is_refused_in_one_line(overrides, says):
+    with pytest.raises(ConfigError) as e:
+        validate(_llama(**overrides), 1)
+    assert "model.lora.base_dtype=" in str(e.value) and says in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def _matmul_leaves(tree) -> list:
+    return [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, NF4Weight))
+            if isinstance(x, NF4Weight)]
+
+
+def _top_level_eqns(jaxpr):
+    """The equations outside any scan body (into jit and custom-vjp bodies)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            yield eqn
+            continue
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _top_level_eqns(sub)
+
+
+def test_the_step_holds_nf4_and_dequantizes_inside_the_layer_scan(devices):
+    setup = build(_llama(**{"model.lora.base_dtype": "nf4"}), devices[:1])
+    state = setup.abstract_step_state()
+    weights = _matmul_leaves(state.frozen)
+    assert len(weights) == 7 and all(w.codes.dtype == np.uint8 for w in weights)
+    assert state.frozen["tok_embed"].dtype == jax.numpy.bfloat16
+    assert state.frozen["blocks"]["attn_norm"]["scale"].dtype == np.float32
+    jaxpr = jax.make_jaxpr(setup.train_step())(state, setup.abstract_batch())
+    stacked = {w.shape for w in weights}  # [layers, ...] of each weight read as an array
+    eqns = list(_top_level_eqns(jaxpr.jaxpr))
+    scans = [e for e in eqns if e.primitive.name == "scan"]
+    assert any(v.aval.dtype == np.uint8 and v.aval.shape[:1] == (2,)
+               for e in scans for v in e.invars), "the scan takes the NF4 codes per layer"
+    widened = [e for e in eqns if e.primitive.name != "scan" for v in e.outvars
+               if tuple(v.aval.shape) in stacked]
+    assert not widened, widened  # no whole-model dequantized copy outside the scan
+
+
+def test_a_resume_refuses_the_same_base_in_another_storage_kind(devices):
+    stored_f32 = build(_llama(), devices[:1])
+    state = stored_f32.init_state()
+    nf4 = build(_llama(**{"model.lora.base_dtype": "nf4"}), devices[:1])
+    with pytest.raises(ConfigError) as e:
+        frozen.attach(state.replace(frozen=None), nf4.cfg, nf4.spec, nf4.shardings, False)
+    assert "model.lora.base_dtype='nf4'" in str(e.value) and "\n" not in str(e.value)
+    assert "is not the base these adapters were trained on" in str(e.value)
+    again = frozen.attach(state.replace(frozen=None), stored_f32.cfg, stored_f32.spec,
+                          stored_f32.shardings, False)
+    for a, b in zip(jax.tree.leaves(again.frozen), jax.tree.leaves(state.frozen)):
+        np.testing.assert_array_equal(a, b)  # float32: today's base, bitwise
+
+
+def _losses(cfg, devices, steps):
+    setup = build(cfg, devices)
+    state = setup.init_state()
+    data = make_batches(cfg).train_iter(0)
+    losses = []
+    with jax.set_mesh(setup.mesh):
+        step_fn = setup.train_step()
+        for _ in range(steps):
+            state, metrics = step_fn(state, to_global(next(data), setup.tokens_sharding))
+            losses.append(float(metrics["loss"]))
+    return np.array(losses)
+
+
+@pytest.mark.slow
+def test_a_bf16_base_tracks_the_float32_base_over_50_steps(devices):
+    # tests/test_precision.py's bfloat16 tolerance (mean, max of |loss − float32 loss|).
+    from test_precision import TOLERANCE
+
+    run = {"steps": 50, "optimizer.lr": 1e-2, "optimizer.warmup_steps": 5}
+    base = _losses(_llama(**run), devices[:1], 50)
+    bf16 = _losses(_llama(**run, **{"model.lora.base_dtype": "bfloat16"}), devices[:1], 50)
+    diff = np.abs(bf16 - base)
+    assert base[-1] < base[0] - 0.2, "the adapters must actually learn"
+    mean_tol, max_tol = TOLERANCE["bfloat16"]
+    assert diff.mean() < mean_tol and diff.max() < max_tol, (diff.mean(), diff.max())
+    assert diff.max() > 0  # the base was stored in bfloat16
+
+
+def _hf_llama(cfg, directory):
+    import torch
+    import transformers
+
+    m = cfg.model
+    config = transformers.LlamaConfig(
+        hidden_size=m.d_model, num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads, intermediate_size=m.mlp_dim,
+        vocab_size=m.vocab_size, max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.1)
+            if name.endswith("norm.weight"):
+                p.add_(1.0)
+    model.save_pretrained(directory)
+
+
+def _peft_qlora(directory, cfg, adapters):
+    """PEFT's QLoRA model (transformers' bitsandbytes NF4, blocks of 64, double-quantized
+    absmax; prepare_model_for_kbit_training; float32 compute) with our adapters."""
+    import bitsandbytes as bnb
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft.utils import set_peft_model_state_dict
+
+    from jaxtrain.hf.adapter import tensors
+
+    quant = transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, quantization_config=quant, device_map="cpu", dtype=torch.float32)
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            # On a CPU with AVX512-BF16, bitsandbytes runs an eval-mode forward through a
+            # repacked kernel with bfloat16 absmax and compute; off, it runs its reference
+            # path: dequantize_4bit then a float32 matmul.
+            module.support_avx512bf16_for_cpu = False
+    model = get_peft_model(model, LoraConfig(
+        r=cfg.model.lora.rank, lora_alpha=cfg.model.lora.alpha, lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj",
+                        "down_proj"]))
+    state = {k: torch.from_numpy(v) for k, v in tensors(None, adapters).items()}
+    missing = set_peft_model_state_dict(model, state).unexpected_keys
+    assert not missing, missing
+    return model.eval()
+
+
+_HF_MODULES = {("attn", "w_q"): "self_attn.q_proj", ("attn", "w_k"): "self_attn.k_proj",
+               ("attn", "w_v"): "self_attn.v_proj", ("attn", "w_o"): "self_attn.o_proj",
+               ("mlp", "w_up"): "mlp.up_proj", ("mlp", "w_gate"): "mlp.gate_proj",
+               ("mlp", "w_down"): "mlp.down_proj"}
+
+
+def _their_absmax(peft_model, base: dict) -> dict:
+    """Our NF4 weights with bitsandbytes' stored absmax (its CPU kernel rounds a few of
+    them the other way: tests/test_base_storage.py), after checking the codes are its."""
+    layers = peft_model.base_model.model.model.layers
+    out = {}
+    for (module, name), hf in _HF_MODULES.items():
+        ours = base["blocks"][module][name]
+        linears = [layer.get_submodule(hf).base_layer.weight for layer in layers]
+        codes = np.stack([w.data.numpy().reshape(-1) for w in linears])
+        np.testing.assert_array_equal(np.asarray(ours.codes), codes)
+        states = [w.quant_state for w in linears]
+        theirs = {"absmax": np.stack([s.absmax.numpy() for s in states]),
+                  "absmax_scale": np.stack([s.state2.absmax.numpy() for s in states]),
+                  "absmax_offset": np.stack([np.float32(s.offset) for s in states])}
+        off = theirs["absmax"].astype(int) - np.asarray(ours.absmax).astype(int)
+        assert np.abs(off).max() <= 1 and (off != 0).mean() < 0.05, off
+        out[(module, name)] = NF4Weight(codes=ours.codes, layer_shape=ours.layer_shape,
+                                        axes=ours.axes, **jax.tree.map(jax.numpy.asarray,
+                                                                       theirs))
+    return out
+
+
+@pytest.mark.slow
+def test_lora_on_an_nf4_base_gives_peft_qloras_logits(tmp_path, devices):
+    import torch
+
+    from jaxtrain.hf.load import import_hf
+
+    base_cfg = _llama(**{"model.lora.rank": 0})
+    _hf_llama(base_cfg, tmp_path / "hf")
+    import_hf(base_cfg, tmp_path / "hf", tmp_path / "base", devices[:1])
+    cfg = _llama(**{"model.lora.base": str(tmp_path / "base"), "model.lora.base_dtype": "nf4"})
+    setup = build(cfg, devices[:1])
+    state = setup.init_state()
+    keys = jax.random.split(jax.random.key(3), len(jax.tree.leaves(state.params)))
+    adapters = jax.tree.unflatten(jax.tree.structure(state.params), [
+        0.1 * jax.random.normal(k, x.shape, x.dtype)
+        for k, x in zip(keys, jax.tree.leaves(state.params))])
+    peft_model = _peft_qlora(tmp_path / "hf", cfg, adapters)
+    base = dict(state.frozen, blocks={m: dict(v) for m, v in state.frozen["blocks"].items()})
+    for (module, name), weight in _their_absmax(peft_model, state.frozen).items():
+        base["blocks"][module][name] = weight
+    tokens = np.random.default_rng(1).integers(0, 256, (2, cfg.model.seq_len))
+    with jax.set_mesh(setup.mesh):
+        ours = np.asarray(jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(
+            lora.join(base, adapters), tokens))
+    # The nf4 entry holds the embedding and the head in bfloat16 (QLoRA keeps them in the
+    # load dtype): PEFT's are rounded alike, the compute is float32 on both sides.
+    inner = peft_model.base_model.model
+    with torch.no_grad():
+        for table in (inner.model.embed_tokens.weight, inner.lm_head.weight):
+            table.copy_(table.to(torch.bfloat16).to(torch.float32))
+        theirs = peft_model(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    assert np.abs(ours).max() > 0.5  # logits of a size where 1e-4 tells
+
+
+def _llama_3_8b(kind: str):
+    from configs.llama_1b import get_config
+    from jaxtrain.config import apply_overrides
+    return apply_overrides(get_config(), {
+        "model.d_model": 4096, "model.num_layers": 32, "model.num_heads": 32,
+        "model.num_kv_heads": 8, "model.mlp_dim": 14336, "model.vocab_size": 128256,
+        "model.rope_theta": 500000.0, "model.seq_len": 2048, "model.remat": "full",
+        "train.global_batch": 1, "mesh.fsdp": 1, "model.lora.rank": 16,
+        "model.lora.targets": ALL_DENSE, "model.lora.base_dtype": kind})
+
+
+def test_the_planner_fits_llama_3_8b_qlora_on_one_24gb_gpu():
+    from jaxtrain import hardware
+    from jaxtrain.plan.planner import make_plan
+
+    gpu = hardware.get("RTX-4090")  # 24 GB
+    plans = {kind: make_plan(_llama_3_8b(kind), gpu, 1)["memory"]
+             for kind in ("float32", "bfloat16", "int8", "nf4")}
+    total = {kind: p["total_bytes_per_device"] / 1e9 for kind, p in plans.items()}
+    assert total["bfloat16"] <= 20 and total["nf4"] <= 10, total
+    assert not plans["float32"]["fits"] and plans["bfloat16"]["fits"], total
+    assert total["float32"] > total["bfloat16"] > total["int8"] > total["nf4"]
+    # The base is what changes: 8.0e9 parameters, 7.0e9 of them block matmul weights.
+    base = {kind: p["parts"]["params"] / 1e9 for kind, p in plans.items()}
+    assert 31 < base["float32"] < 33 and 15.5 < base["bfloat16"] < 16.5, base
+    assert 5 < base["nf4"] < 6.5, base
