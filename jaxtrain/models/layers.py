@@ -40,6 +40,11 @@ class Norm(nnx.Module):
         return _norm(x_BLD, self.scale[...], bias, self.rms, self.eps)
 
 
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis (any leading axes: the per-head q/k norm's [B, L, H, K])."""
+    return _norm(x, scale, None, True, eps)
+
+
 def _normalize(x, scale, bias, rms: bool, eps: float):
     """(output in x's dtype, normalized x in float32, 1/std)."""
     xf = x.astype(jnp.float32)

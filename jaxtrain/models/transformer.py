@@ -101,6 +101,7 @@ class ModelSpec:
     tied_embeddings = property(lambda self: self.family_entry.tied_embeddings)
     gated_mlp = property(lambda self: self.family_entry.gated_mlp)
     rms_norm = property(lambda self: self.family_entry.norm == "rms")
+    attention_parts = property(lambda self: self.family_entry.attention_parts)
 
 
 def _rope_scaling(m) -> RopeScaling | None:

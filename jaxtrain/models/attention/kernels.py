@@ -4,7 +4,7 @@ heads, an optional sliding window and optional document masks.
 An attention kernel is a plain function (q, k, v, window, segments) -> out chosen by name,
 so faster implementations plug in without touching the layer. window=None: full causal
 attention; window=W: query position i sees keys (i - W, i] (W keys including itself, as
-Mistral's sliding_window).
+transformers' sliding_window).
 
 Document masks (a batch layout with `segments`, data/layouts.py: documents, pairs;
 docs/data.md): `segments_BL` is an int32 [B, L]

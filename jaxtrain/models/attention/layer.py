@@ -37,6 +37,9 @@ class Attention(nnx.Module):
             self.b_k = param(rngs, (g, k), ("kv_heads", "kv"), 0.0, dt)
             self.b_v = param(rngs, (g, k), ("kv_heads", "kv"), 0.0, dt)
             self.b_o = param(rngs, (d,), ("embed",), 0.0, dt)
+        for part in spec.attention_parts:  # ones and zeros: no random draws
+            for name, (shape, axes, init) in part.params(spec).items():
+                setattr(self, name, param(rngs, shape, axes, init, dt))
         # After every base weight, so that the base draws the same numbers with or without.
         for name in ("q", "k", "v", "o"):
             setattr(self, f"lora_{name}", lora.adapter(
@@ -53,6 +56,8 @@ class Attention(nnx.Module):
         # The parameter stays, for checkpoints converted from Hugging Face GPT-2.
         if self.spec.use_bias and name != "k":
             y = y + getattr(self, f"b_{name}")[...].astype(dt)
+        for part in self.spec.attention_parts:  # the family's options, before RoPE
+            y = part.fn(self, name, y, self.spec)
         y = checkpoint_name(y, PROJECTION_NAMES[name])
         return constrain(y, ("batch", "length") + axes, self.spec.rules)
 
