@@ -97,6 +97,8 @@ def _model() -> dict:
         "context_attention": "auto",
         "remat": "none",
         "rope_theta": 10000.0,
+        # q·k scaled by attention_scale_dim**-0.5 (Gemma's query_pre_attn_scalar); 0: head_dim
+        "attention_scale_dim": 0,
         "rope_scaling": rope_lib.defaults(),
         "norm_eps": 1e-5,
         "init_std": 0.02,

@@ -2,17 +2,19 @@
 checks, its tensors and its exported config.json (see jaxtrain/commands/convert.py)."""
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.hf import gpt2, llama, llama_like, mixtral
+from jaxtrain.hf import gemma3, gpt2, llama, llama_like, mixtral
 
 # HF model_type -> module; each module's FAMILY is the jaxtrain model.family it maps to.
-FAMILIES = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral, **llama_like.ENTRIES}
+FAMILIES = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral, **llama_like.ENTRIES,
+            "gemma3_text": gemma3}
 
 
 def module_for(spec):
     """The HF module a model exports as: its family's, or with experts the one its family
     module names as MOE (Mixtral for a llama); ConfigError for a family without one."""
-    if spec.moe is None:
-        return FAMILIES[spec.family]
+    if spec.moe is None:  # keyed by model_type, which may differ from the family's name
+        return FAMILIES.get(spec.family) or next(
+            m for m in FAMILIES.values() if m.FAMILY == spec.family)
     moe = getattr(FAMILIES[spec.family], "MOE", None)
     if moe is None:
         raise ConfigError(f"model.family={spec.family!r} with model.moe has no Hugging Face "

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from jaxtrain.errors import fail
 from jaxtrain.models.layers import rms_norm
 
-MLP_KINDS = ("gelu", "swiglu")
+MLP_KINDS = ("gelu", "swiglu", "geglu")  # geglu: tanh-GELU(gate)·up (Gemma)
 
 
 def _qkv_bias_params(spec) -> dict[str, tuple]:
@@ -35,8 +35,9 @@ def _qkv_bias(module, which: str, y_BLHK, spec):
 
 
 def _qk_norm_params(spec) -> dict[str, tuple]:
-    return {"q_norm": ((spec.head_dim,), ("kv",), None),
-            "k_norm": ((spec.head_dim,), ("kv",), None)}
+    init = 0.0 if spec.norm_offset else None  # the family's norms: weight, or offset + weight
+    return {"q_norm": ((spec.head_dim,), ("kv",), init),
+            "k_norm": ((spec.head_dim,), ("kv",), init)}
 
 
 def _qk_norm(module, which: str, y_BLHK, spec):
@@ -45,7 +46,10 @@ def _qk_norm(module, which: str, y_BLHK, spec):
     projected."""
     if which == "v":
         return y_BLHK
-    return rms_norm(y_BLHK, getattr(module, f"{which}_norm")[...], spec.norm_eps)
+    scale = getattr(module, f"{which}_norm")[...]
+    if spec.norm_offset:
+        scale = spec.norm_offset + scale
+    return rms_norm(y_BLHK, scale, spec.norm_eps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +99,14 @@ class Family:
     bias: bool  # biases on the attention and MLP projections
     rope: bool  # rotary position embeddings; else learned absolute positions
     tied_embeddings: bool  # the output head is the token embedding table
-    mlp: str  # one of MLP_KINDS: "gelu" (up, GELU, down) or "swiglu" (SiLU(gate)·up, down)
+    mlp: str  # one of MLP_KINDS: "gelu" (up, GELU, down), "swiglu" (SiLU(gate)·up, down),
+    # "geglu" (tanh-GELU(gate)·up, down)
     attention: tuple[str, ...] = ()  # ATTENTION_PARTS names, applied in this order
+    # RMSNorm's scale is offset + weight (Gemma: 1 + weight, the weight born zero); 0: weight
+    norm_offset: float = 0.0
+    # Sandwich norms (Gemma 2/3): each sub-layer's output normed again before its residual
+    sandwich: bool = False
+    embed_scale: bool = False  # the token embeddings times sqrt(d_model) (Gemma)
 
     def __post_init__(self):
         unknown = [p for p in self.attention if p not in ATTENTION_PARTS]
@@ -104,12 +114,12 @@ class Family:
 
     @property
     def gated_mlp(self) -> bool:
-        return self.mlp == "swiglu"
+        return self.mlp in ("swiglu", "geglu")
 
     @property
     def takes_experts(self) -> bool:
         """MoE layers (models/moe.py) fit it: their experts are SwiGLU without biases."""
-        return self.gated_mlp and not self.bias
+        return self.mlp == "swiglu" and not self.bias
 
     @property
     def attention_parts(self) -> tuple[AttentionPart, ...]:
@@ -137,5 +147,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            attention=("qkv_bias",)),
     Family("qwen3", "Qwen3 dense: Llama's parts with per-head q/k RMSNorm", **_LLAMA,
            attention=("qk_norm",)),
+    Family("gemma3", "Gemma 3 text: (1 + w) RMSNorm, sandwich norms, q/k norm, GeGLU, "
+           "sqrt(d) embedding scale, tied head", norm="rms", bias=False, rope=True,
+           tied_embeddings=True, mlp="geglu", attention=("qk_norm",), norm_offset=1.0,
+           sandwich=True, embed_scale=True),
 )}
 

@@ -44,6 +44,7 @@ class ModelSpec:
     sliding_window: int = 0  # 0: full causal attention; W: each query sees its last W keys
     remat: str = "none"
     rope_theta: float = 10000.0
+    attention_scale_dim: int = 0  # q·k times attention_scale_dim**-0.5; 0: head_dim's
     rope_scaling: RopeScaling | None = None  # None: plain RoPE (models/rope.py)
     norm_eps: float = 1e-5
     init_std: float = 0.02
@@ -84,6 +85,7 @@ class ModelSpec:
                                         m.sliding_window, segments),
             sliding_window=m.sliding_window,
             remat=m.remat, rope_theta=m.rope_theta, rope_scaling=_rope_scaling(m),
+            attention_scale_dim=m.attention_scale_dim,
             norm_eps=m.norm_eps,
             init_std=m.init_std, compute_dtype=precision.compute_dtype,
             rules=active_rules(tuple(tuple(r) for r in cfg.mesh.rules),
@@ -102,6 +104,7 @@ class ModelSpec:
     gated_mlp = property(lambda self: self.family_entry.gated_mlp)
     rms_norm = property(lambda self: self.family_entry.norm == "rms")
     attention_parts = property(lambda self: self.family_entry.attention_parts)
+    norm_offset = property(lambda self: self.family_entry.norm_offset)
 
 
 def _rope_scaling(m) -> RopeScaling | None:
@@ -110,12 +113,20 @@ def _rope_scaling(m) -> RopeScaling | None:
 
 class Block(nnx.Module):
     def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
-        norm = dict(rms=spec.rms_norm, eps=spec.norm_eps, dtype=spec.param_dtype, rngs=rngs)
+        norm = dict(rms=spec.rms_norm, eps=spec.norm_eps, dtype=spec.param_dtype, rngs=rngs,
+                    offset=spec.norm_offset)
         self.spec = spec
         self.attn_norm = Norm(spec.d_model, **norm)
         self.attn = Attention(spec, rngs=rngs)
         self.mlp_norm = Norm(spec.d_model, **norm)
         self.mlp = self._make_mlp(spec, rngs)
+        if spec.family_entry.sandwich:  # ones or zeros: no random draws
+            self.post_attn_norm = Norm(spec.d_model, **norm)
+            self.post_mlp_norm = Norm(spec.d_model, **norm)
+
+    def _post(self, name: str, y_BLD):
+        """A sub-layer's output, normed again under sandwich norms (else as it is)."""
+        return getattr(self, name)(y_BLD) if self.spec.family_entry.sandwich else y_BLD
 
     def _make_mlp(self, spec: ModelSpec, rngs: nnx.Rngs):
         return Mlp(spec, rngs=rngs)
@@ -127,7 +138,8 @@ class Block(nnx.Module):
         one document per row."""
         q_BLHK, k_BLGK, v_BLGK = self._norm_then(
             lambda x: self.attn.qkv(self.attn_norm(x), positions_BL))(x_BLD)
-        x_BLD = x_BLD + self.attn.attend(q_BLHK, k_BLGK, v_BLGK, segments_BL)
+        x_BLD = x_BLD + self._post("post_attn_norm",
+                                   self.attn.attend(q_BLHK, k_BLGK, v_BLGK, segments_BL))
         return self._mlp_residual(x_BLD)
 
     def _norm_then(self, norm_and_project):
@@ -145,6 +157,7 @@ class Block(nnx.Module):
         rules = self.spec.rules
         x_BLD = constrain(x_BLD, ("batch", "sequence", "embed"), rules)
         y_BLD, aux = self._feed_forward(x_BLD, drop)
+        y_BLD = self._post("post_mlp_norm", y_BLD)
         return constrain(x_BLD + y_BLD, ("batch", "sequence", "embed"), rules), aux
 
     def _feed_forward(self, x_BLD, drop: bool):
@@ -157,7 +170,8 @@ class Block(nnx.Module):
     def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):
         """(x_BTD, the layer's updated cache); no expert drops a token while generating."""
         y_BTD, cache = self.attn.decode(self.attn_norm(x_BTD), cache, start)
-        return self._mlp_residual(x_BTD + y_BTD, drop=False)[0], cache
+        return self._mlp_residual(x_BTD + self._post("post_attn_norm", y_BTD),
+                                  drop=False)[0], cache
 
 
 class MoeBlock(Block):
@@ -185,7 +199,8 @@ class Transformer(nnx.Module):
             self.blocks = stacked(Block, spec, keys[np.flatnonzero(~moe_layer)])
         if moe_layer.any():
             self.moe_blocks = stacked(MoeBlock, spec, keys[np.flatnonzero(moe_layer)])
-        self.final_norm = Norm(d, rms=spec.rms_norm, eps=spec.norm_eps, dtype=dt, rngs=rngs)
+        self.final_norm = Norm(d, rms=spec.rms_norm, eps=spec.norm_eps, dtype=dt, rngs=rngs,
+                               offset=spec.norm_offset)
         if not spec.tied_embeddings:
             self.lm_head = param(rngs, (d, v), ("embed", "vocab"), spec.init_std, dt)
 
@@ -193,6 +208,8 @@ class Transformer(nnx.Module):
         spec, dt = self.spec, self.spec.compute_dtype
         # Gathered like any weight, its gradient formed in the table's own sharding.
         x_BLD = embed(self.tok_embed[...], tokens_BL, dt, spec.rules)
+        if spec.family_entry.embed_scale:  # sqrt(d) rounded to the table's dtype, as Gemma's
+            x_BLD = x_BLD * jnp.asarray(spec.d_model ** 0.5, self.tok_embed[...].dtype).astype(dt)
         if not spec.rope:
             if positions_BL is None:
                 positions_LD = jax.lax.dynamic_slice_in_dim(self.pos_embed[...], start,

@@ -72,7 +72,8 @@ class Attention(nnx.Module):
         if spec.rope:
             q_BLHK = rope(q_BLHK, spec.rope_theta, positions_L, spec.rope_scaling)
             k_BLGK = rope(k_BLGK, spec.rope_theta, positions_L, spec.rope_scaling)
-        q_BLHK = q_BLHK * jnp.asarray(spec.head_dim ** -0.5, q_BLHK.dtype)
+        q_BLHK = q_BLHK * jnp.asarray((spec.attention_scale_dim or spec.head_dim) ** -0.5,
+                                      q_BLHK.dtype)
         return q_BLHK, k_BLGK, v_BLGK
 
     def _output(self, out_BLHK):
