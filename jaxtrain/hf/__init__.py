@@ -2,11 +2,11 @@
 checks, its tensors and its exported config.json (see jaxtrain/commands/convert.py)."""
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.hf import gemma3, gpt2, llama, llama_like, mixtral
+from jaxtrain.hf import gemma, gpt2, llama, llama_like, mixtral
 
 # HF model_type -> module; each module's FAMILY is the jaxtrain model.family it maps to.
 FAMILIES = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral, **llama_like.ENTRIES,
-            "gemma3_text": gemma3}
+            **gemma.ENTRIES}
 
 
 def module_for(spec):

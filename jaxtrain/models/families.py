@@ -151,5 +151,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "sqrt(d) embedding scale, tied head", norm="rms", bias=False, rope=True,
            tied_embeddings=True, mlp="geglu", attention=("qk_norm",), norm_offset=1.0,
            sandwich=True, embed_scale=True),
+    Family("gemma2", "Gemma 2: Gemma 3's parts without the q/k norm (its soft-caps are "
+           "model.attn_logit_softcap)", norm="rms", bias=False, rope=True,
+           tied_embeddings=True, mlp="geglu", norm_offset=1.0, sandwich=True,
+           embed_scale=True),
 )}
 

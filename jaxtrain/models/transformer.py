@@ -45,6 +45,7 @@ class ModelSpec:
     remat: str = "none"
     rope_theta: float = 10000.0
     attention_scale_dim: int = 0  # q·k times attention_scale_dim**-0.5; 0: head_dim's
+    attn_softcap: float = 0.0  # attention-logit soft-cap c (c·tanh(s/c)); 0: none
     rope_scaling: RopeScaling | None = None  # None: plain RoPE (models/rope.py)
     norm_eps: float = 1e-5
     init_std: float = 0.02
@@ -82,10 +83,10 @@ class ModelSpec:
             head_dim=m.head_dim or m.d_model // m.num_heads, mlp_dim=m.mlp_dim,
             vocab_size=m.vocab_size, seq_len=m.seq_len,
             attention=resolve_attention(m.attention, cfg.train.precision, platform, m.seq_len,
-                                        m.sliding_window, segments),
+                                        m.sliding_window, segments, m.attn_logit_softcap),
             sliding_window=m.sliding_window,
             remat=m.remat, rope_theta=m.rope_theta, rope_scaling=_rope_scaling(m),
-            attention_scale_dim=m.attention_scale_dim,
+            attention_scale_dim=m.attention_scale_dim, attn_softcap=m.attn_logit_softcap,
             norm_eps=m.norm_eps,
             init_std=m.init_std, compute_dtype=precision.compute_dtype,
             rules=active_rules(tuple(tuple(r) for r in cfg.mesh.rules),

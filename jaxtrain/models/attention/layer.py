@@ -99,7 +99,8 @@ class Attention(nnx.Module):
                                          spec.context, spec.rules)
         else:
             out_BLHK = KERNELS[spec.attention](q_BLHK, k_BLGK, v_BLGK, window,
-                                               rules=spec.rules, segments_BL=segments_BL)
+                                               rules=spec.rules, segments_BL=segments_BL,
+                                               softcap=spec.attn_softcap)
         return self._output(out_BLHK)
 
     def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):
@@ -110,5 +111,6 @@ class Attention(nnx.Module):
         k_BMGK, v_BMGK = (jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, 1)
                           for c, new in zip(cache, (k_BTGK, v_BTGK)))
         out_BTHK = cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T,
-                                    self.spec.sliding_window or None)
+                                    self.spec.sliding_window or None,
+                                    softcap=self.spec.attn_softcap)
         return self._output(out_BTHK), (k_BMGK, v_BMGK)

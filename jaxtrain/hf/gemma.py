@@ -1,4 +1,5 @@
-"""Gemma3ForCausalLM (model_type gemma3_text) <-> jaxtrain's gemma3 family.
+"""Gemma3ForCausalLM (model_type gemma3_text) <-> jaxtrain's gemma3 family, and
+Gemma2ForCausalLM (gemma2) <-> gemma2 (the same parts without the q/k norm).
 
 Llama's projection layouts (llama.py); the norms are Gemma's (1 + w) RMSNorm, stored as w on
 both sides: `input_layernorm` -> attn_norm, `post_attention_layernorm` -> post_attn_norm
@@ -8,29 +9,33 @@ both sides: `input_layernorm` -> attn_norm, `post_attention_layernorm` -> post_a
 checkpoint has no lm_head). q·k is scaled by query_pre_attn_scalar**-0.5
 (model.attention_scale_dim), the embeddings by sqrt(hidden_size).
 
-Refused until jaxtrain has per-layer kinds: sliding layers in `layer_types` (Gemma 3's
-default is 5 sliding : 1 full), so only all-full configs import; the soft-caps.
+Gemma 2's `attn_logit_softcapping` (null: none) is model.attn_logit_softcap (0), both
+ways; Gemma 3's config carries the key but transformers' Gemma 3 never applies it, so a
+value there is refused rather than silently dropped or applied. Refused until jaxtrain has
+per-layer kinds: sliding layers in `layer_types` (the defaults alternate, Gemma 3's 5
+sliding : 1 full), so only all-full configs import; the final-logit soft-cap.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+from jaxtrain.errors import ConfigError
 from jaxtrain.hf import llama
 from jaxtrain.hf.mapping import Checks, HFTensor, linear, one, split_heads
 
-ARCHITECTURE = "Gemma3ForCausalLM"
-FAMILY = "gemma3"  # the jaxtrain model.family it imports into
-SLIDING_WINDOW = False  # sliding layers are refused (above): every layer attends fully
-PEFT_LAYOUT = True  # separate q/k/v/o and gate/up/down projections, as PEFT names them
 LAYER = llama.LAYER
 
 
 def _full_theta(hf: dict) -> float:
-    rope = (hf.get("rope_parameters") or {}).get("full_attention") or {}
+    """The full-attention layers' theta: rope_parameters by layer type (Gemma 3), or one."""
+    rope = hf.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
     return float(rope.get("rope_theta", hf.get("rope_theta", 1_000_000.0)))
 
 
-def check_config(hf: dict, m) -> list[str]:
-    """Disagreements of a gemma3_text config.json with cfg.model `m`, one message each."""
+def _check_config(self, hf: dict, m) -> list[str]:
+    """Disagreements of the config.json with cfg.model `m`, one message each."""
     c = Checks()
     d, heads = hf.get("hidden_size", 2304), hf.get("num_attention_heads", 8)
     for ours, key, theirs in (
@@ -55,9 +60,15 @@ def check_config(hf: dict, m) -> list[str]:
     if sliding or not hf.get("layer_types"):
         c.refuse("layer_types", f"sliding at layers {sliding or 'default 5:1'}",
                  "jaxtrain has no per-layer window pattern yet (only all full_attention)")
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf.get(key):
-            c.refuse(key, hf[key], "soft-capping is not implemented")
+    if self.softcap:
+        c.equal("model.attn_logit_softcap (0: none)", m.attn_logit_softcap,
+                "attn_logit_softcapping (null: none)", hf.get("attn_logit_softcapping") or 0.0)
+    elif hf.get("attn_logit_softcapping"):
+        c.refuse("attn_logit_softcapping", hf["attn_logit_softcapping"],
+                 f"transformers' {self.ARCHITECTURE} never applies it (remove the key)")
+    if hf.get("final_logit_softcapping"):
+        c.refuse("final_logit_softcapping", hf["final_logit_softcapping"],
+                 "the final-logit soft-cap is not implemented")
     if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         c.refuse("hidden_activation", hf["hidden_activation"], "jaxtrain's GeGLU is tanh-GELU")
     if hf.get("use_bidirectional_attention"):
@@ -69,7 +80,7 @@ def check_config(hf: dict, m) -> list[str]:
     return c.problems
 
 
-def tensors(spec, hf: dict | None = None) -> list[HFTensor]:
+def _tensors(self, spec, hf: dict | None = None) -> list[HFTensor]:
     d, h, g, k, f = spec.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim, \
         spec.mlp_dim
 
@@ -85,8 +96,8 @@ def tensors(spec, hf: dict | None = None) -> list[HFTensor]:
         norm("input_layernorm", "attn_norm"),
         attn("q_proj", "w_q", h), attn("k_proj", "w_k", g), attn("v_proj", "w_v", g),
         attn("o_proj", "w_o", h, out=True),
-        one(f"{LAYER}self_attn.q_norm.weight", (k,), ("blocks", "attn", "q_norm")),
-        one(f"{LAYER}self_attn.k_norm.weight", (k,), ("blocks", "attn", "k_norm")),
+        *([one(f"{LAYER}self_attn.{w}_norm.weight", (k,), ("blocks", "attn", f"{w}_norm"))
+           for w in ("q", "k")] if self.qk_norm else []),
         norm("post_attention_layernorm", "post_attn_norm"),
         norm("pre_feedforward_layernorm", "mlp_norm"),
         linear(f"{LAYER}mlp.gate_proj.weight", (f, d), ("blocks", "mlp", "w_gate")),
@@ -97,9 +108,12 @@ def tensors(spec, hf: dict | None = None) -> list[HFTensor]:
     ]
 
 
-def export_config(spec) -> dict:
+def _export_config(self, spec) -> dict:
+    if spec.attn_softcap and not self.softcap:
+        raise ConfigError(f"model.attn_logit_softcap={spec.attn_softcap} cannot be exported: "
+                          f"transformers' {self.ARCHITECTURE} never applies it")
     return {
-        "architectures": [ARCHITECTURE], "model_type": "gemma3_text",
+        "architectures": [self.ARCHITECTURE], "model_type": self.model_type,
         "vocab_size": spec.vocab_size, "hidden_size": spec.d_model,
         "intermediate_size": spec.mlp_dim, "num_hidden_layers": spec.num_layers,
         "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
@@ -110,9 +124,36 @@ def export_config(spec) -> dict:
         "rope_parameters": {"full_attention": {"rope_type": "default",
                                                "rope_theta": spec.rope_theta},
                             "sliding_attention": {"rope_type": "default",
-                                                  "rope_theta": 10000.0}},
-        "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                                                  "rope_theta": 10000.0}}
+        if self.rope_by_layer_type else {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "attn_logit_softcapping": spec.attn_softcap or None, "final_logit_softcapping": None,
         "attention_bias": False, "tie_word_embeddings": True,
         "initializer_range": spec.init_std, "bos_token_id": None, "eos_token_id": None,
         "pad_token_id": None,
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma:
+    """An HF module's interface (see jaxtrain/hf/__init__.py) for a Gemma model_type."""
+
+    model_type: str
+    ARCHITECTURE: str
+    FAMILY: str  # the jaxtrain model.family it imports into
+    qk_norm: bool  # self_attn.{q,k}_norm (Gemma 3)
+    softcap: bool  # transformers applies attn_logit_softcapping (Gemma 2)
+    rope_by_layer_type: bool  # rope_parameters keyed by layer type (Gemma 3); else one
+    SLIDING_WINDOW: bool = False  # sliding layers are refused (above): all attend fully
+    PEFT_LAYOUT: bool = True  # separate q/k/v/o and gate/up/down projections, as PEFT names
+
+    check_config = _check_config
+    tensors = _tensors
+    export_config = _export_config
+
+
+ENTRIES = {e.model_type: e for e in (
+    Gemma("gemma3_text", "Gemma3ForCausalLM", "gemma3", qk_norm=True, softcap=False,
+          rope_by_layer_type=True),
+    Gemma("gemma2", "Gemma2ForCausalLM", "gemma2", qk_norm=False, softcap=True,
+          rope_by_layer_type=False),
+)}
