@@ -97,9 +97,9 @@ def _model() -> dict:
         "context_attention": "auto",
         "remat": "none",
         "rope_theta": 10000.0,
-        # q·k scaled by attention_scale_dim**-0.5 (Gemma's query_pre_attn_scalar); 0: head_dim
+        # q·k scaled by attention_scale_dim**-0.5 (HF's query_pre_attn_scalar); 0: head_dim
         "attention_scale_dim": 0,
-        # c·tanh(score/c) on the attention scores before softmax (Gemma 2's
+        # c·tanh(score/c) on the attention scores before softmax (HF's
         # attn_logit_softcapping); 0: none. Kernels that cannot are refused (KERNELS softcap).
         "attn_logit_softcap": 0.0,
         "rope_scaling": rope_lib.defaults(),

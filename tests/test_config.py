@@ -106,7 +106,8 @@ def test_cli_reports_config_error_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("arg,message", [
     ("--config.model.heads=4", "jaxtrain: error: --config.model.heads: there is no key "
-     "'heads' under model; valid: attention, attention_scale_dim, attn_logit_softcap, context_attention, d_model,"),
+     "'heads' under model; valid: attention, attention_scale_dim, attn_logit_softcap, "
+     "context_attention, d_model,"),
     ("--config.steps=ten", "jaxtrain: error: flag --config.steps=ten: invalid literal for "
      "int()"),
 ])

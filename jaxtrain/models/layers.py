@@ -32,8 +32,8 @@ class Norm(nnx.Module):
 
     def __init__(self, dim: int, *, rms: bool, eps: float, dtype, rngs: nnx.Rngs,
                  offset: float = 0.0):
-        """offset: the scale applied is offset + the stored weight (Gemma's 1 + w, its
-        weight born zero); 0: the weight itself."""
+        """offset: the scale applied is offset + the stored weight (1 + w, the weight
+        born zero); 0: the weight itself."""
         self.rms, self.eps, self.offset = rms, eps, offset
         self.scale = param(rngs, (dim,), ("embed",), 0.0 if offset else None, dtype)
         self.bias = None if rms else param(rngs, (dim,), ("embed",), 0.0, dtype)

@@ -209,7 +209,7 @@ class Transformer(nnx.Module):
         spec, dt = self.spec, self.spec.compute_dtype
         # Gathered like any weight, its gradient formed in the table's own sharding.
         x_BLD = embed(self.tok_embed[...], tokens_BL, dt, spec.rules)
-        if spec.family_entry.embed_scale:  # sqrt(d) rounded to the table's dtype, as Gemma's
+        if spec.family_entry.embed_scale:  # sqrt(d) in the table's dtype, as HF scales it
             x_BLD = x_BLD * jnp.asarray(spec.d_model ** 0.5, self.tok_embed[...].dtype).astype(dt)
         if not spec.rope:
             if positions_BL is None:
