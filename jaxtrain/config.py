@@ -102,6 +102,7 @@ def _model() -> dict:
         # c·tanh(score/c) on the attention scores before softmax (HF's
         # attn_logit_softcapping); 0: none. Kernels that cannot are refused (KERNELS softcap).
         "attn_logit_softcap": 0.0,
+        "final_logit_softcap": 0.0,  # c·tanh(logit/c) on the output logits; 0: none
         "rope_scaling": rope_lib.defaults(),
         "norm_eps": 1e-5,
         "init_std": 0.02,

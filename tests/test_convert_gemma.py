@@ -27,7 +27,8 @@ def _config(family: str = "gemma3", **overrides):
     return small_config(family, **{
         "model.num_heads": 4, "model.num_kv_heads": 2, "model.head_dim": 16,
         "model.attention_scale_dim": 24, "model.norm_eps": 1e-6, "model.rope_theta": 50000.0,
-        "model.attn_logit_softcap": softcap, "model.attention": "xla", **overrides})
+        "model.attn_logit_softcap": softcap, "model.final_logit_softcap": 3.0,
+        "model.attention": "xla", **overrides})
 
 
 def _hf_model(cfg, seed: int = 0, norm_std: float = 1.0, **extra):
@@ -50,8 +51,7 @@ def _hf_model(cfg, seed: int = 0, norm_std: float = 1.0, **extra):
         query_pre_attn_scalar=m.attention_scale_dim,
         attn_logit_softcapping=m.attn_logit_softcap or None,
         layer_types=["full_attention"] * m.num_layers,
-        rope_parameters=rope, **({} if "final_logit_softcapping" in extra
-                                 else {"final_logit_softcapping": None}),
+        rope_parameters=rope, final_logit_softcapping=m.final_logit_softcap or None,
         # pad_token_id None: torch's Embedding(padding_idx) would give row 0 no gradient.
         bos_token_id=0, eos_token_id=0, pad_token_id=None, **extra)
     # Eager attention: transformers' sdpa path drops the soft-cap without a word.
@@ -122,13 +122,14 @@ def test_greedy_generation_equals_transformers(family, tmp_path, devices):
 
 def test_gemma3_sliding_layers_and_soft_caps_are_refused_in_one_line(tmp_path, devices):
     cfg = _config()
-    model = _hf_model(cfg, final_logit_softcapping=30.0)
+    model = _hf_model(cfg)
     model.config.layer_types = ["sliding_attention", "full_attention"]
+    model.config.attn_logit_softcapping = 30.0  # a key transformers' Gemma 3 never applies
     model.save_pretrained(tmp_path / "hf")
     with pytest.raises(ConfigError) as e:
         import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
     message = str(e.value)
-    assert "\n" not in message and "layer_types" in message and "final_logit_softcapping" \
+    assert "\n" not in message and "layer_types" in message and "attn_logit_softcapping" \
         in message
     assert not (tmp_path / "run").exists()
 

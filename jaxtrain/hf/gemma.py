@@ -13,7 +13,8 @@ Gemma 2's `attn_logit_softcapping` (null: none) is model.attn_logit_softcap (0),
 ways; Gemma 3's config carries the key but transformers' Gemma 3 never applies it, so a
 value there is refused rather than silently dropped or applied. Refused until jaxtrain has
 per-layer kinds: sliding layers in `layer_types` (the defaults alternate, Gemma 3's 5
-sliding : 1 full), so only all-full configs import; the final-logit soft-cap.
+sliding : 1 full), so only all-full configs import. `final_logit_softcapping` (null:
+none) is model.final_logit_softcap (0), both ways.
 """
 
 from __future__ import annotations
@@ -66,9 +67,8 @@ def _check_config(self, hf: dict, m) -> list[str]:
     elif hf.get("attn_logit_softcapping"):
         c.refuse("attn_logit_softcapping", hf["attn_logit_softcapping"],
                  f"transformers' {self.ARCHITECTURE} never applies it (remove the key)")
-    if hf.get("final_logit_softcapping"):
-        c.refuse("final_logit_softcapping", hf["final_logit_softcapping"],
-                 "the final-logit soft-cap is not implemented")
+    c.equal("model.final_logit_softcap (0: none)", m.final_logit_softcap,
+            "final_logit_softcapping (null: none)", hf.get("final_logit_softcapping") or 0.0)
     if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         c.refuse("hidden_activation", hf["hidden_activation"], "jaxtrain's GeGLU is tanh-GELU")
     if hf.get("use_bidirectional_attention"):
@@ -126,7 +126,8 @@ def _export_config(self, spec) -> dict:
                             "sliding_attention": {"rope_type": "default",
                                                   "rope_theta": 10000.0}}
         if self.rope_by_layer_type else {"rope_type": "default", "rope_theta": spec.rope_theta},
-        "attn_logit_softcapping": spec.attn_softcap or None, "final_logit_softcapping": None,
+        "attn_logit_softcapping": spec.attn_softcap or None,
+        "final_logit_softcapping": spec.final_softcap or None,
         "attention_bias": False, "tie_word_embeddings": True,
         "initializer_range": spec.init_std, "bos_token_id": None, "eos_token_id": None,
         "pad_token_id": None,

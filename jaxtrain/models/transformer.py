@@ -15,6 +15,7 @@ from jaxtrain.mesh import active_rules, constrain
 from jaxtrain.models.attention import Attention, resolve_attention, resolve_variant
 from jaxtrain.models.embedding import embed
 from jaxtrain.models.families import FAMILIES, Family
+from jaxtrain.models.head_loss import soft_cap
 from jaxtrain.models.layers import Norm, param
 from jaxtrain.models.lora import LoraSpec
 from jaxtrain.models.mlp import Mlp
@@ -46,6 +47,7 @@ class ModelSpec:
     rope_theta: float = 10000.0
     attention_scale_dim: int = 0  # q·k times attention_scale_dim**-0.5; 0: head_dim's
     attn_softcap: float = 0.0  # attention-logit soft-cap c (c·tanh(s/c)); 0: none
+    final_softcap: float = 0.0  # final-logit soft-cap (models/head_loss.py soft_cap); 0: none
     rope_scaling: RopeScaling | None = None  # None: plain RoPE (models/rope.py)
     norm_eps: float = 1e-5
     init_std: float = 0.02
@@ -87,6 +89,7 @@ class ModelSpec:
             sliding_window=m.sliding_window,
             remat=m.remat, rope_theta=m.rope_theta, rope_scaling=_rope_scaling(m),
             attention_scale_dim=m.attention_scale_dim, attn_softcap=m.attn_logit_softcap,
+            final_softcap=m.final_logit_softcap,
             norm_eps=m.norm_eps,
             init_std=m.init_std, compute_dtype=precision.compute_dtype,
             rules=active_rules(tuple(tuple(r) for r in cfg.mesh.rules),
@@ -300,7 +303,8 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BL: jax.Array, segments_BL=None, positions_BL=None
                  ) -> jax.Array:
-        logits_BLV = self.features(tokens_BL, segments_BL, positions_BL) @ self.head()
+        logits_BLV = soft_cap(self.features(tokens_BL, segments_BL, positions_BL) @ self.head(),
+                              self.spec.final_softcap)
         return constrain(logits_BLV, ("batch", "length", "vocab"), self.spec.rules)
 
     def init_cache(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
@@ -325,6 +329,6 @@ class Transformer(nnx.Module):
             return x_BTD, {}, layer_cache
 
         (x_BTD, _), new = walk(groups, layer, (self._embed(tokens_BT, start), {}), xs)
-        logits_BTV = self.final_norm(x_BTD) @ self.head()
+        logits_BTV = soft_cap(self.final_norm(x_BTD) @ self.head(), self.spec.final_softcap)
         return (constrain(logits_BTV, ("batch", "length", "vocab"), self.spec.rules),
                 groups.join(new))
