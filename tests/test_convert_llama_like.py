@@ -75,6 +75,7 @@ def test_import_and_export_give_the_logits_of_transformers(family, tmp_path, dev
     assert all(np.array_equal(exported[k], original[k]) for k in original)
 
 
+@pytest.mark.slow  # two more imports' compiles; test_convert_gemma.py's fsdp × tensor is fast
 def test_fsdp_by_tensor_gives_the_logits_of_one_device(tmp_path, devices):
     """Qwen3's q/k norms and Qwen2's biases sharded over fsdp×tensor: the same logits."""
     for family in ("qwen2", "qwen3"):
