@@ -97,6 +97,12 @@ def _model() -> dict:
         "context_attention": "auto",
         "remat": "none",
         "rope_theta": 10000.0,
+        # q·k scaled by attention_scale_dim**-0.5 (HF's query_pre_attn_scalar); 0: head_dim
+        "attention_scale_dim": 0,
+        # c·tanh(score/c) on the attention scores before softmax (HF's
+        # attn_logit_softcapping); 0: none. Kernels that cannot are refused (KERNELS softcap).
+        "attn_logit_softcap": 0.0,
+        "final_logit_softcap": 0.0,  # c·tanh(logit/c) on the output logits; 0: none
         "rope_scaling": rope_lib.defaults(),
         "norm_eps": 1e-5,
         "init_std": 0.02,
@@ -273,9 +279,9 @@ def _check_model(c, platform: str | None) -> None:
              "learned positions, no RoPE: use none")
     documents = LAYOUTS[c.data.packing].segments
     kernel = resolve_attention(m.attention, c.train.precision, platform or "", m.seq_len,
-                               m.sliding_window, documents)
+                               m.sliding_window, documents, m.attn_logit_softcap)
     if problem := KERNELS[kernel].problem(c.train.precision, platform, m.seq_len,
-                                          m.sliding_window, documents):
+                                          m.sliding_window, documents, m.attn_logit_softcap):
         shown = m.attention if m.attention == kernel else f"{m.attention} ({kernel} here)"
         fail("model.attention", shown, problem)
     if problem := REMATS[m.remat].problem(platform):

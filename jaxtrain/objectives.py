@@ -81,7 +81,7 @@ def _forward(params: dict, graphdef: nnx.GraphDef, tokens_BT):
     inputs_BL, targets_BL, documents, counted_BL = _laid_out(tokens_BT, model.spec.context)
     features, penalty, metrics = model.features_and_aux(inputs_BL, *documents)
     loss = head_cross_entropy(features, head, targets_BL, model.spec.rules, vocab_major,
-                              counted_BL)
+                              counted_BL, model.spec.final_softcap)
     return loss, penalty, metrics
 
 
@@ -119,7 +119,8 @@ def segment_logps(params: dict, graphdef: nnx.GraphDef, pairs: Packed):
     head, vocab_major = model.head_as_stored()
     inputs_BL, targets_BL, documents, counted_BL = _laid_out(pairs, model.spec.context)
     features, penalty, metrics = model.features_and_aux(inputs_BL, *documents)
-    logp_BL = token_logprobs(features, head, targets_BL, model.spec.rules, vocab_major)
+    logp_BL = token_logprobs(features, head, targets_BL, model.spec.rules, vocab_major,
+                             model.spec.final_softcap)
     # A counted target is of its input's segment (packing.counted_targets).
     segments_BL = documents[0]
     in_segment = [counted_BL & (segments_BL == k) for k in (1, 2)]

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.errors import DataError
 from jaxtrain.mesh import batch_shards, constrain, logical_to_spec
 from jaxtrain.models.attention import KERNELS
+from jaxtrain.models.head_loss import soft_cap
 from jaxtrain.sampling import Sampling, make_generate
 
 MIN_BUCKET = 16
@@ -188,7 +189,8 @@ def _token_scores(graphdef, rules, params, inputs_BL, targets_BL, mask_BL):
 
     def scores(x_BCD, targets_BC):
         logits_BCV = (x_BCD @ (head.T if vocab_major else head)).astype(jnp.float32)
-        logits_BCV = constrain(logits_BCV, ("batch", "length", "vocab"), rules)
+        logits_BCV = soft_cap(constrain(logits_BCV, ("batch", "length", "vocab"), rules),
+                              model.spec.final_softcap)
         picked_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
         logprob_BC = picked_BC - jax.nn.logsumexp(logits_BCV, axis=-1)
         return logprob_BC, jnp.argmax(logits_BCV, axis=-1) == targets_BC

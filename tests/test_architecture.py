@@ -262,9 +262,11 @@ def _entry_cases():
             "bf16_plain", jax.numpy.bfloat16, "bf16 compute"), 1),
         "data": ({"data.source": "seven"}, SOURCES, "seven", DataSource(
             "seven", "synthetic tokens of another seed", constant_splits), 1),
-        "family": ({"model.family": "gpt2_rms"}, FAMILIES, "gpt2_rms", Family(
-            "gpt2_rms", "GPT-2 with RMSNorm", norm="rms", bias=True, rope=False,
-            tied_embeddings=True, mlp="gelu"), 1),
+        # A family made only of existing parts (attention options included): no other file.
+        "family": ({"model.family": "parts_only"}, FAMILIES, "parts_only", Family(
+            "parts_only", "RMSNorm, SwiGLU, RoPE, tied head, q/k/v biases and q/k norms",
+            norm="rms", bias=False, rope=True, tied_embeddings=True, mlp="swiglu",
+            attention=("qkv_bias", "qk_norm")), 1),
         # A dispatch path: buffers of every row (capacity_factor E/k: nothing drops).
         "dispatch": ({"model.moe.dispatch": "padded_all", **moe,
                       "model.moe.capacity_factor": 2.0}, DISPATCHES, "padded_all", Dispatch(

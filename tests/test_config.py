@@ -75,7 +75,7 @@ def _load(path):
 SHIPPED = {"tiny": 1, "stdlib_bpe": 1, "bench_cpu": 1, "gpt2_124m": 8, "llama_1b": 1,
            "llama_1b_32k": 8,
            "gpt13b": 64, "gpt13b_pp": 16, "tiny_moe": 1, "bench_cpu_moe": 1, "mixtral_8x7b": 64,
-           "stdlib_sft": 1, "stdlib_dpo": 1}
+           "stdlib_sft": 1, "stdlib_dpo": 1, "tiny_qwen3": 1, "tiny_gemma3": 1}
 
 
 @pytest.mark.parametrize("name,devices", SHIPPED.items())
@@ -106,7 +106,8 @@ def test_cli_reports_config_error_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("arg,message", [
     ("--config.model.heads=4", "jaxtrain: error: --config.model.heads: there is no key "
-     "'heads' under model; valid: attention, context_attention, d_model,"),
+     "'heads' under model; valid: attention, attention_scale_dim, attn_logit_softcap, "
+     "context_attention, d_model,"),
     ("--config.steps=ten", "jaxtrain: error: flag --config.steps=ten: invalid literal for "
      "int()"),
 ])

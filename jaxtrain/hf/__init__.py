@@ -2,15 +2,25 @@
 checks, its tensors and its exported config.json (see jaxtrain/commands/convert.py)."""
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.hf import gpt2, llama, mixtral
+from jaxtrain.hf import gemma, gpt2, llama, llama_like, mixtral
 
 # HF model_type -> module; each module's FAMILY is the jaxtrain model.family it maps to.
-FAMILIES = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral}
+FAMILIES = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral, **llama_like.ENTRIES,
+            **gemma.ENTRIES}
 
 
 def module_for(spec):
-    """The HF module a model exports as: Mixtral for a llama with experts."""
-    return mixtral if spec.moe is not None else FAMILIES[spec.family]
+    """The HF module a model exports as: its family's, or with experts the one its family
+    module names as MOE (Mixtral for a llama); ConfigError for a family without one."""
+    if spec.moe is None:  # keyed by model_type, which may differ from the family's name
+        return FAMILIES.get(spec.family) or next(
+            m for m in FAMILIES.values() if m.FAMILY == spec.family)
+    moe = getattr(FAMILIES[spec.family], "MOE", None)
+    if moe is None:
+        raise ConfigError(f"model.family={spec.family!r} with model.moe has no Hugging Face "
+                          "model_type here (an MoE model exports as mixtral: "
+                          "model.family='llama')")
+    return FAMILIES[moe]
 
 
 def family_of(hf: dict, where: str):

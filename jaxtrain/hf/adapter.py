@@ -5,7 +5,8 @@ PEFT keeps, per adapted torch Linear [out, in], `lora_A.weight` [r, in] and `lor
 [out, r] under `base_model.model.<the module's name>`, and scales B·A by lora_alpha/r, as
 jaxtrain does (models/lora.py). jaxtrain's A is [in..., r] and B [r, out...]: flattened in
 the same order as the weight's HF layout (hf/llama.py: no permutation), then transposed.
-Only the llama family's separate projections map (GPT-2 fuses q, k and v into one c_attn);
+Only separate projections map (HF modules with PEFT_LAYOUT: the Llama-like ones; GPT-2
+fuses q, k and v into one c_attn);
 the routed experts of an MoE model have no PEFT module (transformers 5 keeps Mixtral's
 experts as fused 3-D parameters): both are refused in one line; export merged instead.
 """
@@ -22,6 +23,7 @@ from flax import traverse_util
 from safetensors.numpy import save_file
 
 from jaxtrain.errors import ConfigError
+from jaxtrain.hf import module_for
 from jaxtrain.models.lora import PREFIX, TARGETS, split
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -30,7 +32,7 @@ MODULES = {"attention": "self_attn", "mlp": "mlp"}  # jaxtrain module kind -> HF
 
 def check(spec) -> None:
     """ConfigError when PEFT could not load this run's adapters."""
-    if spec.family != "llama":
+    if not getattr(module_for(spec), "PEFT_LAYOUT", False):
         raise ConfigError(f"--adapter: a model.family={spec.family!r} adapter has no PEFT "
                           "layout (GPT-2 fuses q, k, v in c_attn); export the merged weights "
                           "(without --adapter)")

@@ -14,6 +14,8 @@ from jaxtrain.hf.mapping import Checks, HFTensor, linear, one, split_heads
 ARCHITECTURE = "LlamaForCausalLM"
 FAMILY = "llama"  # the jaxtrain model.family it imports into
 SLIDING_WINDOW = False  # transformers' Llama attends to every earlier token
+MOE = "mixtral"  # the model_type a llama with model.moe exports as
+PEFT_LAYOUT = True  # separate q/k/v/o and gate/up/down projections, as PEFT names them
 
 
 def rope_theta(hf: dict) -> float:

@@ -20,6 +20,7 @@ from jaxtrain.hf.mapping import HFTensor, linear
 ARCHITECTURE = "MixtralForCausalLM"
 FAMILY = "llama"  # the jaxtrain model.family it imports into
 SLIDING_WINDOW = True  # config.json sliding_window (null: none) is model.sliding_window (0)
+PEFT_LAYOUT = True  # separate q/k/v/o and gate/up/down projections, as PEFT names them
 
 
 def check_config(hf: dict, m) -> list[str]:

@@ -87,8 +87,8 @@ def _check_exportable(spec, family) -> None:
     """ConfigError for a model the Hugging Face family cannot express."""
     if not family.SLIDING_WINDOW and 0 < spec.sliding_window < spec.seq_len:
         raise ConfigError(f"model.sliding_window={spec.sliding_window} cannot be exported: "
-                          f"HF {spec.family} attends to every earlier token (of the "
-                          "families only Mixtral, a llama with model.moe, has a window)")
+                          f"HF {spec.family} attends to every earlier token (a window exports "
+                          "as model.family='mistral', or a llama with model.moe)")
     if spec.moe is not None and (spec.moe.every_n_layers != 1 or spec.moe.shared_experts):
         raise ConfigError("an MoE model exports as MixtralForCausalLM, whose layers are all "
                           "MoE without shared experts: model.moe.every_n_layers="

@@ -76,6 +76,12 @@ def length_shards(rules) -> int:
     return math.prod(sizes[a] for a in ((entry,) if isinstance(entry, str) else entry))
 
 
+def soft_cap(logits, cap: float):
+    """The final-logit soft-cap part: cap·tanh(logits/cap) (HF's final_logit_softcapping);
+    cap 0: the logits as they are."""
+    return cap * jnp.tanh(logits / cap) if cap else logits
+
+
 def _head_axes(vocab_major: bool) -> str:
     """The head's [D, V] or [V, D] axes: a tied head is the [V, D] embedding table itself,
     read in place (a transposed copy of it costs ≈3% of configs/bench_cpu.py's step)."""
@@ -83,10 +89,13 @@ def _head_axes(vocab_major: bool) -> str:
 
 
 def _chunk_loss(x_BCD, head, targets_BC, weights_BC, rules, with_grads: bool,
-                vocab_major: bool):
+                vocab_major: bool, cap: float = 0.0):
     head_axes = _head_axes(vocab_major)
     logits_BCV = jnp.einsum(f"bcd,{head_axes}->bcv", x_BCD, head).astype(jnp.float32)
     logits_BCV = constrain(logits_BCV, ("batch", "length", "vocab"), rules)
+    if cap:
+        tanh_BCV = jnp.tanh(logits_BCV / cap)
+        logits_BCV = cap * tanh_BCV
     lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
     target_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
     loss_BC = lse_BC - target_BC
@@ -99,10 +108,13 @@ def _chunk_loss(x_BCD, head, targets_BC, weights_BC, rules, with_grads: bool,
     dlogits_BCV = jnp.exp(logits_BCV - lse_BC[..., None]) - onehot_BCV
     if weights_BC is not None:
         dlogits_BCV = jnp.where(weights_BC[..., None], dlogits_BCV, 0.0)
+    if cap:  # through cap·tanh(l/cap): times 1 − tanh²
+        dlogits_BCV = dlogits_BCV * (1 - tanh_BCV * tanh_BCV)
     return loss, dlogits_BCV.astype(x_BCD.dtype)
 
 
-def _run(x_BLD, head, targets_BL, weights_BL, rules, with_grads: bool, vocab_major: bool):
+def _run(x_BLD, head, targets_BL, weights_BL, rules, with_grads: bool, vocab_major: bool,
+         cap: float = 0.0):
     """(summed loss, dx unscaled, dhead unscaled); the grads are None without with_grads."""
     head_axes = _head_axes(vocab_major)
     # Sequence-sharded: strided chunks, each `shards` times longer so that every device's
@@ -117,7 +129,7 @@ def _run(x_BLD, head, targets_BL, weights_BL, rules, with_grads: bool, vocab_maj
         loss, dhead_DV = carry
         x_BCD, targets_BC, weights_BC = xs_chunk
         chunk_loss, dlogits_BCV = _chunk_loss(x_BCD, head, targets_BC, weights_BC, rules,
-                                              with_grads, vocab_major)
+                                              with_grads, vocab_major, cap)
         if not with_grads:
             return (loss + chunk_loss, dhead_DV), None
         dx_BCD = jnp.einsum(f"bcv,{head_axes}->bcd", dlogits_BCV, head)
@@ -142,19 +154,20 @@ def _count(targets_BL, weights_BL):
     return jnp.maximum(weights_BL.sum(dtype=jnp.float32), 1.0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _mean_loss(x_BLD, head, targets_BL, weights_BL, rules, vocab_major):
-    loss = _run(x_BLD, head, targets_BL, weights_BL, rules, False, vocab_major)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _mean_loss(x_BLD, head, targets_BL, weights_BL, rules, vocab_major, cap):
+    loss = _run(x_BLD, head, targets_BL, weights_BL, rules, False, vocab_major, cap)[0]
     return loss / _count(targets_BL, weights_BL)
 
 
-def _mean_loss_fwd(x_BLD, head, targets_BL, weights_BL, rules, vocab_major):
-    loss, dx_BLD, dhead = _run(x_BLD, head, targets_BL, weights_BL, rules, True, vocab_major)
+def _mean_loss_fwd(x_BLD, head, targets_BL, weights_BL, rules, vocab_major, cap):
+    loss, dx_BLD, dhead = _run(x_BLD, head, targets_BL, weights_BL, rules, True, vocab_major,
+                               cap)
     count = _count(targets_BL, weights_BL)
     return loss / count, (dx_BLD, dhead, None if weights_BL is None else count)
 
 
-def _mean_loss_bwd(rules, vocab_major, residuals, g):
+def _mean_loss_bwd(rules, vocab_major, cap, residuals, g):
     dx_BLD, dhead, count = residuals
     scale = g / (dx_BLD.shape[0] * dx_BLD.shape[1] if count is None else count)
     return (dx_BLD * scale.astype(dx_BLD.dtype), dhead * scale.astype(dhead.dtype), None,
@@ -165,15 +178,17 @@ _mean_loss.defvjp(_mean_loss_fwd, _mean_loss_bwd)
 
 
 def head_cross_entropy(x_BLD: jax.Array, head: jax.Array, targets_BL: jax.Array,
-                       rules=(), vocab_major: bool = False, weights_BL=None) -> jax.Array:
+                       rules=(), vocab_major: bool = False, weights_BL=None,
+                       cap: float = 0.0) -> jax.Array:
     """mean(softmax_cross_entropy(x @ head, targets)) without materialising all logits.
     head: [D, V], or [V, D] with vocab_major (a tied embedding table). weights_BL (bool):
-    which targets count; the mean is over those (None: all)."""
-    return _mean_loss(x_BLD, head, targets_BL, weights_BL, rules, vocab_major)
+    which targets count; the mean is over those (None: all). cap: the final-logit
+    soft-cap (soft_cap; 0: none)."""
+    return _mean_loss(x_BLD, head, targets_BL, weights_BL, rules, vocab_major, cap)
 
 
 def token_logprobs(x_BLD: jax.Array, head: jax.Array, targets_BL: jax.Array, rules=(),
-                   vocab_major: bool = False) -> jax.Array:
+                   vocab_major: bool = False, cap: float = 0.0) -> jax.Array:
     """[B, L] float32: log softmax(x @ head)[target] of every position, over the same
     sequence chunks as head_cross_entropy, so that no more than a chunk's logits exist at
     once; differentiable (each chunk's logits are recomputed in the backward pass rather
@@ -186,7 +201,7 @@ def token_logprobs(x_BLD: jax.Array, head: jax.Array, targets_BL: jax.Array, rul
     @jax.checkpoint
     def chunk_logprobs(x_BCD, targets_BC):
         logits_BCV = jnp.einsum(f"bcd,{head_axes}->bcv", x_BCD, head).astype(jnp.float32)
-        logits_BCV = constrain(logits_BCV, ("batch", "length", "vocab"), rules)
+        logits_BCV = soft_cap(constrain(logits_BCV, ("batch", "length", "vocab"), rules), cap)
         target_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
         return target_BC - jax.nn.logsumexp(logits_BCV, axis=-1)
 

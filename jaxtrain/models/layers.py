@@ -30,14 +30,23 @@ def param(rngs: nnx.Rngs, shape, axes, std: float | None, dtype) -> nnx.Param:
 class Norm(nnx.Module):
     """LayerNorm (GPT-2: centred, with bias) or RMSNorm (Llama), statistics in float32."""
 
-    def __init__(self, dim: int, *, rms: bool, eps: float, dtype, rngs: nnx.Rngs):
-        self.rms, self.eps = rms, eps
-        self.scale = param(rngs, (dim,), ("embed",), None, dtype)
+    def __init__(self, dim: int, *, rms: bool, eps: float, dtype, rngs: nnx.Rngs,
+                 offset: float = 0.0):
+        """offset: the scale applied is offset + the stored weight (1 + w, the weight
+        born zero); 0: the weight itself."""
+        self.rms, self.eps, self.offset = rms, eps, offset
+        self.scale = param(rngs, (dim,), ("embed",), 0.0 if offset else None, dtype)
         self.bias = None if rms else param(rngs, (dim,), ("embed",), 0.0, dtype)
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         bias = None if self.bias is None else self.bias[...]
-        return _norm(x_BLD, self.scale[...], bias, self.rms, self.eps)
+        scale = self.offset + self.scale[...] if self.offset else self.scale[...]
+        return _norm(x_BLD, scale, bias, self.rms, self.eps)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis (any leading axes: the per-head q/k norm's [B, L, H, K])."""
+    return _norm(x, scale, None, True, eps)
 
 
 def _normalize(x, scale, bias, rms: bool, eps: float):

@@ -1,5 +1,5 @@
-"""The feed-forward block: GELU (up, GELU, down) or SwiGLU (SiLU(gate)·up, down), as the
-model family's `mlp` field says."""
+"""The feed-forward block: GELU (up, GELU, down), SwiGLU (SiLU(gate)·up, down) or GeGLU
+(tanh-GELU(gate)·up, down), as the model family's `mlp` field says."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ MLP_DOT_NAMES = ("mlp_up", "mlp_gate", "mlp_down")
 def _activation_and_down(spec, h_BLF, gate_BLF, b_up_F, w_down_FD):
     """GELU(h + b) or SiLU(gate)·h, then the down projection."""
     dt = spec.compute_dtype
-    if spec.gated_mlp:
+    if spec.family_entry.mlp == "geglu":
+        a_BLF = gelu(gate_BLF) * h_BLF
+    elif spec.gated_mlp:
         a_BLF = jax.nn.silu(gate_BLF) * h_BLF
     else:
         a_BLF = gelu(h_BLF + b_up_F.astype(dt)) if b_up_F is not None else gelu(h_BLF)

@@ -15,6 +15,7 @@ from jaxtrain.mesh import active_rules, constrain
 from jaxtrain.models.attention import Attention, resolve_attention, resolve_variant
 from jaxtrain.models.embedding import embed
 from jaxtrain.models.families import FAMILIES, Family
+from jaxtrain.models.head_loss import soft_cap
 from jaxtrain.models.layers import Norm, param
 from jaxtrain.models.lora import LoraSpec
 from jaxtrain.models.mlp import Mlp
@@ -44,6 +45,9 @@ class ModelSpec:
     sliding_window: int = 0  # 0: full causal attention; W: each query sees its last W keys
     remat: str = "none"
     rope_theta: float = 10000.0
+    attention_scale_dim: int = 0  # q·k times attention_scale_dim**-0.5; 0: head_dim's
+    attn_softcap: float = 0.0  # attention-logit soft-cap c (c·tanh(s/c)); 0: none
+    final_softcap: float = 0.0  # final-logit soft-cap (models/head_loss.py soft_cap); 0: none
     rope_scaling: RopeScaling | None = None  # None: plain RoPE (models/rope.py)
     norm_eps: float = 1e-5
     init_std: float = 0.02
@@ -81,9 +85,11 @@ class ModelSpec:
             head_dim=m.head_dim or m.d_model // m.num_heads, mlp_dim=m.mlp_dim,
             vocab_size=m.vocab_size, seq_len=m.seq_len,
             attention=resolve_attention(m.attention, cfg.train.precision, platform, m.seq_len,
-                                        m.sliding_window, segments),
+                                        m.sliding_window, segments, m.attn_logit_softcap),
             sliding_window=m.sliding_window,
             remat=m.remat, rope_theta=m.rope_theta, rope_scaling=_rope_scaling(m),
+            attention_scale_dim=m.attention_scale_dim, attn_softcap=m.attn_logit_softcap,
+            final_softcap=m.final_logit_softcap,
             norm_eps=m.norm_eps,
             init_std=m.init_std, compute_dtype=precision.compute_dtype,
             rules=active_rules(tuple(tuple(r) for r in cfg.mesh.rules),
@@ -101,6 +107,8 @@ class ModelSpec:
     tied_embeddings = property(lambda self: self.family_entry.tied_embeddings)
     gated_mlp = property(lambda self: self.family_entry.gated_mlp)
     rms_norm = property(lambda self: self.family_entry.norm == "rms")
+    attention_parts = property(lambda self: self.family_entry.attention_parts)
+    norm_offset = property(lambda self: self.family_entry.norm_offset)
 
 
 def _rope_scaling(m) -> RopeScaling | None:
@@ -109,12 +117,20 @@ def _rope_scaling(m) -> RopeScaling | None:
 
 class Block(nnx.Module):
     def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
-        norm = dict(rms=spec.rms_norm, eps=spec.norm_eps, dtype=spec.param_dtype, rngs=rngs)
+        norm = dict(rms=spec.rms_norm, eps=spec.norm_eps, dtype=spec.param_dtype, rngs=rngs,
+                    offset=spec.norm_offset)
         self.spec = spec
         self.attn_norm = Norm(spec.d_model, **norm)
         self.attn = Attention(spec, rngs=rngs)
         self.mlp_norm = Norm(spec.d_model, **norm)
         self.mlp = self._make_mlp(spec, rngs)
+        if spec.family_entry.sandwich:  # ones or zeros: no random draws
+            self.post_attn_norm = Norm(spec.d_model, **norm)
+            self.post_mlp_norm = Norm(spec.d_model, **norm)
+
+    def _post(self, name: str, y_BLD):
+        """A sub-layer's output, normed again under sandwich norms (else as it is)."""
+        return getattr(self, name)(y_BLD) if self.spec.family_entry.sandwich else y_BLD
 
     def _make_mlp(self, spec: ModelSpec, rngs: nnx.Rngs):
         return Mlp(spec, rngs=rngs)
@@ -126,7 +142,8 @@ class Block(nnx.Module):
         one document per row."""
         q_BLHK, k_BLGK, v_BLGK = self._norm_then(
             lambda x: self.attn.qkv(self.attn_norm(x), positions_BL))(x_BLD)
-        x_BLD = x_BLD + self.attn.attend(q_BLHK, k_BLGK, v_BLGK, segments_BL)
+        x_BLD = x_BLD + self._post("post_attn_norm",
+                                   self.attn.attend(q_BLHK, k_BLGK, v_BLGK, segments_BL))
         return self._mlp_residual(x_BLD)
 
     def _norm_then(self, norm_and_project):
@@ -144,6 +161,7 @@ class Block(nnx.Module):
         rules = self.spec.rules
         x_BLD = constrain(x_BLD, ("batch", "sequence", "embed"), rules)
         y_BLD, aux = self._feed_forward(x_BLD, drop)
+        y_BLD = self._post("post_mlp_norm", y_BLD)
         return constrain(x_BLD + y_BLD, ("batch", "sequence", "embed"), rules), aux
 
     def _feed_forward(self, x_BLD, drop: bool):
@@ -156,7 +174,8 @@ class Block(nnx.Module):
     def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):
         """(x_BTD, the layer's updated cache); no expert drops a token while generating."""
         y_BTD, cache = self.attn.decode(self.attn_norm(x_BTD), cache, start)
-        return self._mlp_residual(x_BTD + y_BTD, drop=False)[0], cache
+        return self._mlp_residual(x_BTD + self._post("post_attn_norm", y_BTD),
+                                  drop=False)[0], cache
 
 
 class MoeBlock(Block):
@@ -184,7 +203,8 @@ class Transformer(nnx.Module):
             self.blocks = stacked(Block, spec, keys[np.flatnonzero(~moe_layer)])
         if moe_layer.any():
             self.moe_blocks = stacked(MoeBlock, spec, keys[np.flatnonzero(moe_layer)])
-        self.final_norm = Norm(d, rms=spec.rms_norm, eps=spec.norm_eps, dtype=dt, rngs=rngs)
+        self.final_norm = Norm(d, rms=spec.rms_norm, eps=spec.norm_eps, dtype=dt, rngs=rngs,
+                               offset=spec.norm_offset)
         if not spec.tied_embeddings:
             self.lm_head = param(rngs, (d, v), ("embed", "vocab"), spec.init_std, dt)
 
@@ -192,6 +212,8 @@ class Transformer(nnx.Module):
         spec, dt = self.spec, self.spec.compute_dtype
         # Gathered like any weight, its gradient formed in the table's own sharding.
         x_BLD = embed(self.tok_embed[...], tokens_BL, dt, spec.rules)
+        if spec.family_entry.embed_scale:  # sqrt(d) in the table's dtype, as HF scales it
+            x_BLD = x_BLD * jnp.asarray(spec.d_model ** 0.5, self.tok_embed[...].dtype).astype(dt)
         if not spec.rope:
             if positions_BL is None:
                 positions_LD = jax.lax.dynamic_slice_in_dim(self.pos_embed[...], start,
@@ -281,7 +303,8 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BL: jax.Array, segments_BL=None, positions_BL=None
                  ) -> jax.Array:
-        logits_BLV = self.features(tokens_BL, segments_BL, positions_BL) @ self.head()
+        logits_BLV = soft_cap(self.features(tokens_BL, segments_BL, positions_BL) @ self.head(),
+                              self.spec.final_softcap)
         return constrain(logits_BLV, ("batch", "length", "vocab"), self.spec.rules)
 
     def init_cache(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
@@ -306,6 +329,6 @@ class Transformer(nnx.Module):
             return x_BTD, {}, layer_cache
 
         (x_BTD, _), new = walk(groups, layer, (self._embed(tokens_BT, start), {}), xs)
-        logits_BTV = self.final_norm(x_BTD) @ self.head()
+        logits_BTV = soft_cap(self.final_norm(x_BTD) @ self.head(), self.spec.final_softcap)
         return (constrain(logits_BTV, ("batch", "length", "vocab"), self.spec.rules),
                 groups.join(new))

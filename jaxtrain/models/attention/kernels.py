@@ -4,7 +4,7 @@ heads, an optional sliding window and optional document masks.
 An attention kernel is a plain function (q, k, v, window, segments) -> out chosen by name,
 so faster implementations plug in without touching the layer. window=None: full causal
 attention; window=W: query position i sees keys (i - W, i] (W keys including itself, as
-Mistral's sliding_window).
+transformers' sliding_window).
 
 Document masks (a batch layout with `segments`, data/layouts.py: documents, pairs;
 docs/data.md): `segments_BL` is an int32 [B, L]
@@ -62,18 +62,27 @@ class AttentionKernel:
     # Under mesh.context > 1 the context kernel (context.py) runs in its place: naming it
     # is accepted (it is an XLA kernel too); a custom kernel is refused.
     under_context: bool = False
+    softcap: bool = False  # takes an attention-logit soft-cap (model.attn_logit_softcap)
 
     def __call__(self, q_BLHK, k_BMGK, v_BMGK, window: int | None = None, rules=None,
-                 segments_BL=None):
+                 segments_BL=None, softcap: float = 0.0):
         if segments_BL is not None and not self.segments:
             raise ValueError(f"the {self.name} attention kernel takes no document masks")
         extra = {} if segments_BL is None else {"segments_BL": segments_BL}
+        if softcap:  # only then: the kernels without the part keep their signature
+            if not self.softcap:
+                raise ValueError(f"the {self.name} attention kernel has no logit soft-cap")
+            extra["softcap"] = softcap
         if self.sharded_by_rules:
             extra["rules"] = rules
         return self.fn(q_BLHK, k_BMGK, v_BMGK, window, **extra)
 
     def check_mesh(self, c, sizes: dict[str, int]) -> None:
         """ConfigError when the mesh leaves this kernel out: under context parallelism."""
+        if sizes.get("context", 1) > 1 and c.model.attn_logit_softcap:
+            fail("model.attn_logit_softcap", c.model.attn_logit_softcap, "the context-parallel "
+                 f"attention (mesh.context={sizes['context']}) cannot run the attention-logit "
+                 "soft-cap part; use mesh.context=1")
         if sizes.get("context", 1) > 1 and not self.under_context:
             able = ", ".join(k.name for k in KERNELS.values() if k.under_context)
             fail("model.attention", c.model.attention, f"mesh.context={sizes['context']} "
@@ -81,7 +90,7 @@ class AttentionKernel:
                  f"use auto or {able}")
 
     def problem(self, precision: str, platform: str | None, seq_len: int,
-                window: int, documents: bool = False) -> str | None:
+                window: int, documents: bool = False, softcap: float = 0.0) -> str | None:
         """Why this kernel cannot run this config (None: it can); platform None: unknown
         yet (the planner), so only the platform-independent checks apply."""
         if platform is not None and platform not in self.platforms:
@@ -96,6 +105,10 @@ class AttentionKernel:
             return ("it cannot mask attention at document boundaries (data.packing="
                     "gives document masks); use " + ", ".join(k.name for k in KERNELS.values()
                                                      if k.segments))
+        if softcap and not self.softcap:
+            able = ", ".join(k.name for k in KERNELS.values() if k.softcap)
+            return (f"the {self.name} kernel cannot run the attention-logit soft-cap part "
+                    f"(model.attn_logit_softcap={softcap}); use {able}")
         if seq_len % self.seq_multiple:
             return (f"it tiles the sequence in blocks of {self.seq_multiple}: model.seq_len="
                     f"{seq_len} is not a multiple")
@@ -118,12 +131,12 @@ KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
                     ("cpu", "gpu", "tpu"), query_chunk=128, loop_tile=loop_tile,
                     under_context=True),
     AttentionKernel("xla", xla_attention, "the reference: full score matrix, mask, softmax",
-                    ("cpu", "gpu", "tpu"), full_scores=True, under_context=True),
+                    ("cpu", "gpu", "tpu"), full_scores=True, under_context=True, softcap=True),
 )}
 
 
 def resolve_attention(name: str, precision: str, platform: str, seq_len: int = 128,
-                      window: int = 0, documents: bool = False) -> str:
+                      window: int = 0, documents: bool = False, softcap: float = 0.0) -> str:
     """The kernel `model.attention` names on this platform: 'auto' is the first kernel
     whose auto_on is the platform and that can run the config, else chunked; 'pallas' on
     a TPU is the splash kernel."""
@@ -133,6 +146,6 @@ def resolve_attention(name: str, precision: str, platform: str, seq_len: int = 1
         return name
     for kernel in KERNELS.values():
         if kernel.auto_on == platform and not kernel.problem(precision, platform, seq_len,
-                                                              window, documents):
+                                                              window, documents, softcap):
             return kernel.name
-    return "chunked"
+    return "xla" if softcap else "chunked"  # the one kernel with the soft-cap part

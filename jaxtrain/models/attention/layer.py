@@ -37,6 +37,9 @@ class Attention(nnx.Module):
             self.b_k = param(rngs, (g, k), ("kv_heads", "kv"), 0.0, dt)
             self.b_v = param(rngs, (g, k), ("kv_heads", "kv"), 0.0, dt)
             self.b_o = param(rngs, (d,), ("embed",), 0.0, dt)
+        for part in spec.attention_parts:  # ones and zeros: no random draws
+            for name, (shape, axes, init) in part.params(spec).items():
+                setattr(self, name, param(rngs, shape, axes, init, dt))
         # After every base weight, so that the base draws the same numbers with or without.
         for name in ("q", "k", "v", "o"):
             setattr(self, f"lora_{name}", lora.adapter(
@@ -53,6 +56,8 @@ class Attention(nnx.Module):
         # The parameter stays, for checkpoints converted from Hugging Face GPT-2.
         if self.spec.use_bias and name != "k":
             y = y + getattr(self, f"b_{name}")[...].astype(dt)
+        for part in self.spec.attention_parts:  # the family's options, before RoPE
+            y = part.fn(self, name, y, self.spec)
         y = checkpoint_name(y, PROJECTION_NAMES[name])
         return constrain(y, ("batch", "length") + axes, self.spec.rules)
 
@@ -67,7 +72,8 @@ class Attention(nnx.Module):
         if spec.rope:
             q_BLHK = rope(q_BLHK, spec.rope_theta, positions_L, spec.rope_scaling)
             k_BLGK = rope(k_BLGK, spec.rope_theta, positions_L, spec.rope_scaling)
-        q_BLHK = q_BLHK * jnp.asarray(spec.head_dim ** -0.5, q_BLHK.dtype)
+        q_BLHK = q_BLHK * jnp.asarray((spec.attention_scale_dim or spec.head_dim) ** -0.5,
+                                      q_BLHK.dtype)
         return q_BLHK, k_BLGK, v_BLGK
 
     def _output(self, out_BLHK):
@@ -93,7 +99,8 @@ class Attention(nnx.Module):
                                          spec.context, spec.rules)
         else:
             out_BLHK = KERNELS[spec.attention](q_BLHK, k_BLGK, v_BLGK, window,
-                                               rules=spec.rules, segments_BL=segments_BL)
+                                               rules=spec.rules, segments_BL=segments_BL,
+                                               softcap=spec.attn_softcap)
         return self._output(out_BLHK)
 
     def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):
@@ -104,5 +111,6 @@ class Attention(nnx.Module):
         k_BMGK, v_BMGK = (jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, 1)
                           for c, new in zip(cache, (k_BTGK, v_BTGK)))
         out_BTHK = cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T,
-                                    self.spec.sliding_window or None)
+                                    self.spec.sliding_window or None,
+                                    softcap=self.spec.attn_softcap)
         return self._output(out_BTHK), (k_BMGK, v_BMGK)

@@ -45,7 +45,7 @@ _qk_16bit.defvjp(_qk_16bit_fwd, _qk_16bit_bwd)
 
 
 def cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T, window: int | None,
-                     segments_BL=None):
+                     segments_BL=None, softcap: float = 0.0):
     """T queries at positions_T against M keys at positions 0..M-1: full score matrix, mask,
     float32 softmax. When decoding, the keys are a cache whose slots past each query's
     position are unwritten; the causal mask hides them. segments_BL (self-attention, T = M):
@@ -54,6 +54,8 @@ def cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T, window: int | None,
     groups = k_BMGK.shape[2]
     q_BTGRK = q_BTHK.reshape(b, t, groups, heads // groups, head_dim)
     scores_BGRTM = _scores(q_BTGRK, k_BMGK)
+    if softcap:  # the soft-cap part: c·tanh(s/c), before the mask (as transformers)
+        scores_BGRTM = softcap * jnp.tanh(scores_BGRTM / softcap)
     visible_TM = causal_mask(positions_T, jnp.arange(k_BMGK.shape[1]), window)
     if segments_BL is not None:
         visible_TM = (visible_TM & same_document(segments_BL, segments_BL))[:, None, None]
@@ -64,7 +66,8 @@ def cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T, window: int | None,
 
 
 def xla_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
-                  window: int | None = None, segments_BL=None) -> jax.Array:
-    """Reference causal attention."""
+                  window: int | None = None, segments_BL=None, softcap: float = 0.0
+                  ) -> jax.Array:
+    """Reference causal attention; softcap: the attention-logit soft-cap (0: none)."""
     return cached_attention(q_BLHK, k_BMGK, v_BMGK, jnp.arange(q_BLHK.shape[1]), window,
-                            segments_BL)
+                            segments_BL, softcap)

@@ -1,0 +1,204 @@
+"""Families made of parts (models/families.py) against transformers' own models, on CPU:
+Qwen2.5 (q/k/v biases), Qwen3 dense (per-head q/k RMSNorm) and Mistral (a sliding window
+shorter than the sequence), through jaxtrain/hf/llama_like.py. Each tiny random config has
+its family's parts switched on; tests/test_convert.py holds GPT-2, Llama and Mixtral's.
+"""
+
+import jax
+import numpy as np
+import pytest
+from conftest import small_config
+from test_convert import _hf_logits, _jax_logits, _tokens
+
+from jaxtrain.hf.load import import_hf
+from jaxtrain.hf.save import export_hf
+
+TOLERANCE = 1e-5  # max |Δ logit|, float32
+FAMILIES = ["qwen2", "qwen3", "mistral"]
+WINDOW = 8  # Mistral's: shorter than the sequences below, so the window shows
+
+
+def _config(family: str, **overrides):
+    extra = {"model.sliding_window": WINDOW} if family == "mistral" else {}
+    return small_config(family, **{
+        "model.num_heads": 4, "model.num_kv_heads": 2, "model.head_dim": 16,
+        "model.norm_eps": 1e-6, "model.attention": "xla", **extra, **overrides})
+
+
+def _hf_model(cfg, seed: int = 0):
+    """A transformers model of cfg's shape, random weights (norms around 1, biases non-zero,
+    so that a misplaced or dropped tensor shows)."""
+    import torch
+    import transformers
+
+    m = cfg.model
+    kind = {"qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[m.family]
+    extra = {"sliding_window": m.sliding_window or None} if m.family == "mistral" else {}
+    config = getattr(transformers, f"{kind}Config")(
+        hidden_size=m.d_model, num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim, intermediate_size=m.mlp_dim,
+        vocab_size=m.vocab_size, max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+        **extra)
+    model = getattr(transformers, f"{kind}ForCausalLM")(config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.1)
+            if name.endswith("norm.weight"):
+                p.add_(1.0)
+    return model.float().eval()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_import_and_export_give_the_logits_of_transformers(family, tmp_path, devices):
+    """Import: logits within 1e-5; the import exported (`convert --to-hf`) loads in
+    AutoModelForCausalLM with the same logits, its tensors transformers' own, bit for bit."""
+    import transformers
+    from safetensors.numpy import load_file
+
+    cfg = _config(family)
+    model = _hf_model(cfg)
+    model.save_pretrained(tmp_path / "hf")
+    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    tokens = _tokens(cfg, batch=4)
+    want = _hf_logits(model, tokens)
+    err = np.abs(_jax_logits(setup, state.params, tokens) - want).max()
+    assert err < TOLERANCE, err
+    export_hf(tmp_path / "run", tmp_path / "out", devices=devices[:1])
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(again) is type(model)
+    np.testing.assert_array_equal(_hf_logits(again, tokens), want)
+    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert exported.keys() == original.keys()
+    assert all(np.array_equal(exported[k], original[k]) for k in original)
+
+
+@pytest.mark.slow  # two more imports' compiles; test_convert_gemma.py's fsdp × tensor is fast
+def test_fsdp_by_tensor_gives_the_logits_of_one_device(tmp_path, devices):
+    """Qwen3's q/k norms and Qwen2's biases sharded over fsdp×tensor: the same logits."""
+    for family in ("qwen2", "qwen3"):
+        cfg = _config(family)
+        model = _hf_model(cfg)
+        model.save_pretrained(tmp_path / family)
+        sharded = _config(family, **{"mesh.fsdp": 2, "mesh.tensor": 2})
+        setup, state = import_hf(sharded, tmp_path / family, tmp_path / f"{family}-run",
+                                 devices[:4])
+        tokens = _tokens(cfg, batch=4)
+        err = np.abs(_jax_logits(setup, state.params, tokens) - _hf_logits(model, tokens)).max()
+        assert err < TOLERANCE, (family, err)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_equals_transformers(family, tmp_path, devices):
+    """30 greedy tokens through the kv cache; Mistral's window (8) is shorter than the 35
+    positions, so its cached decode masks by the window too."""
+    import torch
+
+    from jaxtrain.sampling import Sampling, make_generate
+
+    cfg = _config(family, **{"train.global_batch": 1, "model.seq_len": 48})
+    model = _hf_model(cfg, seed=2)
+    model.save_pretrained(tmp_path / "hf")
+    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    prompt = np.asarray([[5, 17, 42, 7, 99]], np.int64)
+    with torch.no_grad():
+        want = model.generate(torch.from_numpy(prompt), max_new_tokens=30, do_sample=False,
+                              pad_token_id=0, eos_token_id=None).numpy()[0, 5:]
+    with jax.set_mesh(setup.mesh):
+        generate = make_generate(setup.graphdef, Sampling(max_new_tokens=30), setup.spec.rules)
+        got = np.asarray(generate(state.params, prompt.astype(np.int32), jax.random.key(0)))[0]
+    np.testing.assert_array_equal(got, want)
+    assert len(set(got.tolist())) > 2
+
+
+def _torch_steps(model, batches, cfg):
+    """(loss, gradient norm) of each step of a plain PyTorch loop: mean cross entropy over
+    every target; AdamW (decay on the projections' weights and the head, not on norms or
+    biases), global-norm clipping, the schedule of test_sft.py."""
+    import torch
+    from test_sft import _lr
+
+    decay = [p for n, p in model.named_parameters() if n.endswith("proj.weight")
+             or n == "lm_head.weight"]
+    rest = [p for n, p in model.named_parameters() if not any(p is q for q in decay)]
+    o = cfg.optimizer
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=o.lr,
+                            betas=(o.b1, o.b2), eps=o.eps)
+    model.train()
+    out = []
+    for step, tokens in enumerate(batches):
+        tokens = torch.from_numpy(tokens.astype(np.int64))
+        logits = model(input_ids=tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_norm)
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, cfg)
+        opt.step()
+        out.append((float(loss.detach()), float(norm)))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_twenty_training_steps_equal_pytorch(family, tmp_path, devices):
+    """20 steps of the imported model in jaxtrain and of transformers' in PyTorch, float32:
+    loss and gradient norm of every step within 1e-5 relative (as test_sft.py's Llama)."""
+    from jaxtrain.data.batches import make_batches, to_global
+
+    cfg = _config(family, **{"model.vocab_size": 128, "data.source": "synthetic",
+                             "train.global_batch": 4, "steps": 20,
+                             "optimizer.warmup_steps": 5, "optimizer.lr": 3e-3,
+                             "optimizer.clip_norm": 0.5})
+    model = _hf_model(cfg)
+    model.save_pretrained(tmp_path / "hf")
+    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    data = make_batches(cfg).train_iter(0)
+    batches = [np.asarray(getattr(b, "tokens", b)) for b in (next(data) for _ in range(20))]
+    ours = []
+    with jax.set_mesh(setup.mesh):
+        step = setup.train_step()
+        for tokens in batches:
+            state, metrics = step(state, to_global(tokens, setup.tokens_sharding))
+            ours.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+    np.testing.assert_allclose(ours, _torch_steps(model, batches, cfg), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_peft_loads_a_qwen3_adapter_with_the_same_logits(tmp_path, devices):
+    """LoRA on every projection of an imported Qwen3: the exported adapter's target modules
+    are PEFT's names for it, and PEFT on the exported base gives jaxtrain's logits."""
+    import json
+
+    import transformers
+    from flax import nnx
+    from peft import PeftModel
+
+    from jaxtrain.hf.save import load_for_export
+    from jaxtrain.train.loop import run
+
+    base_cfg = _config("qwen3")
+    _hf_model(base_cfg).save_pretrained(tmp_path / "hf")
+    import_hf(base_cfg, tmp_path / "hf", tmp_path / "base", devices[:1])
+    cfg = _config("qwen3", **{"model.lora.rank": 4, "model.lora.alpha": 8.0,
+                              "model.lora.targets": "q,k,v,o,gate,up,down",
+                              "model.lora.base": str(tmp_path / "base"),
+                              "optimizer.lr": 1e-2})
+    run(cfg, tmp_path / "run", devices[:1])
+    export_hf(tmp_path / "run", tmp_path / "adapter", devices=devices[:1], adapter=True)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj"])
+    setup, params, _ = load_for_export(tmp_path / "run", devices[:1])
+    tokens = _tokens(cfg, batch=4)
+    with jax.set_mesh(setup.mesh):
+        ours = np.asarray(jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(params, tokens))
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    before = _hf_logits(base, tokens)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    np.testing.assert_allclose(_hf_logits(peft_model, tokens), ours, atol=1e-5, rtol=0)
+    assert np.abs(before - ours).max() > 1e-3  # the trained adapters change the logits
