@@ -4,6 +4,7 @@
     jaxtrain prepare --stdlib --out DIR ...        (the built-in corpus, one file a document)
     jaxtrain prepare --hf-dataset NAME --out DIR ...
     jaxtrain prepare INPUT... --out DIR --shard I/N ...   then   jaxtrain prepare --merge DIR
+    jaxtrain prepare INPUT... --out DIR --ray [ADDRESS] [--parts N]   (the parts on Ray)
     jaxtrain prepare CHATS.jsonl --chat --out DIR --tokenizer T [--chat-template chatml]
     jaxtrain prepare PAIRS.jsonl --preference --out DIR --tokenizer T --max-length N  (DPO)
 
@@ -25,7 +26,7 @@ import sys
 from jaxtrain import storage
 from jaxtrain.data.stdlib import stdlib_files
 from jaxtrain.errors import DataError, JaxtrainError
-from jaxtrain.prepare import chat_template
+from jaxtrain.prepare import chat_template, on_ray
 from jaxtrain.prepare import merge as merge_lib
 from jaxtrain.prepare import pipeline as prepare_lib
 from jaxtrain.prepare.formats import FORMATS
@@ -126,6 +127,11 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                      "of the inputs (the records starting in the I-th of N equal byte ranges), "
                      "into OUT/part-I-of-N (then --merge OUT)")
     run.add_argument("--merge", metavar="DIR", help="merge the finished parts in DIR")
+    run.add_argument("--ray", nargs="?", const="", metavar="ADDRESS", help="run the parts as "
+                     "Ray tasks on the cluster at ADDRESS (none: RAY_ADDRESS, or a local one), "
+                     "then merge them into OUT (the [ray] extra)")
+    run.add_argument("--parts", type=int, metavar="N", help="with --ray: the number of parts "
+                     "(default: the parts OUT already holds, else one per CPU of the cluster)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -160,7 +166,12 @@ def main(argv: list[str] | None = None) -> int:
             chat=Chat(enabled=args.chat or args.preference, template=args.chat_template,
                       train_on=args.train_on, max_length=args.max_length,
                       preference=args.preference))
-        prepare_lib.prepare(request)
+        if args.ray is not None:
+            on_ray.prepare_on_ray(request, args.ray or None, args.parts)
+        elif args.parts is not None:
+            raise DataError("--parts goes with --ray")
+        else:
+            prepare_lib.prepare(request)
     except JaxtrainError as e:  # DataError, and ConfigError (paths, object-store access)
         print(f"jaxtrain: error: {e}", file=sys.stderr)
         return 2

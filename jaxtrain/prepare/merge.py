@@ -27,7 +27,7 @@ def merge(directory) -> dict:
 
 
 def _merge(directory) -> dict:
-    parts = _part_names(directory)
+    parts = part_names(directory)
     if not parts:
         raise DataError(f"--merge={directory}: no part-I-of-N directories in it")
     total = int(parts[0].rsplit("-", 1)[1])
@@ -68,7 +68,7 @@ def _merge(directory) -> dict:
     return merged
 
 
-def _part_names(directory) -> list[str]:
+def part_names(directory) -> list[str]:
     """The names of the part directories (prefixes) in `directory`, sorted."""
     if not storage.is_remote(directory):
         return sorted(p.name for p in directory.glob("part-*-of-*") if p.is_dir()
