@@ -21,6 +21,8 @@ import json
 import os
 import pathlib
 import re
+import shutil
+import socket
 import tempfile
 
 import fsspec
@@ -213,12 +215,16 @@ def scratch_dir(remote, what: str) -> pathlib.Path:
     """A local directory standing in for `remote` on this host (staged checkpoints,
     TensorBoard events, cached data): $JAXTRAIN_SCRATCH, else ~/.cache/jaxtrain, then a
     folder named after the URL's hash and `what`. Local disk only; never shared."""
+    directory = _scratch_path(remote, what)
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def _scratch_path(remote, what: str) -> pathlib.Path:
     root = pathlib.Path(os.environ.get("JAXTRAIN_SCRATCH")
                         or pathlib.Path.home() / ".cache" / "jaxtrain" / "scratch")
     digest = hashlib.sha1(str(remote).encode()).hexdigest()[:12]
-    directory = root / f"{digest}-{what}"
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
+    return root / f"{digest}-{what}"
 
 
 def first_line(error: BaseException) -> str:
@@ -275,3 +281,74 @@ def user_error(error: BaseException, key: str, value) -> ConfigError | None:
         return ConfigError(f"{key}={value}: bucket {bucket} does not exist")
     return None
 
+
+
+# --- committing a directory staged whole on local disk -------------------------------------
+# (prepared datasets and their parts, tokenizers, exported models.) "Stage, then write the
+# marker last" lives here only. Checkpoints have their own atomic-commit writer, for files
+# written in place by many processes; the two share the rule: a reader sees the old artefact
+# or the new one, whole.
+
+def staging_dir(target, what: str) -> pathlib.Path:
+    """Where an artefact bound for `target` is put together before `commit_files`: beside
+    it on disk (TARGET.partial, so that the commit is one rename on the same filesystem);
+    for a bucket, a folder of this host's scratch (`what` names it). Not created."""
+    if is_remote(target):
+        return _scratch_path(target, what)
+    target = pathlib.Path(target)
+    return target.with_name(target.name + ".partial")
+
+
+def check_writable(path) -> None:
+    """On a bucket, writes and deletes an empty object under the prefix, so that a missing
+    permission is found before the work rather than after it. On disk, nothing: the staging
+    directory made beside the target is the test."""
+    if is_remote(path):
+        probe = path / f".write_test_{socket.gethostname()}_{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+
+
+def listing(path) -> dict[str, int]:
+    """{name below `path`, '/'-separated: size} of every file under a directory or object
+    under a prefix ({} when there is none); a bucket is listed afresh, not from the
+    client's cache (another machine may have written since)."""
+    if not is_remote(path):
+        root = pathlib.Path(path)
+        return ({p.relative_to(root).as_posix(): p.stat().st_size
+                 for p in sorted(root.rglob("*")) if p.is_file()} if root.is_dir() else {})
+    fs, root = filesystem(path)
+    fs.invalidate_cache()
+    found = fs.find(root, detail=True)
+    names = {name[len(root):].lstrip("/"): info.get("size", 0) for name, info in found.items()}
+    return {name: size for name, size in names.items() if name and not name.endswith("/")}
+
+
+def commit_files(staged: pathlib.Path, target, marker: str, progress=None) -> None:
+    """Puts the finished local directory `staged` (holding `marker`) at `target`, so that a
+    reader of `target` sees the previous artefact or this one whole, never a mix; `staged`
+    is gone after. On disk: one rename (a previous `target` is moved aside first and deleted
+    only once the new one is in place). On a bucket, which has no rename: the previous
+    marker is deleted first, then the objects this upload does not replace, then every file
+    is uploaded with `marker` last: who sees the marker sees the rest. A commit killed on a
+    bucket leaves `staged` whole, so calling this again finishes it. `progress(n)` is told
+    each n bytes sent."""
+    if not is_remote(target):
+        target = pathlib.Path(target)
+        old = None
+        if target.exists():
+            old = target.with_name(f"{target.name}.old-{os.getpid()}")
+            os.replace(target, old)
+        os.replace(staged, target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return
+    fs, root = filesystem(target)
+    ours, old = listing(staged), listing(target)
+    if marker in old:
+        fs.rm_file(f"{root}/{marker}")
+    stale = [f"{root}/{name}" for name in old if name not in ours and name != marker]
+    if stale:
+        fs.rm(stale)
+    upload_tree(staged, target, last=marker, progress=progress)
+    shutil.rmtree(staged, ignore_errors=True)

@@ -97,7 +97,7 @@ def test_an_interrupted_upload_is_not_a_dataset_and_a_rerun_finishes_it(
     monkeypatch.setattr(storage, "copy_file", copy)
     capsys.readouterr()
     assert command.main([str(corpus), "--out", out, *FAST]) == 0  # uploaded, not prepared
-    assert "holds this dataset, prepared; uploading it" in capsys.readouterr().err
+    assert "holds this dataset, prepared; committing it to" in capsys.readouterr().err
     assert command.main([str(corpus), "--out", str(tmp_path / "local"), *FAST]) == 0
     assert _remote_files(out) == _local_files(tmp_path / "local")
 
@@ -140,7 +140,7 @@ def test_a_prefix_holding_other_objects_is_never_replaced(bucket, corpus, capsys
     storage.as_path(f"{bucket}/data/notes.txt").write_text("mine")
     assert command.main([str(corpus), "--out", f"{bucket}/data", "--overwrite", *FAST]) == 2
     err = capsys.readouterr().err
-    assert "holds objects that are not a prepared dataset (first: notes.txt)" in err
+    assert "holds files that are not a prepared dataset (first: notes.txt)" in err
     assert list(_remote_files(f"{bucket}/data")) == ["notes.txt"]
 
 

@@ -22,7 +22,6 @@ import glob
 import os
 import pathlib
 import re
-import socket
 import sys
 
 from tqdm import tqdm
@@ -52,15 +51,11 @@ def errors(key: str, value, after: str = ""):
             f"{key}={value}: {storage.first_line(e)}{after}") from None
 
 
-def listing(remote, key: str) -> dict[str, int]:
-    """{name below the prefix: size} of every object under it (fresh, not fsspec's cached
-    listing: another machine may have written since)."""
-    fs, root = storage.filesystem(remote)
-    with errors(key, remote):
-        fs.invalidate_cache()
-        found = fs.find(root, detail=True)
-    return {name[len(root):].lstrip("/"): info.get("size", 0) for name, info in found.items()
-            if name[len(root):].lstrip("/")}
+def listing(path, key: str) -> dict[str, int]:
+    """{name below it: size} of every file under the directory or object under the prefix
+    (storage.listing), a failure one line naming `key`."""
+    with errors(key, path):
+        return storage.listing(path)
 
 
 def foreign(names) -> str | None:
@@ -68,13 +63,11 @@ def foreign(names) -> str | None:
     return next((n for n in sorted(names) if not _OURS.fullmatch(n)), None)
 
 
-def check_writable(remote, key: str) -> None:
-    """A one-line error now, before the prepare, rather than after hours of it: writes and
-    deletes an empty object under the prefix."""
-    probe = remote / f".write_test_{socket.gethostname()}_{os.getpid()}"
-    with errors(key, remote, " (writing a test object)"):
-        probe.write_bytes(b"")
-        probe.unlink()
+def check_writable(path, key: str) -> None:
+    """A one-line error now, before the prepare, rather than after hours of it
+    (storage.check_writable)."""
+    with errors(key, path, " (writing a test object)"):
+        storage.check_writable(path)
 
 
 def _bar(total: int, what: str, enabled: bool) -> tqdm:
@@ -82,24 +75,24 @@ def _bar(total: int, what: str, enabled: bool) -> tqdm:
                 disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
-def publish(local: pathlib.Path, remote, key: str, progress: bool,
+def publish(staged: pathlib.Path, target, key: str, progress: bool,
             last: str = fmt.MANIFEST) -> None:
-    """Uploads the finished directory `local` under the prefix `remote`, `last` (the commit
-    marker) last. What the prefix held goes first: its marker, then the objects the new
-    upload does not replace."""
-    fs, root = storage.filesystem(remote)
-    ours = {p.relative_to(local).as_posix(): p.stat().st_size for p in local.rglob("*")
-            if p.is_file()}
-    old = listing(remote, key)
-    with errors(key, remote, f"; the prepared data stays in {local}: run the same command "
-                "again to upload it"):
-        if last in old:
-            fs.rm_file(f"{root}/{last}")
-        stale = [f"{root}/{name}" for name in old if name not in ours and name != last]
-        if stale:
-            fs.rm(stale)
-        with _bar(sum(ours.values()), "upload", progress) as bar:
-            storage.upload_tree(local, remote, last=last, progress=bar.update)
+    """Commits the finished directory `staged` to `target`, `last` (the commit marker)
+    last (storage.commit_files); a bar of the bytes sent when there is an upload."""
+    total, bar = sum(storage.listing(staged).values()), []
+
+    def sent(n: int) -> None:
+        if not bar:  # a rename on disk sends nothing: no bar
+            bar.append(_bar(total, "upload", progress))
+        bar[0].update(n)
+
+    try:
+        with errors(key, target, f"; the prepared data stays in {staged}: run the same command "
+                    "again to commit it"):
+            storage.commit_files(staged, target, last, sent)
+    finally:
+        for b in bar:
+            b.close()
 
 
 # --- inputs --------------------------------------------------------------------------------
