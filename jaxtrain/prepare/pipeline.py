@@ -189,10 +189,9 @@ def _tokenizer(layout: InputLayout, request: Request,
                                   show_progress=request.run.progress)
     else:
         tokenizer = layout.tokenizer
-    if layout.options.chat is not None:  # beside the tokenizer, before its meta file
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / chat_template.TEMPLATE_FILE).write_text(layout.options.chat.template.source)
-    tokenizer.save(directory)
+    chat = layout.options.chat  # its template beside the tokenizer, committed with it
+    tokenizer.save(directory, {chat_template.TEMPLATE_FILE: chat.template.source} if chat
+                   else None)
     return tokenizer
 
 

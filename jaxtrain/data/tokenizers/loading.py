@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
 
 from jaxtrain import storage
 from jaxtrain.data.tokenizers import huggingface, sentencepiece_model, tiktoken_encoding, utf8
@@ -103,13 +102,3 @@ def read_meta(directory) -> dict | None:
     """The meta file of a saved tokenizer, or None."""
     path = storage.as_path(directory) / META_FILE
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-def copy_saved(source, target) -> None:
-    """Copies a saved tokenizer directory (meta file last, so a partial copy is not one)."""
-    source, target = pathlib.Path(source), pathlib.Path(target)
-    target.mkdir(parents=True, exist_ok=True)
-    for item in sorted(source.iterdir()):
-        if item.name != META_FILE and item.is_file():
-            shutil.copyfile(item, target / item.name)
-    shutil.copyfile(source / META_FILE, target / META_FILE)
