@@ -299,6 +299,15 @@ def staging_dir(target, what: str) -> pathlib.Path:
     return target.with_name(target.name + ".partial")
 
 
+def local_view(path, what: str) -> pathlib.Path:
+    """A local directory holding what the directory or prefix `path` holds, for libraries
+    that read only local files (tokenizers, safetensors, transformers): `path` itself on
+    disk; on a bucket, a copy in this host's scratch (download_tree; `what` names it)."""
+    if not is_remote(path):
+        return pathlib.Path(path)
+    return download_tree(as_path(path), scratch_dir(path, what))
+
+
 def check_writable(path) -> None:
     """On a bucket, writes and deletes an empty object under the prefix, so that a missing
     permission is found before the work rather than after it. On disk, nothing: the staging
