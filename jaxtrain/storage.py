@@ -308,6 +308,13 @@ def local_view(path, what: str) -> pathlib.Path:
     return download_tree(as_path(path), scratch_dir(path, what))
 
 
+def make_parent(path) -> None:
+    """Makes the folder a file is about to be written into: on disk its parent directories;
+    on a bucket nothing (a prefix exists as soon as an object is under it)."""
+    if not is_remote(path):
+        pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+
+
 def check_writable(path) -> None:
     """On a bucket, writes and deletes an empty object under the prefix, so that a missing
     permission is found before the work rather than after it. On disk, nothing: the staging

@@ -47,7 +47,7 @@ from tqdm import tqdm
 from jaxtrain import storage
 from jaxtrain.data import dataset as fmt
 from jaxtrain.data import tokenizers as tokenizers_lib
-from jaxtrain.errors import DataError, require_package
+from jaxtrain.errors import ConfigError, DataError, require_package
 from jaxtrain.prepare import bpe, chat_template, readers, remote, workers
 from jaxtrain.prepare import request as request_lib
 from jaxtrain.prepare.chat import ChatSpec
@@ -119,7 +119,7 @@ def layout_inputs(r: Request) -> InputLayout:
     reading = _reading(r, tokenizer)
     out = storage.as_path(r.output.path, "--out")
     skipped, shown = {}, {}
-    if r.inputs.hf_dataset is not None and not hf.is_saved(pathlib.Path(r.inputs.hf_dataset)):
+    if r.inputs.hf_dataset is not None and not _saved_dataset(r.inputs.hf_dataset):
         inputs = [Input(r.inputs.hf_dataset, hf.STREAM, 0)]
         require_package(hf.PACKAGE, f"--hf-dataset={r.inputs.hf_dataset}", error=DataError)
         if r.run.shard is not None:
@@ -158,6 +158,15 @@ def layout_inputs(r: Request) -> InputLayout:
         tokenizer = tokenizer or tokenizers_lib.load_tokenizer(r.tokenizer.spec)
         identity["tokenizer"] = {"fingerprint": tokenizer.fingerprint()}
     return dataclasses.replace(layout, identity=identity, tokenizer=tokenizer)
+
+
+def _saved_dataset(name: str) -> bool:
+    """--hf-dataset names a `save_to_disk` directory (on disk, or a gs:// or s3:// prefix,
+    then fetched into the input cache like any input), not a hub name to stream."""
+    try:
+        return hf.is_saved(storage.as_path(name, "--hf-dataset"))
+    except ConfigError:  # a URL of another scheme (hf://): for datasets to stream
+        return False
 
 
 def _reading(r: Request, tokenizer) -> Options:
