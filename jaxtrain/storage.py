@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import hashlib
 import json
 import os
@@ -368,3 +369,80 @@ def commit_files(staged: pathlib.Path, target, marker: str, progress=None) -> No
         fs.rm(stale)
     upload_tree(staged, target, last=marker, progress=progress)
     shutil.rmtree(staged, ignore_errors=True)
+
+
+# --- a local copy of inputs on a bucket ----------------------------------------------------
+
+def cached_copy(pattern: str, key: str, bar) -> tuple[str, dict[str, str]]:
+    """(a local pattern standing for `pattern`, {cache folder: the URL it stands for}): a
+    local path or glob as it is; a gs:// or s3:// object, prefix or glob copied whole into
+    this host's cache (each object downloaded unless its copy there has its size and
+    modification time; a copy of an object no longer there goes), for readers that read
+    local files. `bar(total bytes)` makes a context manager whose update(n) is told the
+    bytes downloaded; `key` names the input in errors."""
+    if not is_remote(pattern):
+        return pattern, {}
+    check_path(pattern, key)
+    base, fs, objects = _objects(pattern, key)
+    files = scratch_dir(pattern, "input") / "files"
+    for name in objects:  # a key may hold '../': refused before anything is written
+        contained(files, name, f"{key} {pattern}", where=base)
+    _sync(fs, objects, files, bar)
+    rest = pattern.rstrip("/")[len(base):].lstrip("/")
+    return (str(files / rest) if rest else str(files)), {str(files): base}
+
+
+def _objects(pattern: str, key: str):
+    """(the URL the input's names are relative to, its filesystem, {name below it: (object,
+    info)})."""
+    scheme = scheme_of(pattern)
+    fs, path = filesystem(pattern)
+    path = path.rstrip("/")
+    fs.invalidate_cache()
+    if glob.has_magic(path):
+        parts = path.split("/")
+        base = "/".join(parts[:next(k for k, p in enumerate(parts) if glob.has_magic(p))])
+        found = fs.glob(path, detail=True)
+    elif fs.isfile(path):
+        base, found = path.rsplit("/", 1)[0], {path: fs.info(path)}
+    else:
+        base, found = path, fs.find(path, detail=True)
+    found = {name: info for name, info in found.items() if info.get("type") != "directory"}
+    if not found:
+        raise DataError(f"{key} {pattern}: no such object, or no object matches it")
+    return (f"{scheme}://{base}", fs,
+            {name[len(base):].lstrip("/"): (name, info) for name, info in found.items()})
+
+
+def _mtime_ns(info: dict) -> int | None:
+    """The object's modification time (S3 LastModified, GCS updated), in whole
+    microseconds as nanoseconds: what the cached copy's mtime is set to."""
+    when = info.get("LastModified") or info.get("mtime")
+    return None if when is None else round(when.timestamp() * 1e6) * 1000
+
+
+def _sync(fs, objects: dict[str, tuple[str, dict]], files: pathlib.Path, bar) -> None:
+    """Makes `files` hold exactly the objects: each downloaded unless its copy there has
+    its size and modification time; files of objects no longer there go."""
+    for path in [p for p in files.rglob("*") if p.is_file()] if files.exists() else []:
+        if path.relative_to(files).as_posix() not in objects:
+            path.unlink()
+    todo = []
+    for name, (obj, info) in sorted(objects.items()):
+        target, mtime = files / name, _mtime_ns(info)
+        if not (mtime is not None and target.is_file() and target.stat().st_size ==
+                info.get("size") and target.stat().st_mtime_ns == mtime):
+            todo.append((name, obj, mtime, info.get("size") or 0))
+    if not todo:
+        return
+    # Outside `files` (a killed download is never an input), and one per process: the parts
+    # of a --shard prepare on one machine share the cache.
+    tmp = files.parent / f"download-{os.getpid()}.tmp"
+    with bar(sum(size for *_, size in todo)) as shown:
+        for name, obj, mtime, _ in todo:
+            target = files / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            copy_file(fs, obj, str(tmp), False, shown.update)
+            os.replace(tmp, target)
+            if mtime is not None:
+                os.utime(target, ns=(mtime, mtime))
