@@ -161,3 +161,17 @@ def test_the_command_uploads_with_a_progress_bar(bucket, corpus, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "upload: 100%" in out.stderr and f"wrote {bucket}/data" in out.stderr
     assert "manifest.json" in _remote_files(f"{bucket}/data")
+
+
+def test_a_saved_hf_dataset_on_object_storage_is_fetched_not_streamed(bucket, corpus, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    texts = [f"row {i} " * (i + 3) for i in range(12)]
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "hf"))
+    storage.upload_tree(tmp_path / "hf", storage.as_path(f"{bucket}/hf"))
+    options = dict(tokenizer="bytes", progress=False, processes=1)
+    local = P.prepare(P.Request.build([], str(tmp_path / "a"), hf_dataset=str(tmp_path / "hf"),
+                                      **options))
+    fetched = P.prepare(P.Request.build([], str(tmp_path / "b"), hf_dataset=f"{bucket}/hf",
+                                        **options))
+    assert fetched["fingerprint"] == local["fingerprint"]
+    assert fetched["sources"][0]["path"] == f"{bucket}/hf"
