@@ -309,6 +309,26 @@ def local_view(path, what: str) -> pathlib.Path:
     return download_tree(as_path(path), scratch_dir(path, what))
 
 
+def local_copy(value, key: str) -> pathlib.Path:
+    """A local path holding what `value` names, a file or a directory, for libraries that
+    read only local files: on disk the path itself (~ expanded); on a bucket, a copy in this
+    host's scratch of the object, or of every object under the prefix (a path that holds
+    neither is returned as it is, for the caller's "no such file")."""
+    path = as_path(value, key)
+    if not is_remote(value):
+        return path
+    if path.is_file():
+        fs, name = filesystem(value)
+        target = scratch_dir(value, "copy") / path.name
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        copy_file(fs, name, str(tmp), False)
+        os.replace(tmp, target)
+        return target
+    if path.is_dir():
+        return download_tree(path, scratch_dir(value, "copy"))
+    return path
+
+
 def make_parent(path) -> None:
     """Makes the folder a file is about to be written into: on disk its parent directories;
     on a bucket nothing (a prefix exists as soon as an object is under it)."""

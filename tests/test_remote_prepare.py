@@ -175,3 +175,18 @@ def test_a_saved_hf_dataset_on_object_storage_is_fetched_not_streamed(bucket, co
                                         **options))
     assert fetched["fingerprint"] == local["fingerprint"]
     assert fetched["sources"][0]["path"] == f"{bucket}/hf"
+
+
+def test_a_tokenizer_on_object_storage_is_read_like_a_local_one(bucket, corpus, tmp_path):
+    train = [str(corpus), "--train-tokenizer", "300", "--tokenizer-only", "--no-progress",
+             "--processes", "1"]
+    assert command.main([*train, "--out", str(tmp_path / "tok")]) == 0
+    storage.upload_tree(tmp_path / "tok", storage.as_path(f"{bucket}/tok"))
+    options = ["--no-progress", "--processes", "1"]
+    assert command.main([str(corpus), "--out", str(tmp_path / "a"), "--tokenizer",
+                         str(tmp_path / "tok"), *options]) == 0
+    assert command.main([str(corpus), "--out", str(tmp_path / "b"), "--tokenizer",
+                         f"{bucket}/tok", *options]) == 0
+    fingerprint = [json.loads((tmp_path / d / "manifest.json").read_text())["fingerprint"]
+                   for d in "ab"]
+    assert fingerprint[0] == fingerprint[1]

@@ -32,7 +32,6 @@ from jaxtrain.prepare import pipeline as prepare_lib
 from jaxtrain.prepare.formats import FORMATS
 from jaxtrain.prepare.records import Options
 from jaxtrain.prepare.request import Chat, Inputs, Output, Run, TokenizerChoice
-from jaxtrain.workdir import check_local_path
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -138,13 +137,12 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        # Inputs, --out and --merge may be on object storage (jaxtrain.prepare.remote); a
-        # --tokenizer file is read where it lies, so local only for now.
+        # Every path may be on object storage: inputs, --out and --merge (jaxtrain.prepare.
+        # remote), a --tokenizer file or directory (copied to scratch to be read).
         for key, values in (("input", args.inputs), ("--out", [args.out]),
-                            ("--merge", [args.merge])):
+                            ("--merge", [args.merge]), ("--tokenizer", [args.tokenizer])):
             for value in values:
                 storage.check_path(value or "", key)
-        check_local_path(args.tokenizer or "", "--tokenizer")
         if args.merge:
             merge_lib.merge(args.merge)
             return 0

@@ -5,7 +5,6 @@ and one entry in KINDS."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 
 from jaxtrain import storage
@@ -37,7 +36,7 @@ def load_tokenizer(spec, what: str = "--tokenizer") -> Tokenizer:
     named = next((k for k in _ordered() if k.names(spec)), None)
     if named is not None:
         return named.load_spec(spec, what)
-    path = pathlib.Path(os.path.expanduser(spec))
+    path = storage.local_copy(spec, what)  # a bucket's file or directory: copied to scratch
     if path.is_dir():
         return _load_directory(path, what)
     if path.is_file():
@@ -54,7 +53,7 @@ def kind_of(spec) -> str | None:
     named = next((k.name for k in _ordered(False) if k.names(spec)), None)
     if named is not None:
         return named
-    path = pathlib.Path(os.path.expanduser(spec))
+    path = storage.local_copy(spec, "tokenizer")
     if path.is_file():
         return next((k.name for k in _ordered(False) if k.holds_file(path)), None)
     return _directory_kind(path, read_json(path / META_FILE)) if path.is_dir() else None
