@@ -300,32 +300,24 @@ def staging_dir(target, what: str) -> pathlib.Path:
     return target.with_name(target.name + ".partial")
 
 
-def local_view(path, what: str) -> pathlib.Path:
-    """A local directory holding what the directory or prefix `path` holds, for libraries
-    that read only local files (tokenizers, safetensors, transformers): `path` itself on
-    disk; on a bucket, a copy in this host's scratch (download_tree; `what` names it)."""
-    if not is_remote(path):
-        return pathlib.Path(path)
-    return download_tree(as_path(path), scratch_dir(path, what))
-
-
-def local_copy(value, key: str) -> pathlib.Path:
+def local_copy(value, key: str, what: str = "copy") -> pathlib.Path:
     """A local path holding what `value` names, a file or a directory, for libraries that
-    read only local files: on disk the path itself (~ expanded); on a bucket, a copy in this
-    host's scratch of the object, or of every object under the prefix (a path that holds
-    neither is returned as it is, for the caller's "no such file")."""
+    read only local files (tokenizers, safetensors, transformers): on disk the path itself
+    (~ expanded); on a bucket, a copy in this host's scratch (a folder named by `what`) of
+    the object, or of every object under the prefix (a path that holds neither is returned
+    as it is, for the caller's "no such file")."""
     path = as_path(value, key)
     if not is_remote(value):
         return path
     if path.is_file():
         fs, name = filesystem(value)
-        target = scratch_dir(value, "copy") / path.name
+        target = scratch_dir(value, what) / path.name
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         copy_file(fs, name, str(tmp), False)
         os.replace(tmp, target)
         return target
     if path.is_dir():
-        return download_tree(path, scratch_dir(value, "copy"))
+        return download_tree(path, scratch_dir(value, what))
     return path
 
 

@@ -79,8 +79,8 @@ def _convert(flag: dict, argv) -> None:
             raise ConfigError(f"model.lora.rank={config.value.model.lora.rank} is invalid for "
                               "--from-hf: import the base with model.lora.rank=0, then train "
                               "with model.lora.base=THAT_WORKDIR")
-        storage.check_path(source, "--from-hf")
-        setup, _ = import_hf(config.value, storage.local_view(source, "hf"), workdir)
+        setup, _ = import_hf(config.value, storage.local_copy(source, "--from-hf", "hf"),
+                             workdir)
         count = sum(x.size for x in jax.tree.leaves(setup.abstract_state().params))
         _say(f"jaxtrain: imported {source} ({count:,} parameters) into {workdir} at step 0; "
              f"fine-tune it with jaxtrain train, the same --config and overrides, and "

@@ -111,8 +111,8 @@ def run_tokenizer(workdir, cfg) -> tokenizers_lib.Tokenizer | None:
         if meta.get("kind") == tokenizers_lib.NO_TOKENIZER:
             return None
         # the libraries read local files: a bucket's are copied to scratch first
-        return tokenizers_lib.load_tokenizer(storage.local_view(directory, "tokenizer"),
-                                             "the run's tokenizer")
+        local = storage.local_copy(directory, "--workdir", "tokenizer")
+        return tokenizers_lib.load_tokenizer(local, "the run's tokenizer")
     if SOURCES[cfg.data.source].byte_level:
         return tokenizers_lib.ByteTokenizer()
     return None
