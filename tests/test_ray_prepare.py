@@ -4,6 +4,7 @@ finished parts kept by the rerun."""
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,8 @@ from jaxtrain.commands import prepare as command
 from jaxtrain.errors import DataError
 from jaxtrain.prepare import on_ray
 from jaxtrain.prepare import pipeline as P
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # The flaky and hanging task bodies below are defined here: shipped to Ray's workers by
 # value, as the workers cannot import this test module.
@@ -91,7 +94,7 @@ _DRIVER = textwrap.dedent("""
 def test_a_killed_driver_is_resumed_keeping_the_finished_parts(cluster, inputs, tmp_path):
     out = tmp_path / "ray"
     driver = subprocess.Popen([sys.executable, "-c", _DRIVER, str(inputs[0]), str(out),
-                               cluster], env={**os.environ, "PYTHONPATH": os.getcwd()})
+                               cluster], env={**os.environ, "PYTHONPATH": str(ROOT)})
     done = out / "part-00000-of-00002" / "manifest.json"
     try:
         deadline = time.time() + 120
