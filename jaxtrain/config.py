@@ -211,12 +211,12 @@ def _check_paths(c) -> None:
     for key, values in (("data.path", [d.path]), ("data.val_path", [d.val_path]),
                         ("data.mixture", split_list(d.mixture)),
                         ("model.lora.base", [c.model.lora.base]),
+                        ("data.tokenizer", [d.tokenizer]),
                         ("train.dpo.reference", [c.train.dpo.reference])):
         for value in values:
             check_path(value, key)
     check_cache_config(c)
-    for key, values in (("data.tokenizer", [d.tokenizer]),
-                        ("checkpoint.local_dir", [c.checkpoint.local_dir]),
+    for key, values in (("checkpoint.local_dir", [c.checkpoint.local_dir]),
                         ("eval.tasks", split_list(e.tasks)),
                         ("eval.task_dir", split_list(e.task_dir))):
         for value in values:

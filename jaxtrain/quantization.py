@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ from flax import traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain import storage
 from jaxtrain.data.batches import to_global
 from jaxtrain.models.int8 import Int8Weight, contraction_axes, quantize
 from jaxtrain.models.layers import MatmulWeight
@@ -136,5 +136,6 @@ def calibrate(loaded, axes_by_path: dict, batches) -> dict:
             for path in probed}
 
 
-def directory_bytes(path: pathlib.Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+def directory_bytes(path) -> int:
+    """The bytes of every file under a directory or object under a prefix."""
+    return sum(storage.listing(path).values())

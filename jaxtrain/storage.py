@@ -17,11 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import glob
 import hashlib
 import json
 import os
 import pathlib
 import re
+import shutil
+import socket
 import tempfile
 
 import fsspec
@@ -262,12 +265,16 @@ def scratch_dir(remote, what: str) -> pathlib.Path:
     """A local directory standing in for `remote` on this host (staged checkpoints,
     TensorBoard events, cached data): $JAXTRAIN_SCRATCH, else ~/.cache/jaxtrain, then a
     folder named after the URL's hash and `what`. Local disk only; never shared."""
+    directory = _scratch_path(remote, what)
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def _scratch_path(remote, what: str) -> pathlib.Path:
     root = pathlib.Path(os.environ.get("JAXTRAIN_SCRATCH")
                         or pathlib.Path.home() / ".cache" / "jaxtrain" / "scratch")
     digest = hashlib.sha1(str(remote).encode()).hexdigest()[:12]
-    directory = root / f"{digest}-{what}"
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
+    return root / f"{digest}-{what}"
 
 
 def first_line(error: BaseException) -> str:
@@ -324,3 +331,179 @@ def user_error(error: BaseException, key: str, value) -> ConfigError | None:
         return ConfigError(f"{key}={value}: bucket {bucket} does not exist")
     return None
 
+
+
+# --- committing a directory staged whole on local disk -------------------------------------
+# (prepared datasets and their parts, tokenizers, exported models.) "Stage, then write the
+# marker last" lives here only. Checkpoints have their own atomic-commit writer, for files
+# written in place by many processes; the two share the rule: a reader sees the old artefact
+# or the new one, whole.
+
+def staging_dir(target, what: str) -> pathlib.Path:
+    """Where an artefact bound for `target` is put together before `commit_files`: beside
+    it on disk (TARGET.partial, so that the commit is one rename on the same filesystem);
+    for a bucket, a folder of this host's scratch (`what` names it). Not created."""
+    if is_remote(target):
+        return _scratch_path(target, what)
+    target = pathlib.Path(target)
+    return target.with_name(target.name + ".partial")
+
+
+def local_copy(value, key: str, what: str = "copy") -> pathlib.Path:
+    """A local path holding what `value` names, a file or a directory, for libraries that
+    read only local files (tokenizers, safetensors, transformers): on disk the path itself
+    (~ expanded); on a bucket, a copy in this host's scratch (a folder named by `what`) of
+    the object, or of every object under the prefix (a path that holds neither is returned
+    as it is, for the caller's "no such file")."""
+    path = as_path(value, key)
+    if not is_remote(value):
+        return path
+    if path.is_file():
+        fs, name = filesystem(value)
+        target = scratch_dir(value, what) / path.name
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        copy_file(fs, name, str(tmp), False)
+        os.replace(tmp, target)
+        return target
+    if path.is_dir():
+        return download_tree(path, scratch_dir(value, what))
+    return path
+
+
+def make_parent(path) -> None:
+    """Makes the folder a file is about to be written into: on disk its parent directories;
+    on a bucket nothing (a prefix exists as soon as an object is under it)."""
+    if not is_remote(path):
+        pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+
+
+def check_writable(path) -> None:
+    """On a bucket, writes and deletes an empty object under the prefix, so that a missing
+    permission is found before the work rather than after it. On disk, nothing: the staging
+    directory made beside the target is the test."""
+    if is_remote(path):
+        probe = path / f".write_test_{socket.gethostname()}_{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+
+
+def listing(path) -> dict[str, int]:
+    """{name below `path`, '/'-separated: size} of every file under a directory or object
+    under a prefix ({} when there is none); a bucket is listed afresh, not from the
+    client's cache (another machine may have written since)."""
+    if not is_remote(path):
+        root = pathlib.Path(path)
+        return ({p.relative_to(root).as_posix(): p.stat().st_size
+                 for p in sorted(root.rglob("*")) if p.is_file()} if root.is_dir() else {})
+    fs, root = filesystem(path)
+    fs.invalidate_cache()
+    found = fs.find(root, detail=True)
+    names = {name[len(root):].lstrip("/"): info.get("size", 0) for name, info in found.items()}
+    return {name: size for name, size in names.items() if name and not name.endswith("/")}
+
+
+def commit_files(staged: pathlib.Path, target, marker: str, progress=None) -> None:
+    """Puts the finished local directory `staged` (holding `marker`) at `target`, so that a
+    reader of `target` sees the previous artefact or this one whole, never a mix; `staged`
+    is gone after. On disk: one rename (a previous `target` is moved aside first and deleted
+    only once the new one is in place). On a bucket, which has no rename: the previous
+    marker is deleted first, then the objects this upload does not replace, then every file
+    is uploaded with `marker` last: who sees the marker sees the rest. A commit killed on a
+    bucket leaves `staged` whole, so calling this again finishes it. `progress(n)` is told
+    each n bytes sent."""
+    if not is_remote(target):
+        target = pathlib.Path(target)
+        old = None
+        if target.exists():
+            old = target.with_name(f"{target.name}.old-{os.getpid()}")
+            os.replace(target, old)
+        os.replace(staged, target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return
+    fs, root = filesystem(target)
+    ours, old = listing(staged), listing(target)
+    if marker in old:
+        fs.rm_file(f"{root}/{marker}")
+    stale = [f"{root}/{name}" for name in old if name not in ours and name != marker]
+    if stale:
+        fs.rm(stale)
+    upload_tree(staged, target, last=marker, progress=progress)
+    shutil.rmtree(staged, ignore_errors=True)
+
+
+# --- a local copy of inputs on a bucket ----------------------------------------------------
+
+def cached_copy(pattern: str, key: str, bar) -> tuple[str, dict[str, str]]:
+    """(a local pattern standing for `pattern`, {cache folder: the URL it stands for}): a
+    local path or glob as it is; a gs:// or s3:// object, prefix or glob copied whole into
+    this host's cache (each object downloaded unless its copy there has its size and
+    modification time; a copy of an object no longer there goes), for readers that read
+    local files. `bar(total bytes)` makes a context manager whose update(n) is told the
+    bytes downloaded; `key` names the input in errors."""
+    if not is_remote(pattern):
+        return pattern, {}
+    check_path(pattern, key)
+    base, fs, objects = _objects(pattern, key)
+    files = scratch_dir(pattern, "input") / "files"
+    for name in objects:  # a key may hold '../': refused before anything is written
+        contained(files, name, f"{key} {pattern}", where=base)
+    _sync(fs, objects, files, bar)
+    rest = pattern.rstrip("/")[len(base):].lstrip("/")
+    return (str(files / rest) if rest else str(files)), {str(files): base}
+
+
+def _objects(pattern: str, key: str):
+    """(the URL the input's names are relative to, its filesystem, {name below it: (object,
+    info)})."""
+    scheme = scheme_of(pattern)
+    fs, path = filesystem(pattern)
+    path = path.rstrip("/")
+    fs.invalidate_cache()
+    if glob.has_magic(path):
+        parts = path.split("/")
+        base = "/".join(parts[:next(k for k, p in enumerate(parts) if glob.has_magic(p))])
+        found = fs.glob(path, detail=True)
+    elif fs.isfile(path):
+        base, found = path.rsplit("/", 1)[0], {path: fs.info(path)}
+    else:
+        base, found = path, fs.find(path, detail=True)
+    found = {name: info for name, info in found.items() if info.get("type") != "directory"}
+    if not found:
+        raise DataError(f"{key} {pattern}: no such object, or no object matches it")
+    return (f"{scheme}://{base}", fs,
+            {name[len(base):].lstrip("/"): (name, info) for name, info in found.items()})
+
+
+def _mtime_ns(info: dict) -> int | None:
+    """The object's modification time (S3 LastModified, GCS updated), in whole
+    microseconds as nanoseconds: what the cached copy's mtime is set to."""
+    when = info.get("LastModified") or info.get("mtime")
+    return None if when is None else round(when.timestamp() * 1e6) * 1000
+
+
+def _sync(fs, objects: dict[str, tuple[str, dict]], files: pathlib.Path, bar) -> None:
+    """Makes `files` hold exactly the objects: each downloaded unless its copy there has
+    its size and modification time; files of objects no longer there go."""
+    for path in [p for p in files.rglob("*") if p.is_file()] if files.exists() else []:
+        if path.relative_to(files).as_posix() not in objects:
+            path.unlink()
+    todo = []
+    for name, (obj, info) in sorted(objects.items()):
+        target, mtime = files / name, _mtime_ns(info)
+        if not (mtime is not None and target.is_file() and target.stat().st_size ==
+                info.get("size") and target.stat().st_mtime_ns == mtime):
+            todo.append((name, obj, mtime, info.get("size") or 0))
+    if not todo:
+        return
+    # Outside `files` (a killed download is never an input), and one per process: the parts
+    # of a --shard prepare on one machine share the cache.
+    tmp = files.parent / f"download-{os.getpid()}.tmp"
+    with bar(sum(size for *_, size in todo)) as shown:
+        for name, obj, mtime, _ in todo:
+            target = files / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            copy_file(fs, obj, str(tmp), False, shown.update)
+            os.replace(tmp, target)
+            if mtime is not None:
+                os.utime(target, ns=(mtime, mtime))

@@ -35,7 +35,9 @@ LATE_THIRD_PARTY = ("matplotlib", "tensorboardX", "ml_dtypes", "jax.experimental
                     # the [data] extra and transformers: optional, so imported where used
                     "pyarrow", "datasets", "sentencepiece", "tiktoken", "transformers",
                     # the [eval] and [wandb] extras
-                    "lm_eval", "wandb")
+                    "lm_eval", "wandb",
+                    # the [ray] extra: `prepare --ray` only
+                    "ray")
 LATE_ALLOWED_IN = ("commands.train", "commands.plan", "commands.common")
 
 

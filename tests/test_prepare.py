@@ -352,7 +352,7 @@ def test_command_line_errors_are_one_line(corpus, tmp_path, capsys):
              ([str(tmp_path / "nothing"), "--out", str(tmp_path / "o"), "--tokenizer", "bytes"],
               "no such file"),
              ([str(root), "--out", str(root), "--tokenizer", "bytes"],
-              "exists and is not a prepared dataset"),
+              "holds files that are not a prepared dataset (first: docs.jsonl)"),
              ([str(root), "--out", str(tmp_path / "o"), "--tokenizer", "bytes", "--shard",
                "3/2"], "--shard=3/2 is invalid"),
              ([str(root), "--out", str(tmp_path / "o"), "--tokenizer", "bytes", "--eos",

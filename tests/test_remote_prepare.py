@@ -97,7 +97,7 @@ def test_an_interrupted_upload_is_not_a_dataset_and_a_rerun_finishes_it(
     monkeypatch.setattr(storage, "copy_file", copy)
     capsys.readouterr()
     assert command.main([str(corpus), "--out", out, *FAST]) == 0  # uploaded, not prepared
-    assert "holds this dataset, prepared; uploading it" in capsys.readouterr().err
+    assert "holds this dataset, prepared; committing it to" in capsys.readouterr().err
     assert command.main([str(corpus), "--out", str(tmp_path / "local"), *FAST]) == 0
     assert _remote_files(out) == _local_files(tmp_path / "local")
 
@@ -140,7 +140,7 @@ def test_a_prefix_holding_other_objects_is_never_replaced(bucket, corpus, capsys
     storage.as_path(f"{bucket}/data/notes.txt").write_text("mine")
     assert command.main([str(corpus), "--out", f"{bucket}/data", "--overwrite", *FAST]) == 2
     err = capsys.readouterr().err
-    assert "holds objects that are not a prepared dataset (first: notes.txt)" in err
+    assert "holds files that are not a prepared dataset (first: notes.txt)" in err
     assert list(_remote_files(f"{bucket}/data")) == ["notes.txt"]
 
 
@@ -161,3 +161,32 @@ def test_the_command_uploads_with_a_progress_bar(bucket, corpus, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "upload: 100%" in out.stderr and f"wrote {bucket}/data" in out.stderr
     assert "manifest.json" in _remote_files(f"{bucket}/data")
+
+
+def test_a_saved_hf_dataset_on_object_storage_is_fetched_not_streamed(bucket, corpus, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    texts = [f"row {i} " * (i + 3) for i in range(12)]
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "hf"))
+    storage.upload_tree(tmp_path / "hf", storage.as_path(f"{bucket}/hf"))
+    options = dict(tokenizer="bytes", progress=False, processes=1)
+    local = P.prepare(P.Request.build([], str(tmp_path / "a"), hf_dataset=str(tmp_path / "hf"),
+                                      **options))
+    fetched = P.prepare(P.Request.build([], str(tmp_path / "b"), hf_dataset=f"{bucket}/hf",
+                                        **options))
+    assert fetched["fingerprint"] == local["fingerprint"]
+    assert fetched["sources"][0]["path"] == f"{bucket}/hf"
+
+
+def test_a_tokenizer_on_object_storage_is_read_like_a_local_one(bucket, corpus, tmp_path):
+    train = [str(corpus), "--train-tokenizer", "300", "--tokenizer-only", "--no-progress",
+             "--processes", "1"]
+    assert command.main([*train, "--out", str(tmp_path / "tok")]) == 0
+    storage.upload_tree(tmp_path / "tok", storage.as_path(f"{bucket}/tok"))
+    options = ["--no-progress", "--processes", "1"]
+    assert command.main([str(corpus), "--out", str(tmp_path / "a"), "--tokenizer",
+                         str(tmp_path / "tok"), *options]) == 0
+    assert command.main([str(corpus), "--out", str(tmp_path / "b"), "--tokenizer",
+                         f"{bucket}/tok", *options]) == 0
+    fingerprint = [json.loads((tmp_path / d / "manifest.json").read_text())["fingerprint"]
+                   for d in "ab"]
+    assert fingerprint[0] == fingerprint[1]

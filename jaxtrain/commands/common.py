@@ -134,8 +134,9 @@ def command_help(module: str, epilog: str = "") -> str:
 
 
 # The path flags that may name object storage (gs://, s3://) in every command; the others
-# are local only, for now (workdir.check_local_path says so in one line).
-REMOTE_FLAGS = ("workdir", "from-hf", "to-hf")
+# are local only, for now (workdir.check_local_path says so in one line). --out: eval's
+# results file and quantize's model directory, written through storage.py.
+REMOTE_FLAGS = ("workdir", "from-hf", "to-hf", "out")
 
 
 def check_paths(names: tuple[str, ...]) -> None:

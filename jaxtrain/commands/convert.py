@@ -20,9 +20,8 @@ family (gpt2.py, llama.py, mixtral.py); docs/interop.md has the name tables.
 
 from __future__ import annotations
 
-import pathlib
+import shutil
 import sys
-import tempfile
 
 import jax
 from absl import flags, logging
@@ -32,6 +31,7 @@ from jaxtrain import storage
 from jaxtrain.commands.common import OVERRIDES_HELP, absl_argv, run_absl
 from jaxtrain.data import record, tokenizers
 from jaxtrain.errors import ConfigError, require_package
+from jaxtrain.hf.adapter import CONFIG_FILE as ADAPTER_CONFIG
 from jaxtrain.hf.load import import_hf
 from jaxtrain.hf.save import DTYPES, export_hf
 from jaxtrain.inference import run_config
@@ -79,11 +79,8 @@ def _convert(flag: dict, argv) -> None:
             raise ConfigError(f"model.lora.rank={config.value.model.lora.rank} is invalid for "
                               "--from-hf: import the base with model.lora.rank=0, then train "
                               "with model.lora.base=THAT_WORKDIR")
-        local = source
-        if storage.is_remote(source):  # the readers want local files: a copy on scratch
-            local = storage.download_tree(storage.as_path(source, "--from-hf"),
-                                          storage.scratch_dir(source, "hf"))
-        setup, _ = import_hf(config.value, local, workdir)
+        setup, _ = import_hf(config.value, storage.local_copy(source, "--from-hf", "hf"),
+                             workdir)
         count = sum(x.size for x in jax.tree.leaves(setup.abstract_state().params))
         _say(f"jaxtrain: imported {source} ({count:,} parameters) into {workdir} at step 0; "
              f"fine-tune it with jaxtrain train, the same --config and overrides, and "
@@ -100,28 +97,26 @@ def _convert(flag: dict, argv) -> None:
         converter = tokenizer and tokenizers.KINDS[tokenizer.kind].export_package
         if converter:
             require_package(converter, f"exporting the run's {tokenizer.kind} tokenizer")
-        if storage.is_remote(target):
-            _export_remote(flag, workdir, target, tokenizer)
-        else:
-            _export(flag, workdir, target, tokenizer)
+        _export(flag, workdir, target, tokenizer)
 
 
 def _export(flag: dict, workdir, target, tokenizer) -> None:
-    export_hf(workdir, target, flag["max_shard_size"].value, flag["dtype"].value,
-              adapter=flag["adapter"].value)
-    if tokenizer is not None and not flag["adapter"].value:
-        tokenizer.save_hf(target)
+    """Exports into a local staging directory (safetensors are written by a library that
+    wants files), then commits it to `target` (storage.commit_files: a rename on disk; on a
+    bucket an upload with config.json, what transformers looks for first, last)."""
+    adapter = flag["adapter"].value
+    destination = storage.as_path(target, "--to-hf")  # checked new or empty by _convert
+    staged = storage.staging_dir(destination, "export")
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    export_hf(workdir, staged, flag["max_shard_size"].value, flag["dtype"].value,
+              adapter=adapter)
+    if tokenizer is not None and not adapter:
+        tokenizer.save_hf(staged)
         _say(f"jaxtrain: wrote the run's tokenizer ({tokenizer.describe()}) to {target}")
-
-
-def _export_remote(flag: dict, workdir, target: str, tokenizer) -> None:
-    """Exports into a local staging directory, then uploads it, config.json last (what
-    transformers looks for first): safetensors are written by a library that wants files."""
-    remote = storage.as_path(target, "--to-hf")  # checked new or empty by _convert
-    with tempfile.TemporaryDirectory(prefix="jaxtrain-export-") as staged:
-        _export(flag, workdir, staged, tokenizer)
-        count = storage.upload_tree(pathlib.Path(staged), remote, last="config.json")
-    _say(f"jaxtrain: uploaded {count} files to {target}")
+    count = len(storage.listing(staged))
+    storage.commit_files(staged, destination, ADAPTER_CONFIG if adapter else "config.json")
+    _say(f"jaxtrain: wrote {count} files to {target}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import pathlib
 import sys
 
 import jax
@@ -140,8 +139,9 @@ def _evaluate_tasks(f: dict) -> None:
     results = tasks.evaluate(scorer, tokenizer, log_samples=f["log_samples"].value,
                              bootstrap_iters=f["bootstrap_iters"].value)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = pathlib.Path(f["out"].value or workdir / RESULTS_DIR / f"tasks-step{step}-{stamp}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    default = f"{workdir}/{RESULTS_DIR}/tasks-step{step}-{stamp}.json"
+    out = storage.as_path(f["out"].value or default, "--out")
+    storage.make_parent(out)
     about = {"workdir": str(workdir), "step": step, "tasks": list(spec.tasks),
              "mesh": dict(scorer.mesh.shape), "batch": scorer.batch,
              "tokenizer": tokenizer.describe(), "quantized": loaded.quantization is not None}

@@ -4,6 +4,7 @@
     jaxtrain prepare --stdlib --out DIR ...        (the built-in corpus, one file a document)
     jaxtrain prepare --hf-dataset NAME --out DIR ...
     jaxtrain prepare INPUT... --out DIR --shard I/N ...   then   jaxtrain prepare --merge DIR
+    jaxtrain prepare INPUT... --out DIR --ray [ADDRESS] [--parts N]   (the parts on Ray)
     jaxtrain prepare CHATS.jsonl --chat --out DIR --tokenizer T [--chat-template chatml]
     jaxtrain prepare PAIRS.jsonl --preference --out DIR --tokenizer T --max-length N  (DPO)
 
@@ -25,13 +26,12 @@ import sys
 from jaxtrain import storage
 from jaxtrain.data.stdlib import stdlib_files
 from jaxtrain.errors import DataError, JaxtrainError
-from jaxtrain.prepare import chat_template
+from jaxtrain.prepare import chat_template, on_ray
 from jaxtrain.prepare import merge as merge_lib
 from jaxtrain.prepare import pipeline as prepare_lib
 from jaxtrain.prepare.formats import FORMATS
 from jaxtrain.prepare.records import Options
 from jaxtrain.prepare.request import Chat, Inputs, Output, Run, TokenizerChoice
-from jaxtrain.workdir import check_local_path
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -126,19 +126,23 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                      "of the inputs (the records starting in the I-th of N equal byte ranges), "
                      "into OUT/part-I-of-N (then --merge OUT)")
     run.add_argument("--merge", metavar="DIR", help="merge the finished parts in DIR")
+    run.add_argument("--ray", nargs="?", const="", metavar="ADDRESS", help="run the parts as "
+                     "Ray tasks on the cluster at ADDRESS (none: RAY_ADDRESS, or a local one), "
+                     "then merge them into OUT (the [ray] extra)")
+    run.add_argument("--parts", type=int, metavar="N", help="with --ray: the number of parts "
+                     "(default: the parts OUT already holds, else one per CPU of the cluster)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        # Inputs, --out and --merge may be on object storage (jaxtrain.prepare.remote); a
-        # --tokenizer file is read where it lies, so local only for now.
+        # Every path may be on object storage: inputs, --out and --merge (jaxtrain.prepare.
+        # remote), a --tokenizer file or directory (copied to scratch to be read).
         for key, values in (("input", args.inputs), ("--out", [args.out]),
-                            ("--merge", [args.merge])):
+                            ("--merge", [args.merge]), ("--tokenizer", [args.tokenizer])):
             for value in values:
                 storage.check_path(value or "", key)
-        check_local_path(args.tokenizer or "", "--tokenizer")
         if args.merge:
             merge_lib.merge(args.merge)
             return 0
@@ -160,7 +164,12 @@ def main(argv: list[str] | None = None) -> int:
             chat=Chat(enabled=args.chat or args.preference, template=args.chat_template,
                       train_on=args.train_on, max_length=args.max_length,
                       preference=args.preference))
-        prepare_lib.prepare(request)
+        if args.ray is not None:
+            on_ray.prepare_on_ray(request, args.ray or None, args.parts)
+        elif args.parts is not None:
+            raise DataError("--parts goes with --ray")
+        else:
+            prepare_lib.prepare(request)
     except JaxtrainError as e:  # DataError, and ConfigError (paths, object-store access)
         print(f"jaxtrain: error: {e}", file=sys.stderr)
         return 2

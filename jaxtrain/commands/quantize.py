@@ -13,7 +13,6 @@ printed (one JSON line) with the sizes.
 from __future__ import annotations
 
 import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +50,7 @@ def quantize_run(workdir, out, calibration_batches: int = 8, int8_activations: b
     summary (sizes, float32 and int8 validation losses). Raises ConfigError, CheckpointError
     or DataError (one line) for bad input, before writing anything."""
 
-    out = pathlib.Path(out)
+    out = storage.as_path(out, "--out")
     if (out / CHECKPOINTS).exists():
         raise ConfigError(f"--out={out} already holds a model; choose a new directory")
     if calibration_batches < 1:

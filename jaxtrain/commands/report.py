@@ -23,7 +23,7 @@ from jaxtrain.commands.common import exit_usage
 from jaxtrain.errors import ConfigError
 from jaxtrain.metrics_log import location, read_metrics
 from jaxtrain.train.goodput import LOST
-from jaxtrain.workdir import REPORT_FILE, check_local_path
+from jaxtrain.workdir import REPORT_FILE
 
 TASK_PREFIX = "tasks/"
 
@@ -120,12 +120,9 @@ def draw(rows: list[dict], out: pathlib.Path, title: str) -> None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.suptitle(title)
-    if storage.is_remote(out):  # one upload of the whole PNG
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=100)
-        storage.atomic_write(out, buffer.getvalue())
-    else:
-        fig.savefig(out, dpi=100)
+    buffer = io.BytesIO()  # one write of the whole PNG: a file renamed, or one upload
+    fig.savefig(buffer, format="png", dpi=100)
+    storage.atomic_write(out, buffer.getvalue())
     plt.close(fig)
 
 
@@ -188,12 +185,13 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     try:
         storage.check_path(args.workdir, "--workdir")
-        check_local_path(args.out or "", "--out")
+        storage.check_path(args.out or "", "--out")
     except ConfigError as e:
         exit_usage(str(e))
     workdir = storage.as_path(args.workdir, "--workdir")
     rows = load_rows(workdir)
-    out = pathlib.Path(args.out) if args.out else workdir / REPORT_FILE
+    out = storage.as_path(args.out, "--out") if args.out else workdir / REPORT_FILE
+    storage.make_parent(out)
     draw(rows, out, str(workdir))
     print(summary(rows))
     print(f"drawn: {out}")

@@ -110,10 +110,9 @@ def run_tokenizer(workdir, cfg) -> tokenizers_lib.Tokenizer | None:
     if meta is not None:
         if meta.get("kind") == tokenizers_lib.NO_TOKENIZER:
             return None
-        if storage.is_remote(directory):  # the libraries read local files
-            directory = storage.download_tree(
-                directory, storage.scratch_dir(directory, "tokenizer"))
-        return tokenizers_lib.load_tokenizer(directory, "the run's tokenizer")
+        # the libraries read local files: a bucket's are copied to scratch first
+        local = storage.local_copy(directory, "--workdir", "tokenizer")
+        return tokenizers_lib.load_tokenizer(local, "the run's tokenizer")
     if SOURCES[cfg.data.source].byte_level:
         return tokenizers_lib.ByteTokenizer()
     return None
@@ -127,6 +126,5 @@ def store_tokenizer(workdir, tokenizer: tokenizers_lib.Tokenizer | None) -> None
     if tokenizer is not None:
         tokenizer.save(directory)
         return
-    if not storage.is_remote(directory):  # a prefix needs no creating
-        directory.mkdir(parents=True, exist_ok=True)
+    storage.make_parent(directory / tokenizers_lib.META_FILE)
     _write_json(directory / tokenizers_lib.META_FILE, {"kind": tokenizers_lib.NO_TOKENIZER})

@@ -8,8 +8,6 @@ their next-token targets), so any step's batch can be read without reading the o
 from __future__ import annotations
 
 import dataclasses
-import os
-import pathlib
 from collections.abc import Callable
 
 import numpy as np
@@ -90,15 +88,8 @@ def _stdlib_tokens(c) -> tuple[np.ndarray, np.ndarray]:
     return _split(stdlib_corpus(), c.data.val_fraction)
 
 
-def _bin_path(c):
-    """data.path as a path: pathlib's on disk, epath's on gs:// and s3://."""
-    if storage.is_remote(c.data.path):
-        return storage.as_path(c.data.path, "data.path")
-    return pathlib.Path(os.path.expanduser(c.data.path))
-
-
 def _bin_tokens(c) -> tuple[np.ndarray, np.ndarray]:
-    path, dtype, vocab = _bin_path(c), c.data.dtype, c.model.vocab_size
+    path, dtype, vocab = storage.as_path(c.data.path, "data.path"), c.data.dtype, c.model.vocab_size
     if path.is_dir():
         train = _memmap(path / "train.bin", dtype, c)
         val = _memmap(path / "val.bin", dtype, c)
@@ -154,7 +145,7 @@ def _stdlib_fingerprint(c) -> dict:
 
 
 def _bin_fingerprint(c) -> dict:
-    path = _bin_path(c)
+    path = storage.as_path(c.data.path, "data.path")
     if path.is_dir():
         return {f"data.path {name}": fingerprints.token_file(path / name)
                 for name in ("train.bin", "val.bin")}

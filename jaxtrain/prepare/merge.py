@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 
 from jaxtrain import storage
 from jaxtrain.data import dataset as fmt
@@ -27,7 +28,7 @@ def merge(directory) -> dict:
 
 
 def _merge(directory) -> dict:
-    parts = _part_names(directory)
+    parts = part_names(directory)
     if not parts:
         raise DataError(f"--merge={directory}: no part-I-of-N directories in it")
     total = int(parts[0].rsplit("-", 1)[1])
@@ -68,21 +69,11 @@ def _merge(directory) -> dict:
     return merged
 
 
-def _part_names(directory) -> list[str]:
-    """The names of the part directories (prefixes) in `directory`, sorted."""
-    if not storage.is_remote(directory):
-        return sorted(p.name for p in directory.glob("part-*-of-*") if p.is_dir()
-                      and not p.name.endswith(fmt.PARTIAL_SUFFIX))
-    fs, root = storage.filesystem(directory)
-    fs.invalidate_cache()  # the parts were uploaded by other processes
-    try:
-        names = fs.ls(root, detail=False)
-    except FileNotFoundError:
-        if not fs.exists(root.split("/", 1)[0]):
-            raise  # the bucket: storage.user_error's line
-        return []
-    return sorted(n.rstrip("/").rsplit("/", 1)[-1] for n in names
-                  if re.fullmatch(r"part-\d+-of-\d+", n.rstrip("/").rsplit("/", 1)[-1]))
+def part_names(directory) -> list[str]:
+    """The names of the part directories (prefixes) in `directory` that hold files, sorted
+    (a part's OUT.partial staging beside them is not one)."""
+    tops = {name.split("/", 1)[0] for name in storage.listing(directory) if "/" in name}
+    return sorted(name for name in tops if re.fullmatch(r"part-\d+-of-\d+", name))
 
 
 def _part_manifest(directory, i: int, total: int) -> dict | None:
@@ -95,17 +86,12 @@ def _part_manifest(directory, i: int, total: int) -> dict | None:
 
 
 def _copy_tokenizer(source, target) -> None:
-    """The first part's tokenizer as the dataset's: on object storage copied object by
-    object within the store (its meta file last, so a partial copy is not a tokenizer)."""
-    if not storage.is_remote(source):
-        tokenizers_lib.copy_saved(source, target)
-        return
-    fs, src = storage.filesystem(source)
-    dst = storage.filesystem(target)[1]
-    names = sorted(n[len(src):].lstrip("/") for n in fs.find(src))
-    names.sort(key=lambda n: n == tokenizers_lib.META_FILE)
-    for name in names:
-        fs.copy(f"{src}/{name}", f"{dst}/{name}")
+    """The first part's tokenizer as the dataset's: its files copied into a staging
+    directory, then committed (storage.commit_files: the meta file last)."""
+    staged = storage.staging_dir(target, "tokenizer")
+    shutil.rmtree(staged, ignore_errors=True)
+    storage.download_tree(source, staged, f"the tokenizer of {source}")
+    storage.commit_files(staged, target, tokenizers_lib.META_FILE)
 
 
 def _check_parts(manifests: list[dict]) -> None:

@@ -47,7 +47,7 @@ from tqdm import tqdm
 from jaxtrain import storage
 from jaxtrain.data import dataset as fmt
 from jaxtrain.data import tokenizers as tokenizers_lib
-from jaxtrain.errors import DataError, require_package
+from jaxtrain.errors import ConfigError, DataError, require_package
 from jaxtrain.prepare import bpe, chat_template, readers, remote, workers
 from jaxtrain.prepare import request as request_lib
 from jaxtrain.prepare.chat import ChatSpec
@@ -108,10 +108,6 @@ class InputLayout:
         """The hash of the identity (the manifest's `plan_id`)."""
         return hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()
 
-    @property
-    def staging(self) -> pathlib.Path:
-        return self.out.with_name(self.out.name + fmt.PARTIAL_SUFFIX)
-
 
 def layout_inputs(r: Request) -> InputLayout:
     """Checks the request, finds its inputs and lays them out as work; the one place that
@@ -123,7 +119,7 @@ def layout_inputs(r: Request) -> InputLayout:
     reading = _reading(r, tokenizer)
     out = storage.as_path(r.output.path, "--out")
     skipped, shown = {}, {}
-    if r.inputs.hf_dataset is not None and not hf.is_saved(pathlib.Path(r.inputs.hf_dataset)):
+    if r.inputs.hf_dataset is not None and not _saved_dataset(r.inputs.hf_dataset):
         inputs = [Input(r.inputs.hf_dataset, hf.STREAM, 0)]
         require_package(hf.PACKAGE, f"--hf-dataset={r.inputs.hf_dataset}", error=DataError)
         if r.run.shard is not None:
@@ -164,6 +160,15 @@ def layout_inputs(r: Request) -> InputLayout:
     return dataclasses.replace(layout, identity=identity, tokenizer=tokenizer)
 
 
+def _saved_dataset(name: str) -> bool:
+    """--hf-dataset names a `save_to_disk` directory (on disk, or a gs:// or s3:// prefix,
+    then fetched into the input cache like any input), not a hub name to stream."""
+    try:
+        return hf.is_saved(storage.as_path(name, "--hf-dataset"))
+    except ConfigError:  # a URL of another scheme (hf://): for datasets to stream
+        return False
+
+
 def _reading(r: Request, tokenizer) -> Options:
     """How the records are read: with --chat, the chat template found for the tokenizer
     (DataError, one line, when it has none) goes with the options to the workers."""
@@ -193,10 +198,9 @@ def _tokenizer(layout: InputLayout, request: Request,
                                   show_progress=request.run.progress)
     else:
         tokenizer = layout.tokenizer
-    if layout.options.chat is not None:  # beside the tokenizer, before its meta file
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / chat_template.TEMPLATE_FILE).write_text(layout.options.chat.template.source)
-    tokenizer.save(directory)
+    chat = layout.options.chat  # its template beside the tokenizer, committed with it
+    tokenizer.save(directory, {chat_template.TEMPLATE_FILE: chat.template.source} if chat
+                   else None)
     return tokenizer
 
 
@@ -390,42 +394,22 @@ def write_json(path: pathlib.Path, value: dict) -> None:
     storage.write_json(path, value, indent=1, sort_keys=True)
 
 
-def _publish(staging: pathlib.Path, out: pathlib.Path) -> None:
-    """Puts the finished staging directory at `out`; a previous dataset there goes only
-    once the new one is complete and in place."""
-    old = None
-    if out.exists():
-        old = out.with_name(f"{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(staging, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def _check_out(out, overwrite: bool, layout: InputLayout) -> dict | None:
     """The existing manifest when OUT already holds this very dataset, else None (also with
-    `overwrite`); refuses to replace a directory that is not a prepared dataset, and,
-    without `overwrite`, a dataset prepared from other inputs or options. On object
-    storage, a prefix without the manifest that holds only what a prepare writes is an
-    interrupted upload (None)."""
-    manifest = out / fmt.MANIFEST
-    if storage.is_remote(out):
-        names = remote.listing(out, "--out")
-        if fmt.MANIFEST not in names:
-            if remote.foreign(names) is not None:
-                raise DataError(f"--out={out} holds objects that are not a prepared dataset "
-                                f"(first: {remote.foreign(names)}); choose another --out "
-                                "(nothing there is replaced)")
-            return None
-    elif not out.exists():
+    `overwrite`); refuses to replace what is not a prepared dataset, and, without
+    `overwrite`, a dataset prepared from other inputs or options. OUT without the manifest
+    that holds only what a prepare writes is an interrupted commit (None)."""
+    names = remote.listing(out, "--out")
+    if fmt.MANIFEST not in names:
+        if remote.foreign(names) is not None:
+            raise DataError(f"--out={out} holds files that are not a prepared dataset "
+                            f"(first: {remote.foreign(names)}); choose another --out "
+                            "(nothing there is replaced)")
         return None
-    elif not manifest.is_file():
-        raise DataError(f"--out={out} exists and is not a prepared dataset; choose another "
-                        "--out (nothing there is replaced)")
     if overwrite:
         return None
     with remote.errors("--out", out):
-        existing = json.loads(manifest.read_text())
+        existing = json.loads((out / fmt.MANIFEST).read_text())
     if existing.get("plan_id") == layout.plan_id:
         return existing
     raise DataError(f"--out={out} already holds a dataset prepared from "
@@ -457,40 +441,39 @@ def prepare(request: Request) -> dict:
         say(f"jaxtrain: {layout.out} is already prepared from these inputs and options "
             "(--overwrite to prepare it again)")
         return existing
-    if storage.is_remote(layout.out):
-        manifest = _prepare_remote(layout, request)
-    else:
-        manifest = _prepare_here(layout, request)
+    manifest = _prepare(layout, request)
     say(f"jaxtrain: wrote {layout.out} ({manifest['num_documents']:,} documents, "
         f"{manifest['num_tokens']:,} tokens, {len(manifest['shards'])} shard(s), fingerprint "
         f"{manifest['fingerprint'][:12]})")
     return manifest
 
 
-def _prepare_remote(layout: InputLayout, request: Request) -> dict:
-    """Prepares into a local directory standing in for the remote --out, then uploads it
-    (jaxtrain.prepare.remote); one finished there by an earlier run is uploaded as it is."""
+def _prepare(layout: InputLayout, request: Request) -> dict:
+    """Prepares (or resumes) the layout in its staging directory (storage.staging_dir:
+    OUT.partial beside a local OUT, this host's scratch for a bucket), then commits it to
+    OUT, the manifest last; one finished by an earlier run (killed during its commit) is
+    committed as it is."""
     remote.check_writable(layout.out, "--out")
-    scratch = storage.scratch_dir(layout.out, "prepare")
-    local = scratch / "dataset"
-    manifest = None
-    if (local / fmt.MANIFEST).is_file() and not request.output.overwrite:
-        manifest = json.loads((local / fmt.MANIFEST).read_text())
-        if manifest.get("plan_id") == layout.plan_id:
-            say(f"jaxtrain: {local} holds this dataset, prepared; uploading it")
-        else:
-            manifest = None
-    if manifest is None:
-        shutil.rmtree(local, ignore_errors=True)  # another dataset: a local stand-in only
-        manifest = _prepare_here(dataclasses.replace(layout, out=local), request)
-    remote.publish(local, layout.out, "--out", request.run.progress)
-    shutil.rmtree(scratch, ignore_errors=True)
+    staging = storage.staging_dir(layout.out, "prepare")
+    manifest = None if request.output.overwrite else _finished(staging, layout)
+    if manifest is not None:
+        say(f"jaxtrain: {staging} holds this dataset, prepared; committing it to {layout.out}")
+    else:
+        manifest = _prepare_staged(layout, request, staging)
+    remote.publish(staging, layout.out, "--out", request.run.progress)
     return manifest
 
 
-def _prepare_here(layout: InputLayout, request: Request) -> dict:
-    """Prepares (or resumes) the layout into its local OUT.partial, then puts it at OUT."""
-    staging = layout.staging
+def _finished(staging: pathlib.Path, layout: InputLayout) -> dict | None:
+    """The manifest of a prepare of this layout finished in `staging`, or None."""
+    if not (staging / fmt.MANIFEST).is_file():
+        return None
+    manifest = json.loads((staging / fmt.MANIFEST).read_text())
+    return manifest if manifest.get("plan_id") == layout.plan_id else None
+
+
+def _prepare_staged(layout: InputLayout, request: Request, staging: pathlib.Path) -> dict:
+    """Prepares (or resumes) the layout into `staging`, the manifest written last."""
     plan_file = staging / "plan.json"
     if staging.exists() and (not plan_file.is_file()
                              or json.loads(plan_file.read_text()) != layout.identity):
@@ -516,7 +499,6 @@ def _prepare_here(layout: InputLayout, request: Request) -> dict:
         manifest = _manifest(layout, tokenizer, special, dtype, shards, report, request)
         plan_file.unlink()  # the manifest says what was made; the layout was for resuming
         write_json(staging / fmt.MANIFEST, manifest)
-        _publish(staging, layout.out)
     except Exception as e:
         error = _out_of_disk(e, staging, layout.out)
         _note_failure(staging, error or e)
@@ -549,32 +531,18 @@ def _note_failure(staging: pathlib.Path, e: Exception) -> None:
 
 
 def _tokenizer_only(layout: InputLayout, request: Request) -> dict:
-    out = layout.out
-    if storage.is_remote(out):
-        return _tokenizer_only_remote(layout, request)
-    if out.exists() and tokenizers_lib.read_meta(out) is None and any(out.iterdir()):
-        raise DataError(f"--out={out} exists and is not a tokenizer directory; choose another")
-    tmp = out.with_name(out.name + fmt.PARTIAL_SUFFIX)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = _tokenizer(layout, request, tmp)
-    _publish(tmp, out)
-    say(f"jaxtrain: wrote {tokenizer.describe()} to {out}")
-    return tokenizer.meta()
-
-
-def _tokenizer_only_remote(layout: InputLayout, request: Request) -> dict:
-    """The tokenizer trained in local scratch, then uploaded (its meta file last)."""
+    """The tokenizer alone, trained in a staging directory, then committed to OUT (its meta
+    file last)."""
     names = remote.listing(layout.out, "--out")
     if names and tokenizers_lib.META_FILE not in names and remote.foreign(names) is not None:
-        raise DataError(f"--out={layout.out} holds objects that are not a tokenizer (first: "
+        raise DataError(f"--out={layout.out} holds files that are not a tokenizer (first: "
                         f"{remote.foreign(names)}); choose another --out")
     remote.check_writable(layout.out, "--out")
-    scratch = storage.scratch_dir(layout.out, "tokenizer")
-    shutil.rmtree(scratch / "tokenizer", ignore_errors=True)  # trained again, as locally
-    tokenizer = _tokenizer(layout, request, scratch / "tokenizer")
-    remote.publish(scratch / "tokenizer", layout.out, "--out", request.run.progress,
+    staging = storage.staging_dir(layout.out, "tokenizer")
+    shutil.rmtree(staging, ignore_errors=True)  # trained again: a rerun is no resume
+    tokenizer = _tokenizer(layout, request, staging)
+    remote.publish(staging, layout.out, "--out", request.run.progress,
                    last=tokenizers_lib.META_FILE)
-    shutil.rmtree(scratch, ignore_errors=True)
     say(f"jaxtrain: wrote {tokenizer.describe()} to {layout.out}")
     return tokenizer.meta()
 

@@ -18,11 +18,8 @@ them by their URLs, so every machine of a `--shard` prepare describes the same i
 from __future__ import annotations
 
 import contextlib
-import glob
-import os
 import pathlib
 import re
-import socket
 import sys
 
 from tqdm import tqdm
@@ -52,15 +49,11 @@ def errors(key: str, value, after: str = ""):
             f"{key}={value}: {storage.first_line(e)}{after}") from None
 
 
-def listing(remote, key: str) -> dict[str, int]:
-    """{name below the prefix: size} of every object under it (fresh, not fsspec's cached
-    listing: another machine may have written since)."""
-    fs, root = storage.filesystem(remote)
-    with errors(key, remote):
-        fs.invalidate_cache()
-        found = fs.find(root, detail=True)
-    return {name[len(root):].lstrip("/"): info.get("size", 0) for name, info in found.items()
-            if name[len(root):].lstrip("/")}
+def listing(path, key: str) -> dict[str, int]:
+    """{name below it: size} of every file under the directory or object under the prefix
+    (storage.listing), a failure one line naming `key`."""
+    with errors(key, path):
+        return storage.listing(path)
 
 
 def foreign(names) -> str | None:
@@ -68,13 +61,11 @@ def foreign(names) -> str | None:
     return next((n for n in sorted(names) if not _OURS.fullmatch(n)), None)
 
 
-def check_writable(remote, key: str) -> None:
-    """A one-line error now, before the prepare, rather than after hours of it: writes and
-    deletes an empty object under the prefix."""
-    probe = remote / f".write_test_{socket.gethostname()}_{os.getpid()}"
-    with errors(key, remote, " (writing a test object)"):
-        probe.write_bytes(b"")
-        probe.unlink()
+def check_writable(path, key: str) -> None:
+    """A one-line error now, before the prepare, rather than after hours of it
+    (storage.check_writable)."""
+    with errors(key, path, " (writing a test object)"):
+        storage.check_writable(path)
 
 
 def _bar(total: int, what: str, enabled: bool) -> tqdm:
@@ -82,102 +73,37 @@ def _bar(total: int, what: str, enabled: bool) -> tqdm:
                 disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
-def publish(local: pathlib.Path, remote, key: str, progress: bool,
+def publish(staged: pathlib.Path, target, key: str, progress: bool,
             last: str = fmt.MANIFEST) -> None:
-    """Uploads the finished directory `local` under the prefix `remote`, `last` (the commit
-    marker) last. What the prefix held goes first: its marker, then the objects the new
-    upload does not replace."""
-    fs, root = storage.filesystem(remote)
-    ours = {p.relative_to(local).as_posix(): p.stat().st_size for p in local.rglob("*")
-            if p.is_file()}
-    old = listing(remote, key)
-    with errors(key, remote, f"; the prepared data stays in {local}: run the same command "
-                "again to upload it"):
-        if last in old:
-            fs.rm_file(f"{root}/{last}")
-        stale = [f"{root}/{name}" for name in old if name not in ours and name != last]
-        if stale:
-            fs.rm(stale)
-        with _bar(sum(ours.values()), "upload", progress) as bar:
-            storage.upload_tree(local, remote, last=last, progress=bar.update)
+    """Commits the finished directory `staged` to `target`, `last` (the commit marker)
+    last (storage.commit_files); a bar of the bytes sent when there is an upload."""
+    total, bar = sum(storage.listing(staged).values()), []
+
+    def sent(n: int) -> None:
+        if not bar:  # a rename on disk sends nothing: no bar
+            bar.append(_bar(total, "upload", progress))
+        bar[0].update(n)
+
+    try:
+        with errors(key, target, f"; the prepared data stays in {staged}: run the same command "
+                    "again to commit it"):
+            storage.commit_files(staged, target, last, sent)
+    finally:
+        for b in bar:
+            b.close()
 
 
 # --- inputs --------------------------------------------------------------------------------
 
 def fetch_inputs(patterns: list[str], progress: bool) -> tuple[list[str], dict[str, str]]:
     """The input patterns with each gs:// or s3:// one (an object, a prefix, or a glob)
-    replaced by its copy in the local cache, and {cache folder: the URL it stands for}."""
+    replaced by its copy in the local cache (storage.cached_copy), and {cache folder: the
+    URL it stands for}."""
     local, shown = [], {}
     for pattern in patterns:
-        if not storage.is_remote(pattern):
-            local.append(pattern)
-            continue
-        storage.check_path(pattern, "input")
-        base, fs, objects = _objects(pattern)
-        files = storage.scratch_dir(pattern, "input") / "files"
-        for name in objects:  # a key may hold '../': refused before anything is written
-            storage.contained(files, name, f"input {pattern}", where=base)
         with errors("input", pattern):
-            _sync(fs, objects, files, progress)
-        rest = pattern.rstrip("/")[len(base):].lstrip("/")
-        local.append(str(files / rest) if rest else str(files))
-        shown[str(files)] = base
+            copy, stands_for = storage.cached_copy(
+                pattern, "input", lambda total: _bar(total, "download", progress))
+        local.append(copy)
+        shown.update(stands_for)
     return local, shown
-
-
-def _objects(pattern: str):
-    """(the URL the input's names are relative to, its filesystem, {name below it: (object,
-    info)})."""
-    scheme = storage.scheme_of(pattern)
-    fs, path = storage.filesystem(pattern)
-    path = path.rstrip("/")
-    with errors("input", pattern):
-        fs.invalidate_cache()
-        if glob.has_magic(path):
-            parts = path.split("/")
-            base = "/".join(parts[:next(k for k, p in enumerate(parts) if glob.has_magic(p))])
-            found = fs.glob(path, detail=True)
-        elif fs.isfile(path):
-            base, found = path.rsplit("/", 1)[0], {path: fs.info(path)}
-        else:
-            base, found = path, fs.find(path, detail=True)
-    found = {name: info for name, info in found.items() if info.get("type") != "directory"}
-    if not found:
-        raise DataError(f"input {pattern}: no such object, or no object matches it")
-    return (f"{scheme}://{base}", fs,
-            {name[len(base):].lstrip("/"): (name, info) for name, info in found.items()})
-
-
-def _mtime_ns(info: dict) -> int | None:
-    """The object's modification time (S3 LastModified, GCS updated), in whole
-    microseconds as nanoseconds: what the cached copy's mtime is set to."""
-    when = info.get("LastModified") or info.get("mtime")
-    return None if when is None else round(when.timestamp() * 1e6) * 1000
-
-
-def _sync(fs, objects: dict[str, tuple[str, dict]], files: pathlib.Path,
-          progress: bool) -> None:
-    """Makes `files` hold exactly the objects: each downloaded unless its copy there has
-    its size and modification time; files of objects no longer there go."""
-    for path in [p for p in files.rglob("*") if p.is_file()] if files.exists() else []:
-        if path.relative_to(files).as_posix() not in objects:
-            path.unlink()
-    todo = []
-    for name, (obj, info) in sorted(objects.items()):
-        target, mtime = files / name, _mtime_ns(info)
-        if not (mtime is not None and target.is_file() and target.stat().st_size ==
-                info.get("size") and target.stat().st_mtime_ns == mtime):
-            todo.append((name, obj, mtime, info.get("size") or 0))
-    if not todo:
-        return
-    # Outside `files` (a killed download is never an input), and one per process: the parts
-    # of a --shard prepare on one machine share the cache.
-    tmp = files.parent / f"download-{os.getpid()}.tmp"
-    with _bar(sum(size for *_, size in todo), "download", progress) as bar:
-        for name, obj, mtime, _ in todo:
-            target = files / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            storage.copy_file(fs, obj, str(tmp), False, bar.update)
-            os.replace(tmp, target)
-            if mtime is not None:
-                os.utime(target, ns=(mtime, mtime))

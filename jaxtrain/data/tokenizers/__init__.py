@@ -30,7 +30,6 @@ from jaxtrain.data.tokenizers.base import (
 from jaxtrain.data.tokenizers.huggingface import HFTokenizer
 from jaxtrain.data.tokenizers.loading import (
                                            KINDS,
-                                           copy_saved,
                                            kind_of,
                                            load_recorded,
                                            load_tokenizer,
@@ -43,5 +42,5 @@ from jaxtrain.data.tokenizers.utf8 import ByteTokenizer
 
 __all__ = ["HF_FILE", "META_FILE", "NO_TOKENIZER", "PROBE_TEXT", "SPM_FILE", "TIKTOKEN_FILE",
            "KINDS", "ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer",
-           "TiktokenTokenizer", "Tokenizer", "TokenizerKind", "copy_saved", "kind_of",
+           "TiktokenTokenizer", "Tokenizer", "TokenizerKind", "kind_of",
            "load_recorded", "load_tokenizer", "read_meta", "require_tokenizer_package"]

@@ -9,7 +9,7 @@ import hashlib
 import json
 import pathlib
 import re
-import tempfile
+import shutil
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -88,17 +88,20 @@ class Tokenizer(abc.ABC):
         return {"kind": self.kind, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
                 "bos_id": self.bos_id, "fingerprint": self.fingerprint()}
 
-    def save(self, directory) -> pathlib.Path:
-        """Writes the tokenizer into `directory` (created); the meta file is written last."""
+    def save(self, directory, extra: dict[str, str] | None = None):
+        """Writes the tokenizer (and `extra` {file name: text} beside it, e.g. a chat
+        template) into a staging directory, the meta file last, then commits it to
+        `directory` whole (storage.commit_files: a rename on disk, the meta file uploaded
+        last on a bucket): a reader never finds half a tokenizer."""
         directory = storage.as_path(directory)
-        if storage.is_remote(directory):  # the libraries write local files: stage them
-            with tempfile.TemporaryDirectory() as staged:
-                self.save(staged)
-                storage.upload_tree(pathlib.Path(staged), directory, last=META_FILE)
-            return directory
-        directory.mkdir(parents=True, exist_ok=True)
-        extra = self._save_files(directory)
-        write_json(directory / META_FILE, {**self.meta(), **extra})
+        staged = storage.staging_dir(directory, "tokenizer")
+        shutil.rmtree(staged, ignore_errors=True)  # a killed save's: written again whole
+        staged.mkdir(parents=True)
+        for name, text in (extra or {}).items():
+            (staged / name).write_text(text)
+        more = self._save_files(staged)
+        write_json(staged / META_FILE, {**self.meta(), **more})
+        storage.commit_files(staged, directory, META_FILE)
         return directory
 
     def save_hf(self, directory) -> None:

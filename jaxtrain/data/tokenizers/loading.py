@@ -5,9 +5,7 @@ and one entry in KINDS."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import shutil
 
 from jaxtrain import storage
 from jaxtrain.data.tokenizers import huggingface, sentencepiece_model, tiktoken_encoding, utf8
@@ -38,7 +36,7 @@ def load_tokenizer(spec, what: str = "--tokenizer") -> Tokenizer:
     named = next((k for k in _ordered() if k.names(spec)), None)
     if named is not None:
         return named.load_spec(spec, what)
-    path = pathlib.Path(os.path.expanduser(spec))
+    path = storage.local_copy(spec, what)  # a bucket's file or directory: copied to scratch
     if path.is_dir():
         return _load_directory(path, what)
     if path.is_file():
@@ -55,7 +53,7 @@ def kind_of(spec) -> str | None:
     named = next((k.name for k in _ordered(False) if k.names(spec)), None)
     if named is not None:
         return named
-    path = pathlib.Path(os.path.expanduser(spec))
+    path = storage.local_copy(spec, "tokenizer")
     if path.is_file():
         return next((k.name for k in _ordered(False) if k.holds_file(path)), None)
     return _directory_kind(path, read_json(path / META_FILE)) if path.is_dir() else None
@@ -103,13 +101,3 @@ def read_meta(directory) -> dict | None:
     """The meta file of a saved tokenizer, or None."""
     path = storage.as_path(directory) / META_FILE
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-def copy_saved(source, target) -> None:
-    """Copies a saved tokenizer directory (meta file last, so a partial copy is not one)."""
-    source, target = pathlib.Path(source), pathlib.Path(target)
-    target.mkdir(parents=True, exist_ok=True)
-    for item in sorted(source.iterdir()):
-        if item.name != META_FILE and item.is_file():
-            shutil.copyfile(item, target / item.name)
-    shutil.copyfile(source / META_FILE, target / META_FILE)
