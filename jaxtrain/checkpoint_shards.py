@@ -254,3 +254,11 @@ def restore(path, target, tag: str) -> tuple[dict | None, str | None]:
     if problem := combined(None, tag + "/cover"):
         return None, problem
     return jax.tree_util.tree_unflatten(treedef, arrays), None
+
+
+
+def set_aside(path, aside) -> None:
+    """Moves a damaged step from `path` to `aside` (e.g. `<dir>_damaged/<step>-<time>`),
+    kept for inspection, never deleted; from the first change on, it is no step of `path`
+    (storage.AtomicSet.move says how, on disk and on a bucket)."""
+    storage.AtomicSet.move(path, aside)

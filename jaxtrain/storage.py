@@ -344,3 +344,25 @@ class AtomicSet:
         """The marker of a committed set (its manifest), or None: not (wholly) written."""
         result = kvstore(path).read(cls.MARKER).result()
         return result.value if result.state == "value" else None
+
+    @classmethod
+    def move(cls, path, target) -> None:
+        """Moves a set from `path` to `target`, whole. On disk one rename; on a bucket, where
+        nothing renames, its marker goes first (from then on the set is uncommitted there,
+        whatever kills this), every object is copied, the marker last, then the originals
+        are deleted."""
+        if not is_remote(path):
+            destination = pathlib.Path(str(target))
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            pathlib.Path(str(path)).rename(destination)
+            return
+        source, dest = kvstore(path), kvstore(target)
+        marker = source.read(cls.MARKER).result()
+        source.write(cls.MARKER, None).result()
+        names = [k.decode() for k in source.list().result()]
+        for name in names:
+            dest.write(name, source.read(name).result().value).result()
+        if marker.state == "value":
+            dest.write(cls.MARKER, marker.value).result()
+        for name in names:
+            source.write(name, None).result()

@@ -134,3 +134,18 @@ def test_each_process_reads_its_own_shards_and_nothing_lands_on_disk(scheme, pro
     killed = _job(processes, url, "kill", 8, server, scratch)
     assert killed[1]["rc"] == 9
     assert checkpoint_shards.marker(f"{url}/8") is None, "a dead rank's step is never committed"
+
+
+def test_a_damaged_step_is_set_aside_whole_and_is_no_step_any_more(url, devices):
+    saved = state(jax.make_mesh((8,), ("fsdp",)))
+    checkpoint_shards.save(f"{url}/12", saved, {"config": {}}, "a")
+    aside = url.replace("checkpoints", "checkpoints_damaged") + "/12-1"
+    checkpoint_shards.set_aside(f"{url}/12", aside)
+    assert checkpoint_shards.marker(f"{url}/12") is None
+    assert not list(storage.kvstore(f"{url}/12").list().result()), "nothing left behind"
+    kept = sorted(k.decode() for k in storage.kvstore(aside).list().result())
+    assert kept == ["commit.json", "state.p0.0.bin", "state.p0.json"], "kept whole"
+    restored, problem = checkpoint_shards.restore(
+        aside, _target(saved, jax.make_mesh((8,), ("fsdp",))), "a")
+    assert problem is None and np.array_equal(np.asarray(restored["params"]["w"]),
+                                              np.asarray(saved["params"]["w"]))
