@@ -49,104 +49,23 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
-import xxhash
 from absl import logging as absl_logging
 from etils import epath
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxtrain import storage
 from jaxtrain.checkpoint_mirror import HostParts, Mirror, Unreachable
 from jaxtrain.errors import CheckpointError, JaxtrainError
 
-__all__ = ["CheckpointError", "Checkpoints", "file_checksum"]
+# Re-exported: the fingerprints were defined here before they had a module of their own.
+from jaxtrain.fingerprints import file_checksum, tree_bits, tree_signature, tree_sums
+from jaxtrain.rotation import HealthyRotation
 
-_CHUNK = 8 << 20
+__all__ = ["CheckpointError", "Checkpoints", "file_checksum", "tree_bits",
+           "tree_signature", "tree_sums"]
+
 _COMMIT_WAIT_S = 120.0  # for orbax's rename after its post-finalization callback
-
-
-def file_checksum(path: pathlib.Path) -> str:
-    """xxh3-64 of a file's bytes, read in 8 MiB pieces (≈4 GB/s on one core)."""
-    digest = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def tree_signature(tree) -> dict[tuple, tuple]:
-    """{path: (shape, dtype)} of a pytree of arrays or array metadata, path as strings."""
-    return {tuple(map(_key_name, path)): (tuple(leaf.shape), str(leaf.dtype))
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-@functools.lru_cache(maxsize=8)
-def _sums_of_squares(mesh):
-    """jit(leaves) -> [sum of squares per leaf], in float32, replicated (every process of a
-    job can read it)."""
-    return jax.jit(lambda leaves: jnp.stack([jnp.sum(jnp.square(x.astype(jnp.float32)))
-                                             for x in leaves]),
-                   out_shardings=None if mesh is None else NamedSharding(mesh, P()))
-
-
-def _as_words(x):
-    """A leaf's bits as unsigned words (one per element; two for 64-bit types)."""
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-
-
-@functools.lru_cache(maxsize=8)
-def _bit_sums(mesh):
-    """jit(leaves) -> [sum of each leaf's bits as uint32 words, wrapping], replicated:
-    integer addition modulo 2**32 is exact in any order, so the figure is the same on any
-    mesh and changes with almost any change of any bit."""
-    return jax.jit(lambda leaves: jnp.stack([jnp.sum(_as_words(x), dtype=jnp.uint32)
-                                             for x in leaves]),
-                   out_shardings=None if mesh is None else NamedSharding(mesh, P()))
-
-
-def _per_leaf(tree, kind, reducer) -> dict[str, np.ndarray]:
-    """{'params/blocks/attn/w_q': reducer's figure for that leaf, ...} for the leaves of
-    dtype `kind`, computed where they lie in one jitted pass (one small array comes back;
-    leaves offloaded to host memory are brought to the devices for it)."""
-    flat = [(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-            if jnp.issubdtype(leaf.dtype, kind)]
-    if not flat:
-        return {}
-    leaves = [leaf if leaf.sharding.memory_kind in (None, "device")
-              else jax.device_put(leaf, leaf.sharding.with_memory_kind("device"))
-              for _, leaf in flat]
-    sharding = leaves[0].sharding
-    values = np.asarray(reducer(
-        sharding.mesh if isinstance(sharding, NamedSharding) else None)(leaves))
-    return {"/".join(map(_key_name, path)): value for (path, _), value in zip(flat, values)}
-
-
-def tree_bits(tree) -> dict[str, int]:
-    """{'params/blocks/attn/w_q': the wrapping sum of its bits, ...} of every numeric leaf
-    (floating and integer): an exact fingerprint of the contents, where the sums of squares
-    (tree_sums) miss damage that leaves a leaf's magnitude (tiny values of Adam's second
-    moments turned tinier, an integer counter)."""
-    return {name: int(v) for name, v in _per_leaf(tree, jnp.number, _bit_sums).items()}
-
-
-def tree_sums(tree) -> dict[str, float]:
-    """{'params/blocks/attn/w_q': sum of its squares, ...} of every floating leaf of a pytree
-    of arrays: a fingerprint of its contents, the same on any mesh up to float
-    reassociation."""
-    return {name: float(v)
-            for name, v in _per_leaf(tree, jnp.floating, _sums_of_squares).items()}
 
 
 @contextlib.contextmanager
@@ -178,6 +97,7 @@ class Checkpoints:
         cache of its own)."""
         self.on_commit = on_commit
         self.keep, self.keep_period, self.log = keep, keep_period, log
+        self.rotation = HealthyRotation(keep, keep_period)
         # Process 0 writes manifests and moves damaged steps; a reader writes nothing.
         self.primary = jax.process_index() == 0 and not read_only
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "jaxtrain-manifest")
@@ -444,13 +364,8 @@ class Checkpoints:
         # From the health marks, which every process of a job sets at the same step (the
         # deletes below synchronise the processes), not from the committed steps, whose
         # newest one a process may see before another does.
-        kept = sorted(self.healthy)[-self.keep:]
-        if not kept:
-            return
         local = set(self.manager.all_steps())
-        for step in self.steps():
-            if step >= kept[0] or (self.keep_period and step % self.keep_period == 0):
-                continue
+        for step in self.rotation.doomed(self.steps(), self.healthy):
             if step in local:
                 self.manager.delete(step)
             self.healthy.discard(step)

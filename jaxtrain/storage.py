@@ -30,6 +30,7 @@ import tempfile
 import fsspec
 import fsspec.asyn
 import fsspec.callbacks
+import tensorstore as ts
 from etils import epath
 
 from jaxtrain import retry
@@ -507,3 +508,91 @@ def _sync(fs, objects: dict[str, tuple[str, dict]], files: pathlib.Path, bar) ->
             os.replace(tmp, target)
             if mtime is not None:
                 os.utime(target, ns=(mtime, mtime))
+# tensorstore: the key-value stores that checkpoints write and read in place (gcs, s3, file).
+
+def kvstore_spec(path) -> dict:
+    """tensorstore's kvstore spec for a directory (its keys are names under it): `file` on
+    disk, `gcs` and `s3` on a bucket, reaching the same servers the fsspec clients do.
+    tensorstore's gcs driver reads TENSORSTORE_GCS_HTTP_URL, not STORAGE_EMULATOR_HOST, and
+    its s3 driver takes the endpoint as an option, not from AWS_ENDPOINT_URL; both are set
+    here from the standard variables, so one environment points every client at one server."""
+    text = normalized(path).rstrip("/")
+    name = scheme_of(text)
+    if name is None:
+        return {"driver": "file", "path": str(pathlib.Path(text).absolute()) + "/"}
+    bucket, _, key = text.split("://", 1)[1].partition("/")
+    prefix = key + "/" if key else ""
+    if name == "gs":
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+        if emulator and not os.environ.get("TENSORSTORE_GCS_HTTP_URL"):
+            os.environ["TENSORSTORE_GCS_HTTP_URL"] = emulator
+        return {"driver": "gcs", "bucket": bucket, "path": prefix}
+    spec = {"driver": "s3", "bucket": bucket, "path": prefix}
+    if endpoint := os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
+        spec["endpoint"] = endpoint
+    if region := os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"):
+        spec["aws_region"] = region
+    if os.environ.get("AWS_ACCESS_KEY_ID"):
+        # Else the default chain, which also reads ~/.aws (and says so when it is absent).
+        spec["aws_credentials"] = {"type": "environment"}
+    return spec
+
+
+def kvstore(path):
+    """An open tensorstore KvStore over the directory `path` (kvstore_spec)."""
+    return ts.KvStore.open(kvstore_spec(path)).result()
+
+
+class AtomicSet:
+    """The one writer of a set of files that appears whole or not at all, under `path`.
+
+    On disk the files go into `path.partial/`, which commit() renames to `path` (a rename is
+    atomic); on a bucket, where nothing renames, they go straight under `path/`, and commit()
+    writes the marker object last (an object appears whole): a reader lists a set as written
+    only once its marker is there (`committed`). Several processes may write into one set;
+    one of them commits it, after all have finished (the caller's barrier). The marker's
+    contents are the caller's (a manifest); it is written in both cases."""
+
+    MARKER = "commit.json"
+
+    def __init__(self, path):
+        self.path = normalized(path).rstrip("/")
+        self.remote = is_remote(self.path)
+        self.writing = self.path if self.remote else self.path + ".partial"
+        self.store = kvstore(self.writing)
+
+    def write(self, name: str, data: bytes) -> None:
+        self.store.write(name, data).result()
+
+    def commit(self, marker: bytes) -> None:
+        self.store.write(self.MARKER, marker).result()
+        if not self.remote:
+            os.replace(self.writing, self.path)
+
+    @classmethod
+    def committed(cls, path) -> bytes | None:
+        """The marker of a committed set (its manifest), or None: not (wholly) written."""
+        result = kvstore(path).read(cls.MARKER).result()
+        return result.value if result.state == "value" else None
+
+    @classmethod
+    def move(cls, path, target) -> None:
+        """Moves a set from `path` to `target`, whole. On disk one rename; on a bucket, where
+        nothing renames, its marker goes first (from then on the set is uncommitted there,
+        whatever kills this), every object is copied, the marker last, then the originals
+        are deleted."""
+        if not is_remote(path):
+            destination = pathlib.Path(str(target))
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            pathlib.Path(str(path)).rename(destination)
+            return
+        source, dest = kvstore(path), kvstore(target)
+        marker = source.read(cls.MARKER).result()
+        source.write(cls.MARKER, None).result()
+        names = [k.decode() for k in source.list().result()]
+        for name in names:
+            dest.write(name, source.read(name).result().value).result()
+        if marker.state == "value":
+            dest.write(cls.MARKER, marker.value).result()
+        for name in names:
+            source.write(name, None).result()

@@ -67,6 +67,9 @@ class Proxy:
         # HTTP requests by method, counted where a client's chunk starts with one (clients
         # send a request's head in one piece and do not pipeline): what a job pays for.
         self.requests: dict[str, int] = {}
+        # Bytes of the server's answers (headers and bodies), by the method of the request
+        # they answer: a restore's reads apart from a save's writes in one job.
+        self.received: dict[str, int] = {}
         self.port = free_port()
         self._open = threading.Event()
         self._open.set()
@@ -105,7 +108,12 @@ class Proxy:
                     method = chunk.split(b" ", 1)[0].decode()
                     with self._lock:
                         self.requests[method] = self.requests.get(method, 0) + 1
+                    asked.method = method  # the answers on this connection are to it
                     asked.set()
+                if not upstream:
+                    method = getattr(asked, "method", "")
+                    with self._lock:
+                        self.received[method] = self.received.get(method, 0) + len(chunk)
                 if not upstream and asked.is_set():
                     asked.clear()
                     if self.delay_s:

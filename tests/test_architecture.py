@@ -18,7 +18,7 @@ LAYERS = [
     ("parallel",),
     ("models",),
     ("data", "prepare", "optim", "objectives", "checkpoint", "checkpoint_mirror", "workdir",
-     "metrics", "sinks", "metrics_log", "tasks"),
+     "checkpoint_shards", "fingerprints", "rotation", "metrics", "sinks", "metrics_log", "tasks"),
     ("config",),
     ("train.state", "train.frozen", "train.reference", "train.step", "train.setup", "train.faults", "train.hooks",
      "train.profiling", "train.preemption", "train.goodput", "train.watchdog"),
