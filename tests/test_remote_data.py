@@ -193,7 +193,6 @@ def test_retries_then_one_line_naming_the_object(monkeypatch):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"data.tokenizer": "gs://b/tok.json"}, "data.tokenizer=gs://b/tok.json: gs:// paths"),
     ({"data.block_kb": 3}, "data.block_kb=3 is invalid: a power of two"),
     ({"data.cache_mb": 0}, "data.cache_mb=0 is invalid: at least two blocks"),
 ])

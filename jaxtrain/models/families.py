@@ -63,6 +63,9 @@ class AttentionPart:
     # Planner: FLOPs per token per layer of its function (forward), from the spec.
     flops_per_token: Callable = lambda spec: 0
     check: Callable | None = None  # (family, head_dim) -> None, ConfigError when refused
+    # Planner: values per token per layer the backward pass keeps for its function (the
+    # memory estimate, plan/memory.py), summed over heads before any tensor sharding.
+    kept_per_token: Callable = lambda spec: 0
 
     def param_count(self, spec) -> int:
         """Planner: the parameters it adds to one layer."""
@@ -87,7 +90,8 @@ ATTENTION_PARTS: dict[str, AttentionPart] = {p.name: p for p in (
                   lambda s: (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, _no_full_bias),
     AttentionPart("qk_norm", "RMSNorm of each q and k head over head_dim before RoPE "
                   "(Qwen3, OLMo 2, Gemma 3)", _qk_norm_params, _qk_norm,
-                  lambda s: 4 * (s.num_heads + s.num_kv_heads) * s.head_dim),
+                  lambda s: 4 * (s.num_heads + s.num_kv_heads) * s.head_dim,
+                  kept_per_token=lambda s: (s.num_heads + s.num_kv_heads) * s.head_dim),
 )}
 
 
@@ -115,6 +119,12 @@ class Family:
     @property
     def gated_mlp(self) -> bool:
         return self.mlp in ("swiglu", "geglu")
+
+    def kept_per_token(self, d_model: int) -> int:
+        """Planner: values per token per layer the backward pass keeps beyond a Llama
+        layer's: the sandwich norms' two inputs (tanh-GELU keeps no more than SiLU: fitted
+        on configs/tiny_gemma3.py)."""
+        return 2 * d_model * self.sandwich
 
     @property
     def takes_experts(self) -> bool:

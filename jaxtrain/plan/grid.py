@@ -63,6 +63,7 @@ SHIPPED_TARGETS = {"tiny.py": ("CPU-host", 1), "bench_cpu.py": ("CPU-host", 1),
                    "llama_1b_32k.py": ("H100-SXM", 8),
                    "gpt13b.py": ("A100-80GB", 64), "gpt13b_pp.py": ("A100-80GB", 16),
                    "tiny_moe.py": ("CPU-host", 1), "bench_cpu_moe.py": ("CPU-host", 1),
+                   "tiny_qwen3.py": ("CPU-host", 1), "tiny_gemma3.py": ("CPU-host", 1),
                    "mixtral_8x7b.py": ("TPU-v5p", 64)}
 MOE_CONFIGS = ("tiny_moe.py", "bench_cpu_moe.py", "mixtral_8x7b.py")
 

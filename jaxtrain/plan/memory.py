@@ -250,12 +250,20 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
         # parallelism XLA also keeps about one more residual-stream tensor per layer
         # (fitted on the grid: without it the tensor-parallel cases read 0.81–0.91).
         row_parallel = tokens_res * d * c if t > 1 else 0
-        return dots + scores + row_parallel
+        return dots + scores + row_parallel + _parts_kept(spec, tokens, tokens_res, t, c)
     # Plus the residual stream inputs, the two norms (float32 statistics and outputs) and
     # the MLP activation's output.
     stream = tokens_res * d * (2 * c + 2 * F32)
     act = tokens * f / t * c
-    return dots + stream + act + scores
+    return dots + stream + act + scores + _parts_kept(spec, tokens, tokens_res, t, c)
+
+
+def _parts_kept(spec: ModelSpec, tokens: float, tokens_res: float, t: int, c: int) -> float:
+    """What the family's parts keep beyond a Llama layer (their planner facts,
+    models/families.py): attention parts per head, sandwich norms on the residual stream."""
+    family = spec.family_entry
+    heads = sum(p.kept_per_token(spec) for p in family.attention_parts)
+    return (tokens * heads / t + tokens_res * family.kept_per_token(spec.d_model)) * c
 
 
 def _rotated(spec: ModelSpec, rows: float, sizes: dict) -> float:
