@@ -510,6 +510,9 @@ def _sync(fs, objects: dict[str, tuple[str, dict]], files: pathlib.Path, bar) ->
                 os.utime(target, ns=(mtime, mtime))
 # tensorstore: the key-value stores that checkpoints write and read in place (gcs, s3, file).
 
+_GCS_SET: set[str] = set()  # the TENSORSTORE_GCS_HTTP_URL values kvstore_spec has set
+
+
 def kvstore_spec(path) -> dict:
     """tensorstore's kvstore spec for a directory (its keys are names under it): `file` on
     disk, `gcs` and `s3` on a bucket, reaching the same servers the fsspec clients do.
@@ -524,8 +527,10 @@ def kvstore_spec(path) -> dict:
     prefix = key + "/" if key else ""
     if name == "gs":
         emulator = os.environ.get("STORAGE_EMULATOR_HOST")
-        if emulator and not os.environ.get("TENSORSTORE_GCS_HTTP_URL"):
+        # Set from it unless the user set it (a value set here follows the emulator's).
+        if emulator and os.environ.get("TENSORSTORE_GCS_HTTP_URL") in (None, "", *_GCS_SET):
             os.environ["TENSORSTORE_GCS_HTTP_URL"] = emulator
+            _GCS_SET.add(emulator)
         return {"driver": "gcs", "bucket": bucket, "path": prefix}
     spec = {"driver": "s3", "bucket": bucket, "path": prefix}
     if endpoint := os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
