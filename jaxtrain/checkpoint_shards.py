@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import jax
 import numpy as np
@@ -37,12 +38,21 @@ import xxhash
 # it the same way, orbax/checkpoint/_src/multihost).
 from jax._src import distributed
 
-from jaxtrain import storage
+from jaxtrain import retry, storage
 from jaxtrain.errors import CheckpointError
 
 PART_BYTES = 1 << 30  # under S3's 5 GiB single-PUT limit, few objects per process
 FORMAT = "shards-1"
 _WAIT_MS = 600_000  # for the other processes' parts, at a commit or a verdict
+_UNREACHABLE = "\0"  # a verdict that is no verdict: the process lost the store
+
+
+_PART = re.compile(r"state\.p\d+\.\d+\.bin")
+
+
+class Refused(CheckpointError):
+    """A step that is no accident (an index naming objects outside the step): refused,
+    never set aside as damaged."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +96,23 @@ def _barrier(name: str) -> None:
         distributed.global_state.client.wait_at_barrier(_process_key(name), _WAIT_MS)
 
 
-def save(path, tree, marker: dict, tag: str) -> None:
-    """Writes this process's shards of a pytree of jax.Arrays under `path` (a step's
-    directory), and once every process has (the barrier named `tag`, the same on every
-    process), process 0 commits it with `marker` in the marker object. Blocking: the
-    caller runs it off the training thread; the arrays are copied to the host first."""
+@dataclasses.dataclass
+class HostCopy:
+    """This process's shards of a pytree, copied to host memory (`host_copy`): what `write`
+    puts in the step's objects, so that the training thread may go on changing the
+    arrays while it does."""
+    leaves: dict[str, list]
+    pieces: list[list]
+    parts: list[bytes]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+
+def host_copy(tree) -> HostCopy:
+    """The shards of a pytree of jax.Arrays this process writes (those whose replica 0 its
+    devices hold), copied to the host, laid out in parts of <= PART_BYTES."""
     me = jax.process_index()
     leaves, pieces, part, parts, offset = {}, [], [], [], 0
     for path_, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -108,19 +130,46 @@ def save(path, tree, marker: dict, tag: str) -> None:
             part.append(data)
             offset += len(data)
     parts.append(b"".join(part))
+    return HostCopy(leaves, pieces, parts)
+
+
+def write(path, host: HostCopy, marker: dict, tag: str) -> str | None:
+    """Writes this process's copy under `path` (a step's directory); once every process has
+    (their verdicts combined under `tag`, the same on every process), process 0 commits it
+    with `marker` in the marker object. Blocking (the caller's background thread). Returns
+    None once committed, else what stopped it (the same on every process): a process that
+    could not write leaves the step uncommitted everywhere. A lost store raises
+    retry.Unreachable on the process that met it."""
+    me = jax.process_index()
     writer = storage.AtomicSet(path)
-    for k, blob in enumerate(parts):
-        writer.write(f"state.p{me}.{k}.bin", blob)
-    writer.write(f"state.p{me}.json", json.dumps({"leaves": leaves, "pieces": pieces}).encode())
-    _barrier(f"save/{tag}")
+    problem = None
+    try:
+        for k, blob in enumerate(host.parts):
+            writer.write(f"state.p{me}.{k}.bin", blob)
+        writer.write(f"state.p{me}.json",
+                     json.dumps({"leaves": host.leaves, "pieces": host.pieces}).encode())
+    except Exception as e:  # noqa: BLE001 - said to the others, then raised here
+        problem = storage.first_line(e)
+        combined(problem, f"save/{tag}")
+        raise
+    if problem := combined(problem, f"save/{tag}"):
+        return problem
     if me == 0:
         writer.commit(json.dumps({"format": FORMAT, "processes": jax.process_count(),
                                   **marker}).encode())
     _barrier(f"committed/{tag}")
+    return None
+
+
+def save(path, tree, marker: dict, tag: str) -> None:
+    """host_copy, then write: blocking, in one call."""
+    if problem := write(path, host_copy(tree), marker, tag):
+        raise CheckpointError(f"{path} was not committed: {problem}")
 
 
 def marker(path) -> dict | None:
-    """The marker of a committed step (None: not committed, or not in this format)."""
+    """The marker of a committed step (None: not committed, or not in this format); a lost
+    store raises retry.Unreachable."""
     data = storage.AtomicSet.committed(path)
     try:
         found = json.loads(data) if data else None
@@ -136,9 +185,23 @@ def signature(path) -> dict[tuple, tuple]:
             for name, (shape, dtype) in index["leaves"].items()}
 
 
+def _settled(future, start, what: str):
+    """The result of a read already started; one that failed for a reason worth trying
+    again (or did not answer within the budget) is read again under the retry policy."""
+    try:
+        return future.result(timeout=retry.budget_s())
+    except Exception as e:
+        future.cancel()
+        if not retry.transient(e):
+            raise
+    return storage.settled(start, what)
+
+
 def _read_indices(store, processes: int) -> list[dict]:
-    futures = [store.read(f"state.p{i}.json") for i in range(processes)]
-    results = [f.result() for f in futures]
+    names = [f"state.p{i}.json" for i in range(processes)]
+    futures = [store.read(name) for name in names]
+    results = [_settled(f, lambda name=name: store.read(name), f"reading {name}")
+               for f, name in zip(futures, names)]
     missing = [i for i, r in enumerate(results) if r.state != "value"]
     if missing:
         raise CheckpointError(f"state.p{missing[0]}.json is missing")
@@ -155,12 +218,16 @@ class Reader:
         self.pieces: dict[str, list[Piece]] = {}
         for index in _read_indices(self.store, processes):
             for leaf, box, part, offset, size, digest in index["pieces"]:
+                if not _PART.fullmatch(str(part)):  # a key elsewhere in the bucket
+                    raise Refused(f"checkpoint {path}: its index names {part!r} as a part: "
+                                  "not one of the step's (state.p<i>.<k>.bin); refused, "
+                                  "nothing read, nothing moved")
                 self.pieces.setdefault(leaf, []).append(
                     Piece(leaf, tuple(map(tuple, box)), part, offset, size, digest))
         self.data: dict[Piece, np.ndarray] = {}
 
     def needed(self, name: str, box) -> list[Piece]:
-        return [p for p in self.pieces.get(name, ()) if _overlap(p.box, box)]
+        return [p for p in self.pieces.get(name, ()) if _overlap(p.box, box) is not None]
 
     def fetch(self, wanted: set[Piece], dtypes: dict[str, np.dtype]) -> str | None:
         """Reads every wanted piece (pieces adjacent in one part in one byte-range read, all
@@ -172,14 +239,16 @@ class Reader:
                 runs[-1].append(piece)
             else:
                 runs.append([piece])
-        futures = [self.store.read(run[0].part, byte_range=slice(
-            run[0].offset, run[-1].offset + run[-1].size)) for run in runs]
+        def reading(run):
+            return lambda: self.store.read(run[0].part, byte_range=slice(
+                run[0].offset, run[-1].offset + run[-1].size))
+        futures = [reading(run)() for run in runs]  # all at once; a retry one by one
         for run, future in zip(runs, futures):
             shown = f"{self.path}/{run[0].part}"
             size = run[-1].offset + run[-1].size - run[0].offset
             try:
-                result = future.result()
-            except Exception as e:  # noqa: BLE001 - a range past the end: a short object
+                result = _settled(future, reading(run), f"reading {shown}")
+            except ValueError as e:  # tensorstore's OUT_OF_RANGE: a short object
                 return f"{shown} cannot be read at {run[0].offset}+{size} ({e})"
             if result.state != "value":
                 return f"{shown} is missing"
@@ -217,9 +286,20 @@ def combined(problem: str | None, tag: str) -> str | None:
         return problem
     for rank in range(jax.process_count()):
         other = client.blocking_key_value_get(_process_key(f"verdict/{tag}/{rank}"), _WAIT_MS)
+        if other.startswith(_UNREACHABLE):  # no verdict on the step: the store is lost
+            raise retry.Unreachable(f"{other[1:]} (met by process {rank})", other[1:])
         if other:
             return f"{other} (found by process {rank})"
     return None
+
+
+def _unreachable(error: retry.Unreachable, tag: str) -> retry.Unreachable:
+    """Tells the other processes (waiting on a verdict under `tag`) that this one lost the
+    store, so that they raise too rather than judge the step; returns `error`."""
+    if jax.process_count() > 1:
+        distributed.global_state.client.key_value_set(
+            _process_key(f"verdict/{tag}/{jax.process_index()}"), _UNREACHABLE + str(error))
+    return error
 
 
 def restore(path, target, tag: str) -> tuple[dict | None, str | None]:
@@ -231,6 +311,10 @@ def restore(path, target, tag: str) -> tuple[dict | None, str | None]:
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
     try:
         reader = Reader(path, found["processes"])
+    except retry.Unreachable as e:
+        raise _unreachable(e, tag) from None
+    except Refused:
+        raise  # every process reads the same indices: all refuse it
     except (CheckpointError, ValueError) as e:
         return None, combined(f"{path}: {storage.first_line(e)}", tag)
     wanted, boxes = set(), []
@@ -239,7 +323,10 @@ def restore(path, target, tag: str) -> tuple[dict | None, str | None]:
         boxes.append({d: _box(i, leaf.shape) for d, i in devices.items()})
         for box in set(boxes[-1].values()):
             wanted.update(reader.needed(_name(path_), box))
-    problem = reader.fetch(wanted, {_name(p): np.dtype(leaf.dtype) for p, leaf in flat})
+    try:
+        problem = reader.fetch(wanted, {_name(p): np.dtype(leaf.dtype) for p, leaf in flat})
+    except retry.Unreachable as e:
+        raise _unreachable(e, tag) from None
     if problem := combined(problem, tag):
         return None, problem
     arrays = []

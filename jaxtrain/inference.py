@@ -65,7 +65,7 @@ def run_config(workdir: pathlib.Path) -> tuple[int, ml_collections.ConfigDict]:
     try:
         step, saved = checkpoints.latest_intact()
     finally:
-        checkpoints.manager.close()
+        checkpoints.close()
     cfg = base_config()  # keys added since the run was saved keep their defaults
     cfg.update(saved)
     cfg.mesh.rules = tuple(tuple(rule) for rule in cfg.mesh.rules)  # JSON made them lists
@@ -118,7 +118,7 @@ def _restore(workdir, step: int, setup: Setup, target: dict, adapters: bool) -> 
     try:
         restored = checkpoints.restore_items(step, items)
     finally:
-        checkpoints.manager.close()
+        checkpoints.close()
     if not lora_run:
         return restored["params"]
     return frozen.on_base(setup.cfg, setup.spec, setup.shardings.frozen, restored["params"],

@@ -40,6 +40,9 @@ MAX_DELAY_S = 30.0
 # OSErrors: transient unless they carry a 4xx status.
 _CLIENT_PACKAGES = ("aiohttp", "botocore", "aiobotocore", "gcsfs", "google", "requests",
                     "urllib3", "s3fs")
+# tensorstore's status codes (absl's) of a failure that trying again may fix.
+_TENSORSTORE_RETRIED = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED",
+                        "INTERNAL", "UNKNOWN")
 _RETRIED_4XX = (408, 429)  # request timeout, too many requests: the server asks for a retry
 
 
@@ -62,6 +65,8 @@ def _status(error: BaseException) -> int | None:
 
 def transient(error: BaseException) -> bool:
     """Whether trying `error`'s request again may succeed (module docstring)."""
+    if isinstance(error, ValueError) and str(error).split(":", 1)[0] in _TENSORSTORE_RETRIED:
+        return True  # tensorstore says what failed by status code, in a ValueError
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError,
                           NotADirectoryError, FileExistsError, ValueError, TypeError)):
         return False

@@ -510,6 +510,9 @@ def _sync(fs, objects: dict[str, tuple[str, dict]], files: pathlib.Path, bar) ->
                 os.utime(target, ns=(mtime, mtime))
 # tensorstore: the key-value stores that checkpoints write and read in place (gcs, s3, file).
 
+_GCS_SET: set[str] = set()  # the TENSORSTORE_GCS_HTTP_URL values kvstore_spec has set
+
+
 def kvstore_spec(path) -> dict:
     """tensorstore's kvstore spec for a directory (its keys are names under it): `file` on
     disk, `gcs` and `s3` on a bucket, reaching the same servers the fsspec clients do.
@@ -524,8 +527,10 @@ def kvstore_spec(path) -> dict:
     prefix = key + "/" if key else ""
     if name == "gs":
         emulator = os.environ.get("STORAGE_EMULATOR_HOST")
-        if emulator and not os.environ.get("TENSORSTORE_GCS_HTTP_URL"):
+        # Set from it unless the user set it (a value set here follows the emulator's).
+        if emulator and os.environ.get("TENSORSTORE_GCS_HTTP_URL") in (None, "", *_GCS_SET):
             os.environ["TENSORSTORE_GCS_HTTP_URL"] = emulator
+            _GCS_SET.add(emulator)
         return {"driver": "gcs", "bucket": bucket, "path": prefix}
     spec = {"driver": "s3", "bucket": bucket, "path": prefix}
     if endpoint := os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
@@ -541,6 +546,43 @@ def kvstore_spec(path) -> dict:
 def kvstore(path):
     """An open tensorstore KvStore over the directory `path` (kvstore_spec)."""
     return ts.KvStore.open(kvstore_spec(path)).result()
+
+
+def settled(start, what: str, key: str = "checkpoints", value=None):
+    """start() -> a tensorstore future; its result under the one retry policy (retry.py):
+    an attempt is cut off (and cancelled: no write lands after it was given up) at what is
+    left of the budget, a transient failure is tried again, retry.Unreachable ends it; a
+    refusal that is the user's to fix is its one-line ConfigError (`key`=`value`)."""
+    def attempt(timeout: float):
+        future = start()
+        try:
+            return future.result(timeout=timeout)
+        except BaseException:
+            future.cancel()
+            raise
+    return retry.call(attempt, what, user_error=lambda e: user_error(e, key, value or what))
+
+
+def kv_keys(path) -> list[str]:
+    """Every key under the directory `path` of a kvstore (names relative to it), listed
+    afresh under the retry policy; a missing bucket is its one-line ConfigError."""
+    store = kvstore(path)
+    try:
+        keys = settled(store.list, f"listing {path}", value=path)
+    except ValueError as e:  # gcs answers a listing of a missing bucket 404, and only then
+        if is_remote(path) and str(e).startswith("NOT_FOUND"):
+            bucket = str(path).split("://", 1)[1].split("/", 1)[0]
+            raise ConfigError(f"checkpoints={path}: bucket {bucket} does not exist") from e
+        raise
+    if not keys and is_remote(path):  # fake-gcs-server lists a missing bucket as empty
+        fs, root = filesystem(path)
+        fs.invalidate_cache()
+        try:
+            fs.find(root, maxdepth=1)
+        except FileNotFoundError as e:
+            if (mine := user_error(e, "checkpoints", path)) is not None:
+                raise mine from e
+    return sorted(k.decode() for k in keys)
 
 
 class AtomicSet:
@@ -562,37 +604,63 @@ class AtomicSet:
         self.store = kvstore(self.writing)
 
     def write(self, name: str, data: bytes) -> None:
-        self.store.write(name, data).result()
+        """One file of the set, whole, under the retry policy (and the lease's fence)."""
+        fence(f"{self.path}/{name}")
+        settled(lambda: self.store.write(name, data), f"writing {self.path}/{name}",
+                value=self.path)
 
     def commit(self, marker: bytes) -> None:
-        self.store.write(self.MARKER, marker).result()
+        self.write(self.MARKER, marker)
         if not self.remote:
             os.replace(self.writing, self.path)
 
     @classmethod
+    def rewrite_marker(cls, path, marker: bytes) -> None:
+        """Replaces a committed set's marker (one object, written whole: a reader sees the
+        old one or the new one)."""
+        fence(f"{path}/{cls.MARKER}")
+        store = kvstore(path)
+        settled(lambda: store.write(cls.MARKER, marker), f"writing {path}/{cls.MARKER}",
+                value=path)
+
+    @classmethod
+    def delete(cls, path) -> None:
+        """Deletes a set: its marker first (from then on it is no set, whatever kills
+        this), then its other files; on disk its directory."""
+        if not is_remote(path):
+            shutil.rmtree(str(path), ignore_errors=True)
+            return
+        fence(f"{path}/{cls.MARKER}")
+        store = kvstore(path)
+        settled(lambda: store.write(cls.MARKER, None), f"deleting {path}", value=path)
+        for name in kv_keys(path):
+            settled(lambda name=name: store.write(name, None), f"deleting {path}/{name}",
+                    value=path)
+
+    @classmethod
     def committed(cls, path) -> bytes | None:
         """The marker of a committed set (its manifest), or None: not (wholly) written."""
-        result = kvstore(path).read(cls.MARKER).result()
+        store = kvstore(path)
+        result = settled(lambda: store.read(cls.MARKER), f"reading {path}/{cls.MARKER}",
+                         value=path)
         return result.value if result.state == "value" else None
 
     @classmethod
     def move(cls, path, target) -> None:
         """Moves a set from `path` to `target`, whole. On disk one rename; on a bucket, where
-        nothing renames, its marker goes first (from then on the set is uncommitted there,
-        whatever kills this), every object is copied, the marker last, then the originals
-        are deleted."""
+        nothing renames, every object is copied, the marker last, then the original is
+        deleted, its marker first (`delete`): a kill before the copy's marker leaves the set
+        where it was (moved again by the next try), never a set in neither place."""
         if not is_remote(path):
             destination = pathlib.Path(str(target))
             destination.parent.mkdir(parents=True, exist_ok=True)
             pathlib.Path(str(path)).rename(destination)
             return
         source, dest = kvstore(path), kvstore(target)
-        marker = source.read(cls.MARKER).result()
-        source.write(cls.MARKER, None).result()
-        names = [k.decode() for k in source.list().result()]
+        names = [k.decode() for k in source.list().result() if k.decode() != cls.MARKER]
         for name in names:
             dest.write(name, source.read(name).result().value).result()
+        marker = source.read(cls.MARKER).result()
         if marker.state == "value":
             dest.write(cls.MARKER, marker.value).result()
-        for name in names:
-            source.write(name, None).result()
+        cls.delete(path)

@@ -34,7 +34,7 @@ QUANTIZATION_FILE = "quantization.json"  # an int8 model directory (quantize)
 WANDB_RUN_FILE = "wandb_run.json"  # the W&B run a resume continues (sinks.py)
 REPORT_FILE = "report.png"  # jaxtrain report
 LOCK_FILE = ".lock"
-MANIFESTS_DIR = "checkpoint_manifests"  # a remote run's step manifests (checkpoint_mirror.py)
+MANIFESTS_DIR = "checkpoint_manifests"  # the local tier's step manifests (checkpoint_local.py)
 
 # What only a run writes: a folder holding one of these is a run directory. (config.json and
 # tokenizer/ are not marks: a Hugging Face model folder and a prepared dataset hold them.)

@@ -5,6 +5,9 @@ a proxy of its own (the test points each rank at one), so the test counts each p
 requests and bytes apart.
 
     python tests/shards_worker.py COORDINATOR PROCESSES RANK URL save|restore|both|kill STEP
+    python tests/shards_worker.py COORDINATOR PROCESSES RANK URL keep|run|resume 0
+
+(keep, run and resume: the job through jaxtrain's Checkpoints, see `checkpoints`).
 
 `both` saves, then restores what it saved (a save writes, a restore only reads: the test
 tells them apart by the method of the requests).
@@ -19,9 +22,10 @@ import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
-def state(mesh):
+def state(mesh, seed: int = 0, rows: int = 64):
     """The same numbers on any mesh: leaves sharded on their first axis over every device
-    (fsdp), one replicated leaf (written once, by the process holding replica 0)."""
+    (fsdp), one replicated leaf (written once, by the process holding replica 0); `seed`
+    and `rows` give another state, larger with more rows."""
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -30,9 +34,9 @@ def state(mesh):
     def leaf(seed, shape, dtype, sharding):
         values = jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
         return jax.device_put(values, sharding)
-    return {"params": {"w": leaf(0, (64, 96), jnp.float32, shard),
-                       "e": leaf(1, (128, 32), jnp.bfloat16, shard)},
-            "opt": {"mu": leaf(2, (64, 96), jnp.float32, shard),
+    return {"params": {"w": leaf(seed, (rows, 96), jnp.float32, shard),
+                       "e": leaf(seed + 1, (2 * rows, 32), jnp.bfloat16, shard)},
+            "opt": {"mu": leaf(seed + 2, (rows, 96), jnp.float32, shard),
                     "count": jax.device_put(jnp.arange(4, dtype=jnp.int32), whole)}}
 
 
@@ -43,6 +47,8 @@ def main(coordinator, processes, rank, url, action, step):
 
     from jaxtrain import checkpoint_shards
     mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
+    if action in ("run", "keep", "resume"):
+        return checkpoints(mesh, int(rank), url, action)
     expected = state(mesh)
     path = f"{url}/{step}"
     if action in ("save", "both", "kill"):
@@ -61,6 +67,52 @@ def main(coordinator, processes, rank, url, action, step):
         for i in range(len(a.addressable_shards)))
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(expected))
     print(json.dumps({"problem": problem, "bitwise": same, "state_bytes": state_bytes}))
+
+
+ROWS = 1024  # ~0.9 MB of state: the listing and the indices are small beside a share
+
+
+def checkpoints(mesh, rank: int, url: str, action: str) -> None:
+    """The job through jaxtrain.checkpoint.Checkpoints on `url`. keep: saves step 4 (marked
+    healthy). run: the same, then rank 1 dies as step 8 is saved (before writing anything;
+    the others are ended by the job's heartbeat). resume: restores the newest intact step
+    and says whether it is bitwise the state saved."""
+    import numpy as np
+
+    from jaxtrain import storage
+    from jaxtrain.checkpoint import Checkpoints
+    lines = []
+    tier = Checkpoints(storage.as_path(url), keep=3, log=lines.append)
+    if action in ("run", "keep"):
+        tier.save(4, state(mesh, 4, ROWS), {"step": 4})
+        tier.wait()
+        tier.mark_healthy(4)
+        tier.wait()
+        if action == "keep":
+            tier.close()
+            print(json.dumps({"saved": True}))
+            return
+        if rank == 1:
+            os._exit(9)
+        tier.save(8, state(mesh, 8, ROWS), {"step": 8})
+        tier.wait()
+        print(json.dumps({"survived": True}))
+        return
+    expected = state(mesh, 4, ROWS)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                          sharding=x.sharding), expected)
+    found = tier.newest_intact(target, lambda *_: None)
+    if found is None:
+        print(json.dumps({"step": None, "lines": lines}))
+        return
+    step, restored, saved, sums = found
+    same = all(np.array_equal(np.asarray(a.addressable_data(i)), np.asarray(b.addressable_data(i)))
+               for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expected))
+               for i in range(len(a.addressable_shards)))
+    tier.close()
+    print(json.dumps({"step": step, "bitwise": same, "saved": saved, "lines": lines,
+                      "healthy": sorted(tier.healthy), "sums": sorted(sums["sum_of_squares"]),
+                      "state_bytes": sum(x.nbytes for x in jax.tree.leaves(expected))}))
 
 
 if __name__ == "__main__":

@@ -149,3 +149,39 @@ def test_a_damaged_step_is_set_aside_whole_and_is_no_step_any_more(url, devices)
         aside, _target(saved, jax.make_mesh((8,), ("fsdp",))), "a")
     assert problem is None and np.array_equal(np.asarray(restored["params"]["w"]),
                                               np.asarray(saved["params"]["w"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_a_job_of_checkpoints_on_a_bucket_resumes_bitwise_after_a_dead_rank_reading_its_share(
+        scheme, tmp_path):
+    """jaxtrain's Checkpoints on a bucket, 2 processes of 2 devices (issue 36's done-when):
+    rank 1 dies as step 8 is saved, after step 4 was committed; the restarted job sets
+    nothing aside, deletes what step 8 left, resumes step 4 bitwise with its health mark,
+    each process reading <= 1/N of the state plus the metadata (+10%), and neither job put
+    a file of a checkpoint on a host's disk (the staged design downloaded the whole step on
+    every host)."""
+    server = object_server(scheme)
+    url = server.bucket() + "/run/checkpoints"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    killed = _job(2, url, "run", 0, server, scratch)
+    assert killed[1]["rc"] == 9 and killed[0]["rc"] != 0, killed[0]["err"]
+    assert checkpoint_shards.marker(f"{url}/4")["healthy"]
+    assert checkpoint_shards.marker(f"{url}/8") is None, "a dead rank's step is no step"
+    reports = _job(2, url, "resume", 0, server, scratch)
+    objects = storage.kv_keys(url)
+    assert [name.split("/")[0] for name in objects] == ["4"] * 5, (objects, reports)
+    metadata = sum(len(storage.kvstore(url).read(name).result().value)
+                   for name in objects if name.endswith(".json"))
+    for rank, report in enumerate(reports):
+        assert report["rc"] == 0, report["err"]
+        assert report["step"] == 4 and report["bitwise"] and report["saved"] == {"step": 4}
+        assert report["healthy"] == [4] and "params/w" in report["sums"]
+        share = report["state_bytes"] / 2 + metadata
+        read = report["received"].get("GET", 0)  # headers: at most a kilobyte a request
+        assert read <= 1.1 * share + 1000 * report["requests"]["GET"], (rank, read, share)
+    # Rank 0 wrote its part of step 8, or was ended by the heartbeat before it could.
+    assert reports[0]["lines"] in ([], [f"jaxtrain: deleted checkpoint step 8 from {url}: its "
+                                        "save did not finish (no commit marker)"])
+    assert not [p for p in scratch.rglob("*") if p.is_file()], "nothing on the hosts' disks"

@@ -170,10 +170,10 @@ def test_without_a_launcher_a_rank_whose_peer_died_exits_in_bounded_time(tmp_pat
 
 def test_a_job_with_no_shared_directory_resumes_bitwise_after_a_dead_rank(tmp_path,
                                                                        two_processes):
-    """The object store (the GCS emulator) is all the two processes share: each stages its
-    own part of every checkpoint in a scratch folder of its own, the bucket gets the parts and
-    one manifest. Rank 1 dies after a checkpoint, the job restarts, every rank downloads the
-    whole step, and the losses are those of the uninterrupted run on a shared disk."""
+    """The object store (the GCS emulator) is all the two processes share: each writes its
+    own shards of every checkpoint straight to the bucket, process 0 the marker last. Rank 1
+    dies after a checkpoint, the job restarts, every rank reads its own shards in place, and
+    the losses are those of the uninterrupted run on a shared disk."""
     from conftest import object_server
 
     from jaxtrain import storage
@@ -186,12 +186,14 @@ def test_a_job_with_no_shared_directory_resumes_bitwise_after_a_dead_rank(tmp_pa
 
     def committed() -> bool:
         fs.invalidate_cache()
-        return fs.exists(f"{root}/checkpoint_manifests/4.json")
-    err = _kill_rank_1_and_restart(workdir, committed, env)
+        return fs.exists(f"{root}/checkpoints/4/commit.json")
+    _kill_rank_1_and_restart(workdir, committed, env)
     rows = read_metrics(storage.as_path(workdir), say=lambda _: None)
     assert {r["step"]: r["loss"] for r in rows if "loss" in r} == two_processes[2], \
         "every step's loss, bit for bit, each row once"
-    staged = sorted(p.name.rsplit(".", 1)[-1]
-                    for p in (tmp_path / "scratch").glob("*-checkpoints.process*"))
-    assert staged == ["process0", "process1"], "each process stages apart"
-    assert "Skipping merge" not in err
+    staged = [p for p in (tmp_path / "scratch").rglob("*")
+              if p.is_file() and "checkpoint" in str(p.relative_to(tmp_path))]
+    assert staged == [], "in place: nothing of a checkpoint on a host's disk"
+    objects = sorted(storage.listing(f"{workdir}/checkpoints/12"))
+    assert objects == ["commit.json", "state.p0.0.bin", "state.p0.json", "state.p1.0.bin",
+                       "state.p1.json"], "2 objects per process and the marker"

@@ -53,13 +53,10 @@ def _final_params(workdir, step: int = 24):
 
 
 def _committed_steps(workdir: str) -> list[int]:
-    fs, root = storage.filesystem(workdir)
-    fs.invalidate_cache()
-    try:
-        names = fs.ls(f"{root}/checkpoint_manifests", detail=False)
-    except FileNotFoundError:
-        return []
-    return [int(pathlib.PurePosixPath(n).stem) for n in names if n.endswith(".json")]
+    """The steps with a commit marker (checkpoint_remote.py: the marker is written last)."""
+    names = storage.listing(f"{workdir}/checkpoints")
+    return sorted(int(n.split("/")[0]) for n in names if n.endswith("/commit.json")
+                  and n.split("/")[0].isdigit())
 
 
 @pytest.fixture(scope="module")

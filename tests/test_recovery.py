@@ -25,7 +25,7 @@ from conftest import small_config
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.checkpoint import Checkpoints, file_checksum, tree_bits, tree_sums
+from jaxtrain.checkpoint import Checkpoints, LocalCheckpoints, file_checksum, tree_bits, tree_sums
 from jaxtrain.commands import report
 from jaxtrain.data import make_batches
 from jaxtrain.errors import CheckpointError, ConfigError, DataError
@@ -284,7 +284,7 @@ def test_every_checkpoint_is_checksummed_and_same_size_corruption_falls_back(
     # I/O) is not damage: a one-line error, and nothing is moved.
     def broken(self, step, target):
         raise MemoryError("out of memory")
-    monkeypatch.setattr(Checkpoints, "restore", broken)
+    monkeypatch.setattr(LocalCheckpoints, "restore", broken)
     with pytest.raises(CheckpointError, match="passed its checksums but could not be "
                        r"restored \(MemoryError: out of memory\); nothing was moved"):
         run(small_config(**{"steps": 8, "checkpoint.every_steps": 2}), tmp_path, devices[:1])

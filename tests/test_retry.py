@@ -29,13 +29,20 @@ def test_one_classifier_of_transient_and_permanent(error, transient):
     assert retry.transient(error) is transient
 
 
-def test_the_remote_readers_and_the_checkpoint_mirror_ask_the_same_classifier():
-    from jaxtrain import checkpoint_mirror
+def test_the_remote_readers_ask_the_same_classifier():
     from jaxtrain.data import remote_file
     for error in (ConnectionResetError(), _Http(503), FileNotFoundError(), _Http(404),
                   ValueError()):
-        assert checkpoint_mirror._transient(error) is retry.transient(error)
         assert remote_file._permanent(error) is not retry.transient(error)
+
+
+@pytest.mark.parametrize("message, transient", [
+    ("UNAVAILABLE: connection refused", True), ("DEADLINE_EXCEEDED: ...", True),
+    ("NOT_FOUND: NoSuchBucket", False), ("OUT_OF_RANGE: Requested byte range", False),
+    ("PERMISSION_DENIED: ...", False)])
+def test_tensorstore_says_by_status_code_whether_to_try_again(message, transient):
+    """The checkpoints' kvstores (tensorstore) raise ValueError with absl's status code."""
+    assert retry.transient(ValueError(message)) is transient
 
 
 def test_transient_errors_are_retried_within_the_budget_then_one_line():

@@ -53,45 +53,38 @@ def test_contained_takes_names_inside_and_refuses_the_rest(tmp_path):
 
 # --- checkpoints --------------------------------------------------------------------------
 
-def test_a_bucket_step_whose_manifest_names_files_outside_is_refused(bucket, tmp_path,
-                                                                     monkeypatch):
-    """The issue's repro: a committed step 20 copied to step 30, whose manifest also names an
-    absolute path and a '../' path out of the download folder, each with its payload's size
-    and xxh3 and the payload uploaded where the download reads it. A reader (eval, generate)
-    and a resuming run refuse it, and nothing is written outside."""
+def test_a_bucket_step_whose_index_names_objects_outside_is_refused(bucket, tmp_path,
+                                                                    monkeypatch):
+    """A committed step 20 copied to step 30, whose index (checkpoint_shards) names an
+    absolute path and a '../' key as the parts its pieces lie in. A reader (eval, generate)
+    and a resuming run refuse it in one line, before reading a piece; nothing is set aside,
+    and nothing is written on the host's disk (a step is read in place)."""
     _on_host(monkeypatch, tmp_path, "a")
     writer = _open(bucket)
     _save(writer, 20)
     writer.close()
-    fs, run = storage.filesystem(f"{bucket}/run")
-    fs.invalidate_cache()
-    for key in fs.find(f"{run}/checkpoints/20"):
-        fs.copy(key, key.replace("/checkpoints/20/", "/checkpoints/30/"))
-    manifest = json.loads(fs.cat_file(f"{run}/checkpoint_manifests/20.json"))
-    payload = tmp_path / "payload"
-    payload.write_bytes(b"ssh-ed25519 AAAA attacker\n")
-    # Host b downloads into tmp/b/<hash>-checkpoint_downloads/30-<pid>: three levels up is tmp.
-    hostile = {str(tmp_path / "pwned.txt"): tmp_path / "pwned.txt",
-               "../../../pwned2.txt": tmp_path / "pwned2.txt"}
-    for name in hostile:
-        manifest["files"][name] = [payload.stat().st_size, file_checksum(payload)]
-        fs.put_file(str(payload), f"{run}/checkpoints/30/{name}")
-    fs.pipe_file(f"{run}/checkpoint_manifests/30.json", json.dumps(manifest).encode())
+    source = storage.kvstore(f"{bucket}/run/checkpoints/20")
+    copy = storage.kvstore(f"{bucket}/run/checkpoints/30")
+    for name in storage.kv_keys(f"{bucket}/run/checkpoints/20"):
+        copy.write(name, source.read(name).result().value).result()
+    index = json.loads(copy.read("state.p0.json").result().value)
+    index["pieces"][0][2] = "../../../pwned.bin"
+    index["pieces"][1][2] = str(tmp_path / "pwned.bin")
+    copy.write("state.p0.json", json.dumps(index).encode()).result()
 
     _on_host(monkeypatch, tmp_path, "b")
     reader = _open(bucket, read_only=True)
     assert reader.steps() == [20, 30]
-    with pytest.raises(CheckpointError, match=r"the manifest of step 30 names '.*pwned.*"
-                                              r"not a file inside .*/run/checkpoints/30"):
-        reader.latest_intact()
-    reader.manager.close()
+    with pytest.raises(CheckpointError, match=r"names '.*pwned.bin' as a part: not one of "
+                                              r"the step's"):
+        reader.restore(30, _target())
+    reader.close()
     resumed = _open(bucket)
     with pytest.raises(CheckpointError, match="pwned"):
         resumed.newest_intact(_target(), lambda *_: None)
     resumed.close()
-    assert not any(path.exists() for path in hostile.values())
-    fs.invalidate_cache()
-    assert fs.exists(f"{run}/checkpoint_manifests/30.json"), "refused, not set aside"
+    assert storage.AtomicSet.committed(f"{bucket}/run/checkpoints/30"), "refused, not set aside"
+    assert not [p for p in (tmp_path / "b").rglob("*") if p.is_file()]
 
 
 def test_a_local_manifest_naming_a_file_outside_is_refused(tmp_path):

@@ -114,7 +114,7 @@ def _newest(source: str, key: str):
                               "or a training run)") from None
         yield checkpoints, step
     finally:
-        checkpoints.manager.close()
+        checkpoints.close()
 
 
 def _base_shapes(spec) -> dict:
