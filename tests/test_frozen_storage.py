@@ -59,10 +59,11 @@ def _top_level_eqns(jaxpr):
 def test_the_step_holds_nf4_and_dequantizes_inside_the_layer_scan(devices):
     setup = build(_llama(**{"model.lora.base_dtype": "nf4"}), devices[:1])
     state = setup.abstract_step_state()
-    weights = _matmul_leaves(state.frozen)
+    base = state.frozen_params("base")
+    weights = _matmul_leaves(base)
     assert len(weights) == 7 and all(w.codes.dtype == np.uint8 for w in weights)
-    assert state.frozen["tok_embed"].dtype == jax.numpy.bfloat16
-    assert state.frozen["blocks"]["attn_norm"]["scale"].dtype == np.float32
+    assert base["tok_embed"].dtype == jax.numpy.bfloat16
+    assert base["blocks"]["attn_norm"]["scale"].dtype == np.float32
     jaxpr = jax.make_jaxpr(setup.train_step())(state, setup.abstract_batch())
     stacked = {w.shape for w in weights}  # [layers, ...] of each weight read as an array
     eqns = list(_top_level_eqns(jaxpr.jaxpr))
@@ -79,12 +80,12 @@ def test_a_resume_refuses_the_same_base_in_another_storage_kind(devices):
     state = stored_f32.init_state()
     nf4 = build(_llama(**{"model.lora.base_dtype": "nf4"}), devices[:1])
     with pytest.raises(ConfigError) as e:
-        frozen.attach(state.replace(frozen=None), nf4.cfg, nf4.spec, nf4.shardings, False)
+        frozen.attach(state.without_frozen_params(), nf4.cfg, nf4.spec, nf4.shardings, False)
     assert "model.lora.base_dtype='nf4'" in str(e.value) and "\n" not in str(e.value)
     assert "is not the base these adapters were trained on" in str(e.value)
-    again = frozen.attach(state.replace(frozen=None), stored_f32.cfg, stored_f32.spec,
+    again = frozen.attach(state.without_frozen_params(), stored_f32.cfg, stored_f32.spec,
                           stored_f32.shardings, False)
-    for a, b in zip(jax.tree.leaves(again.frozen), jax.tree.leaves(state.frozen)):
+    for a, b in zip(jax.tree.leaves(again.frozen), jax.tree.leaves(state.frozen), strict=True):
         np.testing.assert_array_equal(a, b)  # float32: today's base, bitwise
 
 
@@ -214,8 +215,9 @@ def test_lora_on_an_nf4_base_gives_peft_qloras_logits(tmp_path, devices):
         0.1 * jax.random.normal(k, x.shape, x.dtype)
         for k, x in zip(keys, jax.tree.leaves(state.params))])
     peft_model = _peft_qlora(tmp_path / "hf", cfg, adapters)
-    base = dict(state.frozen, blocks={m: dict(v) for m, v in state.frozen["blocks"].items()})
-    for (module, name), weight in _their_absmax(peft_model, state.frozen).items():
+    stored = state.frozen_params("base")
+    base = dict(stored, blocks={m: dict(v) for m, v in stored["blocks"].items()})
+    for (module, name), weight in _their_absmax(peft_model, stored).items():
         base["blocks"][module][name] = weight
     tokens = np.random.default_rng(1).integers(0, 256, (2, cfg.model.seq_len))
     with jax.set_mesh(setup.mesh):
@@ -258,3 +260,25 @@ def test_the_planner_fits_llama_3_8b_qlora_on_one_24gb_gpu():
     base = {kind: p["parts"]["params"] / 1e9 for kind, p in plans.items()}
     assert 31 < base["float32"] < 33 and 15.5 < base["bfloat16"] < 16.5, base
     assert 5 < base["nf4"] < 6.5, base
+
+
+def test_a_checkpoint_holds_each_frozen_models_fingerprint_at_its_old_key():
+    """TrainState.frozen is one mapping of role -> (params, fingerprint); a checkpoint holds
+    each role's fingerprint alone, under the key it had before the mapping, so checkpoints
+    written before it still restore, and a restored state has the parameters to load."""
+    from jaxtrain.train.state import Frozen, TrainState
+
+    words = {role: np.arange(8, dtype=np.uint32) + i for i, role in
+             enumerate(("base", "reference"))}
+    state = TrainState(step=np.int32(3), params={"a": np.ones(2)}, opt_state=(),
+                       frozen={role: Frozen({"w": np.zeros(4)}, fp) for role, fp in
+                               words.items()})
+    tree = state.tree()
+    assert set(tree) == {"step", "params", "opt_state", "base_fingerprint",
+                         "reference_fingerprint"}
+    restored = TrainState.from_tree(tree)
+    assert set(restored.frozen) == {"base", "reference"}
+    for role, fp in words.items():
+        assert restored.frozen[role].params is None
+        np.testing.assert_array_equal(restored.frozen[role].fingerprint, fp)
+    assert restored.reference_params() is None and restored.model_params() is restored.params
