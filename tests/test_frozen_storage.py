@@ -282,3 +282,61 @@ def test_a_checkpoint_holds_each_frozen_models_fingerprint_at_its_old_key():
         assert restored.frozen[role].params is None
         np.testing.assert_array_equal(restored.frozen[role].fingerprint, fp)
     assert restored.reference_params() is None and restored.model_params() is restored.params
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "int8", "nf4"])
+def test_a_stored_base_is_the_same_on_every_mesh(kind, devices):
+    """The stored form (and so the fingerprint a resume, eval or export compares) does not
+    depend on the mesh the base is stored on: NF4's mean of the absmax, summed split over
+    fsdp=2, moved by a last bit, and an export (FSDP over every local device) refused the
+    run it had just trained."""
+    found = []
+    for fsdp in (1, 2):
+        cfg = _llama(**{"model.lora.base_dtype": kind, "mesh.fsdp": fsdp,
+                        "train.global_batch": 2})
+        setup = build(cfg, devices[:fsdp])
+        found.append(frozen.fingerprint(frozen.load("base", cfg, setup.spec, setup.shardings)))
+    np.testing.assert_array_equal(*found)
+
+
+@pytest.mark.slow  # a run saved, exported and loaded in transformers per kind
+def test_a_lora_run_on_a_stored_base_exports_the_model_it_trained(tmp_path, devices):
+    """convert --to-hf of a LoRA run whose base is held as bf16 bits, int8 or nf4: the
+    merged Hugging Face model (each layer read back in float32, its adapter folded in)
+    gives our forward's logits (the stored base with the adapters); the adapter alone
+    exports too. It was refused or failed for every stored kind (a bf16 weight sliced by
+    layer, an int8 weight without ndim, an nf4 base stored anew on the export's mesh)."""
+    import torch
+    import transformers
+
+    from jaxtrain.checkpoint import Checkpoints
+    from jaxtrain.hf.save import export_hf
+
+    base_cfg = _llama(**{"model.lora.rank": 0})
+    state = build(base_cfg, devices[:1]).init_state()
+    saved = Checkpoints(tmp_path / "base" / "checkpoints", keep=1, log=lambda _: None)
+    saved.save(1, state.tree(), base_cfg.to_dict())
+    saved.close()
+    tokens = np.random.default_rng(1).integers(0, 256, (2, base_cfg.model.seq_len))
+    for kind in ("bfloat16", "int8", "nf4"):
+        cfg = _llama(**{"model.lora.base": str(tmp_path / "base"),
+                        "model.lora.base_dtype": kind})
+        setup = build(cfg, devices[:1])
+        state = setup.init_state()
+        keys = jax.random.split(jax.random.key(3), len(jax.tree.leaves(state.params)))
+        state = state.replace(params=jax.tree.unflatten(jax.tree.structure(state.params), [
+            0.1 * jax.random.normal(k, x.shape, x.dtype)
+            for k, x in zip(keys, jax.tree.leaves(state.params), strict=True)]))
+        saved = Checkpoints(tmp_path / kind / "checkpoints", keep=1, log=lambda _: None)
+        saved.save(1, state.tree(), cfg.to_dict())
+        saved.close()
+        with jax.set_mesh(setup.mesh):
+            ours = np.asarray(jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(
+                state.model_params(), tokens))
+        export_hf(tmp_path / kind, tmp_path / f"hf_{kind}")  # FSDP over 8 devices
+        export_hf(tmp_path / kind, tmp_path / f"adapter_{kind}", adapter=True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"hf_{kind}")
+        with torch.no_grad():
+            theirs = model.float()(torch.from_numpy(tokens)).logits.numpy()
+        np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0, err_msg=kind)
+        assert (tmp_path / f"adapter_{kind}" / "adapter_model.safetensors").exists()
