@@ -301,7 +301,8 @@ def test_a_stored_base_is_the_same_on_every_mesh(kind, devices):
 
 @pytest.mark.slow  # a run saved, exported and loaded in transformers per kind
 def test_a_lora_run_on_a_stored_base_exports_the_model_it_trained(tmp_path, devices):
-    """convert --to-hf of a LoRA run whose base is held as bf16 bits, int8 or nf4: the
+    """convert --to-hf and quantize of a LoRA run whose base is held as bf16 bits, int8 or
+    nf4: the
     merged Hugging Face model (each layer read back in float32, its adapter folded in)
     gives our forward's logits (the stored base with the adapters); the adapter alone
     exports too. It was refused or failed for every stored kind (a bf16 weight sliced by
@@ -309,7 +310,9 @@ def test_a_lora_run_on_a_stored_base_exports_the_model_it_trained(tmp_path, devi
     import torch
     import transformers
 
+    from jaxtrain import inference
     from jaxtrain.checkpoint import Checkpoints
+    from jaxtrain.commands.quantize import quantize_run
     from jaxtrain.hf.save import export_hf
 
     base_cfg = _llama(**{"model.lora.rank": 0})
@@ -340,3 +343,10 @@ def test_a_lora_run_on_a_stored_base_exports_the_model_it_trained(tmp_path, devi
             theirs = model.float()(torch.from_numpy(tokens)).logits.numpy()
         np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0, err_msg=kind)
         assert (tmp_path / f"adapter_{kind}" / "adapter_model.safetensors").exists()
+    # jaxtrain quantize of the nf4 run: its model directory loads (it restored into the
+    # NF4 weights' tree: AttributeError) with the int8 loss quantize measured.
+    summary = quantize_run(tmp_path / "nf4", tmp_path / "quantized")
+    loaded = inference.load(tmp_path / "quantized", devices=devices[:1])
+    _, windows, _ = inference.evaluation_windows(loaded.cfg, None)
+    result = inference.evaluate(loaded, windows, loaded.cfg.eval_batches)
+    assert result["loss"] == pytest.approx(summary["int8_val_loss"], rel=1e-6)
