@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import jax
 import ml_collections
 import numpy as np
+from flax import nnx
 
 from jaxtrain import quantization as quantization_lib
 from jaxtrain import storage
@@ -28,13 +29,12 @@ from jaxtrain.data.batches import to_global
 from jaxtrain.data.packing import Packed, batch_targets
 from jaxtrain.data.sources import SOURCES, TokenWindows
 from jaxtrain.errors import CheckpointError, ConfigError, DataError
-from jaxtrain.models import lora
 from jaxtrain.scoring import Scorer
 from jaxtrain.tasks.harness import lm_class
 from jaxtrain.tasks.text import run_tokenizer
 from jaxtrain.train import frozen
 from jaxtrain.train.setup import Setup, build
-from jaxtrain.train.state import abstract_model, param_axes
+from jaxtrain.train.state import BASE, abstract_model, param_axes, param_shardings
 from jaxtrain.train.step import loss_fn
 from jaxtrain.workdir import CHECKPOINTS, QUANTIZATION_FILE
 
@@ -91,10 +91,15 @@ def load(workdir, *, data: int = 1, fsdp: int = 1, tensor: int = 1, batch: int |
     target = setup.abstract_state().params
     quantization = _quantization(workdir)
     if quantization is not None:
-        # A quantized LoRA model holds its base too (quantize.py saves the whole model).
-        whole = setup.abstract_step_state()
-        target = whole.params if whole.frozen is None else lora.join(whole.frozen, whole.params)
-        axes_by_path = param_axes(abstract_model(setup.spec))
+        # A quantized LoRA model holds its base too (quantize.py saves the whole model), its
+        # matmuls int8 whatever model.lora.base_dtype it trained on: the float model's tree
+        # (a stored base's NF4/bf16 weights are no arrays to restore into).
+        model = abstract_model(setup.spec)
+        shardings = param_shardings(model, setup.mesh, setup.spec.rules)
+        target = jax.tree.map(
+            lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh),
+            nnx.to_pure_dict(nnx.state(model, nnx.Param)), shardings)
+        axes_by_path = param_axes(model)
         target = quantization_lib.abstract_quantized(target, axes_by_path)
     params = _restore(workdir, step, setup, target, adapters=quantization is None)
     if quantization is not None:
@@ -112,7 +117,7 @@ def _restore(workdir, step: int, setup: Setup, target: dict, adapters: bool) -> 
     lora_run = adapters and setup.spec.lora is not None
     if lora_run:
         items["base_fingerprint"] = jax.ShapeDtypeStruct(
-            (8,), np.uint32, sharding=setup.shardings.base_fingerprint)
+            (8,), np.uint32, sharding=setup.shardings.frozen[BASE].fingerprint)
     checkpoints = Checkpoints(workdir / CHECKPOINTS, keep=1_000_000, log=lambda _: None,
                               read_only=True)
     try:
@@ -121,8 +126,8 @@ def _restore(workdir, step: int, setup: Setup, target: dict, adapters: bool) -> 
         checkpoints.close()
     if not lora_run:
         return restored["params"]
-    return frozen.on_base(setup.cfg, setup.spec, setup.shardings.frozen, restored["params"],
-                          restored["base_fingerprint"])
+    return frozen.on_base(setup.cfg, setup.spec, setup.shardings.frozen[BASE].params,
+                          restored["params"], restored["base_fingerprint"])
 
 
 def task_scorer(workdir, *, data: int = 1, fsdp: int = 1, tensor: int = 1, batch: int = 8,

@@ -16,7 +16,7 @@ parameters as that reference.
   loss = mean over pairs of −log σ(β·((π_c − r_c) − (π_r − r_r))), where π is the policy's
   and r the frozen reference's. The reference is LoRA's frozen base (the same arrays, no
   second copy), or without LoRA a frozen copy of the starting parameters held in the
-  state (train/reference.py): computed on the fly, docs/finetune.md says why.
+  state (train/frozen.py, role "reference"): computed on the fly, docs/finetune.md says why.
 - `simpo`: SimPO (Meng et al. 2024), reference-free, on the same rows of pairs: a reply's
   score is its mean log-probability over its counted targets (TRL's average_log_prob);
   loss = mean over pairs of −log σ(β·(π̄_c − π̄_r) − γ) (with label smoothing ε:

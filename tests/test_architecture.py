@@ -21,7 +21,7 @@ LAYERS = [
      "checkpoint_local", "checkpoint_remote", "checkpoint_shards", "fingerprints", "rotation",
      "metrics", "sinks", "metrics_log", "tasks"),
     ("config",),
-    ("train.state", "train.frozen", "train.reference", "train.step", "train.setup", "train.faults", "train.hooks",
+    ("train.state", "train.frozen", "train.step", "train.setup", "train.faults", "train.hooks",
      "train.profiling", "train.preemption", "train.goodput", "train.watchdog"),
     ("sampling", "scoring"),  # decoding and scoring parameters, for the loop and commands
     ("train",),  # the loop and its hooks

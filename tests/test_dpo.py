@@ -236,7 +236,8 @@ def _ours(setup, state, batch):
     loss = setup.losses()[0]
 
     def objective(trained):
-        full = trained if state.frozen is None else lora.join(state.frozen, trained)
+        base = state.frozen_params("base")
+        full = trained if base is None else lora.join(base, trained)
         return loss(full, batch, 0, state.reference_params())
 
     with jax.set_mesh(setup.mesh):

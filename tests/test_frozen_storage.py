@@ -59,10 +59,11 @@ def _top_level_eqns(jaxpr):
 def test_the_step_holds_nf4_and_dequantizes_inside_the_layer_scan(devices):
     setup = build(_llama(**{"model.lora.base_dtype": "nf4"}), devices[:1])
     state = setup.abstract_step_state()
-    weights = _matmul_leaves(state.frozen)
+    base = state.frozen_params("base")
+    weights = _matmul_leaves(base)
     assert len(weights) == 7 and all(w.codes.dtype == np.uint8 for w in weights)
-    assert state.frozen["tok_embed"].dtype == jax.numpy.bfloat16
-    assert state.frozen["blocks"]["attn_norm"]["scale"].dtype == np.float32
+    assert base["tok_embed"].dtype == jax.numpy.bfloat16
+    assert base["blocks"]["attn_norm"]["scale"].dtype == np.float32
     jaxpr = jax.make_jaxpr(setup.train_step())(state, setup.abstract_batch())
     stacked = {w.shape for w in weights}  # [layers, ...] of each weight read as an array
     eqns = list(_top_level_eqns(jaxpr.jaxpr))
@@ -79,12 +80,12 @@ def test_a_resume_refuses_the_same_base_in_another_storage_kind(devices):
     state = stored_f32.init_state()
     nf4 = build(_llama(**{"model.lora.base_dtype": "nf4"}), devices[:1])
     with pytest.raises(ConfigError) as e:
-        frozen.attach(state.replace(frozen=None), nf4.cfg, nf4.spec, nf4.shardings, False)
+        frozen.attach(state.without_frozen_params(), nf4.cfg, nf4.spec, nf4.shardings, False)
     assert "model.lora.base_dtype='nf4'" in str(e.value) and "\n" not in str(e.value)
     assert "is not the base these adapters were trained on" in str(e.value)
-    again = frozen.attach(state.replace(frozen=None), stored_f32.cfg, stored_f32.spec,
+    again = frozen.attach(state.without_frozen_params(), stored_f32.cfg, stored_f32.spec,
                           stored_f32.shardings, False)
-    for a, b in zip(jax.tree.leaves(again.frozen), jax.tree.leaves(state.frozen)):
+    for a, b in zip(jax.tree.leaves(again.frozen), jax.tree.leaves(state.frozen), strict=True):
         np.testing.assert_array_equal(a, b)  # float32: today's base, bitwise
 
 
@@ -214,8 +215,9 @@ def test_lora_on_an_nf4_base_gives_peft_qloras_logits(tmp_path, devices):
         0.1 * jax.random.normal(k, x.shape, x.dtype)
         for k, x in zip(keys, jax.tree.leaves(state.params))])
     peft_model = _peft_qlora(tmp_path / "hf", cfg, adapters)
-    base = dict(state.frozen, blocks={m: dict(v) for m, v in state.frozen["blocks"].items()})
-    for (module, name), weight in _their_absmax(peft_model, state.frozen).items():
+    stored = state.frozen_params("base")
+    base = dict(stored, blocks={m: dict(v) for m, v in stored["blocks"].items()})
+    for (module, name), weight in _their_absmax(peft_model, stored).items():
         base["blocks"][module][name] = weight
     tokens = np.random.default_rng(1).integers(0, 256, (2, cfg.model.seq_len))
     with jax.set_mesh(setup.mesh):
@@ -258,3 +260,93 @@ def test_the_planner_fits_llama_3_8b_qlora_on_one_24gb_gpu():
     base = {kind: p["parts"]["params"] / 1e9 for kind, p in plans.items()}
     assert 31 < base["float32"] < 33 and 15.5 < base["bfloat16"] < 16.5, base
     assert 5 < base["nf4"] < 6.5, base
+
+
+def test_a_checkpoint_holds_each_frozen_models_fingerprint_at_its_old_key():
+    """TrainState.frozen is one mapping of role -> (params, fingerprint); a checkpoint holds
+    each role's fingerprint alone, under the key it had before the mapping, so checkpoints
+    written before it still restore, and a restored state has the parameters to load."""
+    from jaxtrain.train.state import Frozen, TrainState
+
+    words = {role: np.arange(8, dtype=np.uint32) + i for i, role in
+             enumerate(("base", "reference"))}
+    state = TrainState(step=np.int32(3), params={"a": np.ones(2)}, opt_state=(),
+                       frozen={role: Frozen({"w": np.zeros(4)}, fp) for role, fp in
+                               words.items()})
+    tree = state.tree()
+    assert set(tree) == {"step", "params", "opt_state", "base_fingerprint",
+                         "reference_fingerprint"}
+    restored = TrainState.from_tree(tree)
+    assert set(restored.frozen) == {"base", "reference"}
+    for role, fp in words.items():
+        assert restored.frozen[role].params is None
+        np.testing.assert_array_equal(restored.frozen[role].fingerprint, fp)
+    assert restored.reference_params() is None and restored.model_params() is restored.params
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "int8", "nf4"])
+def test_a_stored_base_is_the_same_on_every_mesh(kind, devices):
+    """The stored form (and so the fingerprint a resume, eval or export compares) does not
+    depend on the mesh the base is stored on: NF4's mean of the absmax, summed split over
+    fsdp=2, moved by a last bit, and an export (FSDP over every local device) refused the
+    run it had just trained."""
+    found = []
+    for fsdp in (1, 2):
+        cfg = _llama(**{"model.lora.base_dtype": kind, "mesh.fsdp": fsdp,
+                        "train.global_batch": 2})
+        setup = build(cfg, devices[:fsdp])
+        found.append(frozen.fingerprint(frozen.load("base", cfg, setup.spec, setup.shardings)))
+    np.testing.assert_array_equal(*found)
+
+
+@pytest.mark.slow  # a run saved, exported and loaded in transformers per kind
+def test_a_lora_run_on_a_stored_base_exports_the_model_it_trained(tmp_path, devices):
+    """convert --to-hf and quantize of a LoRA run whose base is held as bf16 bits, int8 or
+    nf4: the
+    merged Hugging Face model (each layer read back in float32, its adapter folded in)
+    gives our forward's logits (the stored base with the adapters); the adapter alone
+    exports too. It was refused or failed for every stored kind (a bf16 weight sliced by
+    layer, an int8 weight without ndim, an nf4 base stored anew on the export's mesh)."""
+    import torch
+    import transformers
+
+    from jaxtrain import inference
+    from jaxtrain.checkpoint import Checkpoints
+    from jaxtrain.commands.quantize import quantize_run
+    from jaxtrain.hf.save import export_hf
+
+    base_cfg = _llama(**{"model.lora.rank": 0})
+    state = build(base_cfg, devices[:1]).init_state()
+    saved = Checkpoints(tmp_path / "base" / "checkpoints", keep=1, log=lambda _: None)
+    saved.save(1, state.tree(), base_cfg.to_dict())
+    saved.close()
+    tokens = np.random.default_rng(1).integers(0, 256, (2, base_cfg.model.seq_len))
+    for kind in ("bfloat16", "int8", "nf4"):
+        cfg = _llama(**{"model.lora.base": str(tmp_path / "base"),
+                        "model.lora.base_dtype": kind})
+        setup = build(cfg, devices[:1])
+        state = setup.init_state()
+        keys = jax.random.split(jax.random.key(3), len(jax.tree.leaves(state.params)))
+        state = state.replace(params=jax.tree.unflatten(jax.tree.structure(state.params), [
+            0.1 * jax.random.normal(k, x.shape, x.dtype)
+            for k, x in zip(keys, jax.tree.leaves(state.params), strict=True)]))
+        saved = Checkpoints(tmp_path / kind / "checkpoints", keep=1, log=lambda _: None)
+        saved.save(1, state.tree(), cfg.to_dict())
+        saved.close()
+        with jax.set_mesh(setup.mesh):
+            ours = np.asarray(jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(
+                state.model_params(), tokens))
+        export_hf(tmp_path / kind, tmp_path / f"hf_{kind}")  # FSDP over 8 devices
+        export_hf(tmp_path / kind, tmp_path / f"adapter_{kind}", adapter=True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"hf_{kind}")
+        with torch.no_grad():
+            theirs = model.float()(torch.from_numpy(tokens)).logits.numpy()
+        np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0, err_msg=kind)
+        assert (tmp_path / f"adapter_{kind}" / "adapter_model.safetensors").exists()
+    # jaxtrain quantize of the nf4 run: its model directory loads (it restored into the
+    # NF4 weights' tree: AttributeError) with the int8 loss quantize measured.
+    summary = quantize_run(tmp_path / "nf4", tmp_path / "quantized")
+    loaded = inference.load(tmp_path / "quantized", devices=devices[:1])
+    _, windows, _ = inference.evaluation_windows(loaded.cfg, None)
+    result = inference.evaluate(loaded, windows, loaded.cfg.eval_batches)
+    assert result["loss"] == pytest.approx(summary["int8_val_loss"], rel=1e-6)

@@ -46,11 +46,11 @@ def test_the_lora_forward_equals_the_merged_forward(cfg, devices):
     adapters = _random_adapters(state.params, jax.random.key(3))
     tokens = np.random.default_rng(0).integers(0, 256, (4, cfg.model.seq_len))
     with jax.set_mesh(setup.mesh):
-        full = lora.join(state.frozen, adapters)
+        full = lora.join(state.frozen_params("base"), adapters)
         ours = nnx.merge(setup.graphdef, full)(tokens)
         merged = lora.merged(setup.spec, full)
         plain = nnx.merge(setup.base_graphdef, merged)(tokens)
-        base = nnx.merge(setup.base_graphdef, state.frozen)(tokens)
+        base = nnx.merge(setup.base_graphdef, state.frozen_params("base"))(tokens)
     np.testing.assert_allclose(ours, plain, atol=1e-5, rtol=0)
     assert np.abs(np.asarray(ours) - np.asarray(base)).max() > 1e-2  # the adapters matter
 
@@ -59,7 +59,7 @@ def _steps(cfg, devices, steps=3):
     """(losses, grad norms, first state's base, last state) of `steps` steps."""
     setup = build(cfg, devices)
     state = setup.init_state()
-    base = jax.tree.map(np.asarray, state.frozen)
+    base = jax.tree.map(np.asarray, state.frozen_params("base"))
     data = make_batches(cfg).train_iter(0)
     losses, norms = [], []
     with jax.set_mesh(setup.mesh):
@@ -80,7 +80,7 @@ def single(devices):
 def test_the_base_is_frozen_and_only_adapters_have_optimizer_state(single):
     _, norms, base, state = single["dense"]
     assert all(n > 0 for n in norms)
-    same = jax.tree.map(lambda a, b: np.array_equal(a, np.asarray(b)), base, state.frozen)
+    same = jax.tree.map(lambda a, b: np.array_equal(a, np.asarray(b)), base, state.frozen_params("base"))
     assert all(jax.tree.leaves(same))
     adapter_shapes = {x.shape for x in jax.tree.leaves(state.params)}
     assert all(lora.is_adapter(tuple(k.key for k in path)) for path, _ in
@@ -108,7 +108,7 @@ def test_rank_zero_trains_every_parameter_as_before(devices):
     cfg = small_config("llama")
     setup = build(cfg, devices[:1])
     state = setup.init_state()
-    assert state.frozen is None and state.base_fingerprint is None
+    assert state.frozen == {}
     assert set(state.tree()) == {"step", "params", "opt_state"}
 
 

@@ -46,7 +46,7 @@ def _run(cfg, devices, steps: int = 3) -> Run:
     setup = build(cfg, devices)
     state = setup.init_state()
     # Copies: the step donates the state's buffers.
-    base, start = (jax.tree.map(np.array, t) for t in (state.frozen, state.params))
+    base, start = (jax.tree.map(np.array, t) for t in (state.frozen_params("base"), state.params))
     data = make_batches(cfg).train_iter(0)
     losses, norms = [], []
     with jax.set_mesh(setup.mesh):
@@ -55,7 +55,7 @@ def _run(cfg, devices, steps: int = 3) -> Run:
             state, metrics = step_fn(state, to_global(next(data), setup.tokens_sharding))
             losses.append(float(metrics["loss"]))
             norms.append(float(metrics["grad_norm"]))
-    return Run(losses, norms, base, start, jax.tree.map(np.array, state.frozen),
+    return Run(losses, norms, base, start, jax.tree.map(np.array, state.frozen_params("base")),
                jax.tree.map(np.array, state.params))
 
 

@@ -42,6 +42,7 @@ from jaxtrain.objectives import OBJECTIVES
 from jaxtrain.tasks import BACKENDS, TaskSpec
 from jaxtrain.tasks.text import run_tokenizer
 from jaxtrain.train import evaluation, frozen
+from jaxtrain.train.state import REFERENCE
 from jaxtrain.train.task_eval import RESULTS_DIR
 
 
@@ -236,8 +237,7 @@ def _reference(loaded) -> dict:
     setup = loaded.setup
     if setup.spec.lora is not None:
         return lora.split(loaded.params)[1]
-    return frozen.load_params(loaded.cfg.train.dpo.reference, "train.dpo.reference",
-                              loaded.cfg.seed, setup.spec, setup.shardings.reference)
+    return frozen.load(REFERENCE, loaded.cfg, setup.spec, setup.shardings)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -112,7 +112,10 @@ def _write_tensors(out_dir: pathlib.Path, max_bytes: int, flat: dict, order: lis
     """Each tensor fetched to the host (one layer, one expert at a time), laid out as HF
     keeps it and added to the shard being filled; returns the shard files."""
     def fetch(path, layer, expert) -> np.ndarray:
-        value = flat[path] if layer is None else flat[path][layer]
+        # A stored weight (a LoRA run's int8/nf4/bf16 base, lora.merged) is sliced to its
+        # layer as stored, then read back (and its adapter folded) one layer at a time.
+        value = flat[path] if layer is None else jax.tree.map(lambda x: x[layer], flat[path])
+        value = lora.plain(value)
         return np.asarray(jax.device_get(value if expert is None else value[expert]))
 
     writer = SafetensorsWriter(out_dir, max_bytes)

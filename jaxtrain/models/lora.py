@@ -26,7 +26,7 @@ from flax import nnx, traverse_util
 from jaxtrain.errors import fail
 from jaxtrain.models import base_storage
 from jaxtrain.models.families import FAMILIES
-from jaxtrain.models.layers import LowRank
+from jaxtrain.models.layers import LowRank, MatmulWeight
 
 PREFIX = "lora_"  # an adapter's attribute: lora_<the weight's name without w_>
 DEFAULT_TARGETS = "q,k,v,o"  # every attention projection (QLoRA's finding: more is better)
@@ -246,21 +246,43 @@ def join(base: dict, adapters: dict) -> dict:
 
 def merged(spec, params: dict) -> dict:
     """The base parameters with every adapter folded in (W + scale·A@B; stacked layers and
-    experts alike): plain weights of the model without adapters, for export."""
+    experts alike): plain weights of the model without adapters, for export. A weight the
+    base holds in a stored form (model.lora.base_dtype: bf16 bits, int8, nf4) stays a
+    LowRank of its stored weight and adapters, which `plain` folds one layer at a time
+    (hf/save.py), so that no float32 copy of the whole quantized base exists at once."""
     adapters, base = split(params)
     flat = traverse_util.flatten_dict(base)
     for path, pair in traverse_util.flatten_dict(adapters, is_leaf=_is_pair).items():
         target = path[:-1] + ("w_" + path[-1][len(PREFIX):],)
         w = flat[target]
-        a, b = pair["a"], pair["b"]
-        rank = a.shape[-1]
-        lead = a.ndim + b.ndim - 2 - w.ndim  # stacked axes (layers, experts) in front
-        a2 = a.reshape(*a.shape[:lead], -1, rank)
-        b2 = b.reshape(*b.shape[:lead], rank, -1)
-        update = jnp.einsum("...ir,...ro->...io", a2.astype(jnp.float32),
-                            b2.astype(jnp.float32)).reshape(w.shape)
-        flat[target] = (w.astype(jnp.float32) + spec.lora.scale * update).astype(w.dtype)
+        if isinstance(w, MatmulWeight):
+            flat[target] = LowRank(w, pair["a"], pair["b"], spec.lora.scale)
+        else:
+            flat[target] = _fold(w, pair["a"], pair["b"], spec.lora.scale)
     return traverse_util.unflatten_dict(flat)
+
+
+def _fold(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+    """W + scale·A@B in W's dtype, over any stacked (layer, expert) axes in front."""
+    rank = a.shape[-1]
+    lead = a.ndim + b.ndim - 2 - w.ndim  # stacked axes (layers, experts) in front
+    a2 = a.reshape(*a.shape[:lead], -1, rank)
+    b2 = b.reshape(*b.shape[:lead], rank, -1)
+    update = jnp.einsum("...ir,...ro->...io", a2.astype(jnp.float32),
+                        b2.astype(jnp.float32)).reshape(w.shape)
+    return (w.astype(jnp.float32) + scale * update).astype(w.dtype)
+
+
+def plain(value):
+    """A tensor of merged()'s tree, or a slice of one (a layer), as a float array: a stored
+    weight read back in float32 (the values the run trained on; an int8 weight has no
+    dtype of its own), a LowRank of one with its adapter folded in, in float32 (a bf16
+    weight plus a small update would lose the update to bf16's rounding)."""
+    if isinstance(value, LowRank):
+        return _fold(plain(value.w), value.a, value.b, value.scale)
+    if isinstance(value, MatmulWeight):
+        return value.astype(jnp.float32)
+    return value
 
 
 def _is_pair(_, x) -> bool:

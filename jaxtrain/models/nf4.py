@@ -84,7 +84,18 @@ def quantize(x: jax.Array) -> dict:
     index, absmax = _blockwise(_blocks(x, BLOCK), NF4_LEVELS)
     index = index.reshape(*x.shape[:-1], -1)[..., :n]
     codes = (index[..., 0::2] << 4) | index[..., 1::2]
-    return {"codes": codes, **double_quantize(absmax, jnp.mean(absmax, axis=-1))}
+    return {"codes": codes, **double_quantize(absmax, jnp.mean(_whole(absmax), axis=-1))}
+
+
+def _whole(x: jax.Array) -> jax.Array:
+    """x replicated on the devices of the mesh in context (none: x itself), so that a float
+    sum over it adds in one device's order on every mesh: split over fsdp=2 the mean of the
+    absmax moved by its last bit, and with it the 8-bit absmax codes, so that the same base
+    stored on another mesh had another fingerprint (a resume or export on it was refused).
+    The absmax is 1/64 of the values: gathering it costs little."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec())
 
 
 def double_quantize(absmax: jax.Array, offset: jax.Array) -> dict:

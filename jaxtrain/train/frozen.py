@@ -1,26 +1,36 @@
-"""LoRA's frozen base: where it comes from, its fingerprint, and joining it to a state.
+"""The frozen models of a state (TrainState.frozen), one loader for every role.
 
-The base is `model.lora.base`'s newest checkpoint's parameters (a run directory: what
-`jaxtrain convert --from-hf` or any training run writes), or, empty, the model initialised
-from `seed`. It is loaded straight into its shards at the start of every run, fresh or
-resumed, and never saved: a LoRA checkpoint holds the adapters, their optimizer state, the
-step and the base's fingerprint, a sha256 over the exact per-leaf bit sums
-(checkpoint.tree_bits: the same on every mesh) as model.lora.base_dtype stores it (so
-another storage kind is another base), which a resume compares, and so does every
-command that loads the run (on_base, through inference.load). A base's shapes are checked
-against the model from its checkpoint's metadata before anything is restored, and a run
-checks its base (check_sources) before it writes its workdir.
+A role (ROLES) is one frozen model a run may hold:
+- `base`, LoRA's frozen base: `model.lora.base`'s newest checkpoint's parameters in
+  model.lora.base_dtype's stored form;
+- `reference`, DPO's reference without LoRA: `train.dpo.reference`'s, a frozen copy of the
+  starting parameters; a fresh run starts its trained parameters from it (DPO starts the
+  policy where the reference is), so the state holds the parameters twice (with LoRA the
+  base is the reference and no copy is held).
+
+Each is a run directory (what `jaxtrain convert --from-hf` or any training run writes), or,
+empty, the model initialised from `seed`. It is loaded straight into its shards at the
+start of every run, fresh or resumed, and never saved: a checkpoint holds its fingerprint,
+a sha256 over the exact per-leaf bit sums (checkpoint.tree_bits: the same on every mesh) of
+the form the state holds (so another storage kind is another base), which a resume
+compares, and so does every command that loads a LoRA run (on_base, through
+inference.load). Its shapes are checked against the model from its checkpoint's metadata
+before anything is restored, and a run checks its sources (check_sources) before it
+writes its workdir.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
 import warnings
+from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import storage
@@ -28,6 +38,9 @@ from jaxtrain.checkpoint import Checkpoints, tree_bits, tree_signature
 from jaxtrain.errors import CheckpointError, ConfigError
 from jaxtrain.models import lora
 from jaxtrain.train.state import (
+    BASE,
+    REFERENCE,
+    Frozen,
     TrainState,
     abstract_model,
     create_base,
@@ -61,20 +74,21 @@ def load_base(cfg, spec, shardings: dict) -> dict:
 
 
 def check_sources(setup) -> None:
-    """The run directories a run's frozen parameters come from (LoRA's model.lora.base, or
-    DPO's train.dpo.reference without LoRA) hold a checkpoint that fits the model, from its
-    metadata (nothing restored): called before the workdir is written, so that a missing or
-    misshapen one is refused (ConfigError, one line) before anything else happens."""
-    cfg = setup.cfg
-    if setup.spec.lora is not None:
-        source, key = cfg.model.lora.base, "model.lora.base"
-    elif setup.shardings.reference is not None:
-        source, key = cfg.train.dpo.reference, "train.dpo.reference"
-    else:
-        return
-    if source:
-        with _newest(source, key) as (checkpoints, step):
-            _check_fits(checkpoints, step, _base_shapes(setup.spec), key, source)
+    """The run directories a run's frozen models come from (each role's key: LoRA's
+    model.lora.base, DPO's train.dpo.reference) hold a checkpoint that fits the model, from
+    its metadata (nothing restored): called before the workdir is written, so that a
+    missing or misshapen one is refused (ConfigError, one line) before anything else
+    happens."""
+    for name in setup.shardings.frozen:
+        key = ROLES[name].key
+        if source := _source(setup.cfg, key):
+            with _newest(source, key) as (checkpoints, step):
+                _check_fits(checkpoints, step, _base_shapes(setup.spec), key, source)
+
+
+def _source(cfg, key: str) -> str:
+    """The value of the dotted config key `key` (a role's run directory)."""
+    return functools.reduce(getattr, key.split("."), cfg)
 
 
 def load_params(source: str, key: str, seed: int, spec, shardings: dict) -> dict:
@@ -152,18 +166,64 @@ def on_base(cfg, spec, shardings: dict, adapters: dict, saved_fingerprint) -> di
     return lora.join(base, adapters)
 
 
+def _load_reference(cfg, spec, shardings: dict) -> dict:
+    return load_params(cfg.train.dpo.reference, "train.dpo.reference", cfg.seed, spec,
+                       shardings)
+
+
+def _reference_named(cfg) -> str:
+    return f"train.dpo.reference={cfg.train.dpo.reference!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """One kind of frozen model a state holds (TrainState.frozen's keys)."""
+
+    name: str
+    key: str  # the config key naming the run directory it is loaded from
+    # (cfg, spec, its parameters' shardings) -> its parameters as the state holds them
+    load: Callable
+    named: Callable  # (cfg) -> how the config names it, for the refusal
+    mismatch: str  # "<named> <mismatch> (fingerprint ...)": a resume on another one
+    remedy: str
+    starts_training: bool = False  # a fresh run's trained parameters start as a copy of it
+
+
+ROLES: dict[str, Role] = {r.name: r for r in (
+    Role(BASE, "model.lora.base", load_base, lambda cfg: _named(cfg),
+         "is not the base these adapters were trained on",
+         "resume with the same base and model.lora.base_dtype"),
+    Role(REFERENCE, "train.dpo.reference", _load_reference, _reference_named,
+         "is not the reference this run was trained against", "resume with the same reference",
+         starts_training=True),
+)}
+
+
+def load(role: str, cfg, spec, shardings: TrainState) -> dict:
+    """The parameters of the state's frozen model `role`, loaded as a run loads them (in
+    `shardings`, the state's: Setup.shardings)."""
+    return ROLES[role].load(cfg, spec, shardings.frozen[role].params)
+
+
 def attach(state: TrainState, cfg, spec, shardings: TrainState, fresh: bool) -> TrainState:
-    """`state` with its frozen base loaded; a fresh state records the base's fingerprint,
-    a restored one must have been trained on the same base (ConfigError otherwise)."""
-    base = load_base(cfg, spec, shardings.frozen)
-    found = fingerprint(base)
-    if fresh:
-        return state.replace(frozen=base, base_fingerprint=jax.device_put(
-            found, shardings.base_fingerprint))
-    check_same(state.base_fingerprint, found, f"{_named(cfg)} is not the base these "
-               "adapters were trained on", "resume with the same base and "
-               "model.lora.base_dtype")
-    return state.replace(frozen=base)
+    """`state` with each of its frozen models (shardings.frozen's roles) loaded; a fresh
+    state records their fingerprints (and starts its parameters from a role that says so),
+    a restored one must have been trained with the same ones (ConfigError, one line,
+    naming the first that differs)."""
+    frozen = {}
+    for name, sharding in shardings.frozen.items():
+        role = ROLES[name]
+        params = role.load(cfg, spec, sharding.params)
+        found = fingerprint(params)
+        if fresh:
+            recorded = jax.device_put(found, sharding.fingerprint)
+            if role.starts_training:  # own buffers: the step donates them, never the frozen
+                state = state.replace(params=jax.tree.map(jnp.copy, params))
+        else:
+            recorded = state.frozen[name].fingerprint
+            check_same(recorded, found, f"{role.named(cfg)} {role.mismatch}", role.remedy)
+        frozen[name] = Frozen(params, recorded)
+    return state.replace(frozen=frozen)
 
 
 def _named(cfg) -> str:

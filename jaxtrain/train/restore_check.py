@@ -82,8 +82,8 @@ def state_problem(state: TrainState, shardings: TrainState) -> str | None:
     for the check (a no-op for everything already there)."""
     # The checkpointed part only (a LoRA base, a DPO reference: loaded afresh, never
     # restored).
-    state = jax.device_put(state.replace(frozen=None, reference=None),
-                           on_device(shardings.replace(frozen=None, reference=None)))
+    state = jax.device_put(state.without_frozen_params(),
+                           on_device(shardings.without_frozen_params()))
     tree, (_, nu) = state.tree(), adam_moments(state.opt_state)
     bad = np.asarray(_verdicts(shardings.step.mesh)(tree, nu))
     if not bad.any():

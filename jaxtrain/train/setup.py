@@ -22,7 +22,7 @@ from jaxtrain.models import ModelSpec, lora
 from jaxtrain.objectives import OBJECTIVES, Objective
 from jaxtrain.optim import make_optimizer
 from jaxtrain.precision import PRECISIONS
-from jaxtrain.train import frozen, reference
+from jaxtrain.train import frozen
 from jaxtrain.train import state as state_lib
 from jaxtrain.train.faults import loss_with_faults
 from jaxtrain.train.step import (
@@ -52,14 +52,10 @@ class Setup:
         return self.with_base(state, fresh=True)
 
     def with_base(self, state: state_lib.TrainState, fresh: bool) -> state_lib.TrainState:
-        """A LoRA state with its frozen base (train/frozen.py), a DPO state without LoRA
-        with its reference (train/reference.py; a fresh one starts from it); a restored
-        state must have the base or reference it was trained with. Any other as it is."""
-        if self.spec.lora is not None:
-            return frozen.attach(state, self.cfg, self.spec, self.shardings, fresh)
-        if self.shardings.reference is not None:
-            return reference.attach(state, self.cfg, self.spec, self.shardings, fresh)
-        return state
+        """The state with its frozen models loaded (train/frozen.py: a LoRA state's base, a
+        DPO state's reference without LoRA, from which a fresh one starts); a restored
+        state must have the ones it was trained with. Any other as it is."""
+        return frozen.attach(state, self.cfg, self.spec, self.shardings, fresh)
 
     @property
     def objective(self) -> Objective:
@@ -69,12 +65,12 @@ class Setup:
     @property
     def model_shardings(self) -> dict:
         """Shardings of every model parameter (LoRA: the base's and the adapters')."""
-        s = self.shardings
-        return s.params if s.frozen is None else lora.join(s.frozen, s.params)
+        return self.shardings.model_params()
 
     @property
     def base_graphdef(self) -> nnx.GraphDef:
-        """The model without adapters: nnx.merge(base_graphdef, state.frozen) is LoRA's base
+        """The model without adapters: nnx.merge(base_graphdef, state.frozen_params("base"))
+        is LoRA's base
         (a reference model without a second copy of the weights); without LoRA, graphdef."""
         return nnx.graphdef(state_lib.abstract_model(lora.base_spec(self.spec)))
 
@@ -124,10 +120,7 @@ class Setup:
         """jit(eval)(params, tokens) -> the objective's sums over a batch and its units
         (train/evaluation.py weighs batches by them); (params, tokens, reference) when it
         runs a reference (uses_reference)."""
-        s = self.shardings
-        references = None
-        if self.uses_reference:
-            references = s.frozen if s.reference is None else s.reference
+        references = self.shardings.reference_params() if self.uses_reference else None
         return jit_eval_step(self.graphdef, self.model_shardings, self.tokens_sharding,
                              self.losses()[1], references)
 

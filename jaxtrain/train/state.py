@@ -35,48 +35,74 @@ class LossScale:
         return LossScale(scale=scale, good_steps=jnp.where(grow, 0, good))
 
 
+# The frozen models a state may hold, by role: LoRA's base (the model the adapters are joined
+# to) and a reference model's parameters (DPO without LoRA: a copy of the starting ones).
+# train/frozen.py ROLES loads each.
+BASE, REFERENCE = "base", "reference"
+
+
+@struct.dataclass
+class Frozen:
+    """A frozen model the step reads and never changes: its parameters (no gradient, no
+    optimizer state; loaded again by every run, fresh or resumed, never checkpointed;
+    None in a state just restored) and its fingerprint (uint32[8], train/frozen.py), which
+    a checkpoint holds as `<role>_fingerprint` so that a resume refuses another."""
+
+    params: dict | None
+    fingerprint: jax.Array | None
+
+
 @struct.dataclass
 class TrainState:
     step: jax.Array
     params: dict  # the trained nnx.Param values (pure nested dict); LoRA: the adapters
     opt_state: Any
     loss_scale: LossScale | None = None  # float16 precision only
-    # Parameters the model reads and the step never changes (no gradient, no optimizer
-    # state, not checkpointed): LoRA's base. model_params() joins them with `params`.
-    frozen: dict | None = None
-    # uint32[8]: sha256 of the frozen base's per-leaf bit sums (train/frozen.py), which a
-    # checkpoint holds so that a resume refuses another base.
-    base_fingerprint: jax.Array | None = None
-    # DPO without LoRA (objectives.py): the frozen reference parameters, a copy of the
-    # starting ones (train/reference.py); like `frozen`, never checkpointed but loaded
-    # again, and its fingerprint (uint32[8]) checkpointed so that a resume refuses another.
-    reference: dict | None = None
-    reference_fingerprint: jax.Array | None = None
+    # role -> Frozen (BASE, REFERENCE): one mapping for every frozen model, so that a new
+    # one is a role of train/frozen.py, not two more fields here.
+    frozen: dict = struct.field(default_factory=dict)
 
     def tree(self) -> dict:
         """The checkpointed tree: absent fields (loss_scale outside float16) are left out,
-        since orbax cannot restore into a None; the frozen base is never in it."""
+        since orbax cannot restore into a None; of a frozen model only its fingerprint, at
+        the key it has had since before the mapping (`base_fingerprint`,
+        `reference_fingerprint`), so that checkpoints read both ways."""
         tree = {"step": self.step, "params": self.params, "opt_state": self.opt_state}
         if self.loss_scale is not None:
             tree["loss_scale"] = self.loss_scale
-        if self.base_fingerprint is not None:
-            tree["base_fingerprint"] = self.base_fingerprint
-        if self.reference_fingerprint is not None:
-            tree["reference_fingerprint"] = self.reference_fingerprint
+        for role, frozen in self.frozen.items():
+            tree[f"{role}_fingerprint"] = frozen.fingerprint
         return tree
+
+    @classmethod
+    def from_tree(cls, tree: dict) -> TrainState:
+        """The state of a checkpointed tree: its frozen models' fingerprints, their
+        parameters still to load (train/frozen.py attach)."""
+        tree = dict(tree)
+        frozen = {key.removesuffix("_fingerprint"): Frozen(None, tree.pop(key))
+                  for key in [k for k in tree if k.endswith("_fingerprint")]}
+        return cls(**tree, frozen=frozen)
+
+    def frozen_params(self, role: str) -> dict | None:
+        """The parameters of the frozen model of this role; None without one."""
+        frozen = self.frozen.get(role)
+        return None if frozen is None else frozen.params
+
+    def without_frozen_params(self) -> TrainState:
+        """The state less its frozen models' parameters (what a checkpoint restores)."""
+        return self.replace(frozen={role: f.replace(params=None)
+                                    for role, f in self.frozen.items()})
 
     def model_params(self) -> dict:
         """Every parameter of the model (what nnx.merge with the run's graphdef takes)."""
-        return self.params if self.frozen is None else lora.join(self.frozen, self.params)
+        base = self.frozen_params(BASE)
+        return self.params if base is None else lora.join(base, self.params)
 
     def reference_params(self) -> dict | None:
         """The frozen parameters a reference model runs on (objectives.py): DPO's copy,
         else LoRA's base (the model without adapters); None without either."""
-        return self.frozen if self.reference is None else self.reference
-
-    @classmethod
-    def from_tree(cls, tree: dict) -> TrainState:
-        return cls(**tree)
+        reference = self.frozen_params(REFERENCE)
+        return self.frozen_params(BASE) if reference is None else reference
 
 
 def abstract_model(spec: ModelSpec) -> Transformer:
@@ -103,15 +129,12 @@ def _create_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
     if spec.lora is not None:
         key = jax.random.fold_in(key, ADAPTER_KEY)
     params = nnx.to_pure_dict(nnx.state(Transformer(spec, rngs=nnx.Rngs(key)), nnx.Param))
-    fingerprint = None
     if spec.lora is not None:  # XLA drops the base weights drawn here: only adapters leave
         params = lora.split(params)[0]
-        fingerprint = jnp.zeros((8,), jnp.uint32)
     scale = None if loss_scale is None else LossScale(
         scale=jnp.asarray(loss_scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32))
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=optimizer.init(params), loss_scale=scale,
-                      base_fingerprint=fingerprint)
+                      opt_state=optimizer.init(params), loss_scale=scale)
 
 
 def create_base(spec: ModelSpec, key: jax.Array) -> dict:
@@ -126,13 +149,16 @@ def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,
                     offload_optimizer: bool = False, reference: bool = False) -> TrainState:
     """Shardings of the whole train state: optimizer moments mirror their parameters, in
     pinned host memory with offload_optimizer (they come to the device only for the update);
-    `reference`: the state holds a frozen reference copy of the parameters (DPO without
-    LoRA), sharded as they are."""
+    the frozen models' by role: LoRA's base (in model.lora.base_dtype's stored form), and
+    with `reference` a frozen reference copy of the parameters (DPO without LoRA), sharded
+    as they are. Their fingerprints are replicated."""
     replicated = NamedSharding(mesh, P())
-    params, frozen = param_shardings(abstract_model(spec), mesh, spec.rules), None
+    params, frozen = param_shardings(abstract_model(spec), mesh, spec.rules), {}
     if spec.lora is not None:
-        params, frozen = lora.split(params)
-        frozen = stored_base_shardings(spec, frozen)
+        params, base = lora.split(params)
+        frozen[BASE] = Frozen(stored_base_shardings(spec, base), replicated)
+    if reference:
+        frozen[REFERENCE] = Frozen(params, replicated)
     shapes = jax.eval_shape(functools.partial(_create_state, spec, optimizer, loss_scale),
                             jax.random.key(0))
     memory = "pinned_host" if offload_optimizer else "device"
@@ -143,10 +169,7 @@ def state_shardings(spec: ModelSpec, optimizer: optax.GradientTransformation,
                                 is_leaf=lambda x: isinstance(x, NamedSharding))
     scale = None if loss_scale is None else LossScale(replicated, replicated)
     return TrainState(step=replicated, params=params, opt_state=opt, loss_scale=scale,
-                      frozen=frozen,
-                      base_fingerprint=None if frozen is None else replicated,
-                      reference=params if reference else None,
-                      reference_fingerprint=replicated if reference else None)
+                      frozen=frozen)
 
 
 def base_axes(spec: ModelSpec) -> dict:
@@ -171,15 +194,16 @@ def stored_base(spec: ModelSpec, base: dict) -> dict:
 
 
 def _loaded_apart(shardings: TrainState) -> TrainState:
-    """The shardings of what _create_state makes: not the frozen parameters, which are
-    loaded apart (train/frozen.py, train/reference.py), nor the reference's fingerprint."""
-    return shardings.replace(frozen=None, reference=None, reference_fingerprint=None)
+    """The shardings of what _create_state makes: no frozen models, which are loaded apart
+    (train/frozen.py)."""
+    return shardings.replace(frozen={})
 
 
-def _with_reference_fingerprint(state: TrainState, shardings: TrainState,
-                                make) -> TrainState:
-    sharding = shardings.reference_fingerprint
-    return state if sharding is None else state.replace(reference_fingerprint=make(sharding))
+def _with_fingerprints(state: TrainState, shardings: TrainState, make) -> TrainState:
+    """`state` with a fingerprint (make(its sharding)) for each frozen model, whose
+    parameters are still to load."""
+    return state.replace(frozen={role: Frozen(None, make(frozen.fingerprint))
+                                 for role, frozen in shardings.frozen.items()})
 
 
 def init_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
@@ -189,7 +213,7 @@ def init_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
     with jax.set_mesh(mesh):
         state = jax.jit(functools.partial(_create_state, spec, optimizer, loss_scale),
                         out_shardings=_loaded_apart(shardings))(jax.random.key(seed))
-    return _with_reference_fingerprint(
+    return _with_fingerprints(
         state, shardings, lambda sh: jax.device_put(jnp.zeros((8,), jnp.uint32), sh))
 
 
@@ -205,28 +229,21 @@ def abstract_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
                             jax.random.key(0))
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                          shapes, _loaded_apart(shardings))
-    return _with_reference_fingerprint(
+    return _with_fingerprints(
         state, shardings, lambda sh: jax.ShapeDtypeStruct((8,), jnp.uint32, sharding=sh))
 
 
 def abstract_step_state(spec: ModelSpec, optimizer: optax.GradientTransformation,
                         shardings: TrainState, loss_scale: float | None = None) -> TrainState:
-    """abstract_state plus the parameters loaded apart (LoRA's frozen base, DPO's reference
-    copy) as ShapeDtypeStructs: everything the jitted step takes, for an ahead-of-time
-    compile (plan --compile) that allocates nothing."""
+    """abstract_state plus the frozen models' parameters (LoRA's base as stored, DPO's
+    reference copy) as ShapeDtypeStructs: everything the jitted step takes, for an
+    ahead-of-time compile (plan --compile) that allocates nothing."""
     state = abstract_state(spec, optimizer, shardings, loss_scale)
     shapes = jax.eval_shape(functools.partial(create_base, spec), jax.random.key(0))
-
-    def shaped(tree_shardings):
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            shapes, tree_shardings)
-
-    if shardings.frozen is not None:
-        stored = jax.eval_shape(functools.partial(stored_base, spec), shapes)
-        state = state.replace(frozen=jax.tree.map(
+    by_role = {BASE: lambda: jax.eval_shape(functools.partial(stored_base, spec), shapes),
+               REFERENCE: lambda: shapes}
+    return state.replace(frozen={
+        role: frozen.replace(params=jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-            stored, shardings.frozen))
-    if shardings.reference is not None:
-        state = state.replace(reference=shaped(shardings.reference))
-    return state
-
+            by_role[role](), shardings.frozen[role].params))
+        for role, frozen in state.frozen.items()})

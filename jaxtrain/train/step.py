@@ -17,7 +17,7 @@ from jaxtrain.mesh import logical_to_spec
 from jaxtrain.models import lora
 from jaxtrain.objectives import lm_sums, loss_fn, objective_fn  # noqa: F401 (their old home)
 from jaxtrain.optim import skipped_steps
-from jaxtrain.train.state import TrainState
+from jaxtrain.train.state import BASE, TrainState
 
 
 def trained_tokens(batch) -> jax.Array | None:
@@ -60,7 +60,8 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
     def train_step(state: TrainState, tokens_BT: jax.Array) -> tuple[TrainState, dict]:
         scale = None if state.loss_scale is None else state.loss_scale.scale
         (value, forward), grads = loss_and_grads(state.params, tokens_BT, state.step, scale,
-                                                 state.frozen, state.reference_params())
+                                                 state.frozen_params(BASE),
+                                                 state.reference_params())
         value, grads, loss_scale, extra = _unscaled(state, scale, value, grads,
                                                     options.loss_scale_period)
         opt_state = state.opt_state
