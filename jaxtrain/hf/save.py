@@ -16,7 +16,7 @@ from tqdm import tqdm
 from jaxtrain import inference
 from jaxtrain.errors import ConfigError
 from jaxtrain.hf import adapter as adapter_lib
-from jaxtrain.hf import module_for
+from jaxtrain.hf import layer_types, module_for
 from jaxtrain.hf.files import SafetensorsWriter, parse_size
 from jaxtrain.models import lora
 from jaxtrain.train.setup import Setup
@@ -85,7 +85,11 @@ def _check_request(workdir, out_dir: pathlib.Path, dtype: str, adapter: bool) ->
 
 def _check_exportable(spec, family) -> None:
     """ConfigError for a model the Hugging Face family cannot express."""
-    if not family.SLIDING_WINDOW and 0 < spec.sliding_window < spec.seq_len:
+    windows = layer_types.windows(spec)
+    if not getattr(family, "LAYER_TYPES", False) and len(set(windows)) > 1:
+        raise ConfigError(f"model.layer_types={','.join(spec.layer_types)!r} cannot be "
+                          f"exported: HF {spec.family} has one window for every layer")
+    if not family.SLIDING_WINDOW and any(w and w < spec.seq_len for w in windows):
         raise ConfigError(f"model.sliding_window={spec.sliding_window} cannot be exported: "
                           f"HF {spec.family} attends to every earlier token (a window exports "
                           "as model.family='mistral', or a llama with model.moe)")
