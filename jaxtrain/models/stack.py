@@ -13,8 +13,8 @@ layer, so every kernel keeps its static window (the chunked kernel skips the blo
 it, cuDNN and splash build their masks once). Carrying the kind as scanned data instead
 would keep one compiled body, but the window would then be a traced value: the kernels
 could only mask, not skip, and the ones that need a static window could not run. So a
-pattern compiles one body per run: Gemma 3's 5:1 is 2 runs per 6 layers, an alternating
-pattern one per layer. A model without a pattern is one run, the scan as before.
+pattern compiles one body per run: 5 sliding : 1 full is 2 runs per 6 layers, an
+alternating pattern one per layer. A model without a pattern is one run, the scan as before.
 """
 
 from __future__ import annotations
