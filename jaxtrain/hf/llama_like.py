@@ -91,6 +91,7 @@ class LlamaLike:
     allow_attention_bias: bool = False  # config.json attention_bias may be true (Qwen2)
     PEFT_LAYOUT: bool = True  # separate q/k/v/o and gate/up/down projections, as PEFT names
     LAYER_TYPES: bool = False  # config.json's layer_types: a window per layer (hf/load.py)
+    MOE: str | None = None  # the model_type the family with model.moe exports as
 
     def check_config(self, hf: dict, m) -> list[str]:
         shown = {k: v for k, v in hf.items() if k != "attention_bias"} \
@@ -116,7 +117,7 @@ ENTRIES = {e.model_type: e for e in (
     LlamaLike("qwen2", "Qwen2ForCausalLM", "qwen2", True, _qkv_bias_tensors,
               _qwen_window, _qwen_export, allow_attention_bias=True, LAYER_TYPES=True),
     LlamaLike("qwen3", "Qwen3ForCausalLM", "qwen3", True, _qk_norm_tensors,
-              _qwen_window, _qwen_export, LAYER_TYPES=True),
+              _qwen_window, _qwen_export, LAYER_TYPES=True, MOE="qwen3_moe"),
     LlamaLike("mistral", "MistralForCausalLM", "mistral", True, check_extra=_mistral_window,
               export_extra=lambda spec: {"sliding_window": spec.sliding_window or None}),
 )}

@@ -169,8 +169,8 @@ def _load(files, source, target: jax.ShapeDtypeStruct, bar) -> jax.Array:
         return value
     layer_sharding = NamedSharding(target.sharding.mesh, P(*target.sharding.spec[1:]))
     pieces = []
-    for layer in range(target.shape[0]):
-        pieces.append(jax.device_put(read(layer), layer_sharding))
+    for index in range(target.shape[0]):
+        pieces.append(jax.device_put(read(tensor.hf_layer(index)), layer_sharding))
         bar.update(1)
     stacked = _stacker(target.sharding)(*pieces)
     del pieces
