@@ -290,10 +290,11 @@ def _check_model(c, platform: str | None) -> None:
              "learned positions, no RoPE: use none")
     documents = LAYOUTS[c.data.packing].segments
     window = pattern_window(m)
+    parts = FAMILIES[m.family].kernel_parts
     kernel = resolve_attention(m.attention, c.train.precision, platform or "", m.seq_len,
-                               window, documents, m.attn_logit_softcap)
+                               window, documents, m.attn_logit_softcap, parts)
     if problem := KERNELS[kernel].problem(c.train.precision, platform, m.seq_len,
-                                          window, documents, m.attn_logit_softcap):
+                                          window, documents, m.attn_logit_softcap, parts):
         shown = m.attention if m.attention == kernel else f"{m.attention} ({kernel} here)"
         fail("model.attention", shown, problem)
     if problem := REMATS[m.remat].problem(platform):
@@ -322,6 +323,10 @@ def _check_on_mesh(c, sizes: dict[str, int], platform: str | None) -> None:
     PIPELINE_SCHEDULES[c.pipeline.schedule].validate(c, sizes)
     if m.attention != "auto":
         KERNELS[m.attention].check_mesh(c, sizes)
+    if sizes["context"] > 1 and FAMILIES[m.family].kernel_parts:
+        fail("model.family", m.family, f"its attention parts {FAMILIES[m.family].kernel_parts} "
+             f"run inside the kernel, and the context-parallel attention (mesh.context="
+             f"{sizes['context']}) has none of them; use mesh.context=1")
     if sizes["pipeline"] > 1 and len(set(layer_pattern(m.layer_types, m.num_layers))) > 1:
         fail("model.layer_types", m.layer_types, f"mixes layer kinds, which the walker runs "
              f"as one scan per run of equal kinds; mesh.pipeline={sizes['pipeline']} needs "

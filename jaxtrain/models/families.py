@@ -141,6 +141,15 @@ def _qk_norm(module, which: str, y_BLHK, spec):
     return rms_norm(y_BLHK, scale, spec.norm_eps)
 
 
+def _sinks_params(spec) -> dict[str, tuple]:
+    return {"sinks": ((spec.num_heads,), ("heads",), 0.0)}
+
+
+def _unchanged(module, which: str, y_BLHK, spec):
+    """A part that acts inside the kernel leaves the projections as they are."""
+    return y_BLHK
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionPart:
     """One attention option a family can switch on."""
@@ -155,6 +164,9 @@ class AttentionPart:
     # Planner: values per token per layer the backward pass keeps for its function (the
     # memory estimate, plan/memory.py), summed over heads before any tensor sharding.
     kept_per_token: Callable = lambda spec: 0
+    # The kernel capability it needs (an AttentionKernel field of that name, which kernels
+    # without it refuse in one line); its parameter of that name goes to the kernel.
+    kernel: str | None = None
 
     def param_count(self, spec) -> int:
         """Planner: the parameters it adds to one layer."""
@@ -181,6 +193,9 @@ ATTENTION_PARTS: dict[str, AttentionPart] = {p.name: p for p in (
                   "(Qwen3, OLMo 2, Gemma 3)", _qk_norm_params, _qk_norm,
                   lambda s: 4 * (s.num_heads + s.num_kv_heads) * s.head_dim,
                   kept_per_token=lambda s: (s.num_heads + s.num_kv_heads) * s.head_dim),
+    AttentionPart("sinks", "a learned logit per head that joins every query's softmax and "
+                  "takes its share of the probability, with no value (gpt-oss)",
+                  _sinks_params, _unchanged, lambda s: 3 * s.num_heads, kernel="sinks"),
 )}
 
 
@@ -223,6 +238,11 @@ class Family:
     @property
     def attention_parts(self) -> tuple[AttentionPart, ...]:
         return tuple(ATTENTION_PARTS[p] for p in self.attention)
+
+    @property
+    def kernel_parts(self) -> tuple[str, ...]:
+        """The kernel capabilities its attention parts need (AttentionPart.kernel)."""
+        return tuple(p.kernel for p in self.attention_parts if p.kernel)
 
     def check(self, head_dim: int) -> None:
         """Raises ConfigError for a model shape this family cannot take."""

@@ -77,6 +77,12 @@ class Attention(nnx.Module):
                                       q_BLHK.dtype)
         return q_BLHK, k_BLGK, v_BLGK
 
+    def _kernel_parts(self) -> dict:
+        """The parameters of the family's attention parts that act inside the kernel (the
+        sinks), by the kernel's argument names: {} without such parts."""
+        return {p.kernel: getattr(self, p.kernel)[...] for p in self.spec.attention_parts
+                if p.kernel}
+
     def _output(self, out_BLHK):
         spec = self.spec
         out_BLHK = checkpoint_name(out_BLHK, "attention_out")
@@ -98,12 +104,14 @@ class Attention(nnx.Module):
         spec = self.spec
         window = spec.layer_kind(kind).window(spec)
         if spec.context is not None:  # the sequence is split: the kernel passes K/V around
+            assert not self._kernel_parts(), "config.py refuses kernel parts under context"
             out_BLHK = context_attention(q_BLHK, k_BLGK, v_BLGK, window, segments_BL,
                                          spec.context, spec.rules)
         else:
             out_BLHK = KERNELS[spec.attention](q_BLHK, k_BLGK, v_BLGK, window,
                                                rules=spec.rules, segments_BL=segments_BL,
-                                               softcap=spec.attn_softcap)
+                                               softcap=spec.attn_softcap,
+                                               **self._kernel_parts())
         return self._output(out_BLHK)
 
     def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array,
@@ -117,5 +125,5 @@ class Attention(nnx.Module):
                           for c, new in zip(cache, (k_BTGK, v_BTGK)))
         out_BTHK = cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T,
                                     self.spec.layer_kind(kind).window(self.spec),
-                                    softcap=self.spec.attn_softcap)
+                                    softcap=self.spec.attn_softcap, **self._kernel_parts())
         return self._output(out_BTHK), (k_BMGK, v_BMGK)
