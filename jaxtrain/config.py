@@ -42,7 +42,12 @@ from jaxtrain.models import moe as moe_lib
 from jaxtrain.models import rope as rope_lib
 from jaxtrain.models.attention import KERNELS, resolve_attention, resolve_variant
 from jaxtrain.models.attention import VARIANTS as CONTEXT_VARIANTS
-from jaxtrain.models.families import FAMILIES
+from jaxtrain.models.families import (
+    FAMILIES,
+    check_layer_pattern,
+    layer_pattern,
+    pattern_window,
+)
 from jaxtrain.models.remat import REMATS
 from jaxtrain.objectives import OBJECTIVES
 from jaxtrain.optim import OPTIMIZERS, SCHEDULES
@@ -91,12 +96,17 @@ def _model() -> dict:
         "seq_len": 128,
         "attention": "auto",  # cudnn on NVIDIA GPUs in bf16/fp16, else chunked
         "sliding_window": 0,  # 0: full causal attention; W: each token sees its last W
+        # Each layer's kind, comma-separated (models/families.py LAYER_KINDS: full, sliding),
+        # a shorter list repeating; "": every layer alike, windowed where sliding_window is set.
+        "layer_types": "",
         # mesh.context > 1: how K/V reach every device (models/attention/context_variants.py):
         # allgather (one all-gather per layer), ring (ppermute hops), auto (allgather under
         # GQA, else ring).
         "context_attention": "auto",
         "remat": "none",
         "rope_theta": 10000.0,
+        # The sliding layers' theta, unscaled (HF's rope_local_base_freq); 0: as full layers
+        "rope_local_theta": 0.0,
         # q·k scaled by attention_scale_dim**-0.5 (HF's query_pre_attn_scalar); 0: head_dim
         "attention_scale_dim": 0,
         # c·tanh(score/c) on the attention scores before softmax (HF's
@@ -273,15 +283,18 @@ def _check_model(c, platform: str | None) -> None:
         fail("model.num_heads", heads, f"must divide model.d_model={m.d_model} "
              "(or set model.head_dim)")
     FAMILIES[m.family].check(m.head_dim or m.d_model // heads)
+    check_layer_pattern(m)
     rope_lib.check(m.rope_scaling)
     if m.rope_scaling.type != "none" and not FAMILIES[m.family].rope:
         fail("model.rope_scaling.type", m.rope_scaling.type, f"model.family={m.family!r} has "
              "learned positions, no RoPE: use none")
     documents = LAYOUTS[c.data.packing].segments
+    window = pattern_window(m)
+    parts = FAMILIES[m.family].kernel_parts
     kernel = resolve_attention(m.attention, c.train.precision, platform or "", m.seq_len,
-                               m.sliding_window, documents, m.attn_logit_softcap)
+                               window, documents, m.attn_logit_softcap, parts)
     if problem := KERNELS[kernel].problem(c.train.precision, platform, m.seq_len,
-                                          m.sliding_window, documents, m.attn_logit_softcap):
+                                          window, documents, m.attn_logit_softcap, parts):
         shown = m.attention if m.attention == kernel else f"{m.attention} ({kernel} here)"
         fail("model.attention", shown, problem)
     if problem := REMATS[m.remat].problem(platform):
@@ -310,6 +323,14 @@ def _check_on_mesh(c, sizes: dict[str, int], platform: str | None) -> None:
     PIPELINE_SCHEDULES[c.pipeline.schedule].validate(c, sizes)
     if m.attention != "auto":
         KERNELS[m.attention].check_mesh(c, sizes)
+    if sizes["context"] > 1 and FAMILIES[m.family].kernel_parts:
+        fail("model.family", m.family, f"its attention parts {FAMILIES[m.family].kernel_parts} "
+             f"run inside the kernel, and the context-parallel attention (mesh.context="
+             f"{sizes['context']}) has none of them; use mesh.context=1")
+    if sizes["pipeline"] > 1 and len(set(layer_pattern(m.layer_types, m.num_layers))) > 1:
+        fail("model.layer_types", m.layer_types, f"mixes layer kinds, which the walker runs "
+             f"as one scan per run of equal kinds; mesh.pipeline={sizes['pipeline']} needs "
+             "one kind in every layer (use mesh.pipeline=1)")
     if sizes["context"] > 1:
         variant = resolve_variant(m.context_attention, m.num_heads,
                                   m.num_kv_heads or m.num_heads)

@@ -2,8 +2,8 @@
 against transformers, on CPU, each family's parts all on: (1 + w) RMSNorm, sandwich norms,
 GeGLU, sqrt(d) embedding scale, tied head, an attention scale of query_pre_attn_scalar**-0.5
 that is not head_dim's; Gemma 3's q/k norm; Gemma 2's attention-logit soft-cap of 1.0,
-which bends the scores. Every layer full attention: per-layer window patterns are not
-implemented yet, and the import refuses them (tested below).
+which bends the scores. Every layer full attention here; tests/test_layer_types.py has
+Gemma 3's sliding layers.
 """
 
 import jax
@@ -120,7 +120,8 @@ def test_greedy_generation_equals_transformers(family, tmp_path, devices):
     assert len(set(got.tolist())) > 2
 
 
-def test_gemma3_sliding_layers_and_soft_caps_are_refused_in_one_line(tmp_path, devices):
+def test_gemma3_layer_types_unlike_the_config_and_soft_caps_are_refused_in_one_line(
+        tmp_path, devices):
     cfg = _config()
     model = _hf_model(cfg)
     model.config.layer_types = ["sliding_attention", "full_attention"]

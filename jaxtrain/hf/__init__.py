@@ -2,11 +2,11 @@
 checks, its tensors and its exported config.json (see jaxtrain/commands/convert.py)."""
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.hf import gemma, gpt2, llama, llama_like, mixtral
+from jaxtrain.hf import gemma, gpt2, llama, llama_like, mixtral, qwen3_moe
 
 # HF model_type -> module; each module's FAMILY is the jaxtrain model.family it maps to.
 FAMILIES = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral, **llama_like.ENTRIES,
-            **gemma.ENTRIES}
+            **gemma.ENTRIES, "qwen3_moe": qwen3_moe}
 
 
 def module_for(spec):
@@ -19,7 +19,7 @@ def module_for(spec):
     if moe is None:
         raise ConfigError(f"model.family={spec.family!r} with model.moe has no Hugging Face "
                           "model_type here (an MoE model exports as mixtral: "
-                          "model.family='llama')")
+                          "model.family='llama', or as qwen3_moe: 'qwen3')")
     return FAMILIES[moe]
 
 

@@ -11,10 +11,15 @@ checkpoint has no lm_head). q·k is scaled by query_pre_attn_scalar**-0.5
 
 Gemma 2's `attn_logit_softcapping` (null: none) is model.attn_logit_softcap (0), both
 ways; Gemma 3's config carries the key but transformers' Gemma 3 never applies it, so a
-value there is refused rather than silently dropped or applied. Refused until jaxtrain has
-per-layer kinds: sliding layers in `layer_types` (the defaults alternate, Gemma 3's 5
-sliding : 1 full), so only all-full configs import. `final_logit_softcapping` (null:
-none) is model.final_logit_softcap (0), both ways.
+value there is refused rather than silently dropped or applied. `final_logit_softcapping`
+(null: none) is model.final_logit_softcap (0), both ways.
+
+`layer_types` (absent: Gemma 3's 5 sliding : 1 full, `sliding_window_pattern`; Gemma 2's
+alternating) and `sliding_window` are model.layer_types and model.sliding_window, both
+ways (hf/layer_types.py). Gemma 3's sliding layers rotate by
+`rope_parameters.sliding_attention.rope_theta` (the older `rope_local_base_freq`), which is
+model.rope_local_theta (0: rope_theta); Gemma 2's rotate as its full ones. A rope scaling
+(Gemma 3's full layers' `linear`) is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.hf import llama
+from jaxtrain.hf import layer_types, llama
 from jaxtrain.hf.mapping import Checks, HFTensor, linear, one, split_heads
 
 LAYER = llama.LAYER
@@ -33,6 +38,30 @@ def _full_theta(hf: dict) -> float:
     rope = hf.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)
     return float(rope.get("rope_theta", hf.get("rope_theta", 1_000_000.0)))
+
+
+def _sliding_theta(hf: dict) -> float:
+    """Gemma 3's sliding layers' theta (transformers' default 10,000)."""
+    rope = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
+    return float(rope.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0)))
+
+
+def _types(self, hf: dict) -> list[str]:
+    """transformers' layer_types of this config.json: given, or its family's default."""
+    if hf.get("layer_types"):
+        return list(hf["layer_types"])
+    every = hf.get("sliding_window_pattern", 6) if self.rope_by_layer_type else 2
+    return ["sliding_attention" if (i + 1) % every else "full_attention"
+            for i in range(hf.get("num_hidden_layers", 26))]
+
+
+def _check_layer_types(self, c: Checks, hf: dict, m) -> None:
+    layer_types.check(c, m, hf, _types(self, hf), "layer_types/sliding_window")
+    theta = layer_types.windowed_theta(m)
+    want = _sliding_theta(hf) if self.rope_by_layer_type else m.rope_theta
+    if theta is not None and theta != want:
+        c.problems.append(f"model.rope_local_theta={m.rope_local_theta} (0: rope_theta) gives "
+                          f"the sliding layers theta {theta} but config.json gives {want}")
 
 
 def _check_config(self, hf: dict, m) -> list[str]:
@@ -57,10 +86,12 @@ def _check_config(self, hf: dict, m) -> list[str]:
     if m.rope_scaling.type != "none":
         c.problems.append(f"model.rope_scaling.type={m.rope_scaling.type!r}: gemma3_text's "
                           "scaling is not mapped (use none)")
-    sliding = [i for i, t in enumerate(hf.get("layer_types") or []) if t != "full_attention"]
-    if sliding or not hf.get("layer_types"):
-        c.refuse("layer_types", f"sliding at layers {sliding or 'default 5:1'}",
-                 "jaxtrain has no per-layer window pattern yet (only all full_attention)")
+    _check_layer_types(self, c, hf, m)
+    rope = hf.get("rope_parameters") or {}
+    for kind, params in (rope.items() if self.rope_by_layer_type else [("", rope)]):
+        if (params or {}).get("rope_type", "default") != "default":
+            c.refuse(f"rope_parameters{'.' * bool(kind)}{kind}.rope_type", params["rope_type"],
+                     "jaxtrain maps no rope scaling for Gemma (the theta alone)")
     if self.softcap:
         c.equal("model.attn_logit_softcap (0: none)", m.attn_logit_softcap,
                 "attn_logit_softcapping (null: none)", hf.get("attn_logit_softcapping") or 0.0)
@@ -109,6 +140,10 @@ def _tensors(self, spec, hf: dict | None = None) -> list[HFTensor]:
 
 
 def _export_config(self, spec) -> dict:
+    theta = layer_types.windowed_theta(spec)
+    if not self.rope_by_layer_type and theta not in (None, spec.rope_theta):
+        raise ConfigError(f"model.rope_local_theta={spec.rope_local_theta} cannot be exported: "
+                          f"transformers' {self.ARCHITECTURE} rotates every layer alike")
     if spec.attn_softcap and not self.softcap:
         raise ConfigError(f"model.attn_logit_softcap={spec.attn_softcap} cannot be exported: "
                           f"transformers' {self.ARCHITECTURE} never applies it")
@@ -120,11 +155,11 @@ def _export_config(self, spec) -> dict:
         "head_dim": spec.head_dim, "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": spec.attention_scale_dim or spec.head_dim,
         "max_position_embeddings": spec.seq_len, "rms_norm_eps": spec.norm_eps,
-        "layer_types": ["full_attention"] * spec.num_layers,
+        **layer_types.export(spec, unused_window=4096),  # transformers' default
         "rope_parameters": {"full_attention": {"rope_type": "default",
                                                "rope_theta": spec.rope_theta},
-                            "sliding_attention": {"rope_type": "default",
-                                                  "rope_theta": 10000.0}}
+                            "sliding_attention": {"rope_type": "default", "rope_theta":
+                                                  layer_types.windowed_theta(spec) or 10000.0}}
         if self.rope_by_layer_type else {"rope_type": "default", "rope_theta": spec.rope_theta},
         "attn_logit_softcapping": spec.attn_softcap or None,
         "final_logit_softcapping": spec.final_softcap or None,
@@ -144,7 +179,8 @@ class Gemma:
     qk_norm: bool  # self_attn.{q,k}_norm (Gemma 3)
     softcap: bool  # transformers applies attn_logit_softcapping (Gemma 2)
     rope_by_layer_type: bool  # rope_parameters keyed by layer type (Gemma 3); else one
-    SLIDING_WINDOW: bool = False  # sliding layers are refused (above): all attend fully
+    SLIDING_WINDOW: bool = True  # config.json's sliding_window and layer_types (above)
+    LAYER_TYPES: bool = True
     PEFT_LAYOUT: bool = True  # separate q/k/v/o and gate/up/down projections, as PEFT names
 
     check_config = _check_config

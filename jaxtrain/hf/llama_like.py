@@ -6,10 +6,14 @@
 - qwen3 (Qwen3ForCausalLM, dense): `self_attn.{q,k}_norm.weight` [head_dim] -> q_norm,
   k_norm (part qk_norm); `attention_bias` must be false (no output bias in jaxtrain).
 - mistral (MistralForCausalLM): Llama's tensors; config.json sliding_window (null: none) is
-  model.sliding_window (0), both ways.
+  model.sliding_window (0), both ways, on every layer: transformers' Mistral ignores a
+  `layer_types`, so a jaxtrain pattern that mixes kinds is refused on export.
+- qwen2, qwen3: `layer_types` (or, without it, `use_sliding_window` with the layers from
+  `max_window_layers` on sliding) and `sliding_window` are model.layer_types and
+  model.sliding_window (hf/layer_types.py), both ways; the sliding layers rotate as the
+  full ones, so model.rope_local_theta must leave them so.
 
-Refused: Qwen's `use_sliding_window` (a per-layer window from max_window_layers: jaxtrain
-has one window for every layer), and whatever llama.check_shared refuses.
+Refused: whatever llama.check_shared refuses.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from jaxtrain.hf import llama
+from jaxtrain.hf import layer_types, llama
 from jaxtrain.hf.mapping import HFTensor, one
 
 LAYER = llama.LAYER
@@ -40,17 +44,37 @@ def _qk_norm_tensors(spec) -> list[HFTensor]:
             for w in ("q", "k")]
 
 
-def _no_qwen_window(c, hf: dict, m) -> None:
-    if hf.get("use_sliding_window"):
-        c.refuse("use_sliding_window", True, "Qwen's window applies to the layers from "
-                 "max_window_layers on; jaxtrain has one window for every layer")
+def _qwen_types(hf: dict) -> list[str]:
+    """transformers' Qwen2/3 layer_types: given, or from use_sliding_window and
+    max_window_layers (sliding_window is dropped without use_sliding_window)."""
+    n = hf.get("num_hidden_layers", 0)
+    if hf.get("layer_types"):
+        return list(hf["layer_types"])
+    first = hf.get("max_window_layers", 28) if hf.get("use_sliding_window") and \
+        hf.get("sliding_window") is not None else n
+    return ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+
+
+def _qwen_window(c, hf: dict, m) -> None:
+    hf = hf if hf.get("use_sliding_window") else {**hf, "sliding_window": None}
+    layer_types.check(c, m, hf, _qwen_types(hf), "layer_types/use_sliding_window/"
+                      "max_window_layers/sliding_window")
+    theta = layer_types.windowed_theta(m)
+    if theta is not None and theta != m.rope_theta:
+        c.problems.append(f"model.rope_local_theta={m.rope_local_theta}: transformers' Qwen "
+                          "rotates its sliding layers as the full ones (use 0)")
+
+
+def _qwen_export(spec) -> dict:
+    keys = layer_types.export(spec)
+    sliding = [i for i, t in enumerate(keys["layer_types"]) if t == "sliding_attention"]
+    return {**keys, "use_sliding_window": bool(sliding),
+            "max_window_layers": sliding[0] if sliding else spec.num_layers}
 
 
 def _mistral_window(c, hf: dict, m) -> None:
-    window = hf.get("sliding_window")
-    if (m.sliding_window or None) != window:
-        c.problems.append(f"model.sliding_window={m.sliding_window} but config.json "
-                          f"sliding_window={window} (0 is null: full causal attention)")
+    layer_types.check(c, m, hf, ["sliding_attention"] * m.num_layers,
+                      "sliding_window (on every layer: MistralForCausalLM ignores layer_types)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +90,8 @@ class LlamaLike:
     export_extra: Callable = lambda spec: {}  # spec -> config.json keys
     allow_attention_bias: bool = False  # config.json attention_bias may be true (Qwen2)
     PEFT_LAYOUT: bool = True  # separate q/k/v/o and gate/up/down projections, as PEFT names
+    LAYER_TYPES: bool = False  # config.json's layer_types: a window per layer (hf/load.py)
+    MOE: str | None = None  # the model_type the family with model.moe exports as
 
     def check_config(self, hf: dict, m) -> list[str]:
         shown = {k: v for k, v in hf.items() if k != "attention_bias"} \
@@ -88,11 +114,10 @@ class LlamaLike:
 
 
 ENTRIES = {e.model_type: e for e in (
-    LlamaLike("qwen2", "Qwen2ForCausalLM", "qwen2", False, _qkv_bias_tensors,
-              _no_qwen_window, lambda spec: {"use_sliding_window": False},
-              allow_attention_bias=True),
-    LlamaLike("qwen3", "Qwen3ForCausalLM", "qwen3", False, _qk_norm_tensors,
-              _no_qwen_window, lambda spec: {"use_sliding_window": False}),
+    LlamaLike("qwen2", "Qwen2ForCausalLM", "qwen2", True, _qkv_bias_tensors,
+              _qwen_window, _qwen_export, allow_attention_bias=True, LAYER_TYPES=True),
+    LlamaLike("qwen3", "Qwen3ForCausalLM", "qwen3", True, _qk_norm_tensors,
+              _qwen_window, _qwen_export, LAYER_TYPES=True, MOE="qwen3_moe"),
     LlamaLike("mistral", "MistralForCausalLM", "mistral", True, check_extra=_mistral_window,
               export_extra=lambda spec: {"sliding_window": spec.sliding_window or None}),
 )}

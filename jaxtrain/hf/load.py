@@ -19,7 +19,7 @@ from jaxtrain import storage
 from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.data import record, tokenizers
 from jaxtrain.errors import ConfigError, DataError
-from jaxtrain.hf import family_of
+from jaxtrain.hf import family_of, layer_types
 from jaxtrain.hf.files import SafetensorsDir, read_config
 from jaxtrain.train.setup import Setup, build, loss_scale_init
 from jaxtrain.train.state import LossScale, TrainState
@@ -104,9 +104,13 @@ def _check_matches(cfg, hf: dict, family, hf_dir: pathlib.Path) -> None:
                         f"model_type={hf['model_type']!r} (jaxtrain family {family.FAMILY!r})")
     else:
         problems += family.check_config(hf, cfg.model)
-    if not family.SLIDING_WINDOW and 0 < cfg.model.sliding_window < cfg.model.seq_len:
+    windows = layer_types.windows(cfg.model)
+    if not family.SLIDING_WINDOW and any(w and w < cfg.model.seq_len for w in windows):
         problems.append(f"model.sliding_window={cfg.model.sliding_window} but "
                         f"{hf['model_type']} attends to every earlier token (use 0)")
+    elif not getattr(family, "LAYER_TYPES", False) and len(set(windows)) > 1:
+        problems.append(f"model.layer_types={cfg.model.layer_types!r} mixes sliding and full "
+                        f"layers but {hf['model_type']} has one window for every layer")
     if problems:
         raise ConfigError(f"{hf_dir} does not match the config: {'; '.join(problems)}")
 
@@ -165,8 +169,8 @@ def _load(files, source, target: jax.ShapeDtypeStruct, bar) -> jax.Array:
         return value
     layer_sharding = NamedSharding(target.sharding.mesh, P(*target.sharding.spec[1:]))
     pieces = []
-    for layer in range(target.shape[0]):
-        pieces.append(jax.device_put(read(layer), layer_sharding))
+    for index in range(target.shape[0]):
+        pieces.append(jax.device_put(read(tensor.hf_layer(index)), layer_sharding))
         bar.update(1)
     stacked = _stacker(target.sharding)(*pieces)
     del pieces

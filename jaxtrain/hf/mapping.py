@@ -43,10 +43,17 @@ class HFTensor:
     longer_ok: bool = False  # on import the tensor may extend past the parts along `axis`
     # One HF tensor per expert ('{e}' in the name), stacked [layers, experts, ...] in jaxtrain.
     experts: int = 0
+    # The HF layers stacked into the parameter, in order (its layers of one kind, where the
+    # model stores dense and MoE layers apart); None: every layer.
+    layers: tuple[int, ...] | None = None
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.name
+
+    def hf_layer(self, index: int) -> int:
+        """The HF layer of the stacked parameter's `index`-th slice."""
+        return index if self.layers is None else self.layers[index]
 
     def named(self, layer: int | None, expert: int | None = None) -> str:
         return self.name.format(i=layer, e=expert) if self.per_layer else self.name
@@ -55,7 +62,8 @@ class HFTensor:
         """(name, layer, expert) of every HF tensor this one stands for."""
         if not self.per_layer:
             return [(self.name, None, None)]
-        return [(self.named(i, e), i, e) for i in range(layers)
+        return [(self.named(i, e), i, e) for i in (range(layers) if self.layers is None
+                                                   else self.layers)
                 for e in (range(self.experts) if self.experts else [None])]
 
     def shape_ok(self, shape: tuple[int, ...]) -> bool:

@@ -43,6 +43,9 @@ def check_config(hf: dict, m) -> list[str]:
     if (m.sliding_window or None) != window:
         c.problems.append(f"model.sliding_window={m.sliding_window} but config.json "
                           f"sliding_window={window} (0 is null: full causal attention)")
+    if not moe.norm_topk_prob:
+        c.problems.append("model.moe.norm_topk_prob=False but Mixtral renormalises the k "
+                          "picked weights (use True)")
     if hf.get("router_jitter_noise", 0.0):
         c.refuse("router_jitter_noise", hf["router_jitter_noise"],
                  "jaxtrain's router has no input jitter")

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from jaxtrain import inference
 from jaxtrain.errors import ConfigError
 from jaxtrain.hf import adapter as adapter_lib
-from jaxtrain.hf import module_for
+from jaxtrain.hf import layer_types, module_for
 from jaxtrain.hf.files import SafetensorsWriter, parse_size
 from jaxtrain.models import lora
 from jaxtrain.train.setup import Setup
@@ -85,10 +85,20 @@ def _check_request(workdir, out_dir: pathlib.Path, dtype: str, adapter: bool) ->
 
 def _check_exportable(spec, family) -> None:
     """ConfigError for a model the Hugging Face family cannot express."""
-    if not family.SLIDING_WINDOW and 0 < spec.sliding_window < spec.seq_len:
+    windows = layer_types.windows(spec)
+    if not getattr(family, "LAYER_TYPES", False) and len(set(windows)) > 1:
+        raise ConfigError(f"model.layer_types={','.join(spec.layer_types)!r} cannot be "
+                          f"exported: HF {spec.family} has one window for every layer")
+    if not family.SLIDING_WINDOW and any(w and w < spec.seq_len for w in windows):
         raise ConfigError(f"model.sliding_window={spec.sliding_window} cannot be exported: "
                           f"HF {spec.family} attends to every earlier token (a window exports "
                           "as model.family='mistral', or a llama with model.moe)")
+    if getattr(family, "MOE_LAYOUTS", False) and spec.moe is not None \
+            and spec.moe.shared_experts:
+        raise ConfigError(f"model.moe.shared_experts={spec.moe.shared_experts} cannot be "
+                          f"exported: {family.ARCHITECTURE} has no shared experts")
+    if getattr(family, "MOE_LAYOUTS", False):
+        return
     if spec.moe is not None and (spec.moe.every_n_layers != 1 or spec.moe.shared_experts):
         raise ConfigError("an MoE model exports as MixtralForCausalLM, whose layers are all "
                           "MoE without shared experts: model.moe.every_n_layers="
@@ -103,6 +113,7 @@ def _tensor_order(spec, tensors) -> list[tuple]:
     layered = [t for t in tensors if t.per_layer]
     return ([(t, None, None) for t in tensors[:first]]
             + [(t, i, e) for i in range(spec.num_layers) for t in layered
+               if t.layers is None or i in t.layers
                for e in (range(t.experts) if t.experts else [None])]
             + [(t, None, None) for t in tensors[first:] if not t.per_layer])
 
@@ -120,7 +131,8 @@ def _write_tensors(out_dir: pathlib.Path, max_bytes: int, flat: dict, order: lis
 
     writer = SafetensorsWriter(out_dir, max_bytes)
     for tensor, layer, expert in tqdm(order, desc="export", unit="tensor", file=sys.stderr):
-        pieces = [part.to_hf(fetch(part.path, layer, expert)) for part in tensor.parts]
+        index = layer if tensor.layers is None or layer is None else tensor.layers.index(layer)
+        pieces = [part.to_hf(fetch(part.path, index, expert)) for part in tensor.parts]
         value = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=tensor.axis)
         name = tensor.named(layer, expert)
         assert value.shape == tensor.shape, (name, value.shape, tensor.shape)

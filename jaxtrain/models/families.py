@@ -9,6 +9,11 @@ An attention option (ATTENTION_PARTS) is one registry entry: the parameters it a
 each attention layer, what it does to a projected q/k/v head tensor before the rotary
 embedding (its function), the model shapes it refuses (its check) and its facts for the
 planner (parameters and FLOPs per token per layer; none change the kv cache's size).
+
+A layer kind (LAYER_KINDS, `model.layer_types`) is one registry entry too: how a layer of
+that kind attends (within model.sliding_window or to every earlier token) and rotates
+(model.rope_local_theta or the model's rope), with its planner fact (the keys each query
+sees: its attention FLOPs). The group walker (models/stack.py) scans runs of equal kinds.
 """
 
 from __future__ import annotations
@@ -20,6 +25,90 @@ from jaxtrain.errors import fail
 from jaxtrain.models.layers import rms_norm
 
 MLP_KINDS = ("gelu", "swiglu", "geglu")  # geglu: tanh-GELU(gate)·up (Gemma)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """One value of model.layer_types: how the layers of this kind attend and rotate."""
+
+    name: str
+    doc: str
+    hf_name: str  # transformers' layer_types value
+    windowed: bool  # each query sees its last model.sliding_window keys; else every earlier
+    # Rotates by model.rope_local_theta, unscaled, where that is set (Gemma 3's
+    # rope_local_base_freq); else by model.rope_theta and model.rope_scaling as full layers.
+    local_rope: bool
+
+    def window(self, spec) -> int | None:
+        """The kernels' window argument for this kind (None: full causal attention)."""
+        return (spec.sliding_window or None) if self.windowed else None
+
+    def rope(self, spec) -> tuple[float, object]:
+        """(theta, RopeScaling or None) of this kind's rotary embedding."""
+        if self.local_rope and spec.rope_local_theta:
+            return spec.rope_local_theta, None
+        return spec.rope_theta, spec.rope_scaling
+
+    def keys_per_query(self, spec) -> float:
+        """Planner: the keys a query sees on average: half the sequence under the causal
+        mask; W - W²/2s within a window W (fewer in the first W positions)."""
+        s, w = spec.seq_len, self.window(spec)
+        return s / 2 if not w or w >= s else w - w * w / (2 * s)
+
+
+LAYER_KINDS: dict[str, LayerKind] = {k.name: k for k in (
+    LayerKind("full", "attends to every earlier token", "full_attention", False, False),
+    LayerKind("sliding", "attends to its last model.sliding_window tokens (Mistral, Gemma "
+              "2/3's local layers)", "sliding_attention", True, True),
+)}
+# model.layer_types unset: every layer is this kind, whose window is model.sliding_window
+# (0: none) and whose rope is the model's: the one-kind models as before the pattern.
+UNIFORM = LayerKind("uniform", "every layer alike: model.sliding_window if set", "", True,
+                    False)
+
+
+def layer_pattern(value: str, num_layers: int) -> tuple[str, ...]:
+    """model.layer_types as one kind per layer: () when unset (every layer UNIFORM); a
+    shorter list repeats (Gemma 3's sliding×5,full is 'sliding,sliding,sliding,sliding,
+    sliding,full' over any depth, as transformers' sliding_window_pattern); ConfigError (one
+    line) for an unknown kind or a longer list."""
+    kinds = tuple(k.strip() for k in str(value).split(",") if k.strip())
+    if not kinds:
+        return ()
+    if unknown := [k for k in kinds if k not in LAYER_KINDS]:
+        fail("model.layer_types", value, f"{unknown[0]!r} is no layer kind: valid kinds are "
+             f"{', '.join(LAYER_KINDS)}, comma-separated")
+    if len(kinds) > num_layers:
+        fail("model.layer_types", value, f"names {len(kinds)} layers, more than "
+             f"model.num_layers={num_layers}")
+    return tuple(kinds[i % len(kinds)] for i in range(num_layers))
+
+
+def check_layer_pattern(m) -> None:
+    """ConfigError for a model.layer_types the model cannot run (config.validate)."""
+    kinds = layer_pattern(m.layer_types, m.num_layers)
+    if any(LAYER_KINDS[k].windowed for k in kinds) and m.sliding_window < 1:
+        fail("model.layer_types", m.layer_types, "has sliding layers: set model.sliding_window "
+             "to their window (>= 1)")
+    if m.rope_local_theta < 0:
+        fail("model.rope_local_theta", m.rope_local_theta, "must be > 0, or 0 for the sliding "
+             "layers to rotate as the full ones")
+    if m.moe.num_experts and len(set(kinds)) > 1:
+        n = m.moe.every_n_layers
+        mixed = [g for g in range(m.num_layers // n) if len(set(kinds[g * n:(g + 1) * n])) > 1]
+        if mixed:
+            fail("model.layer_types", m.layer_types, f"mixes kinds within MoE group {mixed[0]} "
+                 f"(layers {mixed[0] * n}..{mixed[0] * n + n - 1}, model.moe.every_n_layers="
+                 f"{n}): each group of n layers must be of one kind")
+
+
+def pattern_window(m) -> int:
+    """The window the attention kernel must take for this config: model.sliding_window
+    when some layer is windowed (0: none), for the kernels' checks."""
+    kinds = layer_pattern(m.layer_types, m.num_layers)
+    if kinds and not any(LAYER_KINDS[k].windowed for k in kinds):
+        return 0
+    return m.sliding_window
 
 
 def _qkv_bias_params(spec) -> dict[str, tuple]:
@@ -52,6 +141,15 @@ def _qk_norm(module, which: str, y_BLHK, spec):
     return rms_norm(y_BLHK, scale, spec.norm_eps)
 
 
+def _sinks_params(spec) -> dict[str, tuple]:
+    return {"sinks": ((spec.num_heads,), ("heads",), 0.0)}
+
+
+def _unchanged(module, which: str, y_BLHK, spec):
+    """A part that acts inside the kernel leaves the projections as they are."""
+    return y_BLHK
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionPart:
     """One attention option a family can switch on."""
@@ -66,6 +164,9 @@ class AttentionPart:
     # Planner: values per token per layer the backward pass keeps for its function (the
     # memory estimate, plan/memory.py), summed over heads before any tensor sharding.
     kept_per_token: Callable = lambda spec: 0
+    # The kernel capability it needs (an AttentionKernel field of that name, which kernels
+    # without it refuse in one line); its parameter of that name goes to the kernel.
+    kernel: str | None = None
 
     def param_count(self, spec) -> int:
         """Planner: the parameters it adds to one layer."""
@@ -92,6 +193,9 @@ ATTENTION_PARTS: dict[str, AttentionPart] = {p.name: p for p in (
                   "(Qwen3, OLMo 2, Gemma 3)", _qk_norm_params, _qk_norm,
                   lambda s: 4 * (s.num_heads + s.num_kv_heads) * s.head_dim,
                   kept_per_token=lambda s: (s.num_heads + s.num_kv_heads) * s.head_dim),
+    AttentionPart("sinks", "a learned logit per head that joins every query's softmax and "
+                  "takes its share of the probability, with no value (gpt-oss)",
+                  _sinks_params, _unchanged, lambda s: 3 * s.num_heads, kernel="sinks"),
 )}
 
 
@@ -134,6 +238,11 @@ class Family:
     @property
     def attention_parts(self) -> tuple[AttentionPart, ...]:
         return tuple(ATTENTION_PARTS[p] for p in self.attention)
+
+    @property
+    def kernel_parts(self) -> tuple[str, ...]:
+        """The kernel capabilities its attention parts need (AttentionPart.kernel)."""
+        return tuple(p.kernel for p in self.attention_parts if p.kernel)
 
     def check(self, head_dim: int) -> None:
         """Raises ConfigError for a model shape this family cannot take."""

@@ -7,6 +7,8 @@ recomputation."""
 
 from __future__ import annotations
 
+import collections
+
 from jaxtrain.models.transformer import ModelSpec
 
 
@@ -67,9 +69,9 @@ def lora_adapter_params(spec: ModelSpec) -> int:
 def attention_flops_per_token(spec: ModelSpec) -> float:
     """QKᵀ and PV are 2·s·h·k multiply-adds each per token forward, ×3 for backward, halved
     because the causal mask leaves half the scores. A sliding window W leaves each query
-    W keys (fewer in the first W positions): W - W²/2s on average. No credit for
-    recomputation.
+    W keys (fewer in the first W positions): W - W²/2s on average, each layer by its kind's
+    fact (models/families.py LAYER_KINDS keys_per_query). No credit for recomputation.
     """
-    s, w = spec.seq_len, spec.sliding_window
-    keys = s / 2 if not w or w >= s else w - w * w / (2 * s)
-    return 12 * spec.num_layers * keys * spec.num_heads * spec.head_dim
+    counts = collections.Counter(spec.layer_types or (None,) * spec.num_layers)
+    return sum(12 * n * spec.layer_kind(kind).keys_per_query(spec) * spec.num_heads
+               * spec.head_dim for kind, n in counts.items())

@@ -1,8 +1,9 @@
 """Mixture-of-experts feed-forward (Mixtral style): a router picks the top k of E SwiGLU
 experts for each token, whose outputs are summed with the router's softmax probabilities
-renormalised over the k picked; optional shared experts (DeepSeek/Qwen style) run on every
-token. Expert parallelism: the experts are sharded over the `expert` mesh axis and tokens
-travel to their experts and back by all-to-all inside a shard_map.
+renormalised over the k picked (or as they are: model.moe.norm_topk_prob false); optional
+shared experts (DeepSeek/Qwen style) run on every token. Expert parallelism: the experts
+are sharded over the `expert` mesh axis and tokens travel to their experts and back by
+all-to-all inside a shard_map.
 
 Two ways to run the experts (`model.moe.dispatch`, one DISPATCHES entry each):
 - dropless: the token×choice rows sorted by expert and multiplied with `jax.lax.ragged_dot`
@@ -80,7 +81,10 @@ def defaults() -> dict:
     """The `model.moe` section (docs/parallelism.md); num_experts 0: a dense model."""
     return {
         "num_experts": 0,  # E routed experts per MoE layer (>= 2), llama family
-        "top_k": 2,  # experts per token; their router probabilities renormalised
+        "top_k": 2,  # experts per token
+        # Their router probabilities renormalised to sum to 1 (Mixtral); False: the softmax's
+        # own (Qwen3-MoE's norm_topk_prob false)
+        "norm_topk_prob": True,
         "expert_mlp_dim": 0,  # each expert's SwiGLU width; 0: model.mlp_dim
         "shared_experts": 0,  # always-on experts of expert_mlp_dim (DeepSeek/Qwen)
         "every_n_layers": 1,  # layers n-1, 2n-1, ... are MoE, the rest dense
@@ -122,6 +126,7 @@ class MoeSpec:
     capacity_factor: float = 1.25
     dispatch: str = "capacity"  # resolved: dropless or capacity
     ragged_collectives: bool = False  # ragged_all_to_all exists (GPU/TPU), else emulated
+    norm_topk_prob: bool = True  # the k weights renormalised to sum to 1
 
     @classmethod
     def from_config(cls, m, platform: str) -> MoeSpec | None:
@@ -135,7 +140,8 @@ class MoeSpec:
                    aux_loss_weight=moe.aux_loss_weight, z_loss_weight=moe.z_loss_weight,
                    capacity_factor=moe.capacity_factor,
                    dispatch=resolve_dispatch(moe.dispatch, platform),
-                   ragged_collectives=platform in ("gpu", "tpu"))
+                   ragged_collectives=platform in ("gpu", "tpu"),
+                   norm_topk_prob=moe.norm_topk_prob)
 
     def layers(self, num_layers: int) -> int:
         """How many of the model's layers are MoE."""
@@ -301,7 +307,7 @@ class _Route:
     logits_TE: jax.Array  # router dtype
     probs_TE: jax.Array  # float32 softmax
     experts_TK: jax.Array  # chosen experts, best first
-    weights_TK: jax.Array  # their probabilities renormalised to sum to 1
+    weights_TK: jax.Array  # their probabilities (renormalised to sum to 1: norm_topk_prob)
     order: jax.Array  # [A = T·k] the token×choice rows sorted (stably) by expert
     inverse: jax.Array  # its inverse permutation
     sizes_E: jax.Array  # rows per expert
@@ -312,7 +318,7 @@ def _route(moe: MoeSpec, x_TD, w_router_DE) -> _Route:
     logits_TE = jnp.dot(x_TD.astype(rdt), w_router_DE.astype(rdt))
     probs_TE = jax.nn.softmax(logits_TE.astype(jnp.float32), axis=-1)
     top_TK, experts_TK = jax.lax.top_k(probs_TE, moe.top_k)
-    weights_TK = top_TK / top_TK.sum(-1, keepdims=True)
+    weights_TK = top_TK / top_TK.sum(-1, keepdims=True) if moe.norm_topk_prob else top_TK
     return sorted_route(moe, logits_TE, probs_TE, experts_TK, weights_TK)
 
 

@@ -6,6 +6,15 @@ layer, so its walk stays one scan over the stacked layers. The parameters stay s
 kind (`blocks`, `moe_blocks`, each [layers, ...]); the walker views them per group. One scan
 step per group keeps the scan where stacking all layers alike cannot (the two kinds have
 different parameters), and lets the pipeline split the groups.
+
+Layer kinds (model.layer_types: sliding or full attention, each with its rope) are runs:
+each maximal run of groups of one kind is one scan, its kind a static argument of the
+layer, so every kernel keeps its static window (the chunked kernel skips the blocks outside
+it, cuDNN and splash build their masks once). Carrying the kind as scanned data instead
+would keep one compiled body, but the window would then be a traced value: the kernels
+could only mask, not skip, and the ones that need a static window could not run. So a
+pattern compiles one body per run: 5 sliding : 1 full is 2 runs per 6 layers, an
+alternating pattern one per layer. A model without a pattern is one run, the scan as before.
 """
 
 from __future__ import annotations
@@ -24,13 +33,24 @@ class Groups:
     count: int  # groups: the walker's scan steps
     dense: int  # dense layers per group: one is the layer itself, more an inner scan
     moe: bool  # whether each group ends in an MoE layer
+    # (layer kind or None: no pattern, first group, end group) of each run of equal kinds
+    runs: tuple[tuple[str | None, int, int], ...] = ()
 
     @classmethod
     def of(cls, spec) -> Groups:
         if spec.moe is None:
-            return cls(spec.num_layers, 1, False)
-        n = spec.moe.every_n_layers
-        return cls(spec.moe.layers(spec.num_layers), n - 1, True)
+            count, dense, moe = spec.num_layers, 1, False
+        else:
+            n = spec.moe.every_n_layers
+            count, dense, moe = spec.moe.layers(spec.num_layers), n - 1, True
+        # Each group is of one kind (config.py checks it): its first layer's.
+        kinds = spec.layer_types[::dense + moe] if spec.layer_types else (None,) * count
+        runs, first = [], 0
+        for g in range(1, count + 1):
+            if g == count or kinds[g] != kinds[first]:
+                runs.append((kinds[first], first, g))
+                first = g
+        return cls(count, dense, moe, tuple(runs))
 
     @property
     def size(self) -> int:
@@ -89,17 +109,31 @@ def stacked(block_cls, spec, keys: jax.Array):
 
 
 def walk(groups: Groups, layer: Callable, carry, xs):
-    """Runs the groups in one scan: ((x, aux sums), ys).
+    """Runs the groups, one scan per run of equal layer kinds: ((x, aux sums), ys).
 
-    layer(kind, x, layer_xs) -> (x, aux, y) runs one layer of `kind` ("dense", "moe") on
-    layer_xs, its slice of xs[kind] (its state, and its kv cache when decoding); y is what
-    the layer emits (its new cache), aux its pytree of per-row stats ({} for a dense layer).
+    layer(kind, x, layer_xs, layer_kind) -> (x, aux, y) runs one layer of `kind` ("dense",
+    "moe") and of `layer_kind` (its model.layer_types entry; None: no pattern) on layer_xs,
+    its slice of xs[kind] (its state, and its kv cache when decoding); y is what the layer
+    emits (its new cache), aux its pytree of per-row stats ({} for a dense layer).
     carry: (x, aux sums); the sums ({} to drop them) are [B, groups, ...], group g's MoE
     layer's aux added at slot xs["index"] = g, so that they ride with their rows (the
     pipeline's buffers carry them from stage to stage).
     """
+    runs = groups.runs or ((None, 0, groups.count),)
+    if len(runs) == 1:  # one kind (or no pattern): the one scan over every group
+        return jax.lax.scan(_group_body(groups, layer, runs[0][0]), carry, xs)
+    ys = []
+    for kind, lo, hi in runs:
+        carry, run_ys = jax.lax.scan(_group_body(groups, layer, kind), carry,
+                                     jax.tree.map(lambda a: a[lo:hi], xs))
+        ys.append(run_ys)
+    return carry, jax.tree.map(lambda *parts: jnp.concatenate(parts), *ys)
+
+
+def _group_body(groups: Groups, layer: Callable, layer_kind: str | None) -> Callable:
+    """The scan body of one group of `layer_kind`'s layers."""
     def dense(x, layer_xs):
-        x, _, y = layer("dense", x, layer_xs)
+        x, _, y = layer("dense", x, layer_xs, layer_kind)
         return x, y
 
     def group(carry, xs):
@@ -110,11 +144,11 @@ def walk(groups: Groups, layer: Callable, carry, xs):
         elif groups.dense:
             x, ys["dense"] = dense(x, xs["dense"])
         if groups.moe:
-            x, aux, ys["moe"] = layer("moe", x, xs["moe"])
+            x, aux, ys["moe"] = layer("moe", x, xs["moe"], layer_kind)
             sums = _add_at(sums, aux, xs.get("index"), groups.count)
         return (x, sums), ys
 
-    return jax.lax.scan(group, carry, xs)
+    return group
 
 
 def _add_at(sums: dict, aux: dict, index, count: int) -> dict:

@@ -14,7 +14,15 @@ from flax import nnx
 from jaxtrain.mesh import active_rules, constrain
 from jaxtrain.models.attention import Attention, resolve_attention, resolve_variant
 from jaxtrain.models.embedding import embed
-from jaxtrain.models.families import FAMILIES, Family
+from jaxtrain.models.families import (
+    FAMILIES,
+    LAYER_KINDS,
+    UNIFORM,
+    Family,
+    LayerKind,
+    layer_pattern,
+    pattern_window,
+)
 from jaxtrain.models.head_loss import soft_cap
 from jaxtrain.models.layers import Norm, param
 from jaxtrain.models.lora import LoraSpec
@@ -43,6 +51,9 @@ class ModelSpec:
     seq_len: int
     attention: str = "xla"
     sliding_window: int = 0  # 0: full causal attention; W: each query sees its last W keys
+    # Each layer's kind (models/families.py LAYER_KINDS); (): every layer UNIFORM
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float = 0.0  # the local-rope kinds' theta, unscaled; 0: rope_theta's
     remat: str = "none"
     rope_theta: float = 10000.0
     attention_scale_dim: int = 0  # q·k times attention_scale_dim**-0.5; 0: head_dim's
@@ -85,8 +96,11 @@ class ModelSpec:
             head_dim=m.head_dim or m.d_model // m.num_heads, mlp_dim=m.mlp_dim,
             vocab_size=m.vocab_size, seq_len=m.seq_len,
             attention=resolve_attention(m.attention, cfg.train.precision, platform, m.seq_len,
-                                        m.sliding_window, segments, m.attn_logit_softcap),
+                                        pattern_window(m), segments, m.attn_logit_softcap,
+                                        FAMILIES[m.family].kernel_parts),
             sliding_window=m.sliding_window,
+            layer_types=layer_pattern(m.layer_types, m.num_layers),
+            rope_local_theta=m.rope_local_theta,
             remat=m.remat, rope_theta=m.rope_theta, rope_scaling=_rope_scaling(m),
             attention_scale_dim=m.attention_scale_dim, attn_softcap=m.attn_logit_softcap,
             final_softcap=m.final_logit_softcap,
@@ -109,6 +123,11 @@ class ModelSpec:
     rms_norm = property(lambda self: self.family_entry.norm == "rms")
     attention_parts = property(lambda self: self.family_entry.attention_parts)
     norm_offset = property(lambda self: self.family_entry.norm_offset)
+
+    def layer_kind(self, name: str | None) -> LayerKind:
+        """A layer kind's entry: the walker hands each layer its kind's name (None: the
+        model has no pattern, every layer UNIFORM)."""
+        return UNIFORM if name is None else LAYER_KINDS[name]
 
 
 def _rope_scaling(m) -> RopeScaling | None:
@@ -135,15 +154,16 @@ class Block(nnx.Module):
     def _make_mlp(self, spec: ModelSpec, rngs: nnx.Rngs):
         return Mlp(spec, rngs=rngs)
 
-    def __call__(self, x_BLD: jax.Array, segments_BL=None, positions_BL=None):
+    def __call__(self, x_BLD: jax.Array, segments_BL=None, positions_BL=None,
+                 kind: str | None = None):
         """(x_BLD, aux): aux is the layer's per-row routing stats in an MoE block, {} in a
         dense one (models/stack.py sums them over the layers). segments_BL, positions_BL:
         packed documents' ids and restarted positions (models/attention/kernels.py); None:
-        one document per row."""
+        one document per row. kind: the layer's kind (model.layer_types; None: uniform)."""
         q_BLHK, k_BLGK, v_BLGK = self._norm_then(
-            lambda x: self.attn.qkv(self.attn_norm(x), positions_BL))(x_BLD)
-        x_BLD = x_BLD + self._post("post_attn_norm",
-                                   self.attn.attend(q_BLHK, k_BLGK, v_BLGK, segments_BL))
+            lambda x: self.attn.qkv(self.attn_norm(x), positions_BL, kind))(x_BLD)
+        x_BLD = x_BLD + self._post("post_attn_norm", self.attn.attend(
+            q_BLHK, k_BLGK, v_BLGK, segments_BL, kind))
         return self._mlp_residual(x_BLD)
 
     def _norm_then(self, norm_and_project):
@@ -171,9 +191,10 @@ class Block(nnx.Module):
         h_BLF, gate_BLF = self._norm_then(lambda x: self.mlp.up(self.mlp_norm(x)))(x_BLD)
         return self.mlp.down(h_BLF, gate_BLF), {}
 
-    def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):
+    def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array,
+               kind: str | None = None):
         """(x_BTD, the layer's updated cache); no expert drops a token while generating."""
-        y_BTD, cache = self.attn.decode(self.attn_norm(x_BTD), cache, start)
+        y_BTD, cache = self.attn.decode(self.attn_norm(x_BTD), cache, start, kind)
         return self._mlp_residual(x_BTD + self._post("post_attn_norm", y_BTD),
                                   drop=False)[0], cache
 
@@ -270,9 +291,10 @@ class Transformer(nnx.Module):
             stats = self._zero_stats(x_BLD.shape[0], groups.count)
 
         def run(chunk, carry, documents=None):
-            def layer(kind, x_BLD, state):
+            def layer(kind, x_BLD, state, layer_kind):
+                segments_BL, positions_BL = documents or (None, None)
                 block = self._remat(lambda x, state: nnx.merge(defs[kind], state)(
-                    x, *(documents or ())))
+                    x, segments_BL, positions_BL, layer_kind))
                 return (*block(x_BLD, state), None)
 
             return walk(groups, layer, carry, chunk)[0]
@@ -323,9 +345,10 @@ class Transformer(nnx.Module):
         defs, states = self._stacks()
         xs = {kind: (states[kind], c) for kind, c in groups.split(cache).items()}
 
-        def layer(kind, x_BTD, state_and_cache):
+        def layer(kind, x_BTD, state_and_cache, layer_kind):
             state, layer_cache = state_and_cache
-            x_BTD, layer_cache = nnx.merge(defs[kind], state).decode(x_BTD, layer_cache, start)
+            x_BTD, layer_cache = nnx.merge(defs[kind], state).decode(x_BTD, layer_cache, start,
+                                                                     layer_kind)
             return x_BTD, {}, layer_cache
 
         (x_BTD, _), new = walk(groups, layer, (self._embed(tokens_BT, start), {}), xs)

@@ -63,9 +63,10 @@ class AttentionKernel:
     # is accepted (it is an XLA kernel too); a custom kernel is refused.
     under_context: bool = False
     softcap: bool = False  # takes an attention-logit soft-cap (model.attn_logit_softcap)
+    sinks: bool = False  # takes learned attention sinks, a logit per head (part 'sinks')
 
     def __call__(self, q_BLHK, k_BMGK, v_BMGK, window: int | None = None, rules=None,
-                 segments_BL=None, softcap: float = 0.0):
+                 segments_BL=None, softcap: float = 0.0, sinks=None):
         if segments_BL is not None and not self.segments:
             raise ValueError(f"the {self.name} attention kernel takes no document masks")
         extra = {} if segments_BL is None else {"segments_BL": segments_BL}
@@ -73,6 +74,10 @@ class AttentionKernel:
             if not self.softcap:
                 raise ValueError(f"the {self.name} attention kernel has no logit soft-cap")
             extra["softcap"] = softcap
+        if sinks is not None:  # as the soft-cap: only then
+            if not self.sinks:
+                raise ValueError(f"the {self.name} attention kernel has no attention sinks")
+            extra["sinks"] = sinks
         if self.sharded_by_rules:
             extra["rules"] = rules
         return self.fn(q_BLHK, k_BMGK, v_BMGK, window, **extra)
@@ -90,9 +95,11 @@ class AttentionKernel:
                  f"use auto or {able}")
 
     def problem(self, precision: str, platform: str | None, seq_len: int,
-                window: int, documents: bool = False, softcap: float = 0.0) -> str | None:
+                window: int, documents: bool = False, softcap: float = 0.0,
+                parts: tuple[str, ...] = ()) -> str | None:
         """Why this kernel cannot run this config (None: it can); platform None: unknown
-        yet (the planner), so only the platform-independent checks apply."""
+        yet (the planner), so only the platform-independent checks apply. parts: the
+        capabilities the family's attention parts need (models/families.py kernel_parts)."""
         if platform is not None and platform not in self.platforms:
             return (f"it runs on {' and '.join(self.platforms)}, and this run has "
                     f"{platform} devices; use xla or chunked")
@@ -109,6 +116,11 @@ class AttentionKernel:
             able = ", ".join(k.name for k in KERNELS.values() if k.softcap)
             return (f"the {self.name} kernel cannot run the attention-logit soft-cap part "
                     f"(model.attn_logit_softcap={softcap}); use {able}")
+        for part in parts:
+            if not getattr(self, part):
+                able = ", ".join(k.name for k in KERNELS.values() if getattr(k, part))
+                return (f"the {self.name} kernel cannot run the family's attention part "
+                        f"{part!r}; use {able}")
         if seq_len % self.seq_multiple:
             return (f"it tiles the sequence in blocks of {self.seq_multiple}: model.seq_len="
                     f"{seq_len} is not a multiple")
@@ -131,12 +143,14 @@ KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
                     ("cpu", "gpu", "tpu"), query_chunk=128, loop_tile=loop_tile,
                     under_context=True),
     AttentionKernel("xla", xla_attention, "the reference: full score matrix, mask, softmax",
-                    ("cpu", "gpu", "tpu"), full_scores=True, under_context=True, softcap=True),
+                    ("cpu", "gpu", "tpu"), full_scores=True, under_context=True, softcap=True,
+                    sinks=True),
 )}
 
 
 def resolve_attention(name: str, precision: str, platform: str, seq_len: int = 128,
-                      window: int = 0, documents: bool = False, softcap: float = 0.0) -> str:
+                      window: int = 0, documents: bool = False, softcap: float = 0.0,
+                      parts: tuple[str, ...] = ()) -> str:
     """The kernel `model.attention` names on this platform: 'auto' is the first kernel
     whose auto_on is the platform and that can run the config, else chunked; 'pallas' on
     a TPU is the splash kernel."""
@@ -146,6 +160,8 @@ def resolve_attention(name: str, precision: str, platform: str, seq_len: int = 1
         return name
     for kernel in KERNELS.values():
         if kernel.auto_on == platform and not kernel.problem(precision, platform, seq_len,
-                                                              window, documents, softcap):
+                                                              window, documents, softcap,
+                                                              parts):
             return kernel.name
-    return "xla" if softcap else "chunked"  # the one kernel with the soft-cap part
+    # xla: the one kernel with the soft-cap and the sinks
+    return "xla" if softcap or parts else "chunked"

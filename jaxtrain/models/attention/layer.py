@@ -61,20 +61,27 @@ class Attention(nnx.Module):
         y = checkpoint_name(y, PROJECTION_NAMES[name])
         return constrain(y, ("batch", "length") + axes, self.spec.rules)
 
-    def qkv(self, x_BLD, positions_L=None):
+    def qkv(self, x_BLD, positions_L=None, kind: str | None = None):
         """Projected q (scaled by 1/√head_dim), k and v of the normed input; positions_L
         ([L], or [B, L] restarting at each document) for rotary embeddings (default
-        0..L-1)."""
+        0..L-1); kind: the layer's kind, whose rope it rotates by (None: the model's)."""
         spec = self.spec
         q_BLHK = self._project(x_BLD, "q", ("heads", "kv"))
         k_BLGK = self._project(x_BLD, "k", ("kv_heads", "kv"))
         v_BLGK = self._project(x_BLD, "v", ("kv_heads", "kv"))
         if spec.rope:
-            q_BLHK = rope(q_BLHK, spec.rope_theta, positions_L, spec.rope_scaling)
-            k_BLGK = rope(k_BLGK, spec.rope_theta, positions_L, spec.rope_scaling)
+            theta, scaling = spec.layer_kind(kind).rope(spec)
+            q_BLHK = rope(q_BLHK, theta, positions_L, scaling)
+            k_BLGK = rope(k_BLGK, theta, positions_L, scaling)
         q_BLHK = q_BLHK * jnp.asarray((spec.attention_scale_dim or spec.head_dim) ** -0.5,
                                       q_BLHK.dtype)
         return q_BLHK, k_BLGK, v_BLGK
+
+    def _kernel_parts(self) -> dict:
+        """The parameters of the family's attention parts that act inside the kernel (the
+        sinks), by the kernel's argument names: {} without such parts."""
+        return {p.kernel: getattr(self, p.kernel)[...] for p in self.spec.attention_parts
+                if p.kernel}
 
     def _output(self, out_BLHK):
         spec = self.spec
@@ -90,27 +97,33 @@ class Attention(nnx.Module):
         return self.attend(*self.qkv(x_BLD, positions_BL), segments_BL)
 
     def attend(self, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
-               segments_BL=None) -> jax.Array:
+               segments_BL=None, kind: str | None = None) -> jax.Array:
         """The attention kernel and the output projection, from projected q, k, v;
-        segments_BL: document masks (the module docstring), None for none."""
-        spec, window = self.spec, self.spec.sliding_window or None
+        segments_BL: document masks (the module docstring), None for none; kind: the
+        layer's kind, whose window the kernel takes (None: model.sliding_window's)."""
+        spec = self.spec
+        window = spec.layer_kind(kind).window(spec)
         if spec.context is not None:  # the sequence is split: the kernel passes K/V around
+            assert not self._kernel_parts(), "config.py refuses kernel parts under context"
             out_BLHK = context_attention(q_BLHK, k_BLGK, v_BLGK, window, segments_BL,
                                          spec.context, spec.rules)
         else:
             out_BLHK = KERNELS[spec.attention](q_BLHK, k_BLGK, v_BLGK, window,
                                                rules=spec.rules, segments_BL=segments_BL,
-                                               softcap=spec.attn_softcap)
+                                               softcap=spec.attn_softcap,
+                                               **self._kernel_parts())
         return self._output(out_BLHK)
 
-    def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):
+    def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array,
+               kind: str | None = None):
         """T new positions [start, start+T) against the kv cache ([B, M, G, K] each), which
-        gets their keys and values; returns (y_BTD, cache)."""
+        gets their keys and values; returns (y_BTD, cache). A windowed kind's cache keeps
+        every position too (the mask hides the ones past its window)."""
         positions_T = start + jnp.arange(x_BTD.shape[1])
-        q_BTHK, k_BTGK, v_BTGK = self.qkv(x_BTD, positions_T)
+        q_BTHK, k_BTGK, v_BTGK = self.qkv(x_BTD, positions_T, kind)
         k_BMGK, v_BMGK = (jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, 1)
                           for c, new in zip(cache, (k_BTGK, v_BTGK)))
         out_BTHK = cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T,
-                                    self.spec.sliding_window or None,
-                                    softcap=self.spec.attn_softcap)
+                                    self.spec.layer_kind(kind).window(self.spec),
+                                    softcap=self.spec.attn_softcap, **self._kernel_parts())
         return self._output(out_BTHK), (k_BMGK, v_BMGK)

@@ -45,11 +45,12 @@ _qk_16bit.defvjp(_qk_16bit_fwd, _qk_16bit_bwd)
 
 
 def cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T, window: int | None,
-                     segments_BL=None, softcap: float = 0.0):
+                     segments_BL=None, softcap: float = 0.0, sinks=None):
     """T queries at positions_T against M keys at positions 0..M-1: full score matrix, mask,
     float32 softmax. When decoding, the keys are a cache whose slots past each query's
     position are unwritten; the causal mask hides them. segments_BL (self-attention, T = M):
-    the document masks of the module docstring."""
+    the document masks of the module docstring. sinks: [H] learned logits (the sinks
+    part), one more column of every query's softmax whose probability is dropped."""
     b, t, heads, head_dim = q_BTHK.shape
     groups = k_BMGK.shape[2]
     q_BTGRK = q_BTHK.reshape(b, t, groups, heads // groups, head_dim)
@@ -60,14 +61,22 @@ def cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T, window: int | None,
     if segments_BL is not None:
         visible_TM = (visible_TM & same_document(segments_BL, segments_BL))[:, None, None]
     scores_BGRTM = jnp.where(visible_TM, scores_BGRTM, jnp.finfo(jnp.float32).min)
-    probs_BGRTM = jax.nn.softmax(scores_BGRTM, axis=-1).astype(v_BMGK.dtype)
+    if sinks is None:
+        probs_BGRTM = jax.nn.softmax(scores_BGRTM, axis=-1).astype(v_BMGK.dtype)
+    else:
+        sink_GR = sinks.astype(jnp.float32).reshape(groups, heads // groups)
+        sink_BGRT1 = jnp.broadcast_to(sink_GR[None, :, :, None, None],
+                                      scores_BGRTM.shape[:-1] + (1,))
+        probs_BGRTM = jax.nn.softmax(jnp.concatenate([scores_BGRTM, sink_BGRT1], axis=-1),
+                                     axis=-1)[..., :-1].astype(v_BMGK.dtype)
     out_BTGRK = jnp.einsum("bgrtm,bmgk->btgrk", probs_BGRTM, v_BMGK)
     return out_BTGRK.reshape(b, t, heads, head_dim)
 
 
 def xla_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
-                  window: int | None = None, segments_BL=None, softcap: float = 0.0
-                  ) -> jax.Array:
-    """Reference causal attention; softcap: the attention-logit soft-cap (0: none)."""
+                  window: int | None = None, segments_BL=None, softcap: float = 0.0,
+                  sinks=None) -> jax.Array:
+    """Reference causal attention; softcap: the attention-logit soft-cap (0: none); sinks:
+    [H] attention-sink logits (None: none)."""
     return cached_attention(q_BLHK, k_BMGK, v_BMGK, jnp.arange(q_BLHK.shape[1]), window,
-                            segments_BL, softcap)
+                            segments_BL, softcap, sinks)
