@@ -46,6 +46,9 @@ class HFTensor:
     # The HF layers stacked into the parameter, in order (its layers of one kind, where the
     # model stores dense and MoE layers apart); None: every layer.
     layers: tuple[int, ...] | None = None
+    # The parts alternate element by element along `axis` (gpt-oss's gate_up_proj: gate at
+    # even, up at odd indices) rather than lying side by side; parts of equal size.
+    interleaved: bool = False
 
     @property
     def per_layer(self) -> bool:
@@ -65,6 +68,22 @@ class HFTensor:
         return [(self.named(i, e), i, e) for i in (range(layers) if self.layers is None
                                                    else self.layers)
                 for e in (range(self.experts) if self.experts else [None])]
+
+    def select(self, value, offset: int, size: int):
+        """A part's elements of the HF tensor `value` read whole along `axis` (interleaved),
+        or `value` itself (already read as the part's slice)."""
+        if not self.interleaved:
+            return value
+        n = len(self.parts)
+        return np.take(value, np.arange(offset // size, n * size, n), axis=self.axis)
+
+    def join(self, pieces: list):
+        """The HF tensor from its parts' pieces in HF layout."""
+        if len(pieces) == 1:
+            return pieces[0]
+        if self.interleaved:
+            return np.stack(pieces, axis=self.axis + 1).reshape(self.shape)
+        return np.concatenate(pieces, axis=self.axis)
 
     def shape_ok(self, shape: tuple[int, ...]) -> bool:
         if len(shape) != len(self.shape):

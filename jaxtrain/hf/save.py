@@ -133,7 +133,7 @@ def _write_tensors(out_dir: pathlib.Path, max_bytes: int, flat: dict, order: lis
     for tensor, layer, expert in tqdm(order, desc="export", unit="tensor", file=sys.stderr):
         index = layer if tensor.layers is None or layer is None else tensor.layers.index(layer)
         pieces = [part.to_hf(fetch(part.path, index, expert)) for part in tensor.parts]
-        value = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=tensor.axis)
+        value = tensor.join(pieces)
         name = tensor.named(layer, expert)
         assert value.shape == tensor.shape, (name, value.shape, tensor.shape)
         writer.add(name, value.astype(dtype))

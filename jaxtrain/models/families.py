@@ -10,6 +10,10 @@ each attention layer, what it does to a projected q/k/v head tensor before the r
 embedding (its function), the model shapes it refuses (its check) and its facts for the
 planner (parameters and FLOPs per token per layer; none change the kv cache's size).
 
+An MoE expert kind (EXPERT_KINDS, a family's `experts`) is one registry entry too: the
+activation of each expert's gate and up projections and whether its projections and the
+router's logits carry biases (their parameters: the planner counts no elementwise work).
+
 A layer kind (LAYER_KINDS, `model.layer_types`) is one registry entry too: how a layer of
 that kind attends (within model.sliding_window or to every earlier token) and rotates
 (model.rope_local_theta or the model's rope), with its planner fact (the keys each query
@@ -21,10 +25,47 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
+
 from jaxtrain.errors import fail
 from jaxtrain.models.layers import rms_norm
 
 MLP_KINDS = ("gelu", "swiglu", "geglu")  # geglu: tanh-GELU(gate)·up (Gemma)
+
+
+def _swiglu(kind, gate, up):
+    return jax.nn.silu(gate) * up
+
+
+def _clamped_swiglu(kind, gate, up):
+    """gpt-oss: the gate clipped above at `limit`, the up projection to ±limit, then
+    (up + 1)·gate·sigmoid(alpha·gate)."""
+    gate = jnp.minimum(gate, kind.limit)
+    up = jnp.clip(up, -kind.limit, kind.limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(kind.alpha * gate))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertKind:
+    """One value of a family's `experts`: what each routed expert computes."""
+
+    name: str
+    doc: str
+    fn: Callable  # (kind, gate, up) -> the activation fed to the down projection
+    # Biases on the experts' gate, up and down projections ([E, F], [E, F], [E, D]) and on
+    # the router's logits ([E]), all born zero.
+    bias: bool = False
+    alpha: float = 1.0  # the sigmoid's gain (clamped SwiGLU)
+    limit: float = 0.0  # the clamp (clamped SwiGLU)
+
+
+EXPERT_KINDS: dict[str, ExpertKind] = {k.name: k for k in (
+    ExpertKind("swiglu", "SiLU(gate)·up, no biases (Mixtral, Qwen3-MoE)", _swiglu),
+    ExpertKind("swiglu_clamped", "gate ≤ 7, |up| ≤ 7, (up + 1)·gate·σ(1.702·gate); biases on "
+               "the projections and the router's logits (gpt-oss)", _clamped_swiglu,
+               bias=True, alpha=1.702, limit=7.0),
+)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,10 +256,16 @@ class Family:
     # Sandwich norms (Gemma 2/3): each sub-layer's output normed again before its residual
     sandwich: bool = False
     embed_scale: bool = False  # the token embeddings times sqrt(d_model) (Gemma)
+    # The EXPERT_KINDS entry its MoE layers (model.moe) run; "": the family takes no experts
+    experts: str = ""
+    # It has dense feed-forward layers; False: every layer is MoE (gpt-oss), so
+    # model.moe.num_experts must be set and model.moe.every_n_layers 1.
+    dense_mlp: bool = True
 
     def __post_init__(self):
         unknown = [p for p in self.attention if p not in ATTENTION_PARTS]
         assert not unknown, f"family {self.name}: unknown attention parts {unknown}"
+        assert not self.experts or self.experts in EXPERT_KINDS, self.experts
 
     @property
     def gated_mlp(self) -> bool:
@@ -232,8 +279,12 @@ class Family:
 
     @property
     def takes_experts(self) -> bool:
-        """MoE layers (models/moe.py) fit it: their experts are SwiGLU without biases."""
-        return self.mlp == "swiglu" and not self.bias
+        """MoE layers (models/moe.py) fit it: it names their expert kind."""
+        return bool(self.experts)
+
+    @property
+    def expert_kind(self) -> ExpertKind:
+        return EXPERT_KINDS[self.experts or "swiglu"]
 
     @property
     def attention_parts(self) -> tuple[AttentionPart, ...]:
@@ -253,7 +304,8 @@ class Family:
                 part.check(self, head_dim)
 
 
-_LLAMA = dict(norm="rms", bias=False, rope=True, tied_embeddings=False, mlp="swiglu")
+_LLAMA = dict(norm="rms", bias=False, rope=True, tied_embeddings=False, mlp="swiglu",
+              experts="swiglu")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gpt2", "GPT-2: LayerNorm, GELU, biases, learned positions, tied embeddings",
@@ -274,5 +326,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "model.attn_logit_softcap)", norm="rms", bias=False, rope=True,
            tied_embeddings=True, mlp="geglu", norm_offset=1.0, sandwich=True,
            embed_scale=True),
+    Family("gpt_oss", "gpt-oss: Llama's norms and RoPE, biases on q, k, v and o, attention "
+           "sinks, every layer MoE with clamped-SwiGLU experts and a router bias", norm="rms",
+           bias=True, rope=True, tied_embeddings=False, mlp="swiglu", attention=("sinks",),
+           experts="swiglu_clamped", dense_mlp=False),
 )}
 

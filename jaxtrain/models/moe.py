@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.errors import fail
 from jaxtrain.mesh import logical_to_spec
 from jaxtrain.models import lora
-from jaxtrain.models.families import FAMILIES
+from jaxtrain.models.families import EXPERT_KINDS, FAMILIES
 from jaxtrain.models.layers import param
 from jaxtrain.models.mlp import Mlp
 
@@ -127,6 +127,12 @@ class MoeSpec:
     dispatch: str = "capacity"  # resolved: dropless or capacity
     ragged_collectives: bool = False  # ragged_all_to_all exists (GPU/TPU), else emulated
     norm_topk_prob: bool = True  # the k weights renormalised to sum to 1
+    # What each expert computes (models/families.py EXPERT_KINDS, the family's `experts`)
+    expert_kind: str = "swiglu"
+
+    @property
+    def kind(self):
+        return EXPERT_KINDS[self.expert_kind]
 
     @classmethod
     def from_config(cls, m, platform: str) -> MoeSpec | None:
@@ -141,7 +147,8 @@ class MoeSpec:
                    capacity_factor=moe.capacity_factor,
                    dispatch=resolve_dispatch(moe.dispatch, platform),
                    ragged_collectives=platform in ("gpu", "tpu"),
-                   norm_topk_prob=moe.norm_topk_prob)
+                   norm_topk_prob=moe.norm_topk_prob,
+                   expert_kind=FAMILIES[m.family].expert_kind.name)
 
     def layers(self, num_layers: int) -> int:
         """How many of the model's layers are MoE."""
@@ -164,6 +171,11 @@ class MoeSpec:
 def check(c, platform: str | None) -> None:
     """ConfigError for a model.moe setting that cannot work (called by config.validate)."""
     m, moe = c.model, c.model.moe
+    if not FAMILIES[m.family].dense_mlp and (moe.num_experts < 2 or moe.every_n_layers != 1):
+        key, value = (("model.moe.num_experts", moe.num_experts) if moe.num_experts < 2 else
+                      ("model.moe.every_n_layers", moe.every_n_layers))
+        fail(key, value, f"model.family={m.family!r} has no dense feed-forward layers: every "
+             "layer is MoE (model.moe.num_experts >= 2, model.moe.every_n_layers=1)")
     if moe.num_experts < 0:
         fail("model.moe.num_experts", moe.num_experts, "must be 0 (a dense model) or >= 2")
     if not moe.num_experts:
@@ -172,8 +184,8 @@ def check(c, platform: str | None) -> None:
         fail("model.moe.num_experts", moe.num_experts, "must be 0 (a dense model) or >= 2")
     if not FAMILIES[m.family].takes_experts:
         able = " or ".join(f"{f.name!r}" for f in FAMILIES.values() if f.takes_experts)
-        fail("model.moe.num_experts", moe.num_experts, "experts are SwiGLU without biases: "
-             f"MoE needs model.family={able}")
+        fail("model.moe.num_experts", moe.num_experts, f"model.family={m.family!r} names no "
+             f"expert kind: MoE needs model.family={able}")
     if not 1 <= moe.top_k <= moe.num_experts:
         fail("model.moe.top_k", moe.top_k, f"must be between 1 and model.moe.num_experts="
              f"{moe.num_experts}")
@@ -216,11 +228,21 @@ class MoeMlp(nnx.Module):
             setattr(self, f"lora_{name}", lora.adapter(
                 spec, "experts", getattr(self, f"w_{name}"), f"w_{name}", 1, rngs,
                 experts=True))
+        if moe.kind.bias:  # zeros: no draws
+            self.b_router = param(rngs, (e,), (None,), 0.0, dt)
+            self.b_up = param(rngs, (e, f), ("experts", "mlp"), 0.0, dt)
+            self.b_gate = param(rngs, (e, f), ("experts", "mlp"), 0.0, dt)
+            self.b_down = param(rngs, (e, d), ("experts", "embed"), 0.0, dt)
 
     def __call__(self, x_BLD: jax.Array, drop: bool = True):
         spec = self.spec
         weights = (self.w_router[...], *(self._expert_weight(n) for n in ("up", "gate", "down")))
-        y_BLD, stats = routed_experts(spec, x_BLD, weights, drop)
+        if spec.moe.kind.bias:  # the router's bias rides as its state (added to its logits)
+            biases = tuple(getattr(self, f"b_{n}")[...] for n in ("up", "gate", "down"))
+            y_BLD, stats = routed_experts(spec, x_BLD, weights, drop,
+                                          route_state=(self.b_router[...],), biases=biases)
+        else:
+            y_BLD, stats = routed_experts(spec, x_BLD, weights, drop)
         if spec.moe.shared_experts:
             y_BLD = y_BLD + self.shared(x_BLD)
         return y_BLD, stats
@@ -250,15 +272,17 @@ def _mesh_axes(entry) -> tuple:
 
 
 def routed_experts(spec, x_BLD, weights, drop: bool, route: Callable | None = None,
-                   route_state: tuple = ()):
+                   route_state: tuple = (), biases: tuple = ()):
     """The routed experts' output and per-row stats; in a shard_map over the whole mesh
     when there is one (plain local code without). route: (moe, x_TD, w_router_DE,
     *route_state) -> _Route, another router (models/router.py ROUTERS; default the softmax
-    top-k here); route_state: its replicated arrays (a correction bias)."""
+    top-k here); route_state: its replicated arrays (a correction bias, the router's logit
+    bias); biases: the experts' (b_up_EF, b_gate_EF, b_down_ED) of an expert kind with
+    biases, else ()."""
     route = route or _route
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return _local(spec, _Axes(), drop, route, x_BLD, *weights, *route_state)
+        return _local(spec, _Axes(), drop, route, x_BLD, *weights, biases, *route_state)
     rules = spec.rules
     tokens = logical_to_spec(("batch", "length", None), rules)
     w_in = logical_to_spec(("experts", "embed", "mlp"), rules)
@@ -271,14 +295,18 @@ def routed_experts(spec, x_BLD, weights, drop: bool, route: Callable | None = No
     rows = P(tokens[0])
     stats_specs = {name: rows for name in STAT_NAMES}
     body = functools.partial(_local, spec, axes, drop, route)
-    return jax.shard_map(body, in_specs=(tokens, P(), w_in, w_in, w_out,
+    # The up/gate biases split as the experts' hidden dimension; the down bias whole (added
+    # per token after the tensor-parallel sum).
+    b_in = logical_to_spec(("experts", "mlp"), rules)
+    bias_specs = (b_in, b_in, P()) if biases else ()
+    return jax.shard_map(body, in_specs=(tokens, P(), w_in, w_in, w_out, bias_specs,
                                          *(P() for _ in route_state)),
                          out_specs=(P(tokens[0], tokens[1]), stats_specs))(
-        x_BLD, *weights, *route_state)
+        x_BLD, *weights, biases, *route_state)
 
 
 def _local(spec, axes: _Axes, drop: bool, route, x_BLD, w_router_DE, w_up_EDF, w_gate_EDF,
-           w_down_EFD, *route_state):
+           w_down_EFD, biases, *route_state):
     """One device's tokens through the router and the experts (whose other shards it
     reaches through the collectives over `axes`)."""
     moe, dt = spec.moe, spec.compute_dtype
@@ -287,7 +315,8 @@ def _local(spec, axes: _Axes, drop: bool, route, x_BLD, w_router_DE, w_up_EDF, w
         w_up_EDF, w_gate_EDF = (jax.lax.all_gather(w, axes.embed, axis=1, tiled=True)
                                 for w in (w_up_EDF, w_gate_EDF))
         w_down_EFD = jax.lax.all_gather(w_down_EFD, axes.embed, axis=2, tiled=True)
-    experts = (w_up_EDF.astype(dt), w_gate_EDF.astype(dt), w_down_EFD.astype(dt))
+    experts = (w_up_EDF.astype(dt), w_gate_EDF.astype(dt), w_down_EFD.astype(dt),
+               *(b.astype(dt) for b in biases[:2]))
     x_TD = x_BLD.reshape(b * length, d)
     route = route(moe, x_TD, w_router_DE, *route_state)
     y_AD, dropped_A = DISPATCHES[moe.dispatch].run(moe, axes, x_TD, route, experts, drop)
@@ -296,6 +325,11 @@ def _local(spec, axes: _Axes, drop: bool, route, x_BLD, w_router_DE, w_up_EDF, w
     y_TD = jnp.einsum("tkd,tk->td", y_TKD, route.weights_TK.astype(y_TKD.dtype))
     if axes.mlp:  # tensor parallelism: each shard holds part of every expert's hidden dim
         y_TD = jax.lax.psum(y_TD, axes.mlp)
+    if biases:  # each kept choice's down bias, by its router weight
+        kept_TK = ~dropped_A[route.inverse].reshape(b * length, moe.top_k)
+        weights_TK = jnp.where(kept_TK, route.weights_TK, 0).astype(y_TD.dtype)
+        y_TD = y_TD + jnp.einsum("tk,tkd->td", weights_TK,
+                                 biases[2].astype(y_TD.dtype)[route.experts_TK])
     stats = _row_stats(moe, route, dropped_A[route.inverse], b, length)
     if axes.length:
         stats = jax.tree.map(lambda s: jax.lax.psum(s, axes.length), stats)
@@ -313,9 +347,14 @@ class _Route:
     sizes_E: jax.Array  # rows per expert
 
 
-def _route(moe: MoeSpec, x_TD, w_router_DE) -> _Route:
+def _route(moe: MoeSpec, x_TD, w_router_DE, b_router_E=None) -> _Route:
+    """Softmax over the E logits (plus the router's bias, where the expert kind has one)
+    in float32, top k, renormalised over the k with norm_topk_prob: gpt-oss's softmax of
+    the k best logits is the same function."""
     rdt = moe.router_dtype
     logits_TE = jnp.dot(x_TD.astype(rdt), w_router_DE.astype(rdt))
+    if b_router_E is not None:
+        logits_TE = logits_TE + b_router_E.astype(rdt)
     probs_TE = jax.nn.softmax(logits_TE.astype(jnp.float32), axis=-1)
     top_TK, experts_TK = jax.lax.top_k(probs_TE, moe.top_k)
     weights_TK = top_TK / top_TK.sum(-1, keepdims=True) if moe.norm_topk_prob else top_TK
@@ -344,9 +383,11 @@ def _row_stats(moe: MoeSpec, route: _Route, dropped_A, b: int, length: int) -> d
                                .astype(jnp.float32))}
 
 
-def _swiglu_experts(h_up, h_gate, down):
-    """SiLU(gate)·up, the matmul outputs named for the remat policies (models/remat.py)."""
-    a = jax.nn.silu(checkpoint_name(h_gate, "mlp_gate")) * checkpoint_name(h_up, "mlp_up")
+def _expert_outputs(moe: MoeSpec, h_up, h_gate, down):
+    """The expert kind's activation (SiLU(gate)·up for SwiGLU), the matmul outputs named
+    for the remat policies (models/remat.py)."""
+    kind = moe.kind
+    a = kind.fn(kind, checkpoint_name(h_gate, "mlp_gate"), checkpoint_name(h_up, "mlp_up"))
     return checkpoint_name(down(a), "mlp_down")
 
 
@@ -366,11 +407,13 @@ def _capacity(moe: MoeSpec, axes: _Axes, x_TD, route: _Route, experts, drop: boo
     shards = axes.expert_shards
     if shards > 1:  # to the devices holding the experts: [E_local, shards·C, D] there
         buffer_ECD = jax.lax.all_to_all(buffer_ECD, axes.experts, 0, 1, tiled=True)
-    w_up, w_gate, w_down = experts
-    out_ECD = _swiglu_experts(
-        jnp.einsum("ecd,edf->ecf", buffer_ECD, w_up),
-        jnp.einsum("ecd,edf->ecf", buffer_ECD, w_gate),
-        lambda a: jnp.einsum("ecf,efd->ecd", a, w_down))
+    w_up, w_gate, w_down, *b = experts
+    h_up_ECF = jnp.einsum("ecd,edf->ecf", buffer_ECD, w_up)
+    h_gate_ECF = jnp.einsum("ecd,edf->ecf", buffer_ECD, w_gate)
+    if b:  # the experts' up and gate biases [E_local, F]
+        h_up_ECF, h_gate_ECF = h_up_ECF + b[0][:, None], h_gate_ECF + b[1][:, None]
+    out_ECD = _expert_outputs(moe, h_up_ECF, h_gate_ECF,
+                              lambda a: jnp.einsum("ecf,efd->ecd", a, w_down))
     if shards > 1:
         out_ECD = jax.lax.all_to_all(out_ECD, axes.experts, 1, 0, tiled=True)
     expert_A = jnp.repeat(jnp.arange(e), route.sizes_E, total_repeat_length=rows)
@@ -388,16 +431,21 @@ def _dropless(moe: MoeSpec, axes: _Axes, x_TD, route: _Route, experts, drop: boo
     rows_AD = x_TD[route.order // moe.top_k]
     dropped_A = jnp.zeros(rows_AD.shape[0], bool)
     if axes.expert_shards == 1:
-        return _grouped_swiglu(rows_AD, route.sizes_E, experts), dropped_A
+        return _grouped_experts(moe, rows_AD, route.sizes_E, experts), dropped_A
     return _dropless_exchanged(moe, axes, rows_AD, route.sizes_E, experts), dropped_A
 
 
-def _grouped_swiglu(rows_AD, sizes_E, experts):
-    """Rows sorted by expert (sizes_E of each; rows past their sum come out as zeros)."""
-    w_up, w_gate, w_down = experts
+def _grouped_experts(moe: MoeSpec, rows_AD, sizes_E, experts):
+    """Rows sorted by expert (sizes_E of each; rows past their sum come out as zeros, or
+    as the last expert's biases' output, which the caller masks)."""
+    w_up, w_gate, w_down, *b = experts
     group = functools.partial(jax.lax.ragged_dot, group_sizes=sizes_E)
-    return _swiglu_experts(group(rows_AD, w_up), group(rows_AD, w_gate),
-                           lambda a: group(a, w_down))
+    h_up_AF, h_gate_AF = group(rows_AD, w_up), group(rows_AD, w_gate)
+    if b:  # each row's expert's up and gate biases
+        expert_A = jnp.repeat(jnp.arange(sizes_E.shape[0]), sizes_E,
+                              total_repeat_length=rows_AD.shape[0])
+        h_up_AF, h_gate_AF = h_up_AF + b[0][expert_A], h_gate_AF + b[1][expert_A]
+    return _expert_outputs(moe, h_up_AF, h_gate_AF, lambda a: group(a, w_down))
 
 
 def _exclusive_cumsum(x, axis: int = 0):
@@ -432,7 +480,7 @@ def _dropless_exchanged(moe: MoeSpec, axes: _Axes, rows_AD, sizes_E, experts):
     expert_R = (within_R[:, None] >= ends_SE[source_R]).sum(-1)  # == local: padding
     expert_R = jnp.where(r < recv_S.sum(), expert_R, local)
     regroup = jnp.argsort(expert_R, stable=True)
-    y_RD = _grouped_swiglu(received_RD[regroup], counts_SXE[:, me, :].sum(0), experts)
+    y_RD = _grouped_experts(moe, received_RD[regroup], counts_SXE[:, me, :].sum(0), experts)
     y_RD = jnp.zeros_like(y_RD).at[regroup].set(y_RD)
     y_RD = jnp.where((expert_R < local)[:, None], y_RD, 0)
     return exchange(y_RD, jnp.zeros((rows, d), y_RD.dtype), recv_offsets, recv_S,

@@ -51,10 +51,11 @@ class Attention(nnx.Module):
         w = lora.weight(self.spec, getattr(self, f"w_{name}")[...],
                         getattr(self, f"lora_{name}"))
         y = dense(self.spec, "bld,dhk->blhk", x_BLD, w)
-        # The key bias adds q·b_k to every score of a query, which softmax ignores: skipping
-        # it keeps its gradient exactly zero rather than float noise that Adam would amplify.
-        # The parameter stays, for checkpoints converted from Hugging Face GPT-2.
-        if self.spec.use_bias and name != "k":
+        # Without RoPE the key bias adds q·b_k to every score of a query, which softmax
+        # ignores: skipping it keeps its gradient exactly zero rather than float noise that
+        # Adam would amplify (the parameter stays, for checkpoints converted from Hugging Face
+        # GPT-2). Rotated with the key (gpt-oss), it changes the scores, so it is added.
+        if self.spec.use_bias and (name != "k" or self.spec.rope):
             y = y + getattr(self, f"b_{name}")[...].astype(dt)
         for part in self.spec.attention_parts:  # the family's options, before RoPE
             y = part.fn(self, name, y, self.spec)
