@@ -1,7 +1,9 @@
-"""Mixture-of-experts feed-forward (Mixtral style): a router picks the top k of E SwiGLU
-experts for each token, whose outputs are summed with the router's softmax probabilities
+"""Mixture-of-experts feed-forward (Mixtral style): a router picks the top k of E experts
+for each token, whose outputs are summed with the router's softmax probabilities
 renormalised over the k picked (or as they are: model.moe.norm_topk_prob false); optional
-shared experts (DeepSeek/Qwen style) run on every token. Expert parallelism: the experts
+shared experts (DeepSeek/Qwen style) run on every token. What an expert computes is the
+family's expert kind (models/families.py EXPERT_KINDS: SwiGLU, or gpt-oss's clamped SwiGLU
+with biases on its projections and on the router's logits). Expert parallelism: the experts
 are sharded over the `expert` mesh axis and tokens travel to their experts and back by
 all-to-all inside a shard_map.
 
