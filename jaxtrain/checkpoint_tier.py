@@ -27,7 +27,7 @@ class Checkpoints:
 
     def __new__(cls, directory, *args, **kwargs):
         if cls is Checkpoints:
-            cls = _TIERS["remote" if storage.is_remote(directory) else "local"]
+            cls = _TIERS["local" if storage.on_disk(directory) else "remote"]
         return super().__new__(cls)
 
     def __init_subclass__(cls, where: str, **kwargs):

@@ -104,14 +104,14 @@ class _Heartbeat:
             where = "it is gone" if seen is None else f"it is now held by {_describe(seen)}"
             self._lose(f"lost the lease {self.path}: {where}; its heartbeat stopped")
             return False
-        conditional = storage.scheme_of(self.path) == "s3" and bool(seen.version)
+        conditional = storage.conditional_writes(self.path) and bool(seen.version)
         if not conditional and time.monotonic() - self._confirmed > RENEW_WITHIN * self.stale_s:
             return not self._overdue()  # too late to write blind: the next beat judges
         blob = self._blob()
         # Cut off where a blind write would no longer be safe: no heartbeat lands late.
         left = max(RENEW_WITHIN * self.stale_s - (time.monotonic() - self._confirmed), 0.1)
         if conditional:
-            if not _put_if(self.fs, self.fpath, blob, seen.version, left):
+            if not storage.put_if_match(self.path, blob, seen.version, left):
                 return True  # changed since read: the next beat reads who holds it
         else:
             storage.put(self.path, blob, budget=left)
@@ -292,19 +292,12 @@ class Lease(_Heartbeat):
         now = self._read()
         if now is None or now.version != seen.version:
             return False
-        bucket, key = self.fpath.split("/", 1)
         try:
-            if storage.scheme_of(self.path) == "s3" and seen.version:
-                self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=seen.version)
-            elif storage.scheme_of(self.path) == "gs" and seen.version:
-                self.fs.call("DELETE", "b/{}/o/{}", bucket, key,
-                             ifGenerationMatch=seen.version)
-            else:
-                self.fs.rm_file(self.fpath)
+            storage.delete_if_match(self.path, seen.version)
         except (FileNotFoundError, FileExistsError):
             return False  # gone, or changed since (gcsfs: 412): the next create decides
         except OSError as e:
-            if not _precondition_failed(e):
+            if not storage.precondition_failed(e):
                 raise
             return False
         self.fs.invalidate_cache(self.fpath)
@@ -368,22 +361,6 @@ def refusal(workdir, path, seen: Seen | None, stale_s: float) -> WorkdirBusy:
                        f"{_age_label(seen)} {when} ({path}; taken over after "
                        f"{stale_s:g}s without a heartbeat); wait for that run to "
                        "end or stop it, or use another --workdir")
-
-
-def _put_if(fs, fpath: str, blob: bytes, version: str, timeout: float) -> bool:
-    """S3 put_object conditional on the object's ETag (If-Match), cut off after `timeout`
-    seconds; False when the object changed since."""
-    bucket, key = fpath.split("/", 1)
-    try:
-        storage.run_async(fs, fs._call_s3("put_object", Bucket=bucket, Key=key, Body=blob,
-                                          IfMatch=version), timeout)
-    except OSError as e:
-        if not _precondition_failed(e):
-            raise
-        return False
-    finally:
-        fs.invalidate_cache(fpath)
-    return True
 
 
 def lease_times(heartbeat_s: float | None = None,
@@ -462,14 +439,6 @@ def _age_label(seen: Seen | None) -> str:
         ahead = _heartbeat(seen.holder) - time.time()
         return f"heartbeat stamped {ahead:.0f}s in the future, last written"
     return "last heartbeat"
-
-
-def _precondition_failed(error: BaseException) -> bool:
-    """S3's 412 (the object changed since) or 409 (a concurrent write won), as s3fs raises
-    them: an OSError whose cause holds the S3 error code."""
-    text = f"{error} {error.__cause__ or ''}"
-    return any(code in text for code in ("PreconditionFailed", "pre-conditions",
-                                         "ConditionalRequestConflict"))
 
 
 def _modified(info: dict) -> float | None:

@@ -56,7 +56,7 @@ _READ_TRIES = 3  # a segment deleted between listing and reading: a resume rewro
 
 def location(workdir):
     """Where the log of `workdir` lives: metrics.jsonl, or the metrics/ prefix of segments."""
-    return workdir / (SEGMENTS_DIR if storage.is_remote(workdir) else METRICS_FILE)
+    return workdir / (METRICS_FILE if storage.on_disk(workdir) else SEGMENTS_DIR)
 
 
 def read_metrics(workdir, say=print) -> list[dict]:
@@ -64,7 +64,7 @@ def read_metrics(workdir, say=print) -> list[dict]:
     killed mid-write) is dropped with a message, any other bad line is reported by its
     number and skipped. Remote: a segment that is not whole JSON lines is reported by name
     and skipped."""
-    if storage.is_remote(workdir):
+    if not storage.on_disk(workdir):  # no append there: segments
         return _read_remote(location(workdir), say)
     path = location(workdir)
     if not path.exists():
@@ -86,7 +86,7 @@ def read_metrics(workdir, say=print) -> list[dict]:
 def keep_metrics_up_to(workdir, step: int, say=print) -> None:
     """On resume, keep the logged rows up to the checkpoint's step (the resumed run logs the
     later ones again); a run that starts afresh at step 0 keeps none."""
-    remote, where = storage.is_remote(workdir), location(workdir)
+    remote, where = not storage.on_disk(workdir), location(workdir)
     if not (_listing(where) if remote else where.exists()):
         return
     rows = [r for r in read_metrics(workdir, say) if 0 < step and r.get("step", 0) <= step]
@@ -105,10 +105,10 @@ class MetricsLog:
     def __init__(self, workdir, flush_s: float = FLUSH_S, say=None):
         self.file = None
         self.segments = None
-        if storage.is_remote(workdir):
-            self.segments = SegmentWriter(location(workdir), flush_s, say or _say)
-        else:
+        if storage.on_disk(workdir):  # appended to; an object store has no append
             self.file = open(location(workdir), "ab", buffering=0)
+        else:
+            self.segments = SegmentWriter(location(workdir), flush_s, say or _say)
 
     @property
     def flush_s(self) -> float:

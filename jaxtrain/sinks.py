@@ -85,27 +85,25 @@ class TensorBoardSink:
         # Event files are appended to, which an object store cannot do: on gs:// or s3://
         # they are written to this host's scratch disk and uploaded whole, at most every
         # PUBLISH_S and at the end (one PUT per event file each time).
-        self.remote = target if storage.is_remote(target) else None
-        local = storage.scratch_dir(target, "tensorboard") if self.remote else target
-        self.local, self.published = local, time.monotonic()
-        self.writer = SummaryWriter(str(local))
+        self.output = storage.LocalMirror(target, "tensorboard")
+        self.published = time.monotonic()
+        self.writer = SummaryWriter(str(self.output.path))
 
     def write(self, step: int, row: dict) -> None:
         for key, value in row.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.writer.add_scalar(key, value, step)
-        if self.remote is not None and time.monotonic() - self.published > self.PUBLISH_S:
+        if self.output.staged and time.monotonic() - self.published > self.PUBLISH_S:
             self._publish()
 
     def _publish(self) -> None:
         self.writer.flush()
-        storage.upload_tree(self.local, self.remote)
+        self.output.sync()
         self.published = time.monotonic()
 
     def close(self) -> None:
         self.writer.close()
-        if self.remote is not None:
-            storage.upload_tree(self.local, self.remote)
+        self.output.sync()
 
 
 class WandbSink:

@@ -10,6 +10,12 @@ Object stores differ from a disk in three ways the rest of the code relies on th
 for: a whole-object write is atomic (an object appears complete or not at all) but there is
 no rename and no append; and a failed request says why in the client's own exception, which
 `user_error` turns into the one-line error every command exits 2 with.
+
+Only this module asks which storage a path is on (`scheme_of`, `is_remote`); the rest of
+the package asks it what to do: a local directory for a tool that writes only local files
+(`LocalMirror`), a path's one name (`canonical`), a folder's names, a writable or new
+folder's check, a write or delete conditional on an object's version, and, for a caller
+that keeps a way of its own for each, whether the path is `on_disk`.
 """
 
 from __future__ import annotations
@@ -64,6 +70,33 @@ def scheme_of(value) -> str | None:
 
 def is_remote(path) -> bool:
     return scheme_of(path) is not None
+
+
+def on_disk(path) -> bool:
+    """Whether `path` is on this host's file system (a local path; a bucket mounted with
+    gcsfuse or s3fs is one): open, mmap, stat, append, rename and flock work on it, and a
+    write costs nothing. False on an object store (gs://, s3://), which is read by requests
+    and written whole objects at a time, each a billed request. For the callers that have a
+    way of their own for each (a memmap or range reads, appending or segment objects)."""
+    return not is_remote(path)
+
+
+def canonical(path):
+    """The one name of `path`, to key what is kept per path (a scratch folder, a tier):
+    a local path absolute, its symbolic links resolved; a bucket's as it is."""
+    return path if is_remote(path) else pathlib.Path(path).resolve()
+
+
+def check_local_path(value, key: str) -> None:
+    """ConfigError (one line, naming the flag or key) for a URL where only a local path is
+    supported yet (object storage reaches these paths in a later change; taken as a local
+    path, gs://b/x would become a folder named 'gs:'). Checked on the text as given, before
+    anything is written."""
+    name = scheme_of(value)
+    if name is not None:
+        raise ConfigError(f"{key}={value}: {name}:// paths (object storage, URLs) are not "
+                          "supported yet for this path; give a local path (a bucket mounted "
+                          "with gcsfuse or s3fs is one)")
 
 
 def normalized(value) -> str:
@@ -167,6 +200,53 @@ def put(path, blob: bytes, mode: str = "overwrite", say=None,
     retry.call(attempt, f"writing {path}", say=say, budget=budget)
 
 
+def conditional_writes(path) -> bool:
+    """Whether a write to `path` can be made conditional on the object's version
+    (put_if_match: S3 If-Match); gcsfs offers no such write, and a disk no versions."""
+    return scheme_of(path) == "s3"
+
+
+def put_if_match(path, blob: bytes, version: str, timeout: float) -> bool:
+    """Writes the object only if it is still the version `version` (S3 put_object with
+    If-Match: conditional_writes), cut off after `timeout` seconds; False when the object
+    changed since."""
+    fs, name = filesystem(path)
+    bucket, key = name.split("/", 1)
+    try:
+        run_async(fs, fs._call_s3("put_object", Bucket=bucket, Key=key, Body=blob,
+                                  IfMatch=version), timeout)
+    except OSError as e:
+        if not precondition_failed(e):
+            raise
+        return False
+    finally:
+        fs.invalidate_cache(name)
+    return True
+
+
+def delete_if_match(path, version: str | None) -> None:
+    """Deletes the object only if it is still the version `version` (S3 If-Match, GCS
+    ifGenerationMatch); whatever it is without a version. When it is gone or changed, the
+    client's error: FileNotFoundError, FileExistsError (gcsfs: 412), or an OSError that
+    precondition_failed recognises (s3fs)."""
+    fs, name = filesystem(path)
+    bucket, key = name.split("/", 1)
+    if scheme_of(path) == "s3" and version:
+        fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version)
+    elif scheme_of(path) == "gs" and version:
+        fs.call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=version)
+    else:
+        fs.rm_file(name)
+
+
+def precondition_failed(error: BaseException) -> bool:
+    """S3's 412 (the object changed since) or 409 (a concurrent write won), as s3fs raises
+    them: an OSError whose cause holds the S3 error code."""
+    text = f"{error} {error.__cause__ or ''}"
+    return any(code in text for code in ("PreconditionFailed", "pre-conditions",
+                                         "ConditionalRequestConflict"))
+
+
 def run_async(fs, coroutine, timeout: float):
     """One of an fsspec filesystem's coroutines, run on its loop and cancelled after
     `timeout` seconds (its client's own retries too: gcsfs sleeps up to ~35 s on a lost
@@ -222,6 +302,23 @@ def upload_tree(local: pathlib.Path, remote, last: str | None = None, progress=N
         copy_file(fs, str(path), f"{root}/{path.relative_to(local).as_posix()}", True,
                   progress)
     return len(files)
+
+
+class LocalMirror:
+    """A local directory standing for the directory `target`, for a tool that writes only
+    local files (TensorBoard's event writer, jax.profiler), `path`: on disk `target` itself;
+    on a bucket a folder of this host's scratch (`what` names it; made now), whose files
+    sync() uploads to `target`, each whole (a file the tool appended to since replaces its
+    object). `staged`: whether there is anything for sync() to do."""
+
+    def __init__(self, target, what: str):
+        self.target = target
+        self.staged = is_remote(target)
+        self.path = scratch_dir(target, what) if self.staged else target
+
+    def sync(self) -> None:
+        if self.staged:
+            upload_tree(self.path, self.target)
 
 
 def contained(root, name, what: str, error: type[JaxtrainError] = DataError,
@@ -401,6 +498,67 @@ def listing(path) -> dict[str, int]:
     found = fs.find(root, detail=True)
     names = {name[len(root):].lstrip("/"): info.get("size", 0) for name, info in found.items()}
     return {name: size for name, size in names.items() if name and not name.endswith("/")}
+
+
+def names(directory) -> list[str]:
+    """The names directly in a local directory or under a prefix, hidden ones included
+    ([] when there is none); a bucket is listed afresh."""
+    if not is_remote(directory):
+        directory = pathlib.Path(directory)
+        return [p.name for p in directory.iterdir()] if directory.is_dir() else []
+    fs, root = filesystem(directory)
+    fs.invalidate_cache(root)
+    try:
+        return [str(n).rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(root, detail=False)]
+    except FileNotFoundError:
+        return []
+
+
+def require_writable(directory, key: str) -> None:
+    """Creates the local directory and writes (and deletes) a probe file in it, or in the
+    prefix on object storage; ConfigError (one line, naming `key`) when it cannot: the
+    disk's reason, or the object store's (credentials, bucket, permission)."""
+    probe = directory / f".write_test_{socket.gethostname()}_{os.getpid()}"
+    if is_remote(directory):
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except Exception as e:  # noqa: BLE001 - each client raises its own
+            raise user_error(e, key, directory) or ConfigError(
+                f"{key}={directory} cannot be written: {first_line(e)}") from None
+        return
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{key}={directory} is not writable: {e.strerror}") from None
+
+
+def new_folder_contents(directory, key: str) -> list[str]:
+    """What a folder that is to be filled anew holds (its names; on a bucket every object's
+    under the prefix), once it is shown to be one this process can fill: ConfigError (one
+    line, naming `key`) for a file, a folder this user cannot create files in, or a bucket
+    that cannot be written or listed. Checked before any work; nothing is left behind."""
+    if is_remote(directory):
+        require_writable(directory, key)
+        fs, root = filesystem(directory)
+        fs.invalidate_cache(root)
+        try:
+            held = fs.find(root, maxdepth=None)
+        except Exception as e:  # noqa: BLE001 - each client raises its own
+            raise user_error(e, key, directory) or ConfigError(
+                f"{key}={directory} cannot be listed: {first_line(e)}") from None
+        return [str(n).rstrip("/").rsplit("/", 1)[-1] for n in held]
+    directory = pathlib.Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"{key}={directory} is a file; give a new or empty directory")
+    held = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    parent = next(p for p in (directory, *directory.parents) if p.exists())
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={directory} is not writable: {parent} does not let "
+                          "this user create files")
+    return held
 
 
 def commit_files(staged: pathlib.Path, target, marker: str, progress=None) -> None:

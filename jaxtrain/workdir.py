@@ -43,16 +43,9 @@ RUN_MARKS = (CHECKPOINTS, MANIFESTS_DIR, RECORD_FILE, METRICS_FILE, METRICS_DIR,
 DATASET_MANIFEST = "manifest.json"  # a prepared dataset's (data/dataset.py MANIFEST)
 
 
-def check_local_path(value, key: str) -> None:
-    """ConfigError (one line, naming the flag or key) for a URL where only a local path is
-    supported yet (object storage reaches these paths in a later change; taken as a local
-    path, gs://b/x would become a folder named 'gs:'). Checked on the text as given, before
-    anything is written."""
-    name = storage.scheme_of(value)
-    if name is not None:
-        raise ConfigError(f"{key}={value}: {name}:// paths (object storage, URLs) are not "
-                          "supported yet for this path; give a local path (a bucket mounted "
-                          "with gcsfuse or s3fs is one)")
+# The one check of a path flag that takes only a local path (storage.py; config and the
+# commands import it from here).
+check_local_path = storage.check_local_path
 
 
 def prepare_workdir(workdir) -> None:
@@ -60,43 +53,14 @@ def prepare_workdir(workdir) -> None:
     and is a run's (check_run_folder); ConfigError (one line) when it cannot: the disk's
     reason, or the object store's (credentials, bucket, permission)."""
     retry.budget_s(), retry.stall_s()  # a bad $JAXTRAIN_STORAGE_* is one line, up front
-    check_writable(workdir, "--workdir")
+    storage.require_writable(workdir, "--workdir")
     check_run_folder(workdir)
-
-
-def check_writable(directory, key: str) -> None:
-    """Creates the local directory and writes (and deletes) a probe file in it, or in the
-    prefix on object storage; ConfigError (one line, naming `key`) when it cannot."""
-    probe = directory / f".write_test_{socket.gethostname()}_{os.getpid()}"
-    if storage.is_remote(directory):
-        try:
-            probe.write_bytes(b"")
-            probe.unlink()
-        except Exception as e:  # noqa: BLE001 - each client raises its own
-            raise storage.user_error(e, key, directory) or ConfigError(
-                f"{key}={directory} cannot be written: {storage.first_line(e)}") from None
-        return
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"{key}={directory} is not writable: {e.strerror}") from None
 
 
 def folder_names(directory) -> list[str]:
     """The names in a local directory or under a prefix (none when there is none), less
     hidden ones (a lock, another process's write probe, a file manager's)."""
-    if storage.is_remote(directory):
-        fs, root = storage.filesystem(directory)
-        fs.invalidate_cache(root)
-        try:
-            names = [str(n).rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(root, detail=False)]
-        except FileNotFoundError:
-            return []
-    else:
-        names = [p.name for p in directory.iterdir()] if directory.is_dir() else []
-    return sorted(n for n in names if n and not n.startswith("."))
+    return sorted(n for n in storage.names(directory) if n and not n.startswith("."))
 
 
 def check_new_folder(directory, key: str) -> None:
@@ -104,26 +68,9 @@ def check_new_folder(directory, key: str) -> None:
     process can write (on object storage: its bucket exists and takes a write, and nothing
     is under the prefix), checked before any work: an export would mix its files with, or
     overwrite, whatever is there."""
-    if storage.is_remote(directory):
-        check_writable(directory, key)
-        fs, root = storage.filesystem(directory)
-        fs.invalidate_cache(root)
-        try:
-            held = fs.find(root, maxdepth=None)
-        except Exception as e:  # noqa: BLE001 - each client raises its own
-            raise storage.user_error(e, key, directory) or ConfigError(
-                f"{key}={directory} cannot be listed: {storage.first_line(e)}") from None
-    else:
-        directory = pathlib.Path(directory)
-        if directory.exists() and not directory.is_dir():
-            raise ConfigError(f"{key}={directory} is a file; give a new or empty directory")
-        held = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
-        parent = next(p for p in (directory, *directory.parents) if p.exists())
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise ConfigError(f"{key}={directory} is not writable: {parent} does not let "
-                              "this user create files")
+    held = storage.new_folder_contents(directory, key)
     if held:
-        names = sorted(str(n).rstrip("/").rsplit("/", 1)[-1] for n in held)
+        names = sorted(held)
         raise ConfigError(f"{key}={directory} is not empty (it holds {', '.join(names[:3])}"
                           f"{' and more' if len(names) > 3 else ''}); export into a new or "
                           "empty folder")
@@ -147,7 +94,7 @@ def check_run_folder(workdir) -> None:
 
 def workdir_lock(workdir, say=print):
     """The lock of a run directory: flock on disk, a lease object on object storage."""
-    return Lease(workdir, say) if storage.is_remote(workdir) else WorkdirLock(workdir, say)
+    return WorkdirLock(workdir, say) if storage.on_disk(workdir) else Lease(workdir, say)
 
 
 class WorkdirLock:

@@ -98,10 +98,10 @@ def _read_manifest(path, what: str) -> bytes:
     """DIR/manifest.json's bytes; DataError (one line) when DIR is no dataset, ConfigError
     for an object store's credentials, bucket or permission."""
     manifest = path / MANIFEST
-    if storage.is_remote(path):
-        blob = remote_file.read_whole(manifest, what, missing_ok=True)
-    else:
+    if storage.on_disk(path):
         blob = manifest.read_bytes() if manifest.is_file() else None
+    else:
+        blob = remote_file.read_whole(manifest, what, missing_ok=True)
     if blob is None:
         raise DataError(f"{what}={path} is not a prepared dataset (no {MANIFEST})"
                         f"{_unfinished(path)}")
@@ -131,7 +131,7 @@ class PreparedDataset:
     def __init__(self, path, what: str = "data.path",
                  cache: remote_file.BlockCache | None = None):
         self.path = storage.as_path(path, what)
-        self.remote = storage.is_remote(self.path)
+        self.remote = not storage.on_disk(self.path)  # read by requests, not memory-mapped
         self.cache = cache
         blob = _read_manifest(self.path, what)
         try:

@@ -57,7 +57,7 @@ def _file_blocks(path, spans):
 def token_file(path) -> dict:
     """A .bin file's fingerprint: the same for its bytes on disk and on object storage (read
     there by range requests, jaxtrain.data.remote_file), so data may move to a bucket."""
-    remote = storage.is_remote(path)
+    remote = not storage.on_disk(path)
     size = remote_file.object_size(path) if remote else path.stat().st_size
     spans, how = _spans(size)
     blocks = ((remote_file.read_range(path, start, end) for start, end in spans) if remote

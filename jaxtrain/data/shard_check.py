@@ -29,23 +29,23 @@ _lock = threading.Lock()
 def _identity(path, size: int, info) -> tuple[str, bool]:
     """(what names this version of the file, whether it pins the content down enough to
     remember the verdict across processes)."""
-    if storage.is_remote(path):
-        version = [str(info.get(k)) for k in _VERSION_KEYS if info.get(k) is not None]
-        return json.dumps([str(path), size, version]), bool(version)
-    local = pathlib.Path(path).resolve()
-    return json.dumps([str(local), size, info.st_mtime_ns, info.st_ino, info.st_dev]), True
+    if storage.on_disk(path):
+        local = pathlib.Path(path).resolve()
+        return json.dumps([str(local), size, info.st_mtime_ns, info.st_ino, info.st_dev]), True
+    version = [str(info.get(k)) for k in _VERSION_KEYS if info.get(k) is not None]
+    return json.dumps([str(path), size, version]), bool(version)
 
 
 def sha256_of(path, size: int, what: str) -> str:
     """The sha256 of the file's first `size` bytes, read CHUNK_BYTES at a time."""
     h = hashlib.sha256()
-    if storage.is_remote(path):
-        for start in range(0, size, CHUNK_BYTES):
-            h.update(remote_file.read_range(path, start, min(start + CHUNK_BYTES, size), what))
+    if storage.on_disk(path):
+        with open(path, "rb") as f:
+            while block := f.read(CHUNK_BYTES):
+                h.update(block)
         return h.hexdigest()
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK_BYTES):
-            h.update(block)
+    for start in range(0, size, CHUNK_BYTES):
+        h.update(remote_file.read_range(path, start, min(start + CHUNK_BYTES, size), what))
     return h.hexdigest()
 
 

@@ -46,7 +46,7 @@ def stdlib_corpus() -> np.ndarray:
 def _memmap(path, dtype: str, c):
     """The tokens of a .bin file: memory-mapped on disk; on object storage a RemoteArray
     (range requests through the block cache as data.cache_mb and data.block_kb size it)."""
-    remote = storage.is_remote(path)
+    remote = not storage.on_disk(path)
     if remote:
         size = remote_file.object_size(path, "data.path")
     else:

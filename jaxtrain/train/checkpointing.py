@@ -74,7 +74,7 @@ def check_same_run(cfg, workdir: pathlib.Path) -> Callable:
 def local_tier_dir(local_dir: str, workdir: pathlib.Path) -> pathlib.Path:
     """The run's own directory under checkpoint.local_dir: runs of different workdirs may
     share one fast disk without resuming or rotating each other's checkpoints."""
-    path = workdir if storage.is_remote(workdir) else pathlib.Path(workdir).resolve()
+    path = storage.canonical(workdir)
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
     return pathlib.Path(local_dir) / f"{path.name}-{digest}"
 

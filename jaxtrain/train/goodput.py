@@ -108,7 +108,7 @@ class Goodput:
     def save(self, force: bool = False) -> None:
         if not self.enabled:
             return
-        if storage.is_remote(self.path) and not force:
+        if not storage.on_disk(self.path) and not force:  # each save a billed request
             if time.monotonic() - self._saved < REMOTE_SAVE_S:
                 return
             self._saved = time.monotonic()

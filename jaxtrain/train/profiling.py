@@ -21,12 +21,10 @@ class ProfileWindow(Hook):
 
     def __init__(self, workdir: pathlib.Path, start: int, count: int, enabled: bool,
                  say=print):
-        self.directory = workdir / PROFILE_DIR
         # jax.profiler writes local files: on object storage, to this host's scratch disk,
         # uploaded when the window closes.
-        self.remote = self.directory if storage.is_remote(self.directory) else None
-        if self.remote is not None:
-            self.directory = storage.scratch_dir(self.remote, "profile")
+        self.output = storage.LocalMirror(workdir / PROFILE_DIR, "profile")
+        self.directory = self.output.path
         self.start, self.stop = start, start + count
         self.enabled = enabled and start >= 0
         self.active = False
@@ -45,10 +43,9 @@ class ProfileWindow(Hook):
         jax.profiler.stop_trace()
         jax.profiler.save_device_memory_profile(str(self.directory / "memory.prof"))
         self.active = False
-        if self.remote is not None:
-            storage.upload_tree(self.directory, self.remote)
+        self.output.sync()
         self.say(f"jaxtrain: profiled steps {self.start}-{self.stop - 1} into "
-                 f"{self.remote or self.directory} "
+                 f"{self.output.target} "
                  "(open with TensorBoard's profile tab or Perfetto; memory.prof with pprof)")
 
 
