@@ -117,3 +117,23 @@ def attention_f64(q_BLHK, k_BMGK, v_BMGK, window=None, segments_BL=None, cotange
         return x_BMHK.reshape(b, keys, groups, rep, -1).sum(3)
 
     return out_BLHK, (dq, per_group(dk_BMHK), per_group(dv_BMHK))
+
+
+def assert_exports_bitwise(tmp_path, devices, model, hf_logits, tokens, want, **load_kwargs):
+    """The run in tmp_path/run exported to tmp_path/out loads in AutoModelForCausalLM as
+    `model`'s class with logits `want`, and its tensors are bitwise the imported
+    tmp_path/hf's (the convert tests' export round trip)."""
+    import transformers
+    from safetensors.numpy import load_file
+
+    from jaxtrain.hf.save import export_hf
+
+    export_hf(tmp_path / "run", tmp_path / "out", devices=devices[:1])
+    again = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", **load_kwargs).eval()
+    assert type(again) is type(model)
+    np.testing.assert_array_equal(hf_logits(again, tokens), want)
+    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert exported.keys() == original.keys()
+    assert all(np.array_equal(exported[k], original[k]) for k in original)

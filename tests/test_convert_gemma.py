@@ -10,11 +10,11 @@ import jax
 import numpy as np
 import pytest
 from conftest import small_config
+from helpers import assert_exports_bitwise
 from test_convert import _hf_logits, _jax_logits, _tokens
 
 from jaxtrain.errors import ConfigError
 from jaxtrain.hf.load import import_hf
-from jaxtrain.hf.save import export_hf
 
 TOLERANCE = 1e-5  # max |Δ logit|, float32
 
@@ -71,8 +71,6 @@ def _hf_model(cfg, seed: int = 0, norm_std: float = 1.0, **extra):
 def test_import_and_export_give_the_logits_of_transformers(family, tmp_path, devices):
     """Import: logits within 1e-5; exported, it loads in AutoModelForCausalLM as a
     Gemma3ForCausalLM with the same logits and transformers' own tensors."""
-    import transformers
-    from safetensors.numpy import load_file
 
     cfg = _config(family)
     model = _hf_model(cfg)
@@ -83,15 +81,8 @@ def test_import_and_export_give_the_logits_of_transformers(family, tmp_path, dev
     want = _hf_logits(model, tokens)
     err = np.abs(_jax_logits(setup, state.params, tokens) - want).max()
     assert err < TOLERANCE, err
-    export_hf(tmp_path / "run", tmp_path / "out", devices=devices[:1])
-    again = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", attn_implementation="eager").eval()
-    assert type(again) is type(model)
-    np.testing.assert_array_equal(_hf_logits(again, tokens), want)
-    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert exported.keys() == original.keys()
-    assert all(np.array_equal(exported[k], original[k]) for k in original)
+    assert_exports_bitwise(tmp_path, devices, model, _hf_logits, tokens, want,
+                           attn_implementation="eager")
     # Sharded over fsdp × tensor: the same logits.
     sharded = _config(family, **{"mesh.fsdp": 2, "mesh.tensor": 2})
     setup, state = import_hf(sharded, tmp_path / "hf", tmp_path / "mesh", devices[:4])

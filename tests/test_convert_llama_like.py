@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import small_config
+from helpers import assert_exports_bitwise
 from test_convert import _hf_logits, _jax_logits, _tokens
 
 from jaxtrain.hf.load import import_hf
@@ -54,8 +55,6 @@ def _hf_model(cfg, seed: int = 0):
 def test_import_and_export_give_the_logits_of_transformers(family, tmp_path, devices):
     """Import: logits within 1e-5; the import exported (`convert --to-hf`) loads in
     AutoModelForCausalLM with the same logits, its tensors transformers' own, bit for bit."""
-    import transformers
-    from safetensors.numpy import load_file
 
     cfg = _config(family)
     model = _hf_model(cfg)
@@ -65,14 +64,7 @@ def test_import_and_export_give_the_logits_of_transformers(family, tmp_path, dev
     want = _hf_logits(model, tokens)
     err = np.abs(_jax_logits(setup, state.params, tokens) - want).max()
     assert err < TOLERANCE, err
-    export_hf(tmp_path / "run", tmp_path / "out", devices=devices[:1])
-    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(again) is type(model)
-    np.testing.assert_array_equal(_hf_logits(again, tokens), want)
-    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert exported.keys() == original.keys()
-    assert all(np.array_equal(exported[k], original[k]) for k in original)
+    assert_exports_bitwise(tmp_path, devices, model, _hf_logits, tokens, want)
 
 
 @pytest.mark.slow  # two more imports' compiles; test_convert_gemma.py's fsdp × tensor is fast

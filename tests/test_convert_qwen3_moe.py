@@ -9,11 +9,11 @@ import json
 import numpy as np
 import pytest
 from conftest import small_config
+from helpers import assert_exports_bitwise
 from test_convert import _hf_logits, _jax_logits, _tokens
 
 from jaxtrain.errors import ConfigError
 from jaxtrain.hf.load import import_hf
-from jaxtrain.hf.save import export_hf
 
 TOLERANCE = 1e-5  # max |Δ logit|, float32
 
@@ -55,8 +55,6 @@ def test_import_and_export_give_the_logits_of_transformers(tmp_path, devices):
     """Import within 1e-5; exported, it loads in AutoModelForCausalLM as a
     Qwen3MoeForCausalLM with bitwise the same logits, transformers' own tensors, its MoE
     keys (router_aux_loss_coef = aux_loss_weight / top_k)."""
-    import transformers
-    from safetensors.numpy import load_file
 
     cfg = _config()
     model = _hf_model(cfg)
@@ -68,14 +66,7 @@ def test_import_and_export_give_the_logits_of_transformers(tmp_path, devices):
     want = _hf_logits(model, tokens)
     err = np.abs(_jax_logits(setup, state.params, tokens) - want).max()
     assert err < TOLERANCE, err
-    export_hf(tmp_path / "run", tmp_path / "out", devices=devices[:1])
-    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(again) is type(model)
-    np.testing.assert_array_equal(_hf_logits(again, tokens), want)
-    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert exported.keys() == original.keys()
-    assert all(np.array_equal(exported[k], original[k]) for k in original)
+    assert_exports_bitwise(tmp_path, devices, model, _hf_logits, tokens, want)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["decoder_sparse_step"] == 2 and config["norm_topk_prob"] is False
     assert config["router_aux_loss_coef"] == pytest.approx(0.001)
