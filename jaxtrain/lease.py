@@ -68,7 +68,7 @@ class _Heartbeat:
         self.held = True
         self._confirmed = self._stamped
         self.lost.clear()
-        storage.add_fence(self.check)
+        storage.add_fence(self.check, self.workdir)
         self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name="jaxtrain-lease",
                                         daemon=True)
@@ -134,17 +134,18 @@ class _Heartbeat:
             self.say(f"jaxtrain: {reason}")
             self.lost.set()
 
-    def check(self, path=None) -> None:
+    def check(self, path=None, confirm: bool = False) -> None:
         """Called before every write under the workdir (a storage fence): LeaseLost (one
         line) when the lease was lost; when it was not confirmed within stale_s / 2 (this
-        process was paused, its heartbeat late), it is read and renewed first, so a holder
-        resumed after a takeover stops before it writes."""
+        process was paused, its heartbeat late), or `confirm` (the store refused a write
+        conditional on this run's last version: storage.VersionedWrites), it is read and
+        renewed first, so a holder resumed after a takeover stops before it writes."""
         if path is not None and not str(path).startswith(f"{self.workdir}/"):
             return
         if str(path) == str(self.path):
             return
         late = time.monotonic() - self._confirmed
-        if not self.lost.is_set() and late > TRUST_WITHIN * self.stale_s:
+        if not self.lost.is_set() and (confirm or late > TRUST_WITHIN * self.stale_s):
             with self._mutex:
                 try:
                     self._renew()

@@ -32,6 +32,7 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 
 import fsspec
 import fsspec.asyn
@@ -166,23 +167,28 @@ def atomic_write(path, data: bytes | str) -> None:
 
 
 # Checks every remote write makes first (a held lease's `check`: it raises when this run may
-# no longer write to its workdir). Called with the path about to be written.
+# no longer write to its workdir), each with the prefix it guards. Called with the path about
+# to be written, and confirm=True to ask the store again at once (a conditional write refused).
 _fences: list = []
 
 
-def add_fence(check) -> None:
-    _fences.append(check)
+def add_fence(check, root) -> None:
+    _fences.append((f"{normalized(root).rstrip('/')}/", check))
 
 
 def remove_fence(check) -> None:
-    if check in _fences:
-        _fences.remove(check)
+    _fences[:] = [(root, c) for root, c in _fences if c != check]
 
 
-def fence(path) -> None:
+def fence(path, confirm: bool = False) -> None:
     """Every fence's check of a write to `path`, before it is made."""
-    for check in list(_fences):
-        check(path)
+    for root, check in list(_fences):
+        if normalized(path).startswith(root):
+            check(path, confirm=confirm)
+
+
+def fenced(path) -> bool:
+    return any(normalized(path).startswith(root) for root, _ in _fences)
 
 
 def put(path, blob: bytes, mode: str = "overwrite", say=None,
@@ -190,14 +196,101 @@ def put(path, blob: bytes, mode: str = "overwrite", say=None,
     """One object written whole, under the one retry policy (retry.py): each attempt is
     cut off at what is left of the budget, a transient failure is tried again, and
     retry.Unreachable (one line) ends it. mode="create": only if there is no such object
-    (FileExistsError otherwise, not retried). `say`: where a stall is reported."""
+    (FileExistsError otherwise, not retried). `say`: where a stall is reported. Under a
+    fence (a held lease), an overwrite is conditional (VersionedWrites)."""
     fs, name = filesystem(path)
+    versioned = mode == "overwrite" and fenced(path)
 
     def attempt(timeout: float) -> None:
         fence(path)  # before every attempt: a retry may come after the lease is lost
-        run_async(fs, fs._pipe_file(name, blob, mode=mode), timeout)
+        if versioned:
+            _versions.put(path, blob, timeout)
+        else:
+            run_async(fs, fs._pipe_file(name, blob, mode=mode), timeout)
 
     retry.call(attempt, f"writing {path}", say=say, budget=budget)
+
+
+class VersionedWrites:
+    """Fencing the store itself enforces. A fence is asked before an upload, but a process
+    paused between that check and the upload (SIGSTOP, a stalled VM) past the takeover time
+    would land its write after another run took the lease over. So each overwrite under a
+    fence is conditional on the version (S3 ETag, GCS generation) this process last wrote or
+    read there (S3 If-Match / If-None-Match: *, GCS ifGenerationMatch, 0 for none): a write
+    that comes after another run's is refused by the store. A refusal asks the fence again
+    (confirm=True): LeaseLost when the lease was taken over; while it is still ours the
+    other version was our own (an attempt cut off after the store took it), and the write
+    is made once more on the version read now."""
+
+    def __init__(self):
+        self._known: dict[str, str | None] = {}  # path -> version; None: no such object
+        self._lock = threading.Lock()
+
+    def put(self, path, blob: bytes, timeout: float) -> None:
+        key = normalized(path)
+        for last_try in (False, True):
+            with self._lock:
+                known = key in self._known
+                version = self._known.get(key)
+            if not known:
+                version = _version_of(path, timeout)
+            try:
+                written = _put_on_version(path, blob, version, timeout)
+            except (FileExistsError, OSError) as e:
+                if not isinstance(e, FileExistsError) and not precondition_failed(e):
+                    raise
+                with self._lock:
+                    self._known.pop(key, None)
+                fence(path, confirm=True)  # LeaseLost when another run took over
+                if last_try:
+                    raise ConfigError(f"{path}: another writer keeps changing this object "
+                                      "while this run holds the lease of its folder") from e
+                continue
+            with self._lock:
+                self._known[key] = written
+            return
+
+
+_versions = VersionedWrites()
+
+
+def _version_of(path, timeout: float) -> str | None:
+    """The object's version now (S3 ETag, GCS generation), or None when there is none."""
+    fs, name = filesystem(path)
+    fs.invalidate_cache(name)
+    try:
+        info = run_async(fs, fs._info(name), timeout)
+    except FileNotFoundError:
+        return None
+    version = info.get("ETag") or info.get("generation")
+    return str(version) if version else None
+
+
+def _put_on_version(path, blob: bytes, version: str | None, timeout: float) -> str | None:
+    """Writes the object only if its version is still `version` (None: only if there is no
+    such object); the version written. The store's refusal as the client raises it:
+    FileExistsError, or an OSError that precondition_failed recognises."""
+    fs, name = filesystem(path)
+    bucket, key = name.split("/", 1)
+    try:
+        if scheme_of(path) == "s3":
+            condition = {"IfMatch": version} if version else {"IfNoneMatch": "*"}
+            reply = run_async(fs, fs._call_s3("put_object", Bucket=bucket, Key=key,
+                                              Body=blob, **condition), timeout)
+            written = reply.get("ETag")
+        else:  # gs: a multipart upload, the one kind the JSON API takes a precondition on
+            meta = json.dumps({"name": key})
+            body = (f"--==0==\nContent-Type: application/json; charset=UTF-8\n\n{meta}\n"
+                    "--==0==\nContent-Type: application/octet-stream\n\n").encode()
+            reply = run_async(fs, fs._call(
+                "POST", f"{fs._location}/upload/storage/v1/b/{bucket}/o",
+                uploadType="multipart", ifGenerationMatch=version or "0",
+                headers={"Content-Type": 'multipart/related; boundary="==0=="'},
+                data=body + blob + b"\n--==0==--", json_out=True), timeout)
+            written = reply.get("generation")
+    finally:
+        fs.invalidate_cache(name)
+    return str(written) if written else None
 
 
 def conditional_writes(path) -> bool:

@@ -350,6 +350,14 @@ workdir, heartbeat, stale = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
 lease = Lease(workdir, say=lambda line: print(line, file=sys.stderr, flush=True),
               heartbeat_s=heartbeat, stale_s=stale)
 lease.acquire()
+if len(sys.argv) > 4:  # stop this process right after the lease's check of write k passed
+    import os, signal
+    writes = []
+    def stop_after_check(path, confirm=False):
+        writes.append(path)
+        if len(writes) == int(sys.argv[4]) and not confirm:
+            os.kill(os.getpid(), signal.SIGSTOP)
+    storage.add_fence(stop_after_check, workdir)
 print("held", lease.id, flush=True)
 n = 0
 try:
@@ -363,25 +371,37 @@ except LeaseLost as e:
 """
 
 
-def _holder(workdir, heartbeat="0.3", stale="3", prefix=()):
+def _holder(workdir, heartbeat="0.3", stale="3", prefix=(), stop_after_check=()):
     env = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
     process = subprocess.Popen([*prefix, sys.executable, "-c", _HOLDER, workdir, heartbeat,
-                                stale], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=env)
+                                stale, *map(str, stop_after_check)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)
     line = process.stdout.readline().split()
     assert line[:1] == ["held"], (line, process.stderr.read() if process.poll() else "")
     return process, line[1]
 
 
-def test_a_paused_holder_stops_before_writing_after_a_takeover(bucket):
+def _stopped(process) -> bool:
+    return pathlib.Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.parametrize("where", ["anywhere", "between_check_and_upload"])
+def test_a_paused_holder_stops_before_writing_after_a_takeover(bucket, where):
     """The holder is paused (SIGSTOP) past the takeover time, another run takes the lease
     and writes; the resumed holder writes nothing more, neither its data nor its lease, and
-    stops with one line and exit code 75 (retried by the launchers)."""
+    stops with one line and exit code 75 (retried by the launchers). Paused anywhere in its
+    write loop, or exactly between the lease's check and the upload of its 3rd write: that
+    upload is refused by the store itself (a write conditional on the holder's last one)."""
     workdir = f"{bucket}/run"
-    holder, holder_id = _holder(workdir)
+    holder, holder_id = _holder(workdir, stop_after_check=(3,) * (where != "anywhere"))
     try:
-        time.sleep(0.5)
-        holder.send_signal(signal.SIGSTOP)
+        if where == "anywhere":
+            time.sleep(0.5)
+            holder.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 20
+        while not _stopped(holder):
+            assert time.monotonic() < deadline and holder.poll() is None
+            time.sleep(0.05)
         paused = time.monotonic()
         taker = Lease(workdir, say=lambda line: None, heartbeat_s=0.3, stale_s=3)
         while True:
