@@ -67,6 +67,9 @@ class Proxy:
         # HTTP requests by method, counted where a client's chunk starts with one (clients
         # send a request's head in one piece and do not pipeline): what a job pays for.
         self.requests: dict[str, int] = {}
+        # Each request's method and target ("PUT /bucket/key"), in order: what one test's
+        # bucket cost, apart from a background writer another test left behind.
+        self.lines: list[str] = []
         # Bytes of the server's answers (headers and bodies), by the method of the request
         # they answer: a restore's reads apart from a save's writes in one job.
         self.received: dict[str, int] = {}
@@ -108,6 +111,8 @@ class Proxy:
                     method = chunk.split(b" ", 1)[0].decode()
                     with self._lock:
                         self.requests[method] = self.requests.get(method, 0) + 1
+                        self.lines.append(" ".join(chunk.split(b"\r\n", 1)[0].decode(
+                            "latin-1").split(" ")[:2]))
                     asked.method = method  # the answers on this connection are to it
                     asked.set()
                 if not upstream:
