@@ -42,8 +42,8 @@ HEARTBEAT_S = 30.0
 STALE_S = 300.0
 HEARTBEAT_ENV = "JAXTRAIN_LEASE_HEARTBEAT_S"
 # A holder trusts its lease without asking the store for stale_s / 2 after its heartbeat,
-# and rewrites it blind (no conditional write: GCS through gcsfs) only within 3/4 of
-# stale_s: the rest is the margin for the write's own time and the hosts' clocks.
+# and would rewrite it blind (a store without conditional writes; S3 and GCS have them) only
+# within 3/4 of stale_s: the rest is the margin for the write's own time and the hosts' clocks.
 TRUST_WITHIN = 0.5
 RENEW_WITHIN = 0.75
 STALE_ENV = "JAXTRAIN_LEASE_STALE_S"
@@ -96,8 +96,9 @@ class _Heartbeat:
         """Rewrites the lease with a fresh heartbeat if it is still ours; False (said once,
         `lost` set) when another run has taken it over, or may have (_overdue). Fencing: a
         taker judges by our last heartbeat, so once read as ours the lease is safe to
-        rewrite only until that heartbeat is RENEW_WITHIN of stale_s old; on S3 the write is
-        conditional on the version read (If-Match) and safe at any time."""
+        rewrite only until that heartbeat is RENEW_WITHIN of stale_s old; on S3 and GCS the
+        write is conditional on the version read (If-Match, ifGenerationMatch) and safe at
+        any time."""
         began = time.monotonic()
         seen = self._read()
         if seen is None or not self._ours(seen):
@@ -114,7 +115,7 @@ class _Heartbeat:
             if not storage.put_if_match(self.path, blob, seen.version, left):
                 return True  # changed since read: the next beat reads who holds it
         else:
-            storage.put(self.path, blob, budget=left)
+            storage.put(self.path, blob, budget=left, versioned=False)
         self._confirmed = began
         return True
 

@@ -192,14 +192,15 @@ def fenced(path) -> bool:
 
 
 def put(path, blob: bytes, mode: str = "overwrite", say=None,
-        budget: float | None = None) -> None:
+        budget: float | None = None, versioned: bool = True) -> None:
     """One object written whole, under the one retry policy (retry.py): each attempt is
     cut off at what is left of the budget, a transient failure is tried again, and
     retry.Unreachable (one line) ends it. mode="create": only if there is no such object
     (FileExistsError otherwise, not retried). `say`: where a stall is reported. Under a
-    fence (a held lease), an overwrite is conditional (VersionedWrites)."""
+    fence (a held lease), an overwrite is conditional (VersionedWrites) unless not
+    `versioned` (the lease's own object, whose writer judges its versions itself)."""
     fs, name = filesystem(path)
-    versioned = mode == "overwrite" and fenced(path)
+    versioned = versioned and mode == "overwrite" and fenced(path)
 
     def attempt(timeout: float) -> None:
         fence(path)  # before every attempt: a retry may come after the lease is lost
@@ -295,25 +296,19 @@ def _put_on_version(path, blob: bytes, version: str | None, timeout: float) -> s
 
 def conditional_writes(path) -> bool:
     """Whether a write to `path` can be made conditional on the object's version
-    (put_if_match: S3 If-Match); gcsfs offers no such write, and a disk no versions."""
-    return scheme_of(path) == "s3"
+    (put_if_match: S3 If-Match, GCS ifGenerationMatch); a disk has no versions."""
+    return scheme_of(path) in ("s3", "gs")
 
 
 def put_if_match(path, blob: bytes, version: str, timeout: float) -> bool:
-    """Writes the object only if it is still the version `version` (S3 put_object with
-    If-Match: conditional_writes), cut off after `timeout` seconds; False when the object
-    changed since."""
-    fs, name = filesystem(path)
-    bucket, key = name.split("/", 1)
+    """Writes the object only if it is still the version `version` (conditional_writes),
+    cut off after `timeout` seconds; False when the object changed since."""
     try:
-        run_async(fs, fs._call_s3("put_object", Bucket=bucket, Key=key, Body=blob,
-                                  IfMatch=version), timeout)
-    except OSError as e:
-        if not precondition_failed(e):
+        _put_on_version(path, blob, version, timeout)
+    except (FileExistsError, OSError) as e:
+        if not isinstance(e, FileExistsError) and not precondition_failed(e):
             raise
         return False
-    finally:
-        fs.invalidate_cache(name)
     return True
 
 
