@@ -137,3 +137,25 @@ def assert_exports_bitwise(tmp_path, devices, model, hf_logits, tokens, want, **
     exported = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert exported.keys() == original.keys()
     assert all(np.array_equal(exported[k], original[k]) for k in original)
+
+
+def hf_llama(cfg):
+    """A transformers Llama of `cfg.model`'s shape with weights drawn N(0, 0.1) (norms
+    around 1), seeded: the independent reference the LoRA and frozen-base tests import."""
+    import torch
+    import transformers
+
+    m = cfg.model
+    config = transformers.LlamaConfig(
+        hidden_size=m.d_model, num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads, intermediate_size=m.mlp_dim,
+        vocab_size=m.vocab_size, max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta, bos_token_id=0, eos_token_id=0)
+    model = transformers.LlamaForCausalLM(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.1)
+            if name.endswith("norm.weight"):
+                p.add_(1.0)
+    return model.eval()

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from conftest import small_config
 from flax import nnx
+from helpers import hf_llama, train_steps
 
 from jaxtrain.config import validate
-from jaxtrain.data.batches import make_batches, to_global
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import lora
 from jaxtrain.models.base_storage import NF4Weight
@@ -89,52 +89,20 @@ def test_a_resume_refuses_the_same_base_in_another_storage_kind(devices):
         np.testing.assert_array_equal(a, b)  # float32: today's base, bitwise
 
 
-def _losses(cfg, devices, steps):
-    setup = build(cfg, devices)
-    state = setup.init_state()
-    data = make_batches(cfg).train_iter(0)
-    losses = []
-    with jax.set_mesh(setup.mesh):
-        step_fn = setup.train_step()
-        for _ in range(steps):
-            state, metrics = step_fn(state, to_global(next(data), setup.tokens_sharding))
-            losses.append(float(metrics["loss"]))
-    return np.array(losses)
-
-
 @pytest.mark.slow
 def test_a_bf16_base_tracks_the_float32_base_over_50_steps(devices):
     # tests/test_precision.py's bfloat16 tolerance (mean, max of |loss − float32 loss|).
     from test_precision import TOLERANCE
 
     run = {"steps": 50, "optimizer.lr": 1e-2, "optimizer.warmup_steps": 5}
-    base = _losses(_llama(**run), devices[:1], 50)
-    bf16 = _losses(_llama(**run, **{"model.lora.base_dtype": "bfloat16"}), devices[:1], 50)
+    base = np.array(train_steps(_llama(**run), devices[:1], 50)[0])
+    bf16 = np.array(train_steps(_llama(**run, **{"model.lora.base_dtype": "bfloat16"}),
+                                devices[:1], 50)[0])
     diff = np.abs(bf16 - base)
     assert base[-1] < base[0] - 0.2, "the adapters must actually learn"
     mean_tol, max_tol = TOLERANCE["bfloat16"]
     assert diff.mean() < mean_tol and diff.max() < max_tol, (diff.mean(), diff.max())
     assert diff.max() > 0  # the base was stored in bfloat16
-
-
-def _hf_llama(cfg, directory):
-    import torch
-    import transformers
-
-    m = cfg.model
-    config = transformers.LlamaConfig(
-        hidden_size=m.d_model, num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
-        num_key_value_heads=m.num_kv_heads, intermediate_size=m.mlp_dim,
-        vocab_size=m.vocab_size, max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps,
-        rope_theta=m.rope_theta, bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.1)
-            if name.endswith("norm.weight"):
-                p.add_(1.0)
-    model.save_pretrained(directory)
 
 
 def _peft_qlora(directory, cfg, adapters):
@@ -205,7 +173,7 @@ def test_lora_on_an_nf4_base_gives_peft_qloras_logits(tmp_path, devices):
     from jaxtrain.hf.load import import_hf
 
     base_cfg = _llama(**{"model.lora.rank": 0})
-    _hf_llama(base_cfg, tmp_path / "hf")
+    hf_llama(base_cfg).save_pretrained(tmp_path / "hf")
     import_hf(base_cfg, tmp_path / "hf", tmp_path / "base", devices[:1])
     cfg = _llama(**{"model.lora.base": str(tmp_path / "base"), "model.lora.base_dtype": "nf4"})
     setup = build(cfg, devices[:1])

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import small_config
 from flax import nnx, traverse_util
+from helpers import hf_llama
 
 from jaxtrain.config import validate
 from jaxtrain.data.batches import make_batches, to_global
@@ -151,26 +152,6 @@ def test_a_resume_is_bitwise_and_refuses_another_base(tmp_path, devices):
     assert "\n" not in str(e.value)
 
 
-def _hf_llama(cfg):
-    import torch
-    import transformers
-
-    m = cfg.model
-    config = transformers.LlamaConfig(
-        hidden_size=m.d_model, num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
-        num_key_value_heads=m.num_kv_heads, intermediate_size=m.mlp_dim,
-        vocab_size=m.vocab_size, max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps,
-        rope_theta=m.rope_theta, bos_token_id=0, eos_token_id=0)
-    model = transformers.LlamaForCausalLM(config)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.1)
-            if name.endswith("norm.weight"):
-                p.add_(1.0)
-    return model.eval()
-
-
 def _logits(model, tokens):
     import torch
 
@@ -188,7 +169,7 @@ def test_peft_loads_the_exported_adapter_and_gives_the_same_logits(tmp_path, dev
     from jaxtrain.train.loop import run
 
     base_cfg = _llama(**{"model.lora.rank": 0})
-    _hf_llama(base_cfg).save_pretrained(tmp_path / "hf")
+    hf_llama(base_cfg).save_pretrained(tmp_path / "hf")
     import_hf(base_cfg, tmp_path / "hf", tmp_path / "base", devices[:1])
     cfg = _llama(**{"model.lora.targets": ALL_DENSE, "model.lora.base": str(tmp_path / "base"),
                     "optimizer.lr": 1e-2})
@@ -377,7 +358,7 @@ def test_lora_weight_decay_equals_peft_with_torch_adamw(tmp_path, devices):
     shape = {"model.attention": "xla", "optimizer.lr": 1e-2, "optimizer.warmup_steps": 2,
              "steps": 5, "optimizer.clip_norm": 0.5, "optimizer.weight_decay": 0.5}
     base_cfg = _llama(**shape, **{"model.lora.rank": 0})
-    _hf_llama(base_cfg).save_pretrained(tmp_path / "hf")
+    hf_llama(base_cfg).save_pretrained(tmp_path / "hf")
     import_hf(base_cfg, tmp_path / "hf", tmp_path / "base", devices[:1])
     cfg = _llama(**shape, **{"model.lora.targets": ALL_DENSE,
                              "model.lora.base": str(tmp_path / "base")})
