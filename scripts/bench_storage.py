@@ -28,7 +28,10 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# The jaxtrain to measure: this checkout's, or another commit's worktree
+# (scripts/bench_checkpoint_designs.py sets it to compare two designs side by side).
+CODE = pathlib.Path(os.environ.get("JAXTRAIN_BENCH_CODE", ROOT))
+sys.path.insert(0, str(CODE))
 sys.path.insert(0, str(ROOT / "tests"))
 
 
@@ -103,6 +106,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--latency-ms", type=int, default=50)
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--only", choices=["checkpoint"],
+                        help="measure the checkpoint rows only (no metrics, no runs)")
     args = parser.parse_args()
     from servers import start
 
@@ -125,6 +130,9 @@ def main() -> None:
             rows[f"S3 + {args.latency_ms} ms per response"] = _checkpoint(
                 storage.as_path(f"{bucket}/slow/checkpoints"), tree, tmp / "c")
             server.proxy.delay_s = 0.0
+        if args.only == "checkpoint":
+            print(json.dumps({"mb": args.mb, "checkpoint": rows}))
+            return
         metrics = _metrics_requests(server, bucket)
         with tempfile.TemporaryDirectory() as tmp:
             runs = [_run(server, bucket, n, pathlib.Path(tmp) / str(n))
