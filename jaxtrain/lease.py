@@ -60,6 +60,18 @@ class Seen:
     empty: bool = False  # a lease never is: a released local .lock copied into the bucket
 
 
+class Held:
+    """A lock used as a context manager: acquired on entry, released on exit (Lease here,
+    workdir.WorkdirLock on disk)."""
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class _Heartbeat:
     """The held lease's side of Lease: its heartbeat thread, and the fencing every write
     asks (check). Uses Lease's store calls (_read, _blob) and its fields."""
@@ -157,7 +169,7 @@ class _Heartbeat:
                             "writing")
 
 
-class Lease(_Heartbeat):
+class Lease(Held, _Heartbeat):
     """An exclusive lease on an object-storage run directory; the interface of WorkdirLock
     (acquire, release, a context manager). `lost` is set when the heartbeat finds the lease
     taken over by another run."""
@@ -244,13 +256,6 @@ class Lease(_Heartbeat):
             self._thread.join(timeout=5)
             self._thread = None
         self._host.release()
-
-    def __enter__(self) -> Lease:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
     # -- the object ---------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import sys
 
 from jaxtrain import retry, storage
 from jaxtrain.errors import ConfigError, WorkdirBusy
-from jaxtrain.lease import Lease, describe_holder, now
+from jaxtrain.lease import Held, Lease, describe_holder, now
 
 # The layout of WORKDIR.
 CHECKPOINTS = "checkpoints"  # orbax steps (checkpoint.py), manifests beside them
@@ -97,7 +97,7 @@ def workdir_lock(workdir, say=print):
     return WorkdirLock(workdir, say) if storage.on_disk(workdir) else Lease(workdir, say)
 
 
-class WorkdirLock:
+class WorkdirLock(Held):
     """An exclusive lock on a run directory for as long as a run uses it.
 
     An advisory lock (flock) on WORKDIR/.lock, which the kernel releases when the holding
@@ -141,13 +141,6 @@ class WorkdirLock:
         fcntl.flock(self.handle, fcntl.LOCK_UN)
         self.handle.close()
         self.handle = None
-
-    def __enter__(self) -> WorkdirLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 
