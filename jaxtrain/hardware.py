@@ -37,6 +37,12 @@ class Hardware:
     source: str
     purchase_usd: float | None = None
     cloud_usd_per_hour: float | None = None
+    devices_per_host: int | None = None  # None: a node is one host (GPUs)
+
+    @property
+    def host_devices(self) -> int:
+        """Devices one host (one process of a job) drives."""
+        return self.devices_per_host or self.devices_per_node
 
     @property
     def memory_bytes(self) -> float:

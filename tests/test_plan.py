@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from jaxtrain import hardware as catalog
@@ -262,3 +263,29 @@ def test_cli_errors_are_one_line():
         capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "--hardware=A200" in out.stderr
+
+
+def test_the_checkpoint_facts_are_the_bytes_of_a_real_train_state(devices):
+    """The planner's checkpoint facts (plan/checkpoint_io.py) against a built train state:
+    the state is the checkpointed tree's bytes; a 'host' of 2 devices reads the bytes its
+    devices' shards hold, and the hosts holding replica-0 shards write it all once."""
+    from conftest import small_config
+
+    from jaxtrain.config import validate
+    from jaxtrain.plan.checkpoint_io import checkpoint_io
+    from jaxtrain.train.setup import build
+
+    cfg = small_config("llama", **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
+    state = build(cfg, devices).init_state()
+    leaves = [x for x in jax.tree.leaves(state.tree()) if x.size > 1]  # not the counters
+    io = checkpoint_io(cfg, validate(cfg, 8), 8, host_devices=2)
+    assert io["state_bytes"] == sum(x.nbytes for x in leaves)
+    hosts = [devices[i:i + 2] for i in range(0, 8, 2)]
+    held = [sum(s.data.nbytes for x in leaves for s in x.addressable_shards
+                if s.device in host) for host in hosts]
+    written = [sum(s.data.nbytes for x in leaves for s in x.addressable_shards
+                   if s.device in host and s.replica_id == 0) for host in hosts]
+    assert io["read_bytes_per_process"] == pytest.approx(max(held), rel=0.02)
+    assert io["writer_processes"] == sum(w > 0 for w in written)
+    assert io["write_bytes_per_writer"] == pytest.approx(max(written), rel=0.02)
+    assert io["processes"] == 4 and io["local_disk_bytes_per_host"] == 0

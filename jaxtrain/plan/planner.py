@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jaxtrain.config import dcn_shape, validate
 from jaxtrain.models import ModelSpec
-from jaxtrain.plan import memory, timing
+from jaxtrain.plan import checkpoint_io, memory, timing
 
 # What a device can give the step: CUDA/ROCm context, XLA's own reserve and fragmentation
 # take the rest (on GPUs also raise XLA_PYTHON_CLIENT_MEM_FRACTION from its 0.75 default).
@@ -29,7 +29,8 @@ def make_plan(cfg, hw, devices: int, tokens: float | None = None, hours: float |
                        "device_bytes": hw.memory_bytes, "usable_bytes": usable,
                        "fits": mem["total"] <= usable,
                        "uncertainty": memory.uncertainty(platform)},
-            "time": time}
+            "time": time,
+            "checkpoint": checkpoint_io.checkpoint_io(cfg, sizes, devices, hw.host_devices)}
     if tokens is None and hours is None:
         return plan
     if tokens is not None:
@@ -94,6 +95,8 @@ def format_plan(plan: dict) -> str:
               f"{t['tokens_per_step']:,} tokens/step",
               f"  assumes: {t['overlap']}",
               f"  uncertainty: {t['calibration']}"]
+    if "checkpoint" in plan:
+        lines += checkpoint_io.describe(plan["checkpoint"], _gb)
     if "cost" in plan:
         c = plan["cost"]
         lines += [f"training {t['train_tokens']:.3g} tokens: {t['train_steps']:,.0f} steps, "
