@@ -211,3 +211,37 @@ def test_a_pattern_trains_with_the_chunked_kernel_as_with_xla(devices):
                                     devices[:1], steps=2)
     np.testing.assert_allclose(losses, xla_losses, rtol=1e-5)
     assert_params_close(params, xla_params)
+
+
+def _steps_with_grad_norms(cfg, devices, steps: int = 2):
+    from jaxtrain.data.batches import make_batches, to_global
+    from jaxtrain.train.setup import build
+
+    setup = build(cfg, devices)
+    state, data, out = setup.init_state(), make_batches(cfg).train_iter(0), []
+    with jax.set_mesh(setup.mesh):
+        step_fn = setup.train_step()
+        for _ in range(steps):
+            state, metrics = step_fn(state, to_global(next(data), setup.tokens_sharding))
+            out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+    return np.array(out), setup, state
+
+
+def test_a_repeating_pattern_walks_by_periods_as_by_runs(devices, monkeypatch):
+    """Five layers sliding, full, sliding, full, sliding: walked as two periods of (sliding,
+    full) in one outer scan and a last run (3 compiled bodies, not 5), the losses, grad norms,
+    parameters and kv-cached decoding equal the run-by-run walk's."""
+    from helpers import assert_cached_decoding_matches_full_forward, assert_params_close
+
+    from jaxtrain.models import ModelSpec, stack
+
+    cfg = _config("llama", **{"model.num_layers": 5, "model.sliding_window": 4,
+                              "train.global_batch": 2})
+    runs = stack.Groups.of(ModelSpec.from_config(cfg)).runs
+    assert stack._period(runs, 5) == ((("sliding", 0, 1), ("full", 1, 2)), 2, 2)
+    by_periods, setup, state = _steps_with_grad_norms(cfg, devices[:1])
+    assert_cached_decoding_matches_full_forward(setup, state.params)
+    monkeypatch.setattr(stack, "_period", lambda runs, count: None)
+    by_runs, _, runs_state = _steps_with_grad_norms(cfg, devices[:1])
+    np.testing.assert_allclose(by_periods, by_runs, rtol=1e-6)
+    assert_params_close(state.params, runs_state.params)

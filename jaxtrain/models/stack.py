@@ -13,8 +13,9 @@ layer, so every kernel keeps its static window (the chunked kernel skips the blo
 it, cuDNN and splash build their masks once). Carrying the kind as scanned data instead
 would keep one compiled body, but the window would then be a traced value: the kernels
 could only mask, not skip, and the ones that need a static window could not run. So a
-pattern compiles one body per run: 5 sliding : 1 full is 2 runs per 6 layers, an
-alternating pattern one per layer. A model without a pattern is one run, the scan as before.
+pattern that repeats compiles one body per run of one period (walk): 5 sliding : 1 full is
+2 bodies, and so is an alternating pattern, whatever the depth. A model without a pattern
+is one run, the scan as before.
 """
 
 from __future__ import annotations
@@ -45,12 +46,17 @@ class Groups:
             count, dense, moe = spec.moe.layers(spec.num_layers), n - 1, True
         # Each group is of one kind (config.py checks it): its first layer's.
         kinds = spec.layer_types[::dense + moe] if spec.layer_types else (None,) * count
+        return cls(count, dense, moe, cls.runs_of(kinds))
+
+    @staticmethod
+    def runs_of(kinds) -> tuple[tuple[str | None, int, int], ...]:
+        """(kind, first, end) of each maximal run of equal kinds in `kinds`."""
         runs, first = [], 0
-        for g in range(1, count + 1):
-            if g == count or kinds[g] != kinds[first]:
+        for g in range(1, len(kinds) + 1):
+            if g == len(kinds) or kinds[g] != kinds[first]:
                 runs.append((kinds[first], first, g))
                 first = g
-        return cls(count, dense, moe, tuple(runs))
+        return tuple(runs)
 
     @property
     def size(self) -> int:
@@ -118,16 +124,68 @@ def walk(groups: Groups, layer: Callable, carry, xs):
     carry: (x, aux sums); the sums ({} to drop them) are [B, groups, ...], group g's MoE
     layer's aux added at slot xs["index"] = g, so that they ride with their rows (the
     pipeline's buffers carry them from stage to stage).
+
+    A pattern that repeats (5 sliding : 1 full, or alternating) is one outer scan over its
+    periods, whose body runs the period's own runs (an inner scan each): one compiled body
+    per run of a period rather than per run of the model (2 for Gemma 3's 48 layers, not
+    16; 2 for gpt-oss's alternating 24, not 24); what is left past the last whole period is
+    walked run by run.
     """
     runs = groups.runs or ((None, 0, groups.count),)
     if len(runs) == 1:  # one kind (or no pattern): the one scan over every group
         return jax.lax.scan(_group_body(groups, layer, runs[0][0]), carry, xs)
+    period = _period(runs, groups.count)
+    ys, first = [], 0
+    if period is not None:
+        inner, length, reps = period
+        first = length * reps
+        periods_xs = jax.tree.map(
+            lambda a: a[:first].reshape(reps, length, *a.shape[1:]), xs)
+
+        def one_period(carry, period_xs):
+            return _walk_runs(groups, layer, carry, period_xs, inner)
+
+        carry, period_ys = jax.lax.scan(one_period, carry, periods_xs)
+        ys.append(jax.tree.map(lambda a: a.reshape(first, *a.shape[2:]), period_ys))
+    tail = [(kind, max(lo, first) - first, hi - first) for kind, lo, hi in runs if hi > first]
+    if tail:
+        carry, tail_ys = _walk_runs(groups, layer, carry,
+                                    jax.tree.map(lambda a: a[first:], xs), tail)
+        ys.append(tail_ys)
+    return carry, jax.tree.map(lambda *parts: jnp.concatenate(parts), *ys)
+
+
+def _walk_runs(groups: Groups, layer: Callable, carry, xs, runs):
+    """The groups of xs (leaves [groups, ...]) run by run: a scan per run of several
+    groups, a call for a run of one. ys as [groups, ...]."""
     ys = []
     for kind, lo, hi in runs:
-        carry, run_ys = jax.lax.scan(_group_body(groups, layer, kind), carry,
-                                     jax.tree.map(lambda a: a[lo:hi], xs))
+        run_xs = jax.tree.map(lambda a: a[lo:hi], xs)
+        if hi - lo > 1:
+            carry, run_ys = jax.lax.scan(_group_body(groups, layer, kind), carry, run_xs)
+        else:
+            carry, run_ys = _group_body(groups, layer, kind)(
+                carry, jax.tree.map(lambda a: a[0], run_xs))
+            run_ys = jax.tree.map(lambda a: a[None], run_ys)
         ys.append(run_ys)
     return carry, jax.tree.map(lambda *parts: jnp.concatenate(parts), *ys)
+
+
+def _period(runs, count: int):
+    """(the runs of one period, its length, whole periods) of the shortest period the
+    groups' kinds repeat with, at least twice, when walking by periods compiles fewer
+    bodies than walking by runs; else None."""
+    kinds = [kind for kind, lo, hi in runs for _ in range(lo, hi)]
+    for length in range(2, count // 2 + 1):
+        reps = count // length
+        if any(kinds[i] != kinds[i % length] for i in range(reps * length)):
+            continue
+        inner = Groups.runs_of(kinds[:length])
+        tail = len(Groups.runs_of(kinds[reps * length:]))
+        if len(inner) + tail < len(runs):
+            return inner, length, reps
+        return None
+    return None
 
 
 def _group_body(groups: Groups, layer: Callable, layer_kind: str | None) -> Callable:
