@@ -64,8 +64,11 @@ SHIPPED_TARGETS = {"tiny.py": ("CPU-host", 1), "bench_cpu.py": ("CPU-host", 1),
                    "gpt13b.py": ("A100-80GB", 64), "gpt13b_pp.py": ("A100-80GB", 16),
                    "tiny_moe.py": ("CPU-host", 1), "bench_cpu_moe.py": ("CPU-host", 1),
                    "tiny_qwen3.py": ("CPU-host", 1), "tiny_gemma3.py": ("CPU-host", 1),
-                   "mixtral_8x7b.py": ("TPU-v5p", 64)}
-MOE_CONFIGS = ("tiny_moe.py", "bench_cpu_moe.py", "mixtral_8x7b.py")
+                   "mixtral_8x7b.py": ("TPU-v5p", 64), "qwen3_8b.py": ("H100-SXM", 8),
+                   "qwen3_30b_a3b.py": ("H100-SXM", 16), "gemma3_12b.py": ("H100-SXM", 16),
+                   "gpt_oss_20b.py": ("H100-SXM", 16)}
+MOE_CONFIGS = ("tiny_moe.py", "bench_cpu_moe.py", "mixtral_8x7b.py", "qwen3_30b_a3b.py",
+               "gpt_oss_20b.py")
 
 
 def grid_config(name: str):
