@@ -117,10 +117,12 @@ def stacked(block_cls, spec, keys: jax.Array):
 def walk(groups: Groups, layer: Callable, carry, xs):
     """Runs the groups, one scan per run of equal layer kinds: ((x, aux sums), ys).
 
-    layer(kind, x, layer_xs, layer_kind) -> (x, aux, y) runs one layer of `kind` ("dense",
-    "moe") and of `layer_kind` (its model.layer_types entry; None: no pattern) on layer_xs,
-    its slice of xs[kind] (its state, and its kv cache when decoding); y is what the layer
-    emits (its new cache), aux its pytree of per-row stats ({} for a dense layer).
+    layer(kind, x, layer_xs, layer_kind, view=None) -> (x, aux, y) runs one layer of `kind`
+    ("dense", "moe") and of `layer_kind` (its model.layer_types entry; None: no pattern) on
+    view(layer_xs) (layer_xs itself when view is None), its slice of xs[kind] (its state,
+    and its kv cache when decoding); the layer takes the view inside its remat, so that
+    what its backward pass keeps is layer_xs. y is what the layer emits (its new cache),
+    aux its pytree of per-row stats ({} for a dense layer).
     carry: (x, aux sums); the sums ({} to drop them) are [B, groups, ...], group g's MoE
     layer's aux added at slot xs["index"] = g, so that they ride with their rows (the
     pipeline's buffers carry them from stage to stage).
@@ -143,7 +145,9 @@ def walk(groups: Groups, layer: Callable, carry, xs):
             lambda a: a[:first].reshape(reps, length, *a.shape[1:]), xs)
 
         def one_period(carry, period_xs):
-            return _walk_runs(groups, layer, carry, period_xs, inner)
+            if groups.dense > 1:  # (an inner dense scan per group: its own xs, sliced)
+                return _walk_runs(groups, layer, carry, period_xs, inner)
+            return _walk_by_index(groups, layer, carry, period_xs, inner)
 
         carry, period_ys = jax.lax.scan(one_period, carry, periods_xs)
         ys.append(jax.tree.map(lambda a: a.reshape(first, *a.shape[2:]), period_ys))
@@ -171,6 +175,23 @@ def _walk_runs(groups: Groups, layer: Callable, carry, xs, runs):
     return carry, jax.tree.map(lambda *parts: jnp.concatenate(parts), *ys)
 
 
+def _walk_by_index(groups: Groups, layer: Callable, carry, xs, runs):
+    """_walk_runs over one period's xs (leaves [period, ...]), each layer reading its slice
+    inside its remat (the layer's `view`). What the backward pass keeps of the weights is
+    then the outer scan's xs itself: slicing them here instead made the period scan stack a
+    copy of each run's weights and gradients (gpt-oss-20b: 85 GB a device, not 68)."""
+    ys = []
+    for kind, lo, hi in runs:
+        body = _group_body(groups, layer, kind, source=xs)
+        if hi - lo > 1:
+            carry, run_ys = jax.lax.scan(body, carry, jnp.arange(lo, hi))
+        else:
+            carry, run_ys = body(carry, lo)
+            run_ys = jax.tree.map(lambda a: a[None], run_ys)
+        ys.append(run_ys)
+    return carry, jax.tree.map(lambda *parts: jnp.concatenate(parts), *ys)
+
+
 def _period(runs, count: int):
     """(the runs of one period, its length, whole periods) of the shortest period the
     groups' kinds repeat with, at least twice, when walking by periods compiles fewer
@@ -188,22 +209,31 @@ def _period(runs, count: int):
     return None
 
 
-def _group_body(groups: Groups, layer: Callable, layer_kind: str | None) -> Callable:
-    """The scan body of one group of `layer_kind`'s layers."""
+def _group_body(groups: Groups, layer: Callable, layer_kind: str | None,
+                source=None) -> Callable:
+    """The scan body of one group of `layer_kind`'s layers: over the group's own xs, or
+    (source given, groups.dense ≤ 1) over group indices into source, which each layer reads
+    through its view."""
     def dense(x, layer_xs):
         x, _, y = layer("dense", x, layer_xs, layer_kind)
         return x, y
 
     def group(carry, xs):
         x, sums = carry
-        ys = {}
+        ys, own, view = {}, xs, None
+        if source is not None:
+            own, index = source, xs
+
+            def view(tree):
+                return jax.tree.map(lambda a: a[index], tree)
         if groups.dense > 1:
-            x, ys["dense"] = jax.lax.scan(dense, x, xs["dense"])
+            x, ys["dense"] = jax.lax.scan(dense, x, own["dense"])
         elif groups.dense:
-            x, ys["dense"] = dense(x, xs["dense"])
+            x, _, ys["dense"] = layer("dense", x, own["dense"], layer_kind, view)
         if groups.moe:
-            x, aux, ys["moe"] = layer("moe", x, xs["moe"], layer_kind)
-            sums = _add_at(sums, aux, xs.get("index"), groups.count)
+            x, aux, ys["moe"] = layer("moe", x, own["moe"], layer_kind, view)
+            slot = own.get("index")
+            sums = _add_at(sums, aux, slot if view is None else view(slot), groups.count)
         return (x, sums), ys
 
     return group

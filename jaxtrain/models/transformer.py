@@ -291,9 +291,10 @@ class Transformer(nnx.Module):
             stats = self._zero_stats(x_BLD.shape[0], groups.count)
 
         def run(chunk, carry, documents=None):
-            def layer(kind, x_BLD, state, layer_kind):
+            def layer(kind, x_BLD, state, layer_kind, view=None):
                 segments_BL, positions_BL = documents or (None, None)
-                block = self._remat(lambda x, state: nnx.merge(defs[kind], state)(
+                block = self._remat(lambda x, state: nnx.merge(
+                    defs[kind], state if view is None else view(state))(
                     x, segments_BL, positions_BL, layer_kind))
                 return (*block(x_BLD, state), None)
 
@@ -345,8 +346,8 @@ class Transformer(nnx.Module):
         defs, states = self._stacks()
         xs = {kind: (states[kind], c) for kind, c in groups.split(cache).items()}
 
-        def layer(kind, x_BTD, state_and_cache, layer_kind):
-            state, layer_cache = state_and_cache
+        def layer(kind, x_BTD, state_and_cache, layer_kind, view=None):
+            state, layer_cache = state_and_cache if view is None else view(state_and_cache)
             x_BTD, layer_cache = nnx.merge(defs[kind], state).decode(x_BTD, layer_cache, start,
                                                                      layer_kind)
             return x_BTD, {}, layer_cache
