@@ -3,9 +3,10 @@ alternating sliding (window 128) and full attention with learned sinks, 32 exper
 4 a token, the clamped SwiGLU, YaRN ×32 over 4096) on 2 nodes of 8 H100/H200: experts over
 `expert`=8 within a node, FSDP over the 2 nodes, bf16, full remat, 4096-token rows.
 
-Sinks run in the xla kernel (the others refuse them). The alternating pattern walks as one
-scan over its 12 periods (models/stack.py). Import with `jaxtrain convert --from-hf
-openai/gpt-oss-20b` after dequantizing its MXFP4 experts to bf16 (docs/interop.md).
+The sinks run in the chunked kernel ('auto' where cuDNN cannot: scaffold.with_sinks), which
+keeps no L×L scores. The alternating pattern walks as one scan over its 12 periods
+(models/stack.py). Import with `jaxtrain convert --from-hf openai/gpt-oss-20b` after
+dequantizing its MXFP4 experts to bf16 (docs/interop.md).
 """
 
 from jaxtrain.config import base_config
@@ -35,7 +36,6 @@ def get_config():
     c.model.rope_scaling.factor = 32.0
     c.model.rope_scaling.original_max_position_embeddings = 4096
     c.model.norm_eps = 1e-5
-    c.model.attention = "xla"
     c.model.layer_types = "sliding,full"
     c.model.sliding_window = 128
     c.model.remat = "full"

@@ -170,14 +170,15 @@ _attention = recomputing_vjp(_forward, _backward, statics=2)  # (block, window)
 
 def chunked_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
                       window: int | None = None, segments_BL=None,
-                      block: int = 128) -> jax.Array:
-    """Causal GQA attention, same contract as attention.xla_attention (q already scaled).
-    Up to UNROLL_MAX_CHUNKS query chunks the loop is unrolled (above); longer sequences go
-    through the looped kernel (chunked_loop.py), whose memory and compile time do not grow
-    with the number of chunks."""
+                      block: int = 128, sinks=None) -> jax.Array:
+    """Causal GQA attention, same contract as attention.xla_attention (q already scaled;
+    sinks: [H] attention-sink logits, scaffold.with_sinks). Up to UNROLL_MAX_CHUNKS query
+    chunks the loop is unrolled (above); longer sequences go through the looped kernel
+    (chunked_loop.py), whose memory and compile time do not grow with the number of
+    chunks."""
     if looped(q_BLHK.shape[1], block):
-        return _looped_attention(q_BLHK, k_BMGK, v_BMGK, segments_BL, block, window)
-    return _attention(q_BLHK, k_BMGK, v_BMGK, segments_BL, block, window)
+        return _looped_attention(q_BLHK, k_BMGK, v_BMGK, segments_BL, sinks, block, window)
+    return _attention(q_BLHK, k_BMGK, v_BMGK, segments_BL, sinks, block, window)
 
 
 def looped(length: int, block: int) -> bool:

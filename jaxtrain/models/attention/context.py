@@ -46,7 +46,7 @@ def context_attention(q_BLHK, k_BLGK, v_BLGK, window: int | None, segments_BL,
     if q_spec[1] != AXIS or kv_spec[1] != AXIS:
         raise ValueError(f"context attention needs the `length` rule on `{AXIS}`; the rules "
                          f"give {q_spec}")
-    return _attention(q_BLHK, k_BLGK, v_BLGK, segments_BL, spec, window, rules)
+    return _attention(q_BLHK, k_BLGK, v_BLGK, segments_BL, None, spec, window, rules)
 
 
 class _Specs:

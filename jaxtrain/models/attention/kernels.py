@@ -141,7 +141,7 @@ KERNELS: dict[str, AttentionKernel] = {k.name: k for k in (
     AttentionKernel("chunked", chunked_attention, "flash-style causal attention in XLA: "
                     "query chunks, skipped masked blocks, no L×L buffers kept",
                     ("cpu", "gpu", "tpu"), query_chunk=128, loop_tile=loop_tile,
-                    under_context=True),
+                    under_context=True, sinks=True),
     AttentionKernel("xla", xla_attention, "the reference: full score matrix, mask, softmax",
                     ("cpu", "gpu", "tpu"), full_scores=True, under_context=True, softcap=True,
                     sinks=True),
@@ -163,5 +163,7 @@ def resolve_attention(name: str, precision: str, platform: str, seq_len: int = 1
                                                               window, documents, softcap,
                                                               parts):
             return kernel.name
-    # xla: the one kernel with the soft-cap and the sinks
-    return "xla" if softcap or parts else "chunked"
+    # Else chunked where it can run the config's parts (the sinks), xla (the soft-cap).
+    fallback = KERNELS["chunked"].problem(precision, None, seq_len, window, documents,
+                                          softcap, parts)
+    return "xla" if fallback else "chunked"

@@ -91,23 +91,58 @@ def from_chunks(x_NBGQ, r: int):
 
 
 def recomputing_vjp(forward, backward, statics: int):
-    """attention(q, k, v, segments, *statics) -> out, with the custom VJP every kernel here
-    shares: forward(q, k, v, segments, *statics) -> (out, logsumexp); the residuals are the
-    inputs, the output and its logsumexp, and backward(*statics, residuals, dout) -> (dq,
-    dk, dv) recomputes the probabilities from them (autodiff would keep every score tile).
-    The statics (block sizes, window, layout) are hashable and not differentiated."""
+    """attention(q, k, v, segments, sinks, *statics) -> out, with the custom VJP every kernel
+    here shares: forward(q, k, v, segments, *statics) -> (out, logsumexp [B, G, R, L]); the
+    residuals are the inputs, the output and its logsumexp, and backward(*statics,
+    residuals, dout) -> (dq, dk, dv) recomputes the probabilities from them (autodiff would
+    keep every score tile). The statics (block sizes, window, layout) are hashable and not
+    differentiated. sinks: None, or [H] learned logits (with_sinks)."""
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(4, 4 + statics)))
-    def attention(q_BLHK, k_BMGK, v_BMGK, segments_BL, *static):
-        return forward(q_BLHK, k_BMGK, v_BMGK, segments_BL, *static)[0]
+    @functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(5, 5 + statics)))
+    def attention(q_BLHK, k_BMGK, v_BMGK, segments_BL, sinks_H, *static):
+        return attention_fwd(q_BLHK, k_BMGK, v_BMGK, segments_BL, sinks_H, *static)[0]
 
-    def attention_fwd(q_BLHK, k_BMGK, v_BMGK, segments_BL, *static):
-        out_BLHK, lse = forward(q_BLHK, k_BMGK, v_BMGK, segments_BL, *static)
-        return out_BLHK, (q_BLHK, k_BMGK, v_BMGK, segments_BL, out_BLHK, lse)
+    def attention_fwd(q_BLHK, k_BMGK, v_BMGK, segments_BL, sinks_H, *static):
+        out_BLHK, lse_BGRL = forward(q_BLHK, k_BMGK, v_BMGK, segments_BL, *static)
+        if sinks_H is not None:
+            out_BLHK, lse_BGRL = with_sinks(out_BLHK, lse_BGRL, sinks_H)
+        return out_BLHK, (q_BLHK, k_BMGK, v_BMGK, segments_BL, sinks_H, out_BLHK, lse_BGRL)
 
     def attention_bwd(*args):
         *static, residuals, dout_BLHK = args
-        return (*backward(*static, residuals, dout_BLHK), None)  # None: the segment ids
+        q_BLHK, k_BMGK, v_BMGK, segments_BL, sinks_H, out_BLHK, lse_BGRL = residuals
+        grads = backward(*static, (q_BLHK, k_BMGK, v_BMGK, segments_BL, out_BLHK, lse_BGRL),
+                         dout_BLHK)
+        dsinks_H = None if sinks_H is None else sink_grads(sinks_H, out_BLHK, lse_BGRL,
+                                                           dout_BLHK)
+        return (*grads, None, dsinks_H)  # None: the segment ids
 
     attention.defvjp(attention_fwd, attention_bwd)
     return attention
+
+
+def _sinks_GR1(sinks_H, groups: int):
+    return sinks_H.astype(jnp.float32).reshape(groups, -1)[None, :, :, None]
+
+
+def with_sinks(out_BLHK, lse_BGRL, sinks_H):
+    """(out, logsumexp) of a softmax with one more column per query, the head's sink logit,
+    whose probability is dropped (gpt-oss's attention sinks): the logsumexp takes the sink
+    in, and the output shrinks by the share the sink took, exp(lse − lse'). The backward
+    pass is the kernel's own from these two: probabilities recomputed from lse' are the
+    sink softmax's, and rowsum(dO ∘ O') is still rowsum(P ∘ dP) over the keys, the sink
+    column having no value (so dP = 0 there)."""
+    sunk_BGRL = jnp.logaddexp(lse_BGRL, _sinks_GR1(sinks_H, lse_BGRL.shape[1]))
+    kept_BLH = from_groups(jnp.exp(lse_BGRL - sunk_BGRL))
+    out_BLHK = (out_BLHK.astype(jnp.float32) * kept_BLH[..., None]).astype(out_BLHK.dtype)
+    return out_BLHK, sunk_BGRL
+
+
+def sink_grads(sinks_H, out_BLHK, lse_BGRL, dout_BLHK):
+    """d loss / d sink: its column's probability times (0 − rowsum(dO ∘ O)), summed over
+    the head's rows (the softmax backward, the sink's value being nothing)."""
+    groups = lse_BGRL.shape[1]
+    delta_BGRL = to_groups(jnp.einsum("blhk,blhk->blh", dout_BLHK, out_BLHK,
+                                      preferred_element_type=jnp.float32), groups)
+    p_BGRL = jnp.exp(_sinks_GR1(sinks_H, groups) - lse_BGRL)
+    return -(p_BGRL * delta_BGRL).sum(axis=(0, 3)).reshape(-1).astype(sinks_H.dtype)

@@ -60,7 +60,13 @@ def cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T, window: int | None,
     visible_TM = causal_mask(positions_T, jnp.arange(k_BMGK.shape[1]), window)
     if segments_BL is not None:
         visible_TM = (visible_TM & same_document(segments_BL, segments_BL))[:, None, None]
-    scores_BGRTM = jnp.where(visible_TM, scores_BGRTM, jnp.finfo(jnp.float32).min)
+    # The mask as an added bias, not a select: a select's gradient needs the mask, which
+    # the backward pass then keeps broadcast to the scores' shape, once per layer kind (a
+    # pattern's sliding and full masks: 2 GB a device at gpt-oss-20b's shape); an add's
+    # does not. finfo.min plus any score rounds to finfo.min, so the masked scores are as
+    # the select's, and their probabilities, hence their gradients, exactly 0.
+    bias = jnp.where(visible_TM, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
+    scores_BGRTM = scores_BGRTM + bias
     if sinks is None:
         probs_BGRTM = jax.nn.softmax(scores_BGRTM, axis=-1).astype(v_BMGK.dtype)
     else:
