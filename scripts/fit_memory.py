@@ -39,6 +39,7 @@ BOUNDS = {
     "rope_f32": (0.0, 12.0),
     "peak_margin": (0.0, 1.0),
     "logit_f32": (0.0, 4.0),
+    "head_copies": (0.5, 4.0),
     "layer_weights": (0.0, 4.0),
     "layer_weight_grads": (0.0, 2.0),
     "phase_overlap": (0.0, 1.0),

@@ -79,6 +79,10 @@ class Factors:
     # float32-sized arrays per logit of the head's chunk (the logits; their gradient is
     # counted at the compute dtype on top).
     logit_f32: float = 1.0
+    # Compute-dtype copies of the gathered output head alive around the loss: the cast of
+    # the gathered shard, and when tied its transposed copy (Gemma 3's 262K×3840 table is
+    # 4 GB a copy in float32, where the smaller vocabularies hid the count).
+    head_copies: float = 1.0
     # The share of a layer's gathered weights (compute dtype) alive while it runs backward,
     layer_weights: float = 1.0
     # and of their float32 gradients.
@@ -491,7 +495,8 @@ def _head_and_loss(s: _Step) -> float:
     # The output head gathered for the loss, with its float32 gradient; the embedding table
     # is gathered for the lookup in the forward pass only (its gradient is formed in its
     # shard: models/embedding.py).
-    head = s.shards["head_gathered"] * c + s.shards["head_gathered_trained"] * F32
+    head = s.shards["head_gathered"] * c * k.head_copies \
+        + s.shards["head_gathered_trained"] * F32
     return logits + head
 
 
