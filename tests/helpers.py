@@ -159,3 +159,43 @@ def hf_llama(cfg):
             if name.endswith("norm.weight"):
                 p.add_(1.0)
     return model.eval()
+
+
+def assert_peft_loads_the_adapter(tmp_path, devices, config, hf_model, targets: str,
+                                  peft_names: list[str], atol: float = 1e-5, **load_kwargs):
+    """A LoRA run on `targets` of a base imported from `hf_model(config())` (a transformers
+    model), trained a few steps: the exported adapter's target modules are `peft_names`, and
+    PEFT on the transformers base gives jaxtrain's logits of the run (within atol), which
+    the trained adapters moved. config(**overrides): the family's tiny config."""
+    import json
+
+    import jax
+    import transformers
+    from flax import nnx
+    from peft import PeftModel
+    from test_convert import _hf_logits, _tokens
+
+    from jaxtrain.hf.load import import_hf
+    from jaxtrain.hf.save import export_hf, load_for_export
+    from jaxtrain.train.loop import run
+
+    base_cfg = config()
+    hf_model(base_cfg).save_pretrained(tmp_path / "hf")
+    import_hf(base_cfg, tmp_path / "hf", tmp_path / "base", devices[:1])
+    cfg = config(**{"model.lora.rank": 4, "model.lora.alpha": 8.0,
+                    "model.lora.targets": targets, "model.lora.base": str(tmp_path / "base"),
+                    "optimizer.lr": 1e-2})
+    run(cfg, tmp_path / "run", devices[:1])
+    export_hf(tmp_path / "run", tmp_path / "adapter", devices=devices[:1], adapter=True)
+    exported = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(exported["target_modules"]) == sorted(peft_names)
+    setup, params, _ = load_for_export(tmp_path / "run", devices[:1])
+    tokens = _tokens(cfg, batch=4)
+    with jax.set_mesh(setup.mesh):
+        ours = np.asarray(jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(params, tokens))
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf",
+                                                             **load_kwargs).eval()
+    before = _hf_logits(base, tokens)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    np.testing.assert_allclose(_hf_logits(peft_model, tokens), ours, atol=atol, rtol=0)
+    assert np.abs(before - ours).max() > 1e-3  # the trained adapters change the logits

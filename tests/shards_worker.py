@@ -41,8 +41,13 @@ def state(mesh, seed: int = 0, rows: int = 64):
 
 
 def main(coordinator, processes, rank, url, action, step):
+    # A short heartbeat ends the survivors of a killed rank soon; where no rank dies, a long
+    # one keeps a job on a loaded 2-core machine (CI runs another test file beside this one)
+    # from being ended for a late heartbeat.
+    dies = action in ("kill", "run")
     jax.distributed.initialize(coordinator, int(processes), int(rank),
-                               initialization_timeout=120, heartbeat_timeout_seconds=5)
+                               initialization_timeout=240,
+                               heartbeat_timeout_seconds=5 if dies else 60)
     import numpy as np
 
     from jaxtrain import checkpoint_shards

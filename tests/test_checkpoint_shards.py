@@ -75,8 +75,9 @@ def test_damage_is_found_where_it_is_read_and_an_uncommitted_step_is_no_step(url
 def _job(processes: int, url: str, action: str, step: int, server, scratch) -> list[dict]:
     """Runs tests/shards_worker.py as `processes` processes of 2 devices each, each rank's
     client through a proxy of its own; returns each rank's report with its proxy's counts."""
-    coordinator = f"127.0.0.1:{free_port()}"
     proxies = [Proxy(server.port) for _ in range(processes)]
+    # After the proxies listen, so that the coordinator's port cannot be one of theirs.
+    coordinator = f"127.0.0.1:{free_port()}"
     ranks = []
     for rank, proxy in enumerate(proxies):
         env = dict(os.environ, **server.env(), XLA_FLAGS=with_device_count(2),
@@ -117,12 +118,13 @@ def test_each_process_reads_its_own_shards_and_nothing_lands_on_disk(scheme, pro
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     reports = _job(processes, url, "both", 4, server, scratch)
+    for report in reports:  # a rank's own error first: a missing object says less
+        assert report["rc"] == 0 and report["problem"] is None, report["err"]
     objects = sorted(k.decode() for k in storage.kvstore(f"{url}/4").list().result())
     assert len(objects) == 2 * processes + 1, objects
     metadata = sum(len(storage.kvstore(f"{url}/4").read(name).result().value)
                    for name in objects if name.endswith(".json"))
     for rank, report in enumerate(reports):
-        assert report["rc"] == 0 and report["problem"] is None, report["err"]
         assert report["bitwise"]
         share = report["state_bytes"] / processes + metadata
         # The proxy counts HTTP headers too: at most a kilobyte a request.

@@ -176,3 +176,16 @@ def test_kernels_without_the_soft_cap_part_refuse_it_in_one_line():
     with pytest.raises(ConfigError, match=r"model.attn_logit_softcap=1.0 is invalid: the "
                        "context-parallel"):
         validate(_config("gemma2", **{"mesh.context": 2}), 2, "cpu")
+
+
+@pytest.mark.slow
+def test_peft_loads_a_gemma3_adapter_with_the_same_logits(tmp_path, devices):
+    """LoRA on every projection of an imported Gemma 3 (sandwich norms, q/k norms, GeGLU,
+    the embedding scale and tied head around them): PEFT gives jaxtrain's logits."""
+    from helpers import assert_peft_loads_the_adapter
+
+    assert_peft_loads_the_adapter(
+        tmp_path, devices, lambda **o: _config("gemma3", **o), _hf_model,
+        "q,k,v,o,gate,up,down",
+        ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj"],
+        attn_implementation="eager")

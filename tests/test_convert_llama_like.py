@@ -8,11 +8,10 @@ import jax
 import numpy as np
 import pytest
 from conftest import small_config
-from helpers import assert_exports_bitwise
+from helpers import assert_exports_bitwise, assert_peft_loads_the_adapter
 from test_convert import _hf_logits, _jax_logits, _tokens
 
 from jaxtrain.hf.load import import_hf
-from jaxtrain.hf.save import export_hf
 
 TOLERANCE = 1e-5  # max |Δ logit|, float32
 FAMILIES = ["qwen2", "qwen3", "mistral"]
@@ -69,8 +68,9 @@ def test_import_and_export_give_the_logits_of_transformers(family, tmp_path, dev
 
 @pytest.mark.slow  # two more imports' compiles; test_convert_gemma.py's fsdp × tensor is fast
 def test_fsdp_by_tensor_gives_the_logits_of_one_device(tmp_path, devices):
-    """Qwen3's q/k norms and Qwen2's biases sharded over fsdp×tensor: the same logits."""
-    for family in ("qwen2", "qwen3"):
+    """Qwen3's q/k norms, Qwen2's biases and Mistral's window sharded over fsdp×tensor:
+    the same logits."""
+    for family in FAMILIES:
         cfg = _config(family)
         model = _hf_model(cfg)
         model.save_pretrained(tmp_path / family)
@@ -105,15 +105,23 @@ def test_greedy_generation_equals_transformers(family, tmp_path, devices):
     assert len(set(got.tolist())) > 2
 
 
-def _torch_steps(model, batches, cfg):
+def _decays(name: str) -> bool:
+    """jaxtrain's decay mask (optim.decay_mask: matmul weights and the head) in transformers'
+    names: the projections, the head, a router's weight and fused experts' weights; never
+    norms, biases or sinks."""
+    return (name.endswith(("proj.weight", "gate.weight", "router.weight", "experts.gate_up_proj",
+                           "experts.down_proj")) or name == "lm_head.weight")
+
+
+def _torch_steps(model, batches, cfg, penalty=None):
     """(loss, gradient norm) of each step of a plain PyTorch loop: mean cross entropy over
-    every target; AdamW (decay on the projections' weights and the head, not on norms or
-    biases), global-norm clipping, the schedule of test_sft.py."""
+    every target (plus `penalty(router logits of each MoE layer)` where given, which is
+    differentiated but not logged, as jaxtrain's routing losses); AdamW (decay where
+    jaxtrain decays, `_decays`), global-norm clipping, the schedule of test_sft.py."""
     import torch
     from test_sft import _lr
 
-    decay = [p for n, p in model.named_parameters() if n.endswith("proj.weight")
-             or n == "lm_head.weight"]
+    decay = [p for n, p in model.named_parameters() if _decays(n)]
     rest = [p for n, p in model.named_parameters() if not any(p is q for q in decay)]
     o = cfg.optimizer
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
@@ -123,10 +131,11 @@ def _torch_steps(model, batches, cfg):
     out = []
     for step, tokens in enumerate(batches):
         tokens = torch.from_numpy(tokens.astype(np.int64))
-        logits = model(input_ids=tokens[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens[:, 1:])
+        forward = model(input_ids=tokens[:, :-1],
+                        **({} if penalty is None else {"output_router_logits": True}))
+        loss = torch.nn.functional.cross_entropy(forward.logits.transpose(1, 2), tokens[:, 1:])
         opt.zero_grad()
-        loss.backward()
+        (loss if penalty is None else loss + penalty(forward.router_logits)).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_norm)
         for group in opt.param_groups:
             group["lr"] = _lr(step, cfg)
@@ -164,33 +173,7 @@ def test_twenty_training_steps_equal_pytorch(family, tmp_path, devices):
 def test_peft_loads_a_qwen3_adapter_with_the_same_logits(tmp_path, devices):
     """LoRA on every projection of an imported Qwen3: the exported adapter's target modules
     are PEFT's names for it, and PEFT on the exported base gives jaxtrain's logits."""
-    import json
-
-    import transformers
-    from flax import nnx
-    from peft import PeftModel
-
-    from jaxtrain.hf.save import load_for_export
-    from jaxtrain.train.loop import run
-
-    base_cfg = _config("qwen3")
-    _hf_model(base_cfg).save_pretrained(tmp_path / "hf")
-    import_hf(base_cfg, tmp_path / "hf", tmp_path / "base", devices[:1])
-    cfg = _config("qwen3", **{"model.lora.rank": 4, "model.lora.alpha": 8.0,
-                              "model.lora.targets": "q,k,v,o,gate,up,down",
-                              "model.lora.base": str(tmp_path / "base"),
-                              "optimizer.lr": 1e-2})
-    run(cfg, tmp_path / "run", devices[:1])
-    export_hf(tmp_path / "run", tmp_path / "adapter", devices=devices[:1], adapter=True)
-    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert sorted(config["target_modules"]) == sorted(
+    assert_peft_loads_the_adapter(
+        tmp_path, devices, lambda **o: _config("qwen3", **o), _hf_model,
+        "q,k,v,o,gate,up,down",
         ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj"])
-    setup, params, _ = load_for_export(tmp_path / "run", devices[:1])
-    tokens = _tokens(cfg, batch=4)
-    with jax.set_mesh(setup.mesh):
-        ours = np.asarray(jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(params, tokens))
-    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    before = _hf_logits(base, tokens)
-    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-    np.testing.assert_allclose(_hf_logits(peft_model, tokens), ours, atol=1e-5, rtol=0)
-    assert np.abs(before - ours).max() > 1e-3  # the trained adapters change the logits

@@ -88,3 +88,118 @@ def test_what_qwen3_moe_cannot_map_is_refused_in_one_line(tmp_path, devices):
     assert "\n" not in message and "mlp_only_layers=[1] is not supported" in message
     assert "model.moe.norm_topk_prob=True but config.json norm_topk_prob=False" in message
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # a second compile under a mesh of 8
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_expert_by_fsdp_by_tensor_gives_the_logits_of_transformers(dispatch, tmp_path, devices):
+    """The dense and MoE layers over expert × fsdp × tensor, each dispatch path."""
+    cfg = _config(**{"mesh.expert": 2, "mesh.fsdp": 2, "mesh.tensor": 2,
+                     "model.moe.dispatch": dispatch})
+    model = _hf_model(cfg)
+    model.save_pretrained(tmp_path / "hf")
+    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices)
+    tokens = _tokens(cfg, batch=4)
+    err = np.abs(_jax_logits(setup, state.params, tokens) - _hf_logits(model, tokens)).max()
+    assert err < TOLERANCE, err
+
+
+@pytest.mark.slow  # an import and two generation compiles
+def test_greedy_generation_equals_transformers(tmp_path, devices):
+    """30 greedy tokens through the kv cache, the MoE layers routing one token at a time."""
+    import jax
+    import torch
+
+    from jaxtrain.sampling import Sampling, make_generate
+
+    cfg = _config(**{"train.global_batch": 1, "model.seq_len": 48})
+    model = _hf_model(cfg, seed=2)
+    model.save_pretrained(tmp_path / "hf")
+    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    prompt = np.asarray([[5, 17, 42, 7, 99]], np.int64)
+    with torch.no_grad():
+        want = model.generate(torch.from_numpy(prompt), max_new_tokens=30, do_sample=False,
+                              pad_token_id=0, eos_token_id=None).numpy()[0, 5:]
+    with jax.set_mesh(setup.mesh):
+        generate = make_generate(setup.graphdef, Sampling(max_new_tokens=30), setup.spec.rules)
+        got = np.asarray(generate(state.params, prompt.astype(np.int32), jax.random.key(0)))[0]
+    np.testing.assert_array_equal(got, want)
+    assert len(set(got.tolist())) > 2
+
+
+def _routing_penalty(cfg):
+    """jaxtrain's routing losses (models/moe.py routing_losses) written again in PyTorch from
+    transformers' router logits ([tokens, experts] per MoE layer): per layer the Switch
+    balance (E/k)·Σₑ fₑ·Pₑ and the z-loss mean logsumexp², each averaged over the layers
+    and weighted. (transformers' own aux loss pools the layers' tokens before the product,
+    so it is another function: a mean of products is not a product of means.)"""
+    import torch
+
+    e, k = cfg.model.moe.num_experts, cfg.model.moe.top_k
+
+    def penalty(router_logits):
+        aux, z = [], []
+        for logits_TE in router_logits:
+            prob_TE = torch.softmax(logits_TE, -1)
+            chosen = torch.topk(logits_TE, k, -1).indices
+            share_E = torch.nn.functional.one_hot(chosen, e).sum((0, 1)) / logits_TE.shape[0]
+            aux.append(e / k * (share_E * prob_TE.mean(0)).sum())
+            z.append((torch.logsumexp(logits_TE, -1) ** 2).mean())
+        return (cfg.model.moe.aux_loss_weight * torch.stack(aux).mean()
+                + cfg.model.moe.z_loss_weight * torch.stack(z).mean())
+    return penalty
+
+
+@pytest.mark.slow
+def test_twenty_training_steps_equal_pytorch(tmp_path, devices):
+    """20 steps in jaxtrain and of transformers' Qwen3MoeForCausalLM in PyTorch, float32,
+    the routers' balance and z losses weighted in on both sides (a large weight, so that a
+    wrong routing gradient shows): cross entropy and gradient norm of every step within
+    1e-5 relative."""
+    import jax
+    from test_convert_llama_like import _torch_steps
+
+    from jaxtrain.data.batches import make_batches, to_global
+
+    cfg = _config(**{"model.vocab_size": 128, "data.source": "synthetic",
+                     "train.global_batch": 4, "steps": 20, "optimizer.warmup_steps": 5,
+                     "optimizer.lr": 3e-3, "optimizer.clip_norm": 0.5,
+                     "model.moe.aux_loss_weight": 0.5, "model.moe.z_loss_weight": 0.1})
+    model = _hf_model(cfg)
+    model.save_pretrained(tmp_path / "hf")
+    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    data = make_batches(cfg).train_iter(0)
+    batches = [np.asarray(getattr(b, "tokens", b)) for b in (next(data) for _ in range(20))]
+    ours = []
+    with jax.set_mesh(setup.mesh):
+        step = setup.train_step()
+        for tokens in batches:
+            state, metrics = step(state, to_global(tokens, setup.tokens_sharding))
+            ours.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+    want = _torch_steps(model, batches, cfg, _routing_penalty(cfg))
+    np.testing.assert_allclose(ours, want, rtol=1e-5)
+    # The routing losses' gradients show: without them, PyTorch's norms are others.
+    plain = _hf_model(cfg)
+    assert not np.allclose(_torch_steps(plain, batches[:3], cfg), want[:3], rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_peft_loads_an_adapter_of_the_dense_and_moe_layers(tmp_path, devices):
+    """LoRA on the attention of every layer, dense (0, 2) and MoE (1, 3: a stack of their
+    own): each adapter lands on its HF layer, and PEFT gives jaxtrain's logits. MLP targets
+    are refused in one line: PEFT reads gate/up/down_proj in a Qwen3-MoE adapter as the
+    experts' (its conversion of pre-v5 MoE adapters), so a dense layer's would move."""
+    from helpers import assert_peft_loads_the_adapter
+
+    from jaxtrain.hf.save import export_hf
+
+    assert_peft_loads_the_adapter(tmp_path, devices, _config, _hf_model, "q,k,v,o",
+                                  ["q_proj", "k_proj", "v_proj", "o_proj"])
+    from jaxtrain.train.loop import run
+    cfg = _config(**{"model.lora.rank": 4, "model.lora.targets": "q,up,down", "steps": 1,
+                     "model.lora.base": str(tmp_path / "base")})
+    run(cfg, tmp_path / "mlp", devices[:1])
+    with pytest.raises(ConfigError) as e:
+        export_hf(tmp_path / "mlp", tmp_path / "mlp_adapter", devices=devices[:1], adapter=True)
+    assert "\n" not in str(e.value) and "MLP targets down,up of an MoE model" in str(e.value)
+    assert not (tmp_path / "mlp_adapter").exists()

@@ -91,10 +91,12 @@ def test_a_resume_refuses_the_same_base_in_another_storage_kind(devices):
 
 @pytest.mark.slow
 def test_a_bf16_base_tracks_the_float32_base_over_50_steps(devices):
-    # tests/test_precision.py's bfloat16 tolerance (mean, max of |loss − float32 loss|).
+    # tests/test_precision.py's bfloat16 tolerance (mean, max of |loss − float32 loss|), on
+    # its run (50 steps, lr 3e-3): at lr 1e-2 the drift reached 0.0055 on an Intel CPU
+    # (mean 0.00016, max 0.00037 at 3e-3), a tolerance's worth of the learning rate, not of the storage.
     from test_precision import TOLERANCE
 
-    run = {"steps": 50, "optimizer.lr": 1e-2, "optimizer.warmup_steps": 5}
+    run = {"steps": 50, "optimizer.lr": 3e-3, "optimizer.warmup_steps": 5}
     base = np.array(train_steps(_llama(**run), devices[:1], 50)[0])
     bf16 = np.array(train_steps(_llama(**run, **{"model.lora.base_dtype": "bfloat16"}),
                                 devices[:1], 50)[0])

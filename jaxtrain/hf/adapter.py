@@ -8,7 +8,10 @@ the same order as the weight's HF layout (hf/llama.py: no permutation), then tra
 Only separate projections map (HF modules with PEFT_LAYOUT: the Llama-like ones; GPT-2
 fuses q, k and v into one c_attn);
 the routed experts of an MoE model have no PEFT module (transformers 5 keeps Mixtral's
-experts as fused 3-D parameters): both are refused in one line; export merged instead.
+experts as fused 3-D parameters), and PEFT moves an MoE model's gate/up/down_proj adapters
+onto those experts: all three are refused in one line; export merged instead. A stack's
+entries are mapped to the model's layers they hold (an interleaved MoE model keeps its
+dense and MoE layers in two stacks).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from safetensors.numpy import save_file
 from jaxtrain.errors import ConfigError
 from jaxtrain.hf import module_for
 from jaxtrain.models.lora import PREFIX, TARGETS, split
+from jaxtrain.models.stack import Groups
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 MODULES = {"attention": "self_attn", "mlp": "mlp"}  # jaxtrain module kind -> HF's
@@ -40,13 +44,21 @@ def check(spec) -> None:
         raise ConfigError("--adapter: PEFT has no module for the routed experts "
                           "(model.lora.targets has experts); export the merged weights "
                           "(without --adapter)")
-    if spec.moe is not None and spec.moe.every_n_layers != 1:
-        raise ConfigError("--adapter: an MoE model exports as Mixtral, whose layers are all "
-                          "MoE: model.moe.every_n_layers must be 1")
+    dense_mlp = sorted(set(spec.lora.targets) & {"gate", "up", "down"})
+    if spec.moe is not None and dense_mlp:
+        # PEFT (0.21, on transformers 5) reads gate_proj/up_proj/down_proj in an MoE model's
+        # adapter as the pre-v5 experts' names and moves them onto the fused experts, so a
+        # dense layer's MLP adapter would load onto the experts.
+        raise ConfigError(f"--adapter: PEFT reads the MLP targets {','.join(dense_mlp)} of an "
+                          "MoE model as its experts' (model.lora.targets="
+                          f"{','.join(spec.lora.targets)}); target q,k,v,o or export the merged "
+                          "weights (without --adapter)")
 
 
 def tensors(spec, adapters: dict) -> dict[str, np.ndarray]:
-    """PEFT's key -> array of every adapter of every layer."""
+    """PEFT's key -> array of every adapter of every layer (a stack's i-th entry is the
+    model's layer `layers[stack][i]`: the dense and MoE layers of an interleaved model, e.g.
+    Qwen3-MoE's decoder_sparse_step, live in two stacks)."""
     out = {}
     flat = traverse_util.flatten_dict(adapters, is_leaf=lambda _, x: isinstance(x, dict)
                                       and set(x) == {"a", "b"})
@@ -58,11 +70,19 @@ def tensors(spec, adapters: dict) -> dict[str, np.ndarray]:
         assert stack in ("blocks", "moe_blocks"), path
         a, b = np.asarray(jax.device_get(pair["a"])), np.asarray(jax.device_get(pair["b"]))
         rank = a.shape[-1]
-        for layer in range(a.shape[0]):
+        for i, layer in enumerate(_layers(spec, stack, a.shape[0])):
             key = f"base_model.model.model.layers.{layer}.{hf_module}.{target.peft}"
-            out[f"{key}.lora_A.weight"] = np.ascontiguousarray(a[layer].reshape(-1, rank).T)
-            out[f"{key}.lora_B.weight"] = np.ascontiguousarray(b[layer].reshape(rank, -1).T)
+            out[f"{key}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, rank).T)
+            out[f"{key}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(rank, -1).T)
     return out
+
+
+def _layers(spec, stack: str, count: int):
+    """The model's layers that a stack's `count` entries hold, in order."""
+    if spec is None or spec.moe is None:
+        return range(count)
+    moe_L = Groups.of(spec).moe_layers()
+    return np.flatnonzero(moe_L if stack == "moe_blocks" else ~moe_L)
 
 
 def adapter_config(spec, base: str) -> dict:
