@@ -179,13 +179,15 @@ def test_kernels_without_the_soft_cap_part_refuse_it_in_one_line():
 
 
 @pytest.mark.slow
-def test_peft_loads_a_gemma3_adapter_with_the_same_logits(tmp_path, devices):
-    """LoRA on every projection of an imported Gemma 3 (sandwich norms, q/k norms, GeGLU,
-    the embedding scale and tied head around them): PEFT gives jaxtrain's logits."""
+@pytest.mark.parametrize("family", GEMMAS)
+def test_peft_loads_the_adapter_with_the_same_logits(family, tmp_path, devices):
+    """LoRA on every projection of an imported Gemma 3 or 2 (sandwich norms, q/k norms or
+    Gemma 2's soft-caps, GeGLU, the embedding scale and tied head around them): PEFT gives
+    jaxtrain's logits."""
     from helpers import assert_peft_loads_the_adapter
 
     assert_peft_loads_the_adapter(
-        tmp_path, devices, lambda **o: _config("gemma3", **o), _hf_model,
+        tmp_path, devices, lambda **o: _config(family, **o), _hf_model,
         "q,k,v,o,gate,up,down",
         ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj"],
         attn_implementation="eager")

@@ -170,10 +170,12 @@ def test_twenty_training_steps_equal_pytorch(family, tmp_path, devices):
 
 
 @pytest.mark.slow
-def test_peft_loads_a_qwen3_adapter_with_the_same_logits(tmp_path, devices):
-    """LoRA on every projection of an imported Qwen3: the exported adapter's target modules
-    are PEFT's names for it, and PEFT on the exported base gives jaxtrain's logits."""
+@pytest.mark.parametrize("family", FAMILIES)
+def test_peft_loads_the_adapter_with_the_same_logits(family, tmp_path, devices):
+    """LoRA on every projection of an imported model (Qwen2's biased q/k/v, Qwen3's q/k
+    norms, Mistral's window): the exported adapter's target modules are PEFT's names for
+    it, and PEFT on the transformers base gives jaxtrain's logits."""
     assert_peft_loads_the_adapter(
-        tmp_path, devices, lambda **o: _config("qwen3", **o), _hf_model,
+        tmp_path, devices, lambda **o: _config(family, **o), _hf_model,
         "q,k,v,o,gate,up,down",
         ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj"])
