@@ -203,6 +203,21 @@ def test_the_adapter_export_of_experts_is_refused_in_one_line(tmp_path, devices)
     assert "\n" not in str(e.value)
 
 
+def test_an_adapter_whose_base_has_no_hf_form_is_refused_before_writing(tmp_path, devices):
+    """A llama with MoE every 2 layers exports as Mixtral, whose layers are all MoE: its
+    adapter would have no base to load onto, so --adapter refuses as the merged export."""
+    from jaxtrain.hf.save import export_hf
+    from jaxtrain.train.loop import run
+
+    run(_moe(**{"model.moe.every_n_layers": 2, "model.lora.targets": "q,v", "steps": 1}),
+        tmp_path / "run", devices[:1])
+    for adapter in (True, False):
+        with pytest.raises(ConfigError, match="every_n_layers=2") as e:
+            export_hf(tmp_path / "run", tmp_path / "out", devices=devices[:1], adapter=adapter)
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_optimizer_holds_state_for_the_adapters_alone_in_bytes(devices):
     """The memory the issue asks to measure: LoRA's optimizer state against a full
     fine-tune's, on the same model."""

@@ -53,13 +53,14 @@ def export_hf(workdir, out_dir, max_shard_size: str | int = "2GB", dtype: str = 
     max_bytes = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     _check_request(workdir, out_dir, dtype, adapter)
     setup, params, step = load_for_export(workdir, devices)
+    spec = setup.spec
+    # An adapter is loaded onto the HF export of its base: that base must be exportable too.
+    _check_exportable(spec if spec.lora is None else lora.base_spec(spec), module_for(spec))
     if adapter:
         return adapter_lib.export_adapter(setup, params, step, workdir, out_dir, DTYPES[dtype])
-    spec = setup.spec
     if spec.lora is not None:
         params, spec = lora.merged(spec, params), lora.base_spec(spec)
     family = module_for(spec)
-    _check_exportable(spec, family)
     hf_config = {**family.export_config(spec), "torch_dtype": dtype}
     out_dir.mkdir(parents=True, exist_ok=True)
     files = _write_tensors(out_dir, max_bytes, traverse_util.flatten_dict(params),
