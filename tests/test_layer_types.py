@@ -227,6 +227,7 @@ def _steps_with_grad_norms(cfg, devices, steps: int = 2):
     return np.array(out), setup, state
 
 
+@pytest.mark.slow  # 13 s; the fast tier walks patterns in the decode and import tests
 def test_a_repeating_pattern_walks_by_periods_as_by_runs(devices, monkeypatch):
     """Five layers sliding, full, sliding, full, sliding: walked as two periods of (sliding,
     full) in one outer scan and a last run (3 compiled bodies, not 5), the losses, grad norms,

@@ -203,6 +203,7 @@ def test_the_adapter_export_of_experts_is_refused_in_one_line(tmp_path, devices)
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow  # a run to export
 def test_an_adapter_whose_base_has_no_hf_form_is_refused_before_writing(tmp_path, devices):
     """A llama with MoE every 2 layers exports as Mixtral, whose layers are all MoE: its
     adapter would have no base to load onto, so --adapter refuses as the merged export."""

@@ -29,7 +29,7 @@ FEATURES = {
     "remat_full_fsdp2_tensor2": (4, {"model.remat": "full", "mesh.fsdp": 2,
                                      "mesh.tensor": 2}),
 }
-SLOW = {"pp4_gpipe", "cp4_plain_ring", "remat_full_fsdp2_tensor2"}
+SLOW = {"pp4_gpipe", "cp4_plain_ring", "remat_full_fsdp2_tensor2", "pp2_fsdp2_circular"}
 
 
 @dataclasses.dataclass
@@ -102,7 +102,7 @@ FP8_MESHES = {
     "pp2_fsdp2_circular": FEATURES["pp2_fsdp2_circular"],
     "cp2": FEATURES["cp2"],
 }
-FP8_SLOW = {"pp2_fsdp2_circular", "cp2"}
+FP8_SLOW = {"pp2_fsdp2_circular", "cp2", "fsdp2_tensor2"}
 # fp8's own noise, about 3x what was measured (fsdp2_tensor2, pp2_fsdp2_circular, cp2 on
 # 2026-12-04: losses 2.9e-4, grad norms 0.8%, adapters 0.12 relative). Another reduction
 # order flips fp8 roundings, and Adam's per-entry division turns those of B's small first
