@@ -199,3 +199,43 @@ def assert_peft_loads_the_adapter(tmp_path, devices, config, hf_model, targets: 
     peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     np.testing.assert_allclose(_hf_logits(peft_model, tokens), ours, atol=atol, rtol=0)
     assert np.abs(before - ours).max() > 1e-3  # the trained adapters change the logits
+
+
+def assert_greedy_decode_equals_transformers(setup, state, model, new_tokens: int = 30):
+    """`new_tokens` greedy tokens of jaxtrain's cached decode (state: an import of `model`,
+    a transformers model) equal transformers' generate from one 5-token prompt, and are not
+    one token repeated."""
+    import jax
+    import torch
+
+    from jaxtrain.sampling import Sampling, make_generate
+
+    prompt = np.asarray([[5, 17, 42, 7, 99]], np.int64)
+    with torch.no_grad():
+        want = model.generate(torch.from_numpy(prompt), max_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0,
+                              eos_token_id=None).numpy()[0, prompt.shape[1]:]
+    with jax.set_mesh(setup.mesh):
+        generate = make_generate(setup.graphdef, Sampling(max_new_tokens=new_tokens),
+                                 setup.spec.rules)
+        got = np.asarray(generate(state.params, prompt.astype(np.int32), jax.random.key(0)))[0]
+    np.testing.assert_array_equal(got, want)
+    assert len(set(got.tolist())) > 2
+
+
+def jaxtrain_steps(cfg, setup, state, count: int = 20):
+    """(the batches, [(loss, grad_norm)] of each step) of `count` jaxtrain train steps from
+    `state` on cfg's data: the jaxtrain side of the 20-step parity tests."""
+    import jax
+
+    from jaxtrain.data.batches import make_batches, to_global
+
+    data = make_batches(cfg).train_iter(0)
+    batches = [np.asarray(getattr(b, "tokens", b)) for b in (next(data) for _ in range(count))]
+    out = []
+    with jax.set_mesh(setup.mesh):
+        step = setup.train_step()
+        for tokens in batches:
+            state, metrics = step(state, to_global(tokens, setup.tokens_sharding))
+            out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+    return batches, out

@@ -7,11 +7,10 @@ function)."""
 
 import json
 
-import jax
 import numpy as np
 import pytest
 from conftest import small_config
-from helpers import assert_exports_bitwise
+from helpers import assert_exports_bitwise, assert_greedy_decode_equals_transformers, jaxtrain_steps
 from test_convert import _hf_logits, _jax_logits, _tokens
 
 from jaxtrain.errors import ConfigError
@@ -115,23 +114,11 @@ def test_sharded_import_gives_the_same_logits(dispatch, tmp_path, devices):
 @pytest.mark.slow  # a second import and two generation compiles
 def test_greedy_generation_equals_transformers(tmp_path, devices):
     """30 greedy tokens through the kv cache past the window (35 positions, window 8)."""
-    import torch
-
-    from jaxtrain.sampling import Sampling, make_generate
-
     cfg = _config(**{"train.global_batch": 1, "model.seq_len": 48})
     model = _hf_model(cfg, seed=2)
     model.save_pretrained(tmp_path / "hf")
     setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
-    prompt = np.asarray([[5, 17, 42, 7, 99]], np.int64)
-    with torch.no_grad():
-        want = model.generate(torch.from_numpy(prompt), max_new_tokens=30, do_sample=False,
-                              pad_token_id=0, eos_token_id=None).numpy()[0, 5:]
-    with jax.set_mesh(setup.mesh):
-        generate = make_generate(setup.graphdef, Sampling(max_new_tokens=30), setup.spec.rules)
-        got = np.asarray(generate(state.params, prompt.astype(np.int32), jax.random.key(0)))[0]
-    np.testing.assert_array_equal(got, want)
-    assert len(set(got.tolist())) > 2
+    assert_greedy_decode_equals_transformers(setup, state, model)
 
 
 def test_what_gpt_oss_cannot_map_is_refused_in_one_line(tmp_path, devices):
@@ -168,8 +155,6 @@ def test_twenty_training_steps_equal_pytorch(tmp_path, devices):
     from test_convert_llama_like import _torch_steps
     from test_convert_qwen3_moe import _routing_penalty
 
-    from jaxtrain.data.batches import make_batches, to_global
-
     cfg = _config(**{"model.vocab_size": 128, "data.source": "synthetic",
                      "train.global_batch": 4, "steps": 20, "optimizer.warmup_steps": 5,
                      "optimizer.lr": 3e-3, "optimizer.clip_norm": 0.5,
@@ -177,14 +162,7 @@ def test_twenty_training_steps_equal_pytorch(tmp_path, devices):
     model = _hf_model(cfg)
     model.save_pretrained(tmp_path / "hf")
     setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
-    data = make_batches(cfg).train_iter(0)
-    batches = [np.asarray(getattr(b, "tokens", b)) for b in (next(data) for _ in range(20))]
-    ours = []
-    with jax.set_mesh(setup.mesh):
-        step = setup.train_step()
-        for tokens in batches:
-            state, metrics = step(state, to_global(tokens, setup.tokens_sharding))
-            ours.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+    batches, ours = jaxtrain_steps(cfg, setup, state)
     np.testing.assert_allclose(ours, _torch_steps(model, batches, cfg, _routing_penalty(cfg)),
                                rtol=1e-5)
 

@@ -4,11 +4,15 @@ shorter than the sequence), through jaxtrain/hf/llama_like.py. Each tiny random 
 its family's parts switched on; tests/test_convert.py holds GPT-2, Llama and Mixtral's.
 """
 
-import jax
 import numpy as np
 import pytest
 from conftest import small_config
-from helpers import assert_exports_bitwise, assert_peft_loads_the_adapter
+from helpers import (
+    assert_exports_bitwise,
+    assert_greedy_decode_equals_transformers,
+    assert_peft_loads_the_adapter,
+    jaxtrain_steps,
+)
 from test_convert import _hf_logits, _jax_logits, _tokens
 
 from jaxtrain.hf.load import import_hf
@@ -86,23 +90,11 @@ def test_fsdp_by_tensor_gives_the_logits_of_one_device(tmp_path, devices):
 def test_greedy_generation_equals_transformers(family, tmp_path, devices):
     """30 greedy tokens through the kv cache; Mistral's window (8) is shorter than the 35
     positions, so its cached decode masks by the window too."""
-    import torch
-
-    from jaxtrain.sampling import Sampling, make_generate
-
     cfg = _config(family, **{"train.global_batch": 1, "model.seq_len": 48})
     model = _hf_model(cfg, seed=2)
     model.save_pretrained(tmp_path / "hf")
     setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
-    prompt = np.asarray([[5, 17, 42, 7, 99]], np.int64)
-    with torch.no_grad():
-        want = model.generate(torch.from_numpy(prompt), max_new_tokens=30, do_sample=False,
-                              pad_token_id=0, eos_token_id=None).numpy()[0, 5:]
-    with jax.set_mesh(setup.mesh):
-        generate = make_generate(setup.graphdef, Sampling(max_new_tokens=30), setup.spec.rules)
-        got = np.asarray(generate(state.params, prompt.astype(np.int32), jax.random.key(0)))[0]
-    np.testing.assert_array_equal(got, want)
-    assert len(set(got.tolist())) > 2
+    assert_greedy_decode_equals_transformers(setup, state, model)
 
 
 def _decays(name: str) -> bool:
@@ -149,8 +141,6 @@ def _torch_steps(model, batches, cfg, penalty=None):
 def test_twenty_training_steps_equal_pytorch(family, tmp_path, devices):
     """20 steps of the imported model in jaxtrain and of transformers' in PyTorch, float32:
     loss and gradient norm of every step within 1e-5 relative (as test_sft.py's Llama)."""
-    from jaxtrain.data.batches import make_batches, to_global
-
     cfg = _config(family, **{"model.vocab_size": 128, "data.source": "synthetic",
                              "train.global_batch": 4, "steps": 20,
                              "optimizer.warmup_steps": 5, "optimizer.lr": 3e-3,
@@ -158,14 +148,7 @@ def test_twenty_training_steps_equal_pytorch(family, tmp_path, devices):
     model = _hf_model(cfg)
     model.save_pretrained(tmp_path / "hf")
     setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
-    data = make_batches(cfg).train_iter(0)
-    batches = [np.asarray(getattr(b, "tokens", b)) for b in (next(data) for _ in range(20))]
-    ours = []
-    with jax.set_mesh(setup.mesh):
-        step = setup.train_step()
-        for tokens in batches:
-            state, metrics = step(state, to_global(tokens, setup.tokens_sharding))
-            ours.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+    batches, ours = jaxtrain_steps(cfg, setup, state)
     np.testing.assert_allclose(ours, _torch_steps(model, batches, cfg), rtol=1e-5)
 
 

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 from conftest import small_config
-from helpers import assert_exports_bitwise
+from helpers import assert_exports_bitwise, assert_greedy_decode_equals_transformers, jaxtrain_steps
 from test_convert import _hf_logits, _jax_logits, _tokens
 
 from jaxtrain.errors import ConfigError
@@ -107,24 +107,11 @@ def test_expert_by_fsdp_by_tensor_gives_the_logits_of_transformers(dispatch, tmp
 @pytest.mark.slow  # an import and two generation compiles
 def test_greedy_generation_equals_transformers(tmp_path, devices):
     """30 greedy tokens through the kv cache, the MoE layers routing one token at a time."""
-    import jax
-    import torch
-
-    from jaxtrain.sampling import Sampling, make_generate
-
     cfg = _config(**{"train.global_batch": 1, "model.seq_len": 48})
     model = _hf_model(cfg, seed=2)
     model.save_pretrained(tmp_path / "hf")
     setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
-    prompt = np.asarray([[5, 17, 42, 7, 99]], np.int64)
-    with torch.no_grad():
-        want = model.generate(torch.from_numpy(prompt), max_new_tokens=30, do_sample=False,
-                              pad_token_id=0, eos_token_id=None).numpy()[0, 5:]
-    with jax.set_mesh(setup.mesh):
-        generate = make_generate(setup.graphdef, Sampling(max_new_tokens=30), setup.spec.rules)
-        got = np.asarray(generate(state.params, prompt.astype(np.int32), jax.random.key(0)))[0]
-    np.testing.assert_array_equal(got, want)
-    assert len(set(got.tolist())) > 2
+    assert_greedy_decode_equals_transformers(setup, state, model)
 
 
 def _routing_penalty(cfg):
@@ -156,10 +143,7 @@ def test_twenty_training_steps_equal_pytorch(tmp_path, devices):
     the routers' balance and z losses weighted in on both sides (a large weight, so that a
     wrong routing gradient shows): cross entropy and gradient norm of every step within
     1e-5 relative."""
-    import jax
     from test_convert_llama_like import _torch_steps
-
-    from jaxtrain.data.batches import make_batches, to_global
 
     cfg = _config(**{"model.vocab_size": 128, "data.source": "synthetic",
                      "train.global_batch": 4, "steps": 20, "optimizer.warmup_steps": 5,
@@ -168,14 +152,7 @@ def test_twenty_training_steps_equal_pytorch(tmp_path, devices):
     model = _hf_model(cfg)
     model.save_pretrained(tmp_path / "hf")
     setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
-    data = make_batches(cfg).train_iter(0)
-    batches = [np.asarray(getattr(b, "tokens", b)) for b in (next(data) for _ in range(20))]
-    ours = []
-    with jax.set_mesh(setup.mesh):
-        step = setup.train_step()
-        for tokens in batches:
-            state, metrics = step(state, to_global(tokens, setup.tokens_sharding))
-            ours.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+    batches, ours = jaxtrain_steps(cfg, setup, state)
     want = _torch_steps(model, batches, cfg, _routing_penalty(cfg))
     np.testing.assert_allclose(ours, want, rtol=1e-5)
     # The routing losses' gradients show: without them, PyTorch's norms are others.
