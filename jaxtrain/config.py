@@ -38,7 +38,10 @@ from jaxtrain.mesh import (
     validate_axes,
 )
 from jaxtrain.models import lora as lora_lib
+from jaxtrain.models import mla as mla_lib
 from jaxtrain.models import moe as moe_lib
+from jaxtrain.models import mtp as mtp_lib
+from jaxtrain.models import router as router_lib
 from jaxtrain.models import rope as rope_lib
 from jaxtrain.models.attention import KERNELS, resolve_attention, resolve_variant
 from jaxtrain.models.attention import VARIANTS as CONTEXT_VARIANTS
@@ -116,7 +119,9 @@ def _model() -> dict:
         "rope_scaling": rope_lib.defaults(),
         "norm_eps": 1e-5,
         "init_std": 0.02,
-        "moe": moe_lib.defaults(),
+        "moe": {**moe_lib.defaults(), **router_lib.defaults()},
+        "mla": mla_lib.defaults(),  # multi-head latent attention (kv_lora_rank 0: GQA)
+        "mtp": mtp_lib.defaults(),  # multi-token prediction (depths 0: none)
         "lora": lora_lib.defaults(),
     }
 
@@ -300,6 +305,10 @@ def _check_model(c, platform: str | None) -> None:
     if problem := REMATS[m.remat].problem(platform):
         fail("model.remat", m.remat, problem)
     moe_lib.check(c, platform)
+    if m.moe.num_experts:
+        router_lib.check(c)
+    mla_lib.check(c, platform=platform)
+    mtp_lib.check(c)
     lora_lib.check(c)
 
 
@@ -338,6 +347,7 @@ def _check_on_mesh(c, sizes: dict[str, int], platform: str | None) -> None:
     if m.moe.num_experts:
         dispatch = moe_lib.resolve_dispatch(m.moe.dispatch, platform or "")
         moe_lib.DISPATCHES[dispatch].validate(c, sizes)
+    mla_lib.check(c, sizes, platform)
     BACKENDS[c.eval.backend].check_mesh(c, sizes)
 
 

@@ -99,10 +99,11 @@ def test_greedy_generation_equals_transformers(family, tmp_path, devices):
 
 def _decays(name: str) -> bool:
     """jaxtrain's decay mask (optim.decay_mask: matmul weights and the head) in transformers'
-    names: the projections, the head, a router's weight and fused experts' weights; never
-    norms, biases or sinks."""
+    names: the projections (DeepSeek's kv_a_proj_with_mqa too), the head, a router's weight
+    and fused experts' weights; never norms, biases, sinks or a router's correction bias."""
     return (name.endswith(("proj.weight", "gate.weight", "router.weight", "experts.gate_up_proj",
-                           "experts.down_proj")) or name == "lm_head.weight")
+                           "experts.down_proj", "kv_a_proj_with_mqa.weight"))
+            or name == "lm_head.weight")
 
 
 def _torch_steps(model, batches, cfg, penalty=None):

@@ -159,7 +159,7 @@ def _load(files, source, target: jax.ShapeDtypeStruct, bar) -> jax.Array:
         return read_one(layer)
 
     def read_one(layer, expert=None) -> np.ndarray:
-        start, stop = (0, None) if tensor.interleaved else (offset, offset + part.size)
+        start, stop = (0, None) if tensor.read_whole else (offset, offset + part.size)
         value = tensor.select(files.read(tensor.named(layer, expert), tensor.axis, start,
                                          stop), offset, part.size)
         return np.asarray(part.to_jax(value), dtype=target.dtype)

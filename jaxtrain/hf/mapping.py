@@ -49,6 +49,15 @@ class HFTensor:
     # The parts alternate element by element along `axis` (gpt-oss's gate_up_proj: gate at
     # even, up at odd indices) rather than lying side by side; parts of equal size.
     interleaved: bool = False
+    # The axis holds `groups` equal groups, each the parts side by side (DeepSeek's
+    # kv_b_proj: per head, k_nope's rows then v's); a part's size is its total over the
+    # groups. 0: the parts side by side once.
+    groups: int = 0
+
+    @property
+    def read_whole(self) -> bool:
+        """Whether a part is cut from the whole tensor (select) rather than read as a slice."""
+        return self.interleaved or bool(self.groups)
 
     @property
     def per_layer(self) -> bool:
@@ -72,6 +81,11 @@ class HFTensor:
     def select(self, value, offset: int, size: int):
         """A part's elements of the HF tensor `value` read whole along `axis` (interleaved),
         or `value` itself (already read as the part's slice)."""
+        if self.groups:
+            g = self.groups
+            grouped = np.moveaxis(value, self.axis, 0)
+            grouped = grouped.reshape(g, -1, *grouped.shape[1:])[:, offset // g:(offset + size) // g]
+            return np.moveaxis(grouped.reshape(size, *grouped.shape[2:]), 0, self.axis)
         if not self.interleaved:
             return value
         n = len(self.parts)
@@ -81,6 +95,10 @@ class HFTensor:
         """The HF tensor from its parts' pieces in HF layout."""
         if len(pieces) == 1:
             return pieces[0]
+        if self.groups:
+            g, moved = self.groups, [np.moveaxis(p, self.axis, 0) for p in pieces]
+            both = np.concatenate([p.reshape(g, -1, *p.shape[1:]) for p in moved], axis=1)
+            return np.moveaxis(both.reshape(-1, *both.shape[2:]), 0, self.axis)
         if self.interleaved:
             return np.stack(pieces, axis=self.axis + 1).reshape(self.shape)
         return np.concatenate(pieces, axis=self.axis)

@@ -95,7 +95,7 @@ def _check_exportable(spec, family) -> None:
                           f"HF {spec.family} attends to every earlier token (a window exports "
                           "as model.family='mistral', or a llama with model.moe)")
     if getattr(family, "MOE_LAYOUTS", False) and spec.moe is not None \
-            and spec.moe.shared_experts:
+            and spec.moe.shared_experts and not getattr(family, "SHARED_EXPERTS", False):
         raise ConfigError(f"model.moe.shared_experts={spec.moe.shared_experts} cannot be "
                           f"exported: {family.ARCHITECTURE} has no shared experts")
     if getattr(family, "MOE_LAYOUTS", False):

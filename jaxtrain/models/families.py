@@ -326,6 +326,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "model.attn_logit_softcap)", norm="rms", bias=False, rope=True,
            tied_embeddings=True, mlp="geglu", norm_offset=1.0, sandwich=True,
            embed_scale=True),
+    Family("deepseek_v3", "DeepSeek-V3: Llama's norms, SwiGLU and RoPE; its attention is "
+           "model.mla (latent), its MoE router model.moe.router (sigmoid_bias) with shared "
+           "experts and a dense prefix", **_LLAMA),
     Family("gpt_oss", "gpt-oss: Llama's norms and RoPE, biases on q, k, v and o, attention "
            "sinks, every layer MoE with clamped-SwiGLU experts and a router bias", norm="rms",
            bias=True, rope=True, tied_embeddings=False, mlp="swiglu", attention=("sinks",),

@@ -248,7 +248,11 @@ class Mla(nnx.Module):
         k_rope_BL1K = self._rope(both_BLR[:, :, None, rkv:], positions)
         return self.kv_norm(both_BLR[..., :rkv]), k_rope_BL1K[:, :, 0]
 
-    def __call__(self, x_BLD: jax.Array, segments_BL=None, positions_BL=None) -> jax.Array:
+    def qkv(self, x_BLD: jax.Array, positions_BL=None, kind: str | None = None):
+        """(q [B, L, H, qk] scaled, k [B, L, H, qk], v [B, L, H, v]) expanded from the
+        latents, as the Block hands any attention layer's to `attend` (kind: unused, MLA
+        layers rotate by the model's rope)."""
+        del kind
         spec, mla = self.spec, self.mla
         q_nope_BLHN, q_rope_BLHK = self._query(x_BLD, positions_BL)
         c_BLR, k_rope_BLK = self._latent(x_BLD, positions_BL)
@@ -258,9 +262,18 @@ class Mla(nnx.Module):
         q_BLHQ = jnp.concatenate([q_nope_BLHN, q_rope_BLHK], -1)
         q_BLHQ = q_BLHQ * jnp.asarray(mla.scale, q_BLHQ.dtype)
         k_BLHQ = jnp.concatenate([k_nope_BLHN, k_rope_BLHK.astype(k_nope_BLHN.dtype)], -1)
-        out_BLHV = KERNELS[spec.attention](q_BLHQ, k_BLHQ, v_BLHV, spec.sliding_window or None,
+        return q_BLHQ, k_BLHQ, v_BLHV
+
+    def attend(self, q_BLHQ, k_BLHQ, v_BLHV, segments_BL=None, kind: str | None = None):
+        """The `model.attention` kernel on the expanded heads, then the output projection."""
+        spec = self.spec
+        out_BLHV = KERNELS[spec.attention](q_BLHQ, k_BLHQ, v_BLHV,
+                                           spec.layer_kind(kind).window(spec),
                                            rules=spec.rules, segments_BL=segments_BL)
         return dense(spec, "blhk,hkd->bld", out_BLHV, self.w_o[...])
+
+    def __call__(self, x_BLD: jax.Array, segments_BL=None, positions_BL=None) -> jax.Array:
+        return self.attend(*self.qkv(x_BLD, positions_BL), segments_BL)
 
     def init_cache(self, batch: int, length: int, dtype) -> tuple:
         """The decoding cache: (c [B, M, kv_lora_rank], k_rope [B, M, rope]), zeros."""
@@ -268,7 +281,7 @@ class Mla(nnx.Module):
         return (jnp.zeros((batch, length, mla.kv_lora_rank), dtype),
                 jnp.zeros((batch, length, mla.qk_rope_head_dim), dtype))
 
-    def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array):
+    def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array, kind=None):
         """T new positions [start, start+T) against the latent cache, with the
         up-projections absorbed (module docstring); returns (y_BTD, cache)."""
         spec, mla = self.spec, self.mla
@@ -285,7 +298,7 @@ class Mla(nnx.Module):
                        + jnp.einsum("bthk,bmk->bhtm", q_rope_BTHK, k_rope_BMK.astype(dt),
                                     preferred_element_type=jnp.float32)) * mla.scale
         visible_TM = causal_mask(positions_T, jnp.arange(c_BMR.shape[1]),
-                                 spec.sliding_window or None)
+                                 spec.layer_kind(kind).window(spec))
         scores_BHTM = jnp.where(visible_TM, scores_BHTM, jnp.finfo(jnp.float32).min)
         probs_BHTM = jax.nn.softmax(scores_BHTM, axis=-1).astype(dt)
         o_lat_BTHR = jnp.einsum("bhtm,bmr->bthr", probs_BHTM, c_BMR.astype(dt))

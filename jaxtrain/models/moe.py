@@ -90,6 +90,9 @@ def defaults() -> dict:
         "expert_mlp_dim": 0,  # each expert's SwiGLU width; 0: model.mlp_dim
         "shared_experts": 0,  # always-on experts of expert_mlp_dim (DeepSeek/Qwen)
         "every_n_layers": 1,  # layers n-1, 2n-1, ... are MoE, the rest dense
+        # The first k layers dense, the rest MoE (DeepSeek's first_k_dense_replace; needs
+        # every_n_layers 1)
+        "first_dense_layers": 0,
         "router_dtype": "float32",  # the router's matmul (softmax is always float32)
         "aux_loss_weight": 0.01,  # load balancing: (E/k)·Σ f·P, 1.0 when balanced
         "z_loss_weight": 0.001,  # router z-loss: mean logsumexp(logits)²
@@ -122,6 +125,7 @@ class MoeSpec:
     expert_mlp_dim: int
     shared_experts: int = 0  # always-on experts, run as one SwiGLU of shared×expert_mlp_dim
     every_n_layers: int = 1  # layers n-1, 2n-1, ... are MoE; the rest dense
+    first_dense_layers: int = 0  # layers 0..k-1 dense before the MoE groups
     router_dtype: Any = jnp.float32
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
@@ -144,6 +148,7 @@ class MoeSpec:
         return cls(num_experts=moe.num_experts, top_k=moe.top_k,
                    expert_mlp_dim=moe.expert_mlp_dim or m.mlp_dim,
                    shared_experts=moe.shared_experts, every_n_layers=moe.every_n_layers,
+                   first_dense_layers=moe.first_dense_layers,
                    router_dtype=ROUTER_DTYPES[moe.router_dtype],
                    aux_loss_weight=moe.aux_loss_weight, z_loss_weight=moe.z_loss_weight,
                    capacity_factor=moe.capacity_factor,
@@ -154,7 +159,7 @@ class MoeSpec:
 
     def layers(self, num_layers: int) -> int:
         """How many of the model's layers are MoE."""
-        return num_layers // self.every_n_layers
+        return (num_layers - self.first_dense_layers) // self.every_n_layers
 
     def active_matmul_params(self, d_model: int) -> int:
         """Weights one token multiplies with in an MoE layer: router, k experts, shared."""
@@ -194,10 +199,14 @@ def check(c, platform: str | None) -> None:
     for key in ("shared_experts", "expert_mlp_dim"):
         if moe[key] < 0:
             fail(f"model.moe.{key}", moe[key], "must be >= 0")
-    n = moe.every_n_layers
+    n, first = moe.every_n_layers, moe.first_dense_layers
     if n < 1 or m.num_layers % n:
         fail("model.moe.every_n_layers", n, f"must divide model.num_layers={m.num_layers} "
              "(layers n-1, 2n-1, ... are MoE)")
+    if first and (n != 1 or not 0 < first < m.num_layers or m.layer_types):
+        fail("model.moe.first_dense_layers", first, f"must be between 0 and model.num_layers-1"
+             f"={m.num_layers - 1}, with model.moe.every_n_layers=1 and no model.layer_types "
+             "(the dense layers come first, then every layer is MoE)")
     if moe.router_dtype not in ROUTER_DTYPES:
         fail("model.moe.router_dtype", moe.router_dtype,
              f"valid values are {', '.join(ROUTER_DTYPES)}")
@@ -517,6 +526,9 @@ def check_mesh(c, sizes: dict[str, int]) -> None:
     """What no dispatch path runs under yet: a row split over the context axis. Its
     routing statistics are per row, summed inside the layer's shard_map: a row split over
     context would report one device's share."""
+    if sizes.get("pipeline", 1) > 1 and c.model.moe.first_dense_layers:
+        fail("model.moe.first_dense_layers", c.model.moe.first_dense_layers, "the pipeline "
+             "splits the MoE groups, not a dense prefix before them; use 0 or mesh.pipeline=1")
     if sizes.get("context", 1) > 1:
         fail("model.moe.num_experts", c.model.moe.num_experts, f"MoE layers do not run "
              f"under mesh.context={sizes['context']} yet; use 0 (dense) or mesh.context=1")

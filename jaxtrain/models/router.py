@@ -9,12 +9,15 @@
   weights are the *unbiased* affinities, renormalised when `norm_topk_prob`, times
   `routed_scaling_factor`.
 
-Aux-loss-free balancing (DeepSeek-V3 report, §2.1.2): the bias is state, not a parameter:
-no gradient reaches it and the optimizer never sees it. After each step every expert's bias
-moves by γ (`bias_update_rate`) toward balance: down by γ when the step gave the expert more
-than the mean load of its layer, up by γ when less (`updated_bias`). The loads are the
-step's global batch sums (routing statistics, models/moe.py STAT_NAMES "load"), so every
-replica computes the same bias.
+Aux-loss-free balancing (DeepSeek-V3 report, §2.1.2): the bias is state, not a trained
+parameter: no gradient reaches it (it only picks experts, and is stopped besides) and
+whatever the optimizer makes of its zero gradient is replaced. After each step every
+expert's bias moves by γ (`bias_update_rate`) toward balance: down by γ when the step gave
+the expert more than the mean load of its layer, up by γ when less (`updated_bias`, applied
+by the train step through `bias_update`). The loads are the step's global batch sums
+(routing statistics, models/moe.py STAT_NAMES "load"), so every replica computes the same
+bias. It rides in the parameter tree (a CorrectionBias, an nnx.Param kind) so that it is
+sharded, checkpointed, merged, imported and exported with the weights it belongs to.
 
 `DeepSeekMoe` is models/moe.py's `MoeMlp` (its experts, dispatch paths, expert parallelism
 and shared experts: `n_shared_experts` always-on experts of `moe_intermediate_size`, run as
@@ -100,7 +103,7 @@ def _sigmoid_bias(r: RouterSpec, moe, x_TD, w_router_DE, bias_E):
     affinities normalised per token, as the report's sequence-wise balance loss forms them."""
     logits_TE = jnp.dot(x_TD.astype(jnp.float32), w_router_DE.astype(jnp.float32))
     scores_TE = jax.nn.sigmoid(logits_TE)
-    choice_TE = scores_TE + bias_E.astype(jnp.float32)
+    choice_TE = scores_TE + jax.lax.stop_gradient(bias_E).astype(jnp.float32)
     if r.n_group > 1:
         choice_TE = jnp.where(group_mask(choice_TE, r.n_group, r.topk_group), choice_TE,
                               -jnp.inf)
@@ -159,9 +162,37 @@ def updated_bias(bias_NE: jax.Array, load_NE: jax.Array, rate: float) -> jax.Arr
         jnp.float32)
 
 
-class CorrectionBias(nnx.Variable):
-    """The router's per-expert correction bias: state, not a parameter (nnx.Param is what
-    the optimizer and the gradient take; this is updated by `updated_bias`)."""
+class CorrectionBias(nnx.Param):
+    """The router's per-expert correction bias: a Param kind only so that it travels with
+    the weights (module docstring); the step sets it by `updated_bias`, never by the
+    optimizer."""
+
+
+# The forward pass's metric holding the step's expert loads [MoE layers, E] (taken out of
+# the logged metrics by the step).
+EXPERT_LOAD = "moe_expert_load"
+
+
+def bias_update(spec) -> Callable | None:
+    """The step's hook for a router with a bias: (params before the step, params after
+    the optimizer, the forward's metrics) -> (params, metrics), the bias moved by
+    `updated_bias` from the step's loads and the loads taken out of the metrics; None for a
+    router without one."""
+    if spec.router is None or not ROUTERS[spec.router.name].bias:
+        return None
+    rate = spec.router.bias_update_rate
+
+    def update(old: dict, params: dict, metrics: dict):
+        metrics = dict(metrics)
+        load_NE = metrics.pop(EXPERT_LOAD)
+        mlp = params.get("moe_blocks", {}).get("mlp", {})
+        if "e_score_correction_bias" not in mlp:  # LoRA: in the frozen base, kept as is
+            return params, metrics
+        new = updated_bias(old["moe_blocks"]["mlp"]["e_score_correction_bias"], load_NE, rate)
+        mlp = {**mlp, "e_score_correction_bias": new}
+        return {**params, "moe_blocks": {**params["moe_blocks"], "mlp": mlp}}, metrics
+
+    return update
 
 
 class DeepSeekMoe(moe_lib.MoeMlp):
@@ -174,7 +205,7 @@ class DeepSeekMoe(moe_lib.MoeMlp):
         self.router = router
         if ROUTERS[router.name].bias:
             self.e_score_correction_bias = CorrectionBias(
-                jnp.zeros(spec.moe.num_experts, jnp.float32))
+                jnp.zeros(spec.moe.num_experts, jnp.float32), axes=(None,))
 
     def __call__(self, x_BLD: jax.Array, drop: bool = True):
         spec, entry = self.spec, ROUTERS[self.router.name]

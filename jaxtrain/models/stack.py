@@ -36,17 +36,26 @@ class Groups:
     moe: bool  # whether each group ends in an MoE layer
     # (layer kind or None: no pattern, first group, end group) of each run of equal kinds
     runs: tuple[tuple[str | None, int, int], ...] = ()
+    # Dense layers before the first group (model.moe.first_dense_layers), stored first in
+    # `blocks` and walked as groups of their own (`head`) before these.
+    prefix: int = 0
 
     @classmethod
     def of(cls, spec) -> Groups:
+        prefix = 0
         if spec.moe is None:
             count, dense, moe = spec.num_layers, 1, False
         else:
-            n = spec.moe.every_n_layers
+            n, prefix = spec.moe.every_n_layers, spec.moe.first_dense_layers
             count, dense, moe = spec.moe.layers(spec.num_layers), n - 1, True
         # Each group is of one kind (config.py checks it): its first layer's.
         kinds = spec.layer_types[::dense + moe] if spec.layer_types else (None,) * count
-        return cls(count, dense, moe, cls.runs_of(kinds))
+        return cls(count, dense, moe, cls.runs_of(kinds), prefix)
+
+    @property
+    def head(self) -> Groups | None:
+        """The dense prefix as groups of one dense layer (None: no prefix)."""
+        return Groups(self.prefix, 1, False) if self.prefix else None
 
     @staticmethod
     def runs_of(kinds) -> tuple[tuple[str | None, int, int], ...]:
@@ -64,7 +73,8 @@ class Groups:
 
     def moe_layers(self) -> np.ndarray:
         """Which of the model's layers (in order) are MoE: bool [layers]."""
-        return np.tile(np.arange(self.size) >= self.dense, self.count)
+        return np.concatenate([np.zeros(self.prefix, bool),
+                               np.tile(np.arange(self.size) >= self.dense, self.count)])
 
     def by_group(self, tree):
         """A kind's stacked leaves [groups·k, ...] as [groups, k, ...] (k > 1) or as they are."""
@@ -75,7 +85,10 @@ class Groups:
 
     def split(self, tree) -> dict:
         """Per-layer leaves [layers, ...] (the kv cache) as the walker reads them:
-        {"dense": [groups(, dense), ...], "moe": [groups, ...]}."""
+        {"dense": [groups(, dense), ...], "moe": [groups, ...]}; after a dense prefix,
+        the leaves past it (the prefix's are [:prefix])."""
+        if self.prefix:
+            tree = jax.tree.map(lambda a: a[self.prefix:], tree)
         kinds = self._kinds()
         if len(kinds) == 1:  # every layer of one kind: already in order
             return {kinds[0][0]: tree}

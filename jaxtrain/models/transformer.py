@@ -26,9 +26,12 @@ from jaxtrain.models.families import (
 from jaxtrain.models.head_loss import soft_cap
 from jaxtrain.models.layers import Norm, param
 from jaxtrain.models.lora import LoraSpec
+from jaxtrain.models.mla import MLA, MlaSpec
+from jaxtrain.models.mla import resolve_kernel as mla_kernel
 from jaxtrain.models.mlp import Mlp
 from jaxtrain.models.moe import STAT_NAMES, MoeMlp, MoeSpec, routing_losses
 from jaxtrain.models.remat import REMATS
+from jaxtrain.models.router import EXPERT_LOAD, ROUTERS, DeepSeekMoe, RouterSpec
 from jaxtrain.models.rope import RopeScaling
 from jaxtrain.models.stack import Groups, stacked, walk
 from jaxtrain.parallel.context import ContextSpec
@@ -70,6 +73,10 @@ class ModelSpec:
     moe: MoeSpec | None = None  # mixture-of-experts layers (models/moe.py); None: dense
     context: ContextSpec | None = None  # the sequence split over `context`; None: whole
     lora: LoraSpec | None = None  # low-rank adapters on the targeted weights (models/lora.py)
+    # Multi-head latent attention in every layer (models/mla.py); None: the GQA layer
+    mla: MlaSpec | None = None
+    # The MoE layers' router (models/router.py ROUTERS) when not Mixtral's softmax (None)
+    router: RouterSpec | None = None
 
     @classmethod
     def from_config(cls, cfg, pipeline_stages: int = 1, platform: str = "cpu",
@@ -90,14 +97,21 @@ class ModelSpec:
                                          m.num_kv_heads or m.num_heads),
                 cfg.mesh.context_load_balance)
         precision = PRECISIONS[cfg.train.precision]
+        mla = MlaSpec.from_config(m.mla)
+        if mla is None:
+            attention = resolve_attention(m.attention, cfg.train.precision, platform,
+                                          m.seq_len, pattern_window(m), segments,
+                                          m.attn_logit_softcap, FAMILIES[m.family].kernel_parts)
+        else:  # the kernels that take MLA's v head dim (config.py refuses a config with none)
+            attention = mla_kernel(m.attention, cfg.train.precision, platform, m.seq_len,
+                                   pattern_window(m), segments)
+        router = RouterSpec.from_config(m.moe) if m.moe.num_experts else None
         return cls(
             family=m.family, d_model=m.d_model, num_layers=m.num_layers,
             num_heads=m.num_heads, num_kv_heads=m.num_kv_heads or m.num_heads,
             head_dim=m.head_dim or m.d_model // m.num_heads, mlp_dim=m.mlp_dim,
             vocab_size=m.vocab_size, seq_len=m.seq_len,
-            attention=resolve_attention(m.attention, cfg.train.precision, platform, m.seq_len,
-                                        pattern_window(m), segments, m.attn_logit_softcap,
-                                        FAMILIES[m.family].kernel_parts),
+            attention=attention,
             sliding_window=m.sliding_window,
             layer_types=layer_pattern(m.layer_types, m.num_layers),
             rope_local_theta=m.rope_local_theta,
@@ -109,7 +123,8 @@ class ModelSpec:
             rules=active_rules(tuple(tuple(r) for r in cfg.mesh.rules),
                                cfg.mesh.sequence_parallel, context_spec is not None),
             pipeline=pipeline, fp8=precision.fp8_matmuls, moe=MoeSpec.from_config(m, platform),
-            context=context_spec, lora=LoraSpec.from_config(m))
+            context=context_spec, lora=LoraSpec.from_config(m), mla=mla,
+            router=None if router is None or router.name == "softmax" else router)
 
     @property
     def family_entry(self) -> Family:
@@ -140,7 +155,8 @@ class Block(nnx.Module):
                     offset=spec.norm_offset)
         self.spec = spec
         self.attn_norm = Norm(spec.d_model, **norm)
-        self.attn = Attention(spec, rngs=rngs)
+        self.attn = (Attention(spec, rngs=rngs) if spec.mla is None
+                     else MLA.module(spec, spec.mla, rngs=rngs))
         self.mlp_norm = Norm(spec.d_model, **norm)
         self.mlp = self._make_mlp(spec, rngs)
         if spec.family_entry.sandwich:  # ones or zeros: no random draws
@@ -204,7 +220,9 @@ class MoeBlock(Block):
     routing stats (models/moe.py STAT_NAMES)."""
 
     def _make_mlp(self, spec: ModelSpec, rngs: nnx.Rngs):
-        return MoeMlp(spec, rngs=rngs)
+        if spec.router is None:  # Mixtral's softmax router
+            return MoeMlp(spec, rngs=rngs)
+        return DeepSeekMoe(spec, spec.router, rngs=rngs)
 
     def _feed_forward(self, x_BLD, drop: bool):
         return self.mlp(self.mlp_norm(x_BLD), drop)
@@ -263,6 +281,10 @@ class Transformer(nnx.Module):
         penalty, metrics = None, {}
         if spec.moe is not None:
             penalty, metrics = routing_losses(stats, spec.moe, tokens_BL.size)
+            if spec.router is not None and ROUTERS[spec.router.name].bias:
+                # The step's expert loads [MoE layers, E], for the correction bias's update
+                # (train/step.py takes it out of the logged metrics).
+                metrics[EXPERT_LOAD] = stats["load"].sum(0)
         return (constrain(self.final_norm(x_BLD), ("batch", "length", "embed"), spec.rules),
                 penalty, metrics)
 
@@ -271,12 +293,15 @@ class Transformer(nnx.Module):
         return f if policy is None else jax.checkpoint(f, policy=policy, prevent_cse=False)
 
     def _stacks(self) -> tuple[dict, dict]:
-        """({kind: graphdef}, {kind: stacked state, by group}) of the layer stacks."""
+        """({kind: graphdef}, {kind: stacked state, by group}) of the layer stacks; a dense
+        prefix's state (model.moe.first_dense_layers) under "prefix"."""
         groups, defs, states = Groups.of(self.spec), {}, {}
         for kind, blocks in (("dense", "blocks"), ("moe", "moe_blocks")):
             if hasattr(self, blocks):
                 defs[kind], state = nnx.split(getattr(self, blocks))
                 states[kind] = groups.by_group(state) if kind == "dense" else state
+        if groups.prefix:  # every dense layer is in the prefix (config.py checks it)
+            states["prefix"] = states.pop("dense")
         return defs, states
 
     def _layers(self, x_BLD: jax.Array, documents):
@@ -285,6 +310,7 @@ class Transformer(nnx.Module):
         with their micro-batch through the stages, as the stats do in the carry."""
         spec, groups = self.spec, Groups.of(self.spec)
         defs, xs = self._stacks()
+        prefix = xs.pop("prefix", None)
         stats = {}
         if groups.moe:
             xs["index"] = jnp.arange(groups.count)
@@ -298,6 +324,8 @@ class Transformer(nnx.Module):
                     x, segments_BL, positions_BL, layer_kind))
                 return (*block(x_BLD, state), None)
 
+            if prefix is not None:  # the dense prefix, then the groups (no pipeline)
+                carry = walk(groups.head, layer, carry, {"dense": prefix})[0]
             return walk(groups, layer, carry, chunk)[0]
 
         if spec.pipeline is None:
@@ -331,8 +359,15 @@ class Transformer(nnx.Module):
         return constrain(logits_BLV, ("batch", "length", "vocab"), self.spec.rules)
 
     def init_cache(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
-        """Keys and values of every layer for `length` positions: [layers, B, M, G, K] each."""
+        """Every layer's decoding cache for `length` positions: keys and values
+        [layers, B, M, G, K] each, or MLA's latents [layers, B, M, kv_lora_rank] and rotary
+        keys [layers, B, M, rope] (models/mla.py)."""
         spec = self.spec
+        if spec.mla is not None:
+            return tuple(constrain(jnp.zeros((spec.num_layers, batch, length, dim),
+                                             spec.compute_dtype),
+                                   ("layers", "batch", "length", None), spec.rules)
+                         for dim in (spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim))
         shape = (spec.num_layers, batch, length, spec.num_kv_heads, spec.head_dim)
         zeros = jnp.zeros(shape, spec.compute_dtype)
         axes = ("layers", "batch", "length", "kv_heads", "kv")
@@ -344,7 +379,6 @@ class Transformer(nnx.Module):
         The cache stays [layers, ...]; the walker reads it by group."""
         groups = Groups.of(self.spec)
         defs, states = self._stacks()
-        xs = {kind: (states[kind], c) for kind, c in groups.split(cache).items()}
 
         def layer(kind, x_BTD, state_and_cache, layer_kind, view=None):
             state, layer_cache = state_and_cache if view is None else view(state_and_cache)
@@ -352,7 +386,16 @@ class Transformer(nnx.Module):
                                                                      layer_kind)
             return x_BTD, {}, layer_cache
 
-        (x_BTD, _), new = walk(groups, layer, (self._embed(tokens_BT, start), {}), xs)
+        carry, head = (self._embed(tokens_BT, start), {}), []
+        if groups.prefix:  # the dense prefix's layers are the cache's first
+            xs = {"dense": (states.pop("prefix"),
+                            jax.tree.map(lambda a: a[:groups.prefix], cache))}
+            carry, new = walk(groups.head, layer, carry, xs)
+            head = [new["dense"]]
+        xs = {kind: (states[kind], c) for kind, c in groups.split(cache).items()}
+        (x_BTD, _), new = walk(groups, layer, carry, xs)
+        new = groups.join(new)
+        if head:
+            new = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), head[0], new)
         logits_BTV = soft_cap(self.final_norm(x_BTD) @ self.head(), self.spec.final_softcap)
-        return (constrain(logits_BTV, ("batch", "length", "vocab"), self.spec.rules),
-                groups.join(new))
+        return (constrain(logits_BTV, ("batch", "length", "vocab"), self.spec.rules), new)

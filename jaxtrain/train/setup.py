@@ -19,6 +19,7 @@ from jaxtrain.config import validate
 from jaxtrain.data.layouts import LAYOUTS
 from jaxtrain.mesh import dcn_shape, make_mesh
 from jaxtrain.models import ModelSpec, lora
+from jaxtrain.models.router import bias_update
 from jaxtrain.objectives import OBJECTIVES, Objective
 from jaxtrain.optim import make_optimizer
 from jaxtrain.precision import PRECISIONS
@@ -94,7 +95,8 @@ class Setup:
                 ("pipeline_bubble", self.spec.pipeline.bubble),),
             opt_device_shardings=(state_lib.on_device(self.shardings.opt_state)
                                   if cfg.optimizer.offload_to_host else None),
-            weight_by_targets=self.objective.weighting == "targets")
+            weight_by_targets=self.objective.weighting == "targets",
+            after_update=bias_update(self.spec))
         loss = loss_with_faults(self.losses()[0], cfg.debug)
         step = make_train_step(loss, self.optimizer, self.schedule, self.spec.rules, options)
         return jit_train_step(step, self.shardings, self.tokens_sharding)

@@ -42,6 +42,10 @@ class StepOptions:
     # objective's mean over targets); False: equally (dpo: the mean over pairs). The
     # objective's `weighting` (objectives.py).
     weight_by_targets: bool = True
+    # (params before, params after the optimizer, forward metrics) -> (params, metrics):
+    # state the model moves outside the gradient (a router's correction bias,
+    # models/router.py bias_update); None: none.
+    after_update: Callable | None = None
 
 
 def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
@@ -69,6 +73,8 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
             opt_state = jax.device_put(opt_state, options.opt_device_shardings)
         updates, opt_state = optimizer.update(grads, opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        if options.after_update is not None:
+            params, forward = options.after_update(state.params, params, forward)
         skipped, in_a_row = skipped_steps(opt_state)
         metrics = {"loss": value, "grad_norm": optax.tree.norm(grads),
                    "learning_rate": schedule(state.step), "skipped_steps": skipped,

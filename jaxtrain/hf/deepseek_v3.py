@@ -1,0 +1,206 @@
+"""DeepseekV3ForCausalLM (model_type deepseek_v3) <-> jaxtrain's deepseek_v3 family with
+model.mla (multi-head latent attention) and model.moe (router sigmoid_bias, shared experts,
+the first first_k_dense_replace layers dense).
+
+Attention (models/mla.py), per layer: `self_attn.q_a_proj` [q_lora_rank, D] (w_q_down),
+`q_a_layernorm`, `q_b_proj` [H·qk, q_lora_rank] (w_q_up), or `q_proj` [H·qk, D] (w_q) without
+q_lora_rank; `kv_a_proj_with_mqa` [kv_lora_rank + rope, D] (w_kv_down), `kv_a_layernorm`;
+`kv_b_proj` [H·(nope + v), kv_lora_rank], per head k_nope's rows then v's (w_k_up and w_v_up:
+a tensor of H groups, HFTensor.groups); `o_proj` [D, H·v] (w_o). The rotary dims stay in
+DeepSeek's interleaved order (models/mla.py de-interleaves at run time), so no row moves.
+
+Feed-forward: layers < first_k_dense_replace are Llama's MLP of intermediate_size under
+`blocks`; the rest are MoE under `moe_blocks`: `mlp.gate.weight` [E, D] (w_router),
+`mlp.gate.e_score_correction_bias` [E] (float32, the router's correction bias),
+`mlp.experts.{e}.{gate,up,down}_proj` of moe_intermediate_size (as transformers 5 writes
+them), `mlp.shared_experts.{gate,up,down}_proj` of n_shared_experts × that width.
+
+Multi-token prediction weights (layers past num_hidden_layers, config.json
+num_nextn_predict_layers) are not read: transformers has no MTP module and ignores them too;
+the import says so. Refused: RoPE scaling (YaRN's mscale changes the softmax scale: not
+mapped yet), attention biases, a moe_layer_freq other than 1, topk_method other than
+noaux_tc.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from jaxtrain.errors import ConfigError
+from jaxtrain.hf import llama
+from jaxtrain.hf.mapping import Checks, HFTensor, Part, linear, one, split_heads
+
+ARCHITECTURE = "DeepseekV3ForCausalLM"
+FAMILY = "deepseek_v3"
+MOE = "deepseek_v3"  # with model.moe it exports as itself
+SLIDING_WINDOW = False
+MOE_LAYOUTS = True  # its own MoE checks (first_k_dense_replace)
+SHARED_EXPERTS = True
+LAYER = llama.LAYER
+
+
+def check_config(hf: dict, m) -> list[str]:
+    """Disagreements of a DeepSeek-V3 config.json with cfg.model `m`, one message each."""
+    c = Checks()
+    for ours, key, theirs, default in (
+            ("d_model", "hidden_size", m.d_model, 7168),
+            ("num_layers", "num_hidden_layers", m.num_layers, 61),
+            ("num_heads", "num_attention_heads", m.num_heads, 128),
+            ("vocab_size", "vocab_size", m.vocab_size, 129280),
+            ("mlp_dim", "intermediate_size", m.mlp_dim, 18432),
+            ("norm_eps", "rms_norm_eps", m.norm_eps, 1e-6)):
+        c.equal(f"model.{ours}", theirs, key, hf.get(key, default))
+    c.equal("model.rope_theta", m.rope_theta, "rope_theta", llama.rope_theta(hf))
+    _check_mla(c, hf, m.mla)
+    _check_moe(c, hf, m)
+    if hf.get("hidden_act", "silu") != "silu":
+        c.refuse("hidden_act", hf["hidden_act"], "DeepSeek-V3's MLP is SwiGLU (silu)")
+    if hf.get("attention_bias"):
+        c.refuse("attention_bias", True, "jaxtrain's MLA has no biases")
+    key, rope = llama._rope_dict(hf)
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        c.refuse(f"{key}.rope_type", rope.get("rope_type", rope.get("type")),
+                 "YaRN's mscale on DeepSeek's softmax scale is not mapped yet")
+    if m.rope_scaling.type != "none":
+        c.problems.append(f"model.rope_scaling.type={m.rope_scaling.type!r} but config.json "
+                          "has plain RoPE (use none)")
+    if hf.get("num_nextn_predict_layers"):  # a note, not a refusal
+        print(f"note: config.json has num_nextn_predict_layers="
+              f"{hf['num_nextn_predict_layers']}: the multi-token prediction layers are not "
+              "imported (transformers drops them too)", file=sys.stderr)
+    return c.problems
+
+
+def _check_mla(c: Checks, hf: dict, mla) -> None:
+    for key, default in (("kv_lora_rank", 512), ("qk_nope_head_dim", 128),
+                         ("qk_rope_head_dim", 64), ("v_head_dim", 128)):
+        c.equal(f"model.mla.{key}", mla[key], key, hf.get(key, default))
+    c.equal("model.mla.q_lora_rank", mla.q_lora_rank, "q_lora_rank (null: 0)",
+            hf.get("q_lora_rank", 1536) or 0)
+    c.equal("model.mla.rope_interleave", mla.rope_interleave, "rope_interleave",
+            hf.get("rope_interleave", True))
+    if mla.softmax_scale:
+        c.problems.append(f"model.mla.softmax_scale={mla.softmax_scale} but config.json has "
+                          "plain RoPE, whose scale is (nope + rope)^-1/2 (use 0)")
+
+
+def _check_moe(c: Checks, hf: dict, m) -> None:
+    moe = m.moe
+    c.equal("model.moe.router", moe.router, "(DeepSeek-V3's router)", "sigmoid_bias")
+    for ours, key, theirs, default in (
+            ("num_experts", "n_routed_experts", moe.num_experts, 256),
+            ("top_k", "num_experts_per_tok", moe.top_k, 8),
+            ("expert_mlp_dim (0: model.mlp_dim)", "moe_intermediate_size",
+             moe.expert_mlp_dim or m.mlp_dim, 2048),
+            ("shared_experts", "n_shared_experts", moe.shared_experts, 1),
+            ("first_dense_layers", "first_k_dense_replace", moe.first_dense_layers, 3),
+            ("n_group", "n_group", moe.n_group, 8), ("topk_group", "topk_group", moe.topk_group, 4),
+            ("norm_topk_prob", "norm_topk_prob", moe.norm_topk_prob, True),
+            ("routed_scaling_factor", "routed_scaling_factor", moe.routed_scaling_factor, 2.5),
+            ("every_n_layers", "moe_layer_freq", moe.every_n_layers, 1)):
+        c.equal(f"model.moe.{ours}", theirs, key, hf.get(key, default))
+    if hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        c.refuse("topk_method", hf["topk_method"], "jaxtrain routes as noaux_tc (the "
+                 "correction bias)")
+
+
+def _attention(spec, blocks: str) -> list[HFTensor]:
+    d, h, mla = spec.d_model, spec.num_heads, spec.mla
+    nope, v, r = mla.qk_nope_head_dim, mla.v_head_dim, mla.kv_lora_rank
+    attn = f"{LAYER}self_attn."
+
+    def heads(name, path, rows, head_dim, out=False):
+        return split_heads(f"{attn}{name}.weight", (blocks, "attn", path), rows, h, head_dim,
+                           transposed=True, out=out)
+
+    if mla.q_lora_rank:
+        q = [linear(f"{attn}q_a_proj.weight", (mla.q_lora_rank, d), (blocks, "attn", "w_q_down")),
+             one(f"{attn}q_a_layernorm.weight", (mla.q_lora_rank,),
+                 (blocks, "attn", "q_norm", "scale")),
+             heads("q_b_proj", "w_q_up", mla.q_lora_rank, mla.qk_head_dim)]
+    else:
+        q = [heads("q_proj", "w_q", d, mla.qk_head_dim)]
+
+    def up(name, size):  # [H·size (of this part), R] in each head's group -> [R, H, size]
+        return Part((blocks, "attn", name), h * size,
+                    lambda x: x.reshape(h, size, r).transpose(2, 0, 1),
+                    lambda x: x.transpose(1, 2, 0).reshape(h * size, r))
+
+    return [
+        one(f"{LAYER}input_layernorm.weight", (d,), (blocks, "attn_norm", "scale")),
+        *q,
+        linear(f"{attn}kv_a_proj_with_mqa.weight", (r + mla.qk_rope_head_dim, d),
+               (blocks, "attn", "w_kv_down")),
+        one(f"{attn}kv_a_layernorm.weight", (r,), (blocks, "attn", "kv_norm", "scale")),
+        HFTensor(f"{attn}kv_b_proj.weight", (h * (nope + v), r),
+                 (up("w_k_up", nope), up("w_v_up", v)), groups=h),
+        heads("o_proj", "w_o", d, v, out=True),
+        one(f"{LAYER}post_attention_layernorm.weight", (d,), (blocks, "mlp_norm", "scale")),
+    ]
+
+
+def _mlp(prefix: str, path: tuple, d: int, f: int) -> list[HFTensor]:
+    return [linear(f"{prefix}{name}.weight", shape, (*path, param))
+            for name, shape, param in (("gate_proj", (f, d), "w_gate"),
+                                       ("up_proj", (f, d), "w_up"),
+                                       ("down_proj", (d, f), "w_down"))]
+
+
+def _experts(spec) -> list[HFTensor]:
+    d, e, f = spec.d_model, spec.moe.num_experts, spec.moe.expert_mlp_dim
+    experts = [dataclasses.replace(t, experts=e)
+               for t in _mlp(f"{LAYER}mlp.experts.{{e}}.", ("moe_blocks", "mlp"), d, f)]
+    shared = _mlp(f"{LAYER}mlp.shared_experts.", ("moe_blocks", "mlp", "shared"), d,
+                  spec.moe.shared_experts * f) if spec.moe.shared_experts else []
+    return [linear(f"{LAYER}mlp.gate.weight", (e, d), ("moe_blocks", "mlp", "w_router")),
+            one(f"{LAYER}mlp.gate.e_score_correction_bias", (e,),
+                ("moe_blocks", "mlp", "e_score_correction_bias")),
+            *experts, *shared]
+
+
+def tensors(spec, hf: dict | None = None) -> list[HFTensor]:
+    """The checkpoint's tensors, in file order. On import (`hf` given) a tied head is read
+    from the embedding table."""
+    d, v = spec.d_model, spec.vocab_size
+    first = spec.moe.first_dense_layers
+    dense, moe = tuple(range(first)), tuple(range(first, spec.num_layers))
+    layered = [dataclasses.replace(t, layers=moe)
+               for t in _attention(spec, "moe_blocks") + _experts(spec)]
+    if dense:
+        layered += [dataclasses.replace(t, layers=dense) for t in _attention(spec, "blocks")
+                    + _mlp(f"{LAYER}mlp.", ("blocks", "mlp"), d, spec.mlp_dim)]
+    tied = bool(hf and hf.get("tie_word_embeddings", False))
+    return [one("model.embed_tokens.weight", (v, d), ("tok_embed",)), *layered,
+            one("model.norm.weight", (d,), ("final_norm", "scale")),
+            linear("model.embed_tokens.weight" if tied else "lm_head.weight", (v, d),
+                   ("lm_head",))]
+
+
+def export_config(spec) -> dict:
+    mla, moe, router = spec.mla, spec.moe, spec.router
+    if mla is None or moe is None or router is None:
+        raise ConfigError("a deepseek_v3 model exports as DeepseekV3ForCausalLM only with "
+                          "model.mla.kv_lora_rank, model.moe.num_experts and "
+                          "model.moe.router='sigmoid_bias' set")
+    return {
+        "architectures": [ARCHITECTURE], "model_type": "deepseek_v3",
+        "vocab_size": spec.vocab_size, "hidden_size": spec.d_model,
+        "intermediate_size": spec.mlp_dim, "moe_intermediate_size": moe.expert_mlp_dim,
+        "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_heads, "n_shared_experts": moe.shared_experts,
+        "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+        "routed_scaling_factor": router.routed_scaling_factor, "n_group": router.n_group,
+        "topk_group": router.topk_group, "norm_topk_prob": router.norm_topk_prob,
+        "topk_method": "noaux_tc", "first_k_dense_replace": moe.first_dense_layers,
+        "moe_layer_freq": 1, "kv_lora_rank": mla.kv_lora_rank,
+        "q_lora_rank": mla.q_lora_rank or None, "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim, "v_head_dim": mla.v_head_dim,
+        "rope_interleave": mla.rope_interleave, "hidden_act": "silu",
+        "max_position_embeddings": spec.seq_len, "rms_norm_eps": spec.norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "attention_bias": False, "tie_word_embeddings": False, "num_mtp_layers": 0,
+        "initializer_range": spec.init_std, "bos_token_id": None, "eos_token_id": None,
+    }
+

@@ -1,0 +1,229 @@
+"""DeepSeek-V3 (DeepseekV3ForCausalLM, model_type deepseek_v3) against transformers, on CPU:
+a tiny random model with every part on: multi-head latent attention with q_lora_rank set
+(models/mla.py), the first layer dense and the other two MoE, 8 routed experts in 2 groups
+(topk_group 1) plus a shared expert, the sigmoid router with a nonzero correction bias,
+norm_topk_prob and routed_scaling_factor 2.5 (models/router.py). Capacity for every token,
+so nothing drops and the function is transformers'."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from conftest import small_config
+from helpers import (
+    assert_exports_bitwise,
+    assert_greedy_decode_equals_transformers,
+    jaxtrain_steps,
+)
+from test_convert import _hf_logits, _jax_logits, _tokens
+
+from jaxtrain.data.batches import make_batches, to_global
+from jaxtrain.errors import ConfigError
+from jaxtrain.hf.load import import_hf
+from jaxtrain.train.setup import build
+
+TOLERANCE = 1e-5  # max |Δ logit|, float32
+E, K = 8, 2
+
+
+def _config(**overrides):
+    return small_config("deepseek_v3", **{
+        "model.num_layers": 3, "model.num_heads": 4, "model.norm_eps": 1e-6,
+        "model.mlp_dim": 96, "model.attention": "chunked",
+        "model.mla.kv_lora_rank": 16, "model.mla.q_lora_rank": 12,
+        "model.mla.qk_nope_head_dim": 8, "model.mla.qk_rope_head_dim": 4,
+        "model.mla.v_head_dim": 6,
+        "model.moe.num_experts": E, "model.moe.top_k": K, "model.moe.expert_mlp_dim": 24,
+        "model.moe.shared_experts": 1, "model.moe.first_dense_layers": 1,
+        "model.moe.router": "sigmoid_bias", "model.moe.n_group": 2, "model.moe.topk_group": 1,
+        "model.moe.routed_scaling_factor": 2.5, "model.moe.dispatch": "capacity",
+        "model.moe.capacity_factor": E / K, "model.moe.aux_loss_weight": 0.0,
+        "model.moe.z_loss_weight": 0.0, "model.moe.bias_update_rate": 0.0, **overrides})
+
+
+def _hf_config(cfg, **extra):
+    import transformers
+
+    m = cfg.model
+    return transformers.DeepseekV3Config(
+        hidden_size=m.d_model, num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_heads, intermediate_size=m.mlp_dim,
+        moe_intermediate_size=m.moe.expert_mlp_dim, n_routed_experts=m.moe.num_experts,
+        num_experts_per_tok=m.moe.top_k, n_shared_experts=m.moe.shared_experts,
+        first_k_dense_replace=m.moe.first_dense_layers, n_group=m.moe.n_group,
+        topk_group=m.moe.topk_group, norm_topk_prob=m.moe.norm_topk_prob,
+        routed_scaling_factor=m.moe.routed_scaling_factor, kv_lora_rank=m.mla.kv_lora_rank,
+        q_lora_rank=m.mla.q_lora_rank or None, qk_nope_head_dim=m.mla.qk_nope_head_dim,
+        qk_rope_head_dim=m.mla.qk_rope_head_dim, v_head_dim=m.mla.v_head_dim,
+        vocab_size=m.vocab_size, max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+        attn_implementation="eager", **extra)
+
+
+def _hf_model(cfg, seed: int = 0, **extra):
+    import torch
+    import transformers
+
+    model = transformers.DeepseekV3ForCausalLM(_hf_config(cfg, **extra))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.1)
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                p.add_(1.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # large enough to change choices
+                b.normal_(0.0, 0.05)
+    return model.float().eval()
+
+
+def _imported(cfg, tmp_path, devices, seed: int = 0):
+    model = _hf_model(cfg, seed)
+    model.save_pretrained(tmp_path / "hf")
+    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices)
+    return model, setup, state
+
+
+def test_import_and_export_give_the_logits_of_transformers(tmp_path, devices):
+    """Import within 1e-5 (latent attention, dense prefix, shared and routed experts, the
+    correction bias); exported, it loads in AutoModelForCausalLM as a DeepseekV3ForCausalLM
+    with bitwise the same logits and tensors."""
+    cfg = _config()
+    model, setup, state = _imported(cfg, tmp_path, devices[:1])
+    mlp = state.params["moe_blocks"]["mlp"]
+    assert mlp["w_up"].shape == (2, E, 64, 24) and mlp["shared"]["w_up"].shape == (2, 64, 24)
+    assert state.params["blocks"]["mlp"]["w_up"].shape == (1, 64, 96)
+    assert state.params["blocks"]["attn"]["w_k_up"].shape == (1, 16, 4, 8)
+    bias = model.model.layers[2].mlp.gate.e_score_correction_bias.numpy()
+    np.testing.assert_array_equal(mlp["e_score_correction_bias"][1], bias)
+    tokens = _tokens(cfg, batch=4)
+    want = _hf_logits(model, tokens)
+    err = np.abs(_jax_logits(setup, state.params, tokens) - want).max()
+    assert err < TOLERANCE, err
+    assert_exports_bitwise(tmp_path, devices, model, _hf_logits, tokens, want,
+                           attn_implementation="eager")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["first_k_dense_replace"] == 1 and config["n_group"] == 2
+    # The correction bias shows: without it transformers picks other experts.
+    for layer in (1, 2):
+        model.model.layers[layer].mlp.gate.e_score_correction_bias.zero_()
+    assert np.abs(_hf_logits(model, tokens) - want).max() > 1e-3
+
+
+def test_what_deepseek_v3_cannot_map_is_refused_in_one_line(tmp_path, devices):
+    cfg = _config(**{"model.moe.first_dense_layers": 2, "model.mla.v_head_dim": 8})
+    model = _hf_model(_config(), topk_method="greedy")
+    model.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConfigError) as e:
+        import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    message = str(e.value)
+    assert "\n" not in message
+    assert "model.moe.first_dense_layers=2 but config.json first_k_dense_replace=1" in message
+    assert "model.mla.v_head_dim=8 but config.json v_head_dim=6" in message
+    assert "topk_method='greedy' is not supported" in message
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # an import and two generation compiles
+def test_greedy_generation_through_the_latent_cache_equals_transformers(tmp_path, devices):
+    """30 greedy tokens: jaxtrain decodes from the latent cache with the up-projections
+    absorbed (models/mla.py), transformers from its own latent cache."""
+    cfg = _config(**{"train.global_batch": 1, "model.seq_len": 48})
+    model, setup, state = _imported(cfg, tmp_path, devices[:1], seed=2)
+    assert_greedy_decode_equals_transformers(setup, state, model)
+
+
+@pytest.mark.slow
+def test_twenty_training_steps_equal_pytorch(tmp_path, devices):
+    """20 steps in jaxtrain and of transformers' model in PyTorch, float32, with the bias
+    frozen (γ = 0: transformers has no update rule; the next test checks the rule): cross
+    entropy and gradient norm of every step within 1e-5 relative."""
+    from test_convert_llama_like import _torch_steps
+
+    cfg = _config(**{"model.vocab_size": 128, "data.source": "synthetic",
+                     "train.global_batch": 4, "steps": 20, "optimizer.warmup_steps": 5,
+                     "optimizer.lr": 3e-3, "optimizer.clip_norm": 0.5})
+    model, setup, state = _imported(cfg, tmp_path, devices[:1])
+    batches, ours = jaxtrain_steps(cfg, setup, state)
+    np.testing.assert_allclose(ours, _torch_steps(model, batches, cfg), rtol=1e-5)
+
+
+def _numpy_loads(model, tokens_BT) -> np.ndarray:
+    """Each MoE layer's expert loads [layers, E] of transformers' routers on a batch's inputs
+    (the routers' choices, read by a hook on each gate)."""
+    import torch
+
+    loads = []
+
+    def hook(module, args, out):  # (router logits, weights, indices)
+        indices = out[2]
+        loads.append(np.bincount(indices.reshape(-1).numpy(), minlength=E))
+
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    handles = [g.register_forward_hook(hook) for g in gates]
+    with torch.no_grad():
+        model(torch.from_numpy(tokens_BT[:, :-1].astype(np.int64)))
+    for h in handles:
+        h.remove()
+    return np.stack(loads).astype(np.float64)
+
+
+def _numpy_rule(bias_NE, load_NE, gamma):
+    """DeepSeek-V3 report §2.1.2 in float64: b_i -= γ if expert i is overloaded (its load
+    above its layer's mean), += γ if underloaded."""
+    mean = load_NE.mean(-1, keepdims=True)
+    return bias_NE + gamma * ((load_NE < mean).astype(np.float64)
+                              - (load_NE > mean).astype(np.float64))
+
+
+def test_the_train_step_moves_the_correction_bias_by_the_report_rule(tmp_path, devices):
+    """One train step with γ = 0.01: each MoE layer's bias moves as the float64 rule says on
+    the loads transformers' routers give for that batch; the bias takes no gradient (the
+    logged grad_norm is the weights' alone), and nothing else about the step changes."""
+    gamma = 0.01
+    cfg = _config(**{"model.moe.bias_update_rate": gamma, "data.source": "synthetic",
+                     "train.global_batch": 4})
+    model, setup, state = _imported(cfg, tmp_path, devices[:1])
+    before = np.asarray(state.params["moe_blocks"]["mlp"]["e_score_correction_bias"],
+                        np.float64)
+    tokens = np.asarray(next(make_batches(cfg).train_iter(0)))
+    want = _numpy_rule(before, _numpy_loads(model, tokens), gamma)
+    with jax.set_mesh(setup.mesh):
+        new, metrics = setup.train_step()(state, to_global(tokens, setup.tokens_sharding))
+    got = np.asarray(new.params["moe_blocks"]["mlp"]["e_score_correction_bias"])
+    np.testing.assert_allclose(got, want, atol=1e-7)
+    assert np.abs(got - before).max() == pytest.approx(gamma)
+    assert "moe_expert_load" not in metrics and np.isfinite(float(metrics["grad_norm"]))
+
+
+def _steps(cfg, devices):
+    """([(loss, grad_norm)] of three steps, the final params as numpy)."""
+    setup = build(cfg, devices)
+    state, data, out = setup.init_state(), make_batches(cfg).train_iter(0), []
+    with jax.set_mesh(setup.mesh):
+        step = setup.train_step()
+        for _ in range(3):
+            state, metrics = step(state, to_global(next(data), setup.tokens_sharding))
+            out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+    return out, jax.tree.map(np.asarray, state.params)
+
+
+@pytest.mark.slow  # three compiles under meshes of 2, 4 and 1
+@pytest.mark.parametrize("mesh", [{"mesh.expert": 2}, {"mesh.fsdp": 2, "mesh.tensor": 2}],
+                         ids=["expert2", "fsdp2_tensor2"])
+def test_parallel_training_equals_one_device(mesh, devices):
+    """Three steps with the bias moving (γ = 0.01) and the routing losses on: loss,
+    grad_norm, every parameter and the correction bias equal one device's (the loads are global sums, so
+    every replica moves the bias alike)."""
+    from helpers import assert_params_close
+
+    overrides = {"model.moe.bias_update_rate": 0.01, "model.moe.aux_loss_weight": 0.01,
+                 "model.moe.z_loss_weight": 0.001}
+    one_losses, one = _steps(_config(**overrides), devices[:1])
+    size = int(np.prod(list(mesh.values())))
+    many_losses, many = _steps(_config(**overrides, **mesh), devices[:size])
+    np.testing.assert_allclose(many_losses, one_losses, rtol=2e-5)
+    assert_params_close(many, one, rtol=2e-4)
+    bias = "moe_blocks", "mlp", "e_score_correction_bias"
+    np.testing.assert_array_equal(many[bias[0]][bias[1]][bias[2]], one[bias[0]][bias[1]][bias[2]])
