@@ -41,8 +41,8 @@ from jaxtrain.models import lora as lora_lib
 from jaxtrain.models import mla as mla_lib
 from jaxtrain.models import moe as moe_lib
 from jaxtrain.models import mtp as mtp_lib
-from jaxtrain.models import router as router_lib
 from jaxtrain.models import rope as rope_lib
+from jaxtrain.models import router as router_lib
 from jaxtrain.models.attention import KERNELS, resolve_attention, resolve_variant
 from jaxtrain.models.attention import VARIANTS as CONTEXT_VARIANTS
 from jaxtrain.models.families import (

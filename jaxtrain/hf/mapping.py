@@ -84,7 +84,8 @@ class HFTensor:
         if self.groups:
             g = self.groups
             grouped = np.moveaxis(value, self.axis, 0)
-            grouped = grouped.reshape(g, -1, *grouped.shape[1:])[:, offset // g:(offset + size) // g]
+            grouped = grouped.reshape(g, -1, *grouped.shape[1:])
+            grouped = grouped[:, offset // g:(offset + size) // g]
             return np.moveaxis(grouped.reshape(size, *grouped.shape[2:]), 0, self.axis)
         if not self.interleaved:
             return value

@@ -31,8 +31,8 @@ from jaxtrain.models.mla import resolve_kernel as mla_kernel
 from jaxtrain.models.mlp import Mlp
 from jaxtrain.models.moe import STAT_NAMES, MoeMlp, MoeSpec, routing_losses
 from jaxtrain.models.remat import REMATS
-from jaxtrain.models.router import EXPERT_LOAD, ROUTERS, DeepSeekMoe, RouterSpec
 from jaxtrain.models.rope import RopeScaling
+from jaxtrain.models.router import EXPERT_LOAD, ROUTERS, DeepSeekMoe, RouterSpec
 from jaxtrain.models.stack import Groups, stacked, walk
 from jaxtrain.parallel.context import ContextSpec
 from jaxtrain.parallel.pipeline import PipelineSpec, pipeline
