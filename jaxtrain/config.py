@@ -309,6 +309,10 @@ def _check_model(c, platform: str | None) -> None:
         router_lib.check(c)
     mla_lib.check(c, platform=platform)
     mtp_lib.check(c)
+    if m.mtp.depths and documents:
+        fail("model.mtp.depths", m.mtp.depths, f"predicts across packed documents' bounds: "
+             f"data.packing={c.data.packing!r} packs them; use a layout without document "
+             "masks, or 0")
     lora_lib.check(c)
 
 
@@ -348,6 +352,9 @@ def _check_on_mesh(c, sizes: dict[str, int], platform: str | None) -> None:
         dispatch = moe_lib.resolve_dispatch(m.moe.dispatch, platform or "")
         moe_lib.DISPATCHES[dispatch].validate(c, sizes)
     mla_lib.check(c, sizes, platform)
+    if m.mtp.depths and sizes["context"] > 1:
+        fail("model.mtp.depths", m.mtp.depths, f"shifts tokens along the row, which "
+             f"mesh.context={sizes['context']} splits and reorders; use mesh.context=1 or 0")
     BACKENDS[c.eval.backend].check_mesh(c, sizes)
 
 

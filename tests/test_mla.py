@@ -121,13 +121,13 @@ def test_cache_bytes_per_token_against_gqa():
 
 
 def test_which_kernels_take_a_v_head_dim_unlike_qk():
-    """Read from the kernels: the unrolled chunked kernel and splash take it; the
-    reference kernel (its output reshaped to q's head dim), the looped chunked kernel and
-    the context-parallel one (flash accumulators of q's head dim), cuDNN and Pallas do not,
-    and a config naming one is refused in one line."""
-    assert mla_lib.takes_value_head_dim("chunked", 256)
-    assert not mla_lib.takes_value_head_dim("chunked", 128 * 17)  # looped
-    for name in ("xla", "cudnn", "pallas"):
+    """Read from the kernels: the reference kernel, the chunked kernel (unrolled and looped)
+    and splash take it; cuDNN and Pallas do not, and a config naming one is refused in one
+    line, as is the context-parallel attention (flash accumulators of q's head dim)."""
+    for seq_len in (256, 128 * 17):  # unrolled; looped past 16 chunks (another code path)
+        assert mla_lib.takes_value_head_dim("chunked", seq_len)
+        assert mla_lib.takes_value_head_dim("xla", seq_len)
+    for name in ("cudnn", "pallas"):
         assert not mla_lib.takes_value_head_dim(name, 256), name
 
     def config(**model):
@@ -136,26 +136,52 @@ def test_which_kernels_take_a_v_head_dim_unlike_qk():
         return ml_collections.ConfigDict({"model": m})
 
     mla_lib.check(config())
-    with pytest.raises(ConfigError, match=r"^model.attention='xla' is invalid: it cannot run "
-                       r"MLA's v head dim \(unlike q/k's\) at model.seq_len=256; use "):
-        mla_lib.check(config(attention="xla"))
+    mla_lib.check(config(attention="xla", seq_len=128 * 17))
+    with pytest.raises(ConfigError, match=r"^model.attention='cudnn' is invalid: it cannot "
+                       r"run MLA's v head dim \(unlike q/k's\) at model.seq_len=256; use "):
+        mla_lib.check(config(attention="cudnn"))
     with pytest.raises(ConfigError, match="mesh.context=2 is invalid: MLA's v head dim"):
         mla_lib.check(config(), {"context": 2})
-    # 'auto' takes only such kernels: not cuDNN on a GPU.
-    assert mla_lib.resolve_kernel("auto", "bfloat16", "gpu", 256) == "chunked"
+    # 'auto' takes only such kernels: not cuDNN on a GPU, at any length.
+    for seq_len in (256, 128 * 17):
+        assert mla_lib.resolve_kernel("auto", "bfloat16", "gpu", seq_len) == "chunked"
     assert mla_lib.resolve_kernel("auto", "bfloat16", "cpu", 256) == "chunked"
-    # At 17 chunks the chunked kernel loops (another code path): named, it is refused and
-    # the able kernels are offered; under 'auto' on a GPU nothing is left.
-    with pytest.raises(ConfigError, match=r"model.attention='chunked' is invalid: .* "
-                       r"model.seq_len=2176; use splash$"):
-        mla_lib.check(config(seq_len=128 * 17))
     long = config(seq_len=128 * 17, attention="auto")
     long.train = {"precision": "bfloat16"}
     mla_lib.check(long, platform="tpu")  # splash
-    with pytest.raises(ConfigError, match=r"model.attention='auto' is invalid: no kernel on "
-                       r"gpu runs MLA's v head dim \(unlike q/k's\) at model.seq_len=2176"):
-        mla_lib.check(long, platform="gpu")
-    bad = config()
+    mla_lib.check(long, platform="gpu")  # chunked, looped
+
+
+@pytest.mark.parametrize("kernel, seq_len", [("xla", 64), ("chunked", 256),
+                                             ("chunked", 128 * 17)],
+                         ids=["xla", "chunked", "chunked-looped"])
+def test_the_kernels_that_take_mla_equal_float64_attention(kernel, seq_len):
+    """Output and the q, k, v gradients with v's head dim (4) unlike q/k's (8), against
+    the float64 reference (helpers.attention_f64), grouped heads included."""
+    from helpers import attention_f64
+
+    from jaxtrain.models.attention.kernels import KERNELS
+
+    rng = np.random.default_rng(0)
+    q, k = (rng.normal(size=(1, seq_len, g, 8)).astype(np.float32) for g in (4, 2))
+    v = rng.normal(size=(1, seq_len, 2, 4)).astype(np.float32)
+    cot = rng.normal(size=(1, seq_len, 4, 4)).astype(np.float32)
+
+    def loss(q, k, v):
+        return (KERNELS[kernel](q, k, v, None, rules=()) * cot).sum()
+
+    out = KERNELS[kernel](q, k, v, None, rules=())
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    want, want_grads = attention_f64(q, k, v, cotangent_BLHK=cot)
+    np.testing.assert_allclose(out, want, atol=2e-5)
+    for got, ref in zip(grads, want_grads):
+        np.testing.assert_allclose(got, ref, atol=2e-4)
+
+
+def test_mla_config_errors_name_the_key():
+    bad = ml_collections.ConfigDict({"model": {
+        "attention": "chunked", "seq_len": 256,
+        "mla": {**mla_lib.defaults(), "kv_lora_rank": 16}}})
     bad.model.mla.qk_rope_head_dim = 3
     with pytest.raises(ConfigError, match="model.mla.qk_rope_head_dim=3 is invalid"):
         mla_lib.check(bad)

@@ -159,3 +159,60 @@ def test_mtp_config_errors_name_the_key(mtp, match):
                                                                    "depths": 1, **mtp}}})
     with pytest.raises(ConfigError, match=match):
         mtp_lib.check(c)
+
+
+def _model_config(**overrides):
+    from conftest import small_config
+
+    return small_config("deepseek_v3", **{
+        "model.num_layers": 2, "model.num_heads": 4, "model.attention": "chunked",
+        "model.mla.kv_lora_rank": 16, "model.mla.qk_nope_head_dim": 8,
+        "model.mla.qk_rope_head_dim": 4, "model.mla.v_head_dim": 6,
+        "model.mtp.depths": 2, "optimizer.lr": 1e-2, **overrides})
+
+
+def _run(cfg, devices, steps: int = 4):
+    """[(loss, grad_norm, mtp_loss_1)] of `steps` train steps from init."""
+    from jaxtrain.data.batches import make_batches, to_global
+    from jaxtrain.train.setup import build
+
+    setup = build(cfg, devices)
+    state, data, out = setup.init_state(), make_batches(cfg).train_iter(0), []
+    with jax.set_mesh(setup.mesh):
+        step = setup.train_step()
+        for _ in range(steps):
+            state, m = step(state, to_global(next(data), setup.tokens_sharding))
+            out.append((float(m["loss"]), float(m["grad_norm"]), float(m.get("mtp_loss_1", 0))))
+    return np.asarray(out)
+
+
+def test_mtp_in_the_model_trains_through_the_shared_embedding_and_head(devices):
+    """model.mtp.depths in the train step: the logged loss is the main model's cross
+    entropy, each depth's loss is logged, and its gradient reaches the model (grad_norm
+    moves); at loss_weight 0 the step is the model's without MTP (the depths are drawn after
+    every other weight, so the same main model)."""
+    without = _run(_model_config(**{"model.mtp.depths": 0}), devices[:1])
+    weight0 = _run(_model_config(**{"model.mtp.loss_weight": 0.0}), devices[:1])
+    trained = _run(_model_config(), devices[:1])
+    np.testing.assert_allclose(weight0[:, :2], without[:, :2], rtol=1e-6)
+    assert trained[0, 0] == pytest.approx(without[0, 0], rel=1e-6)  # CE is the logged loss
+    assert abs(trained[0, 1] - without[0, 1]) > 1e-3 * without[0, 1]
+    assert np.all(trained[:, 2] > 0) and trained[-1, 2] < trained[0, 2]
+
+
+@pytest.mark.slow
+def test_mtp_under_fsdp_by_tensor_equals_one_device(devices):
+    one = _run(_model_config(), devices[:1])
+    many = _run(_model_config(**{"mesh.fsdp": 2, "mesh.tensor": 2}), devices[:4])
+    np.testing.assert_allclose(many, one, rtol=2e-5)
+
+
+def test_mtp_is_refused_where_it_would_read_across_bounds():
+    from jaxtrain.config import validate
+
+    with pytest.raises(ConfigError, match=r"^model.mtp.depths=2 is invalid: predicts across "
+                       r"packed documents"):
+        validate(_model_config(**{"data.packing": "documents"}), 1, "cpu")
+    with pytest.raises(ConfigError, match=r"^model.mtp.depths=2 is invalid: shifts tokens"):
+        validate(_model_config(**{"mesh.context": 2, "model.mla.kv_lora_rank": 0,
+                                  "model.family": "llama"}), 2, "cpu")

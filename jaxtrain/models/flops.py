@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 
+from jaxtrain.models.mla import MLA
 from jaxtrain.models.transformer import ModelSpec
 
 
@@ -17,11 +18,17 @@ def matmul_params(spec: ModelSpec) -> int:
     MoE layers only the active ones (router, top-k and shared experts)."""
     d, h, g, k, f = spec.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.mlp_dim
     attention = d * h * k * 2 + d * g * k * 2
+    if spec.mla is not None:  # the latent attention's own fact (models/mla.py)
+        attention = MLA.matmul_params(spec.mla, d, h)
     mlp = d * f * (3 if spec.gated_mlp else 2)
     moe_layers = 0 if spec.moe is None else spec.moe.layers(spec.num_layers)
     moe = 0 if spec.moe is None else moe_layers * spec.moe.active_matmul_params(d)
+    # Multi-token prediction: each depth's projection and dense block, and the shared head
+    # once more (models/mtp.py's fact).
+    mtp = 0 if spec.mtp is None else (spec.mtp.matmul_params(d, attention + mlp)
+                                      + spec.mtp.depths * d * spec.vocab_size)
     return (spec.num_layers * attention + (spec.num_layers - moe_layers) * mlp + moe
-            + d * spec.vocab_size)
+            + d * spec.vocab_size + mtp)
 
 
 def flops_per_token(spec: ModelSpec, reference_forwards: int = 0) -> float:
@@ -73,5 +80,11 @@ def attention_flops_per_token(spec: ModelSpec) -> float:
     fact (models/families.py LAYER_KINDS keys_per_query). No credit for recomputation.
     """
     counts = collections.Counter(spec.layer_types or (None,) * spec.num_layers)
+    if spec.mtp is not None:  # each MTP depth's block attends as a uniform layer
+        counts[None] += spec.mtp.depths
+    if spec.mla is not None:  # QKᵀ over q/k's head dim, PV over v's (models/mla.py)
+        return sum(3 * n * spec.mla.score_flops_per_token(
+            spec.num_heads, spec.layer_kind(kind).keys_per_query(spec))
+            for kind, n in counts.items())
     return sum(12 * n * spec.layer_kind(kind).keys_per_query(spec) * spec.num_heads
                * spec.head_dim for kind, n in counts.items())

@@ -30,6 +30,7 @@ from jaxtrain.models.mla import MLA, MlaSpec
 from jaxtrain.models.mla import resolve_kernel as mla_kernel
 from jaxtrain.models.mlp import Mlp
 from jaxtrain.models.moe import STAT_NAMES, MoeMlp, MoeSpec, routing_losses
+from jaxtrain.models.mtp import MtpDepth, MtpSpec, mtp_loss
 from jaxtrain.models.remat import REMATS
 from jaxtrain.models.rope import RopeScaling
 from jaxtrain.models.router import EXPERT_LOAD, ROUTERS, DeepSeekMoe, RouterSpec
@@ -77,6 +78,7 @@ class ModelSpec:
     mla: MlaSpec | None = None
     # The MoE layers' router (models/router.py ROUTERS) when not Mixtral's softmax (None)
     router: RouterSpec | None = None
+    mtp: MtpSpec | None = None  # multi-token prediction depths (models/mtp.py); None: none
 
     @classmethod
     def from_config(cls, cfg, pipeline_stages: int = 1, platform: str = "cpu",
@@ -124,7 +126,8 @@ class ModelSpec:
                                cfg.mesh.sequence_parallel, context_spec is not None),
             pipeline=pipeline, fp8=precision.fp8_matmuls, moe=MoeSpec.from_config(m, platform),
             context=context_spec, lora=LoraSpec.from_config(m), mla=mla,
-            router=None if router is None or router.name == "softmax" else router)
+            router=None if router is None or router.name == "softmax" else router,
+            mtp=MtpSpec.from_config(m.mtp))
 
     @property
     def family_entry(self) -> Family:
@@ -138,6 +141,17 @@ class ModelSpec:
     rms_norm = property(lambda self: self.family_entry.norm == "rms")
     attention_parts = property(lambda self: self.family_entry.attention_parts)
     norm_offset = property(lambda self: self.family_entry.norm_offset)
+
+    @property
+    def attention_features(self) -> tuple[int, int, int, int]:
+        """Planner fact: per token and layer, the (q, k, v, output) features the attention
+        kernel takes and gives: GQA's heads·head_dim, kv_heads·head_dim twice, heads·head_dim;
+        MLA's expanded heads·(nope + rope) for q and k, heads·v_head_dim for v and output."""
+        if self.mla is None:
+            q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            return q, kv, kv, q
+        qk, v = (self.num_heads * d for d in (self.mla.qk_head_dim, self.mla.v_head_dim))
+        return qk, qk, v, v
 
     def layer_kind(self, name: str | None) -> LayerKind:
         """A layer kind's entry: the walker hands each layer its kind's name (None: the
@@ -246,6 +260,10 @@ class Transformer(nnx.Module):
                                offset=spec.norm_offset)
         if not spec.tied_embeddings:
             self.lm_head = param(rngs, (d, v), ("embed", "vocab"), spec.init_std, dt)
+        # Multi-token prediction: each depth a dense block of the model's own kind (after
+        # every other weight, so a model without MTP draws the same numbers).
+        for k in range(1, (spec.mtp.depths if spec.mtp else 0) + 1):
+            setattr(self, f"mtp_{k}", MtpDepth(spec, Block(spec, rngs=rngs), rngs=rngs))
 
     def _embed(self, tokens_BL: jax.Array, start=0, positions_BL=None) -> jax.Array:
         spec, dt = self.spec, self.spec.compute_dtype
@@ -268,8 +286,8 @@ class Transformer(nnx.Module):
         return self.features_and_aux(tokens_BL, segments_BL, positions_BL)[0]
 
     def features_and_aux(self, tokens_BL: jax.Array, segments_BL=None, positions_BL=None):
-        """(features, the weighted auxiliary loss of the MoE routers or None, routing
-        metrics: {} for a dense model). segments_BL and positions_BL: packed documents
+        """(features, the weighted auxiliary losses of the MoE routers and the MTP depths
+        or None, their metrics: {} for a dense model without MTP). segments_BL and positions_BL: packed documents
         (int32 [B, L]: each position's document, 0 for padding, and its position within
         it); None: one document per row."""
         spec = self.spec
@@ -279,8 +297,15 @@ class Transformer(nnx.Module):
             else (segments_BL, positions_BL)
         x_BLD, stats = self._layers(x_BLD, documents)
         penalty, metrics = None, {}
+        if spec.mtp is not None:  # its loss rides with the routers' as the penalty
+            penalty, metrics = mtp_loss(
+                [getattr(self, f"mtp_{k}") for k in range(1, spec.mtp.depths + 1)], spec.mtp,
+                x_BLD, tokens_BL, self._embed,
+                lambda n_BLD: soft_cap(n_BLD @ self.head(), spec.final_softcap))
         if spec.moe is not None:
-            penalty, metrics = routing_losses(stats, spec.moe, tokens_BL.size)
+            routing, routing_metrics = routing_losses(stats, spec.moe, tokens_BL.size)
+            penalty = routing if penalty is None else penalty + routing
+            metrics = {**metrics, **routing_metrics}
             if spec.router is not None and ROUTERS[spec.router.name].bias:
                 # The step's expert loads [MoE layers, E], for the correction bias's update
                 # (train/step.py takes it out of the logged metrics).

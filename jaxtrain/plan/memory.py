@@ -230,13 +230,13 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     # stream's share t ways more.
     tokens_res = rows * s / cp / (t if sp else 1)
     tokens = rows * s / cp
-    heads = spec.num_heads * spec.head_dim / t
-    kv = spec.num_kv_heads * spec.head_dim / t
+    q, k, v, out = (n / t for n in spec.attention_features)
     mlp = f / t * (2 if spec.gated_mlp else 1)
     if saved == "input":
         return tokens_res * d * c
-    # The matmul outputs: q, k, v, attention output, w_o, the MLP up (and gate), w_down.
-    dots = tokens * (2 * heads + 2 * kv + mlp) * c + 2 * tokens_res * d * c
+    # The matmul outputs: q, k, v, attention output, w_o, the MLP up (and gate), w_down;
+    # MLA's latents too (models/mla.py: the q bottleneck, the kv latent and rotary key).
+    dots = tokens * (q + k + v + out + mlp + _latents(spec)) * c + 2 * tokens_res * d * c
     if saved == "dots":
         # The w_down output is not kept: the next layer's input (kept) replaces it.
         return dots
@@ -262,6 +262,12 @@ def _layer_activations(spec: ModelSpec, rows: float, sizes: dict, saved: str,
     return dots + stream + act + scores + _parts_kept(spec, tokens, tokens_res, t, c)
 
 
+def _latents(spec: ModelSpec) -> int:
+    """MLA's per-token latents (unsharded): q's bottleneck, the kv latent and rotary key."""
+    m = spec.mla
+    return 0 if m is None else m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim
+
+
 def _parts_kept(spec: ModelSpec, tokens: float, tokens_res: float, t: int, c: int) -> float:
     """What the family's parts keep beyond a Llama layer (their planner facts,
     models/families.py): attention parts per head, sandwich norms on the residual stream."""
@@ -276,7 +282,8 @@ def _rotated(spec: ModelSpec, rows: float, sizes: dict) -> float:
     if not spec.rope:
         return 0.0
     tokens = rows * spec.seq_len / sizes.get("context", 1)
-    return tokens * (spec.num_heads + spec.num_kv_heads) * spec.head_dim / sizes["tensor"] * F32
+    q, k, _, _ = spec.attention_features
+    return tokens * (q + k) / sizes["tensor"] * F32
 
 
 def _sequence_parallel(spec: ModelSpec) -> bool:

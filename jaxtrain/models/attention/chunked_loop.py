@@ -73,7 +73,7 @@ def _keys(x_BGMK, j, kblock: int):
 
 
 def _forward(q_BLHK, k_BMGK, v_BMGK, segments_BL, block: int, window):
-    b, length, heads, head_dim = q_BLHK.shape
+    b, length, heads, _ = q_BLHK.shape
     kblock, groups = key_block(length, block), k_BMGK.shape[2]
     q_BGRLK, k_BGMK, v_BGMK = grouped(q_BLHK, k_BMGK, v_BMGK)
     r = heads // groups
@@ -86,7 +86,7 @@ def _forward(q_BLHK, k_BMGK, v_BMGK, segments_BL, block: int, window):
                               _keys(v_BGMK, j, kblock), chunk.seen(j))
 
         acc = jax.lax.fori_loop(chunk.lo, chunk.hi, step,
-                                flash.empty(b, groups, r * block, head_dim))
+                                flash.empty(b, groups, r * block, v_BMGK.shape[-1]))
         out_BGQK, lse_BGQ = flash.finish(acc)
         return out_BGQK.astype(q_BLHK.dtype), lse_BGQ
 
@@ -122,8 +122,8 @@ def _backward(block, window, residuals, dout_BLHK):
         dq_BGQK, *carry = jax.lax.fori_loop(chunk.lo, chunk.hi, step, (dq0, *carry))
         return tuple(carry), dq_BGQK
 
-    zeros = jnp.zeros(k_BGMK.shape, jnp.float32)
-    (dk_BGMK, dv_BGMK), dq_NBGQK = jax.lax.scan(one_chunk, (zeros, zeros),
+    zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in (k_BGMK, v_BGMK))  # (MLA: v's dim)
+    (dk_BGMK, dv_BGMK), dq_NBGQK = jax.lax.scan(one_chunk, zeros,
                                                 jnp.arange(length // block))
     return ungrouped_grads(to_groups(from_chunks(dq_NBGQK, r), groups), dk_BGMK, dv_BGMK,
                            q_BLHK, k_BMGK, v_BMGK)

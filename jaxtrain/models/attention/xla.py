@@ -76,7 +76,7 @@ def cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T, window: int | None,
         probs_BGRTM = jax.nn.softmax(jnp.concatenate([scores_BGRTM, sink_BGRT1], axis=-1),
                                      axis=-1)[..., :-1].astype(v_BMGK.dtype)
     out_BTGRK = jnp.einsum("bgrtm,bmgk->btgrk", probs_BGRTM, v_BMGK)
-    return out_BTGRK.reshape(b, t, heads, head_dim)
+    return out_BTGRK.reshape(b, t, heads, v_BMGK.shape[-1])  # v's head dim (MLA's differs)
 
 
 def xla_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
