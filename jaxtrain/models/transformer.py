@@ -287,9 +287,9 @@ class Transformer(nnx.Module):
 
     def features_and_aux(self, tokens_BL: jax.Array, segments_BL=None, positions_BL=None):
         """(features, the weighted auxiliary losses of the MoE routers and the MTP depths
-        or None, their metrics: {} for a dense model without MTP). segments_BL and positions_BL: packed documents
-        (int32 [B, L]: each position's document, 0 for padding, and its position within
-        it); None: one document per row."""
+        or None, their metrics: {} for a dense model without MTP). segments_BL and
+        positions_BL: packed documents (int32 [B, L]: each position's document, 0 for
+        padding, and its position within it); None: one document per row."""
         spec = self.spec
         x_BLD = self._embed(tokens_BL, positions_BL=positions_BL)
         # Positions alone (no documents) come with a context-parallel layout's reordering.
