@@ -112,7 +112,8 @@ def test_import_and_export_give_the_logits_of_transformers(tmp_path, devices):
 
 
 def test_what_deepseek_v3_cannot_map_is_refused_in_one_line(tmp_path, devices):
-    cfg = _config(**{"model.moe.first_dense_layers": 2, "model.mla.v_head_dim": 8})
+    cfg = _config(**{"model.moe.first_dense_layers": 2, "model.mla.v_head_dim": 8,
+                     "model.mtp.depths": 1})
     model = _hf_model(_config(), topk_method="greedy")
     model.save_pretrained(tmp_path / "hf")
     with pytest.raises(ConfigError) as e:
@@ -122,6 +123,7 @@ def test_what_deepseek_v3_cannot_map_is_refused_in_one_line(tmp_path, devices):
     assert "model.moe.first_dense_layers=2 but config.json first_k_dense_replace=1" in message
     assert "model.mla.v_head_dim=8 but config.json v_head_dim=6" in message
     assert "topk_method='greedy' is not supported" in message
+    assert "model.mtp.depths=1 but the import does not read" in message
     assert not (tmp_path / "run").exists()
 
 

@@ -65,6 +65,9 @@ def check_config(hf: dict, m) -> list[str]:
     if m.rope_scaling.type != "none":
         c.problems.append(f"model.rope_scaling.type={m.rope_scaling.type!r} but config.json "
                           "has plain RoPE (use none)")
+    if m.mtp.depths:
+        c.problems.append(f"model.mtp.depths={m.mtp.depths} but the import does not read "
+                          "multi-token prediction weights (use 0)")
     if hf.get("num_nextn_predict_layers"):  # a note, not a refusal
         print(f"note: config.json has num_nextn_predict_layers="
               f"{hf['num_nextn_predict_layers']}: the multi-token prediction layers are not "

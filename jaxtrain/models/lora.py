@@ -147,6 +147,9 @@ def check(c) -> None:
         if problem := TARGETS[t].problem(m.family, m.moe.num_experts, m.moe.every_n_layers,
                                          m.moe.shared_experts):
             fail("model.lora.targets", lora.targets, problem)
+        if m.mla.kv_lora_rank and TARGETS[t].module == "attention":
+            fail("model.lora.targets", lora.targets, f"{t!r} adapts a GQA projection, and "
+                 "model.mla's latent attention has none (adapt the MLP targets)")
     base_storage.check(lora.base_dtype, _input_widths(m))
     name, width = min(((t, _width(m, t)) for t in targets), key=lambda tw: tw[1])
     if lora.rank > width:
