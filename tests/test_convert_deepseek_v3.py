@@ -1,9 +1,11 @@
-"""DeepSeek-V3 (DeepseekV3ForCausalLM, model_type deepseek_v3) against transformers, on CPU:
-a tiny random model with every part on: multi-head latent attention with q_lora_rank set
-(models/mla.py), the first layer dense and the other two MoE, 8 routed experts in 2 groups
-(topk_group 1) plus a shared expert, the sigmoid router with a nonzero correction bias,
-norm_topk_prob and routed_scaling_factor 2.5 (models/router.py). Capacity for every token,
-so nothing drops and the function is transformers'."""
+"""DeepSeek-V3 (DeepseekV3ForCausalLM, model_type deepseek_v3) and Mistral 4
+(Mistral4ForCausalLM, the same parts with a softmax router and no correction bias) against
+transformers, on CPU: a tiny random model with every part on: multi-head latent attention
+with q_lora_rank set (models/mla.py), the first layer dense and the other two MoE, 8 routed
+experts in 2 groups (topk_group 1) plus a shared expert, the router (DeepSeek's sigmoid with
+a nonzero correction bias; Mistral 4's softmax), norm_topk_prob and routed_scaling_factor
+2.5 (models/router.py). Capacity for every token, so nothing drops and the function is
+transformers'."""
 
 import json
 
@@ -27,8 +29,21 @@ TOLERANCE = 1e-5  # max |Δ logit|, float32
 E, K = 8, 2
 
 
-def _config(**overrides):
-    return small_config("deepseek_v3", **{
+ROUTERS = {"deepseek_v3": "sigmoid_bias", "mistral4": "softmax_group"}
+
+
+# Mistral 4 under YaRN (transformers' Mistral4 rotates right only under YaRN): factor 4 over
+# 8 original positions, mscale_all_dim 1 (the softmax scale, deepseek_v3.check_rope).
+YARN = {"model.rope_scaling.type": "yarn", "model.rope_scaling.factor": 4.0,
+        "model.rope_scaling.original_max_position_embeddings": 8,
+        "model.rope_scaling.attention_factor": 1.0,
+        "model.mla.softmax_scale": 12 ** -0.5 * (0.1 * np.log(4.0) + 1) ** 2}
+
+
+def _config(arch: str = "deepseek_v3", **overrides):
+    if arch == "mistral4":
+        overrides = {**YARN, **overrides}
+    return small_config(arch, **{
         "model.num_layers": 3, "model.num_heads": 4, "model.norm_eps": 1e-6,
         "model.mlp_dim": 96, "model.attention": "chunked",
         "model.mla.kv_lora_rank": 16, "model.mla.q_lora_rank": 12,
@@ -36,7 +51,7 @@ def _config(**overrides):
         "model.mla.v_head_dim": 6,
         "model.moe.num_experts": E, "model.moe.top_k": K, "model.moe.expert_mlp_dim": 24,
         "model.moe.shared_experts": 1, "model.moe.first_dense_layers": 1,
-        "model.moe.router": "sigmoid_bias", "model.moe.n_group": 2, "model.moe.topk_group": 1,
+        "model.moe.router": ROUTERS[arch], "model.moe.n_group": 2, "model.moe.topk_group": 1,
         "model.moe.routed_scaling_factor": 2.5, "model.moe.dispatch": "capacity",
         "model.moe.capacity_factor": E / K, "model.moe.aux_loss_weight": 0.0,
         "model.moe.z_loss_weight": 0.0, "model.moe.bias_update_rate": 0.0, **overrides})
@@ -46,7 +61,19 @@ def _hf_config(cfg, **extra):
     import transformers
 
     m = cfg.model
-    return transformers.DeepseekV3Config(
+    if m.family == "mistral4":  # llama_4_scaling_beta 0: no query scale past 8 positions
+        extra = {"rope_parameters": {"rope_type": "yarn", "rope_theta": m.rope_theta,
+                                     "factor": 4.0, "original_max_position_embeddings": 8,
+                                     "mscale": 1.0, "mscale_all_dim": 1.0,
+                                     "llama_4_scaling_beta": 0.0},
+                 # (its default pad_token_id 11 would be nn.Embedding's padding_idx, whose
+                 # row takes no gradient in PyTorch; jaxtrain's embedding has none)
+                 "pad_token_id": None, **extra}
+    else:
+        extra = {"rope_theta": m.rope_theta, **extra}
+    config_class = {"deepseek_v3": transformers.DeepseekV3Config,
+                    "mistral4": transformers.Mistral4Config}[m.family]
+    return config_class(
         hidden_size=m.d_model, num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
         num_key_value_heads=m.num_heads, intermediate_size=m.mlp_dim,
         moe_intermediate_size=m.moe.expert_mlp_dim, n_routed_experts=m.moe.num_experts,
@@ -57,7 +84,7 @@ def _hf_config(cfg, **extra):
         q_lora_rank=m.mla.q_lora_rank or None, qk_nope_head_dim=m.mla.qk_nope_head_dim,
         qk_rope_head_dim=m.mla.qk_rope_head_dim, v_head_dim=m.mla.v_head_dim,
         vocab_size=m.vocab_size, max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps,
-        rope_theta=m.rope_theta, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
         attn_implementation="eager", **extra)
 
 
@@ -65,7 +92,9 @@ def _hf_model(cfg, seed: int = 0, **extra):
     import torch
     import transformers
 
-    model = transformers.DeepseekV3ForCausalLM(_hf_config(cfg, **extra))
+    model_class = {"deepseek_v3": transformers.DeepseekV3ForCausalLM,
+                   "mistral4": transformers.Mistral4ForCausalLM}[cfg.model.family]
+    model = model_class(_hf_config(cfg, **extra))
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -85,18 +114,17 @@ def _imported(cfg, tmp_path, devices, seed: int = 0):
     return model, setup, state
 
 
-def test_import_and_export_give_the_logits_of_transformers(tmp_path, devices):
+@pytest.mark.parametrize("arch", ROUTERS)
+def test_import_and_export_give_the_logits_of_transformers(arch, tmp_path, devices):
     """Import within 1e-5 (latent attention, dense prefix, shared and routed experts, the
-    correction bias); exported, it loads in AutoModelForCausalLM as a DeepseekV3ForCausalLM
-    with bitwise the same logits and tensors."""
-    cfg = _config()
+    router; DeepSeek's correction bias); exported, it loads in AutoModelForCausalLM as the
+    same class with bitwise the same logits and tensors."""
+    cfg = _config(arch)
     model, setup, state = _imported(cfg, tmp_path, devices[:1])
     mlp = state.params["moe_blocks"]["mlp"]
     assert mlp["w_up"].shape == (2, E, 64, 24) and mlp["shared"]["w_up"].shape == (2, 64, 24)
     assert state.params["blocks"]["mlp"]["w_up"].shape == (1, 64, 96)
     assert state.params["blocks"]["attn"]["w_k_up"].shape == (1, 16, 4, 8)
-    bias = model.model.layers[2].mlp.gate.e_score_correction_bias.numpy()
-    np.testing.assert_array_equal(mlp["e_score_correction_bias"][1], bias)
     tokens = _tokens(cfg, batch=4)
     want = _hf_logits(model, tokens)
     err = np.abs(_jax_logits(setup, state.params, tokens) - want).max()
@@ -105,6 +133,11 @@ def test_import_and_export_give_the_logits_of_transformers(tmp_path, devices):
                            attn_implementation="eager")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["first_k_dense_replace"] == 1 and config["n_group"] == 2
+    if arch == "mistral4":
+        assert "e_score_correction_bias" not in mlp
+        return
+    bias = model.model.layers[2].mlp.gate.e_score_correction_bias.numpy()
+    np.testing.assert_array_equal(mlp["e_score_correction_bias"][1], bias)
     # The correction bias shows: without it transformers picks other experts.
     for layer in (1, 2):
         model.model.layers[layer].mlp.gate.e_score_correction_bias.zero_()
@@ -128,24 +161,27 @@ def test_what_deepseek_v3_cannot_map_is_refused_in_one_line(tmp_path, devices):
 
 
 @pytest.mark.slow  # an import and two generation compiles
-def test_greedy_generation_through_the_latent_cache_equals_transformers(tmp_path, devices):
+@pytest.mark.parametrize("arch", ROUTERS)
+def test_greedy_generation_through_the_latent_cache_equals_transformers(arch, tmp_path,
+                                                                         devices):
     """30 greedy tokens: jaxtrain decodes from the latent cache with the up-projections
     absorbed (models/mla.py), transformers from its own latent cache."""
-    cfg = _config(**{"train.global_batch": 1, "model.seq_len": 48})
+    cfg = _config(arch, **{"train.global_batch": 1, "model.seq_len": 48})
     model, setup, state = _imported(cfg, tmp_path, devices[:1], seed=2)
     assert_greedy_decode_equals_transformers(setup, state, model)
 
 
 @pytest.mark.slow
-def test_twenty_training_steps_equal_pytorch(tmp_path, devices):
+@pytest.mark.parametrize("arch", ROUTERS)
+def test_twenty_training_steps_equal_pytorch(arch, tmp_path, devices):
     """20 steps in jaxtrain and of transformers' model in PyTorch, float32, with the bias
     frozen (γ = 0: transformers has no update rule; the next test checks the rule): cross
     entropy and gradient norm of every step within 1e-5 relative."""
     from test_convert_llama_like import _torch_steps
 
-    cfg = _config(**{"model.vocab_size": 128, "data.source": "synthetic",
-                     "train.global_batch": 4, "steps": 20, "optimizer.warmup_steps": 5,
-                     "optimizer.lr": 3e-3, "optimizer.clip_norm": 0.5})
+    cfg = _config(arch, **{"model.vocab_size": 128, "data.source": "synthetic",
+                           "train.global_batch": 4, "steps": 20, "optimizer.warmup_steps": 5,
+                           "optimizer.lr": 3e-3, "optimizer.clip_norm": 0.5})
     model, setup, state = _imported(cfg, tmp_path, devices[:1])
     batches, ours = jaxtrain_steps(cfg, setup, state)
     np.testing.assert_allclose(ours, _torch_steps(model, batches, cfg), rtol=1e-5)

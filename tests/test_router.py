@@ -173,7 +173,7 @@ def test_bias_update_follows_the_report_and_balances_the_load():
 
 @pytest.mark.parametrize("overrides, match", [
     ({"router": "softmx"}, "model.moe.router='softmx' is invalid: valid values are softmax, "
-                           "sigmoid_bias"),
+                           "sigmoid_bias, softmax_group"),
     ({"n_group": 3}, "model.moe.n_group=3 is invalid"),
     ({"topk_group": 5}, "model.moe.topk_group=5 is invalid"),
     ({"n_group": 4, "topk_group": 1}, "model.moe.top_k=3 is invalid"),

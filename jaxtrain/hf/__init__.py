@@ -2,12 +2,22 @@
 checks, its tensors and its exported config.json (see jaxtrain/commands/convert.py)."""
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.hf import deepseek_v3, gemma, gpt2, gpt_oss, llama, llama_like, mixtral, qwen3_moe
+from jaxtrain.hf import (
+    deepseek_v3,
+    gemma,
+    gpt2,
+    gpt_oss,
+    llama,
+    llama_like,
+    mistral4,
+    mixtral,
+    qwen3_moe,
+)
 
 # HF model_type -> module; each module's FAMILY is the jaxtrain model.family it maps to.
 FAMILIES = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral, **llama_like.ENTRIES,
             **gemma.ENTRIES, "qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss,
-            "deepseek_v3": deepseek_v3}
+            "deepseek_v3": deepseek_v3, "mistral4": mistral4}
 
 
 def module_for(spec):

@@ -329,6 +329,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("deepseek_v3", "DeepSeek-V3: Llama's norms, SwiGLU and RoPE; its attention is "
            "model.mla (latent), its MoE router model.moe.router (sigmoid_bias) with shared "
            "experts and a dense prefix", **_LLAMA),
+    Family("mistral4", "Mistral 4: DeepSeek-V3's parts; its router model.moe.router "
+           "(softmax_group)", **_LLAMA),
     Family("gpt_oss", "gpt-oss: Llama's norms and RoPE, biases on q, k, v and o, attention "
            "sinks, every layer MoE with clamped-SwiGLU experts and a router bias", norm="rms",
            bias=True, rope=True, tied_embeddings=False, mlp="swiglu", attention=("sinks",),

@@ -2,6 +2,8 @@
 
 - softmax: Mixtral's softmax top-k, renormalised over the k picked (models/moe.py `_route`,
   unchanged: the Mixtral path is bitwise what it was).
+- softmax_group: Mistral 4's (transformers' Mistral4TopkRouter): sigmoid_bias's choice on
+  softmax probabilities, without a bias.
 - sigmoid_bias: DeepSeek-V3's (transformers' DeepseekV3TopkRouter). Each expert's affinity
   is sigmoid(x·w_e) in float32. The choice adds a per-expert correction bias (float32) to
   the affinities and, with `n_group` groups, first keeps the `topk_group` groups whose two
@@ -74,7 +76,8 @@ class Router:
 def defaults() -> dict:
     """The router's keys of the `model.moe` section (transformers' names where it has them)."""
     return {
-        "router": "softmax",  # softmax (Mixtral) or sigmoid_bias (DeepSeek-V3)
+        # softmax (Mixtral), sigmoid_bias (DeepSeek-V3) or softmax_group (Mistral 4)
+        "router": "softmax",
         "n_group": 1,  # sigmoid_bias: experts split into groups for the group limit
         "topk_group": 1,  # ... of which each token's experts come from the best topk_group
         "norm_topk_prob": True,  # renormalise the k picked weights to sum to 1
@@ -116,6 +119,23 @@ def _sigmoid_bias(r: RouterSpec, moe, x_TD, w_router_DE, bias_E):
     return moe_lib.sorted_route(moe, logits_TE, probs_TE, experts_TK, weights_TK)
 
 
+def _softmax_group(r: RouterSpec, moe, x_TD, w_router_DE):
+    """Mistral 4's choice (transformers' Mistral4TopkRouter): DeepSeek-V3's group-limited
+    top k and scaled weights, on softmax probabilities and without a correction bias."""
+    logits_TE = jnp.dot(x_TD.astype(moe.router_dtype), w_router_DE.astype(moe.router_dtype))
+    scores_TE = jax.nn.softmax(logits_TE.astype(jnp.float32), axis=-1)
+    choice_TE = scores_TE
+    if r.n_group > 1:
+        choice_TE = jnp.where(group_mask(scores_TE, r.n_group, r.topk_group), scores_TE,
+                              -jnp.inf)
+    _, experts_TK = jax.lax.top_k(choice_TE, moe.top_k)
+    weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
+    if r.norm_topk_prob:
+        weights_TK = weights_TK / (weights_TK.sum(-1, keepdims=True) + 1e-20)
+    return moe_lib.sorted_route(moe, logits_TE, scores_TE, experts_TK,
+                                weights_TK * r.routed_scaling_factor)
+
+
 def _check_sigmoid_bias(c) -> None:
     moe = c.model.moe
     e, g = moe.num_experts, moe.n_group
@@ -139,6 +159,9 @@ ROUTERS: dict[str, Router] = {r.name: r for r in (
     Router("sigmoid_bias", "DeepSeek-V3: sigmoid affinities, a correction bias balanced "
            "without an aux loss, group-limited choice", _sigmoid_bias, _check_sigmoid_bias,
            bias=True, extra_flops_per_expert=4),
+    Router("softmax_group", "Mistral 4: softmax probabilities, group-limited choice, scaled "
+           "weights; no correction bias", _softmax_group, _check_sigmoid_bias,
+           extra_flops_per_expert=2),
 )}
 
 
