@@ -175,6 +175,11 @@ def check(c, sizes: dict[str, int] | None = None, platform: str | None = None) -
     if m.norm_eps <= 0 or m.softmax_scale < 0:
         fail("model.mla.norm_eps" if m.norm_eps <= 0 else "model.mla.softmax_scale",
              m.norm_eps if m.norm_eps <= 0 else m.softmax_scale, "must be > 0 (scale: >= 0)")
+    shards = (sizes or {}).get("fsdp", 1)
+    for key in ("kv_lora_rank", "q_lora_rank"):  # sharded as d_model is (Mla.__init__)
+        if m[key] % shards:
+            fail(f"model.mla.{key}", m[key], f"must divide by mesh.fsdp={shards} (FSDP "
+                 "shards the latent's rank)")
     context = (sizes or {}).get("context", 1)
     if context > 1:
         fail("mesh.context", context, kernel_problem("chunked", c.model.seq_len, context))
@@ -214,14 +219,18 @@ class Mla(nnx.Module):
         if rq:
             self.w_q_down = param(rngs, (d, rq), ("embed", None), std, dt)
             self.q_norm = Norm(rq, rms=True, eps=mla.norm_eps, dtype=dt, rngs=rngs)
-            self.w_q_up = param(rngs, (rq, h, mla.qk_head_dim), (None, "heads", "kv"), std, dt)
+            # The latent's rank is an input dimension: FSDP shards it as it does d_model's
+            # (None would replicate every up-projection on each FSDP shard: 3.3B
+            # parameters a device at DeepSeek-V3's shape).
+            self.w_q_up = param(rngs, (rq, h, mla.qk_head_dim), ("embed", "heads", "kv"), std,
+                                dt)
         else:
             self.w_q = param(rngs, (d, h, mla.qk_head_dim), ("embed", "heads", "kv"), std, dt)
         self.w_kv_down = param(rngs, (d, rkv + mla.qk_rope_head_dim), ("embed", None), std, dt)
         self.kv_norm = Norm(rkv, rms=True, eps=mla.norm_eps, dtype=dt, rngs=rngs)
-        self.w_k_up = param(rngs, (rkv, h, mla.qk_nope_head_dim), (None, "heads", "kv"),
+        self.w_k_up = param(rngs, (rkv, h, mla.qk_nope_head_dim), ("embed", "heads", "kv"),
                             std, dt)
-        self.w_v_up = param(rngs, (rkv, h, mla.v_head_dim), (None, "heads", "kv"), std, dt)
+        self.w_v_up = param(rngs, (rkv, h, mla.v_head_dim), ("embed", "heads", "kv"), std, dt)
         self.w_o = param(rngs, (h, mla.v_head_dim, d), ("heads", "kv", "embed"), out_std, dt)
 
     def _rope(self, x_BLHK, positions):

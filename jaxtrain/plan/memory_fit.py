@@ -58,9 +58,32 @@ def load() -> dict:
         return json.load(f)
 
 
-def cases(source: str | None = None) -> list[dict]:
-    """The stored rows, of one source or all."""
-    return [c for c in load().get("cases", []) if source in (None, c["source"])]
+# Stored compiles the estimate is known to miss by more than TARGET: kept out of the fit, its
+# spread and its bound (tests/test_plan.py checks they are still outside, so a fix of the
+# estimate moves them back), and named by the plans of models like them (memory.known_gap).
+# The DeepSeek-style MoE (issue 38): a dense prefix walked as a scan of its own, and capacity
+# buffers at top-8 over 256 experts under expert × FSDP, hold more than the MoE terms count.
+UNCALIBRATED = {"tiny_deepseek.py", "deepseek_v3_671b.py"}
+
+
+def known_gap(spec) -> str | None:
+    """A plan's line for a model like the UNCALIBRATED rows (an MoE model with a dense prefix
+    or a router other than Mixtral's softmax), with their stored estimate / XLA; None for
+    any other model."""
+    if spec.moe is None or (spec.router is None and not spec.moe.first_dense_layers):
+        return None
+    rows = [c for c in cases("cpu", calibrated=False) if c["case"] in UNCALIBRATED]
+    ratios = ", ".join(f"{c['case']} {estimate(c) / c['compiled_bytes']:.2f}"
+                       for c in sorted(rows, key=lambda c: c["case"]))
+    return ("LOW for DeepSeek-style MoE (a dense prefix, a sigmoid or group router): "
+            f"estimate / XLA on the stored compiles of such models: {ratios}; check with "
+            "--compile")
+
+
+def cases(source: str | None = None, calibrated: bool = True) -> list[dict]:
+    """The stored rows, of one source or all; calibrated: without UNCALIBRATED's."""
+    return [c for c in load().get("cases", []) if source in (None, c["source"])
+            and not (calibrated and c["case"] in UNCALIBRATED)]
 
 
 def store_cases(rows: list[dict]) -> None:

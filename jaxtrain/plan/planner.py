@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jaxtrain.config import dcn_shape, validate
 from jaxtrain.models import ModelSpec
-from jaxtrain.plan import checkpoint_io, memory, timing
+from jaxtrain.plan import checkpoint_io, memory, memory_fit, timing
 
 # What a device can give the step: CUDA/ROCm context, XLA's own reserve and fragmentation
 # take the rest (on GPUs also raise XLA_PYTHON_CLIENT_MEM_FRACTION from its 0.75 default).
@@ -18,8 +18,9 @@ def make_plan(cfg, hw, devices: int, tokens: float | None = None, hours: float |
     sizes = validate(cfg, devices)
     platform = hw.kind if hw.kind in ("gpu", "tpu") else "cpu"
     mem = memory.estimate(cfg, sizes, platform=platform)
-    shards = memory.param_shards(ModelSpec.from_config(
-        cfg, pipeline_stages=sizes["pipeline"], context=sizes["context"]), sizes)
+    spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"],
+                                 context=sizes["context"])
+    shards = memory.param_shards(spec, sizes)
     time = timing.predict(cfg, sizes, hw, shards["total"], dcn_shape(cfg.mesh))
     usable = hw.memory_bytes * usable_fraction
     plan = {"config": cfg.name, "hardware": hw.name, "devices": devices, "mesh": sizes,
@@ -28,7 +29,8 @@ def make_plan(cfg, hw, devices: int, tokens: float | None = None, hours: float |
                        "parts": {k: v for k, v in mem.items() if k != "total"},
                        "device_bytes": hw.memory_bytes, "usable_bytes": usable,
                        "fits": mem["total"] <= usable,
-                       "uncertainty": memory.uncertainty(platform)},
+                       "uncertainty": memory.uncertainty(platform),
+                       "known_gap": memory_fit.known_gap(spec)},
             "time": time,
             "checkpoint": checkpoint_io.checkpoint_io(cfg, sizes, devices, hw.host_devices)}
     if tokens is None and hours is None:
@@ -50,7 +52,7 @@ def active_params(cfg, total: int) -> int:
     if not moe.num_experts:
         return total
     per_expert = 3 * cfg.model.d_model * (moe.expert_mlp_dim or cfg.model.mlp_dim)
-    layers = cfg.model.num_layers // moe.every_n_layers
+    layers = (cfg.model.num_layers - moe.first_dense_layers) // moe.every_n_layers
     return total - layers * (moe.num_experts - moe.top_k) * per_expert
 
 
@@ -79,6 +81,8 @@ def format_plan(plan: dict) -> str:
     lines += [f"  {'total':<14} {_gb(m['total_bytes_per_device']):>12}  of "
               f"{_gb(m['device_bytes'])} ({_gb(m['usable_bytes'])} usable): {verdict}",
               f"  uncertainty: {m['uncertainty']}"]
+    if m.get("known_gap"):
+        lines.append(f"  estimate known {m['known_gap']}")
     if "compiled" in plan:
         c = plan["compiled"]
         lines.append(f"  XLA compiled   {_gb(c['total_bytes_per_device']):>12}  "
