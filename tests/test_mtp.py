@@ -186,6 +186,7 @@ def _run(cfg, devices, steps: int = 4):
     return np.asarray(out)
 
 
+@pytest.mark.slow  # three runs of four steps (20 s); the module's parity test stays fast
 def test_mtp_in_the_model_trains_through_the_shared_embedding_and_head(devices):
     """model.mtp.depths in the train step: the logged loss is the main model's cross
     entropy, each depth's loss is logged, and its gradient reaches the model (grad_norm

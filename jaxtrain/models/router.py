@@ -101,12 +101,11 @@ def group_mask(choice_TE: jax.Array, n_group: int, topk_group: int) -> jax.Array
     return jnp.repeat(kept_TG, e // n_group, axis=1)
 
 
-def _sigmoid_bias(r: RouterSpec, moe, x_TD, w_router_DE, bias_E):
-    """DeepSeek-V3's choice (module docstring); probs_TE (the aux-loss statistics) are the
-    affinities normalised per token, as the report's sequence-wise balance loss forms them."""
-    logits_TE = jnp.dot(x_TD.astype(jnp.float32), w_router_DE.astype(jnp.float32))
-    scores_TE = jax.nn.sigmoid(logits_TE)
-    choice_TE = scores_TE + jax.lax.stop_gradient(bias_E).astype(jnp.float32)
+def _chosen(r: RouterSpec, moe, logits_TE, scores_TE, choice_TE):
+    """The shared end of the group-limited routers: the top k of `choice` within each
+    token's topk_group best groups, weighted by their `scores` (renormalised with
+    norm_topk_prob, times routed_scaling_factor), as a sorted route whose aux statistics
+    are the scores normalised per token."""
     if r.n_group > 1:
         choice_TE = jnp.where(group_mask(choice_TE, r.n_group, r.topk_group), choice_TE,
                               -jnp.inf)
@@ -114,9 +113,19 @@ def _sigmoid_bias(r: RouterSpec, moe, x_TD, w_router_DE, bias_E):
     weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
     if r.norm_topk_prob:
         weights_TK = weights_TK / (weights_TK.sum(-1, keepdims=True) + 1e-20)
-    weights_TK = weights_TK * r.routed_scaling_factor
     probs_TE = scores_TE / scores_TE.sum(-1, keepdims=True)
-    return moe_lib.sorted_route(moe, logits_TE, probs_TE, experts_TK, weights_TK)
+    return moe_lib.sorted_route(moe, logits_TE, probs_TE, experts_TK,
+                                weights_TK * r.routed_scaling_factor)
+
+
+def _sigmoid_bias(r: RouterSpec, moe, x_TD, w_router_DE, bias_E):
+    """DeepSeek-V3's choice (module docstring): on the affinities plus the bias, weighted
+    by the unbiased affinities; the aux statistics are the affinities normalised per token,
+    as the report's sequence-wise balance loss forms them."""
+    logits_TE = jnp.dot(x_TD.astype(jnp.float32), w_router_DE.astype(jnp.float32))
+    scores_TE = jax.nn.sigmoid(logits_TE)
+    choice_TE = scores_TE + jax.lax.stop_gradient(bias_E).astype(jnp.float32)
+    return _chosen(r, moe, logits_TE, scores_TE, choice_TE)
 
 
 def _softmax_group(r: RouterSpec, moe, x_TD, w_router_DE):
@@ -124,16 +133,7 @@ def _softmax_group(r: RouterSpec, moe, x_TD, w_router_DE):
     top k and scaled weights, on softmax probabilities and without a correction bias."""
     logits_TE = jnp.dot(x_TD.astype(moe.router_dtype), w_router_DE.astype(moe.router_dtype))
     scores_TE = jax.nn.softmax(logits_TE.astype(jnp.float32), axis=-1)
-    choice_TE = scores_TE
-    if r.n_group > 1:
-        choice_TE = jnp.where(group_mask(scores_TE, r.n_group, r.topk_group), scores_TE,
-                              -jnp.inf)
-    _, experts_TK = jax.lax.top_k(choice_TE, moe.top_k)
-    weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
-    if r.norm_topk_prob:
-        weights_TK = weights_TK / (weights_TK.sum(-1, keepdims=True) + 1e-20)
-    return moe_lib.sorted_route(moe, logits_TE, scores_TE, experts_TK,
-                                weights_TK * r.routed_scaling_factor)
+    return _chosen(r, moe, logits_TE, scores_TE, scores_TE)
 
 
 def _check_sigmoid_bias(c) -> None:
