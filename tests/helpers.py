@@ -129,9 +129,12 @@ def assert_exports_bitwise(tmp_path, devices, model, hf_logits, tokens, want, **
     from jaxtrain.hf.save import export_hf
 
     export_hf(tmp_path / "run", tmp_path / "out", devices=devices[:1])
-    # (Mistral4ForCausalLM has no AutoModelForCausalLM entry: its own class loads it.)
-    loader = (type(model) if type(model).__name__ == "Mistral4ForCausalLM"
-              else transformers.AutoModelForCausalLM)
+    # AutoModelForCausalLM, or where it has no entry for the config (Mistral 4) the class
+    # config.json's `architectures` names.
+    auto, config = transformers.AutoModelForCausalLM, transformers.AutoConfig.from_pretrained(
+        tmp_path / "out")
+    loader = (auto if type(config) in auto._model_mapping
+              else getattr(transformers, config.architectures[0]))
     again = loader.from_pretrained(tmp_path / "out", **load_kwargs).eval()
     assert type(again) is type(model)
     np.testing.assert_array_equal(hf_logits(again, tokens), want)

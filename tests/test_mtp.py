@@ -71,9 +71,9 @@ class Block(nnx.Module):
         self.norm2 = Norm(D, rms=True, eps=1e-6, dtype=jnp.float32, rngs=rngs)
         self.mlp = Mlp(spec, rngs=rngs, width=F)
 
-    def __call__(self, x_BLD):
+    def __call__(self, x_BLD):  # (x, aux) as the model's blocks
         x_BLD = x_BLD + self.attn(self.norm1(x_BLD))
-        return x_BLD + self.mlp(self.norm2(x_BLD))
+        return x_BLD + self.mlp(self.norm2(x_BLD)), {}
 
 
 def _jax_mtp(ref: TorchMtp):

@@ -117,14 +117,10 @@ def export_rope(spec) -> dict:
 def check_shared(hf: dict, m, defaults: dict, router: str) -> Checks:
     """The checks of every MLA + MoE config.json (DeepSeek-V3, Mistral 4) but the RoPE's."""
     c = Checks()
-    for ours, key, theirs in (
-            ("d_model", "hidden_size", m.d_model), ("num_layers", "num_hidden_layers",
-                                                    m.num_layers),
-            ("num_heads", "num_attention_heads", m.num_heads),
-            ("vocab_size", "vocab_size", m.vocab_size), ("mlp_dim", "intermediate_size",
-                                                         m.mlp_dim),
-            ("norm_eps", "rms_norm_eps", m.norm_eps)):
-        c.equal(f"model.{ours}", theirs, key, hf.get(key, defaults[key]))
+    for ours, key in (("d_model", "hidden_size"), ("num_layers", "num_hidden_layers"),
+                      ("num_heads", "num_attention_heads"), ("vocab_size", "vocab_size"),
+                      ("mlp_dim", "intermediate_size"), ("norm_eps", "rms_norm_eps")):
+        c.equal(f"model.{ours}", m[ours], key, hf.get(key, defaults[key]))
     c.equal("model.rope_theta", m.rope_theta, "rope_theta", llama.rope_theta(hf))
     _check_mla(c, hf, m.mla, defaults)
     _check_moe(c, hf, m, defaults, router)
@@ -166,7 +162,7 @@ def _check_moe(c: Checks, hf: dict, m, defaults: dict, router: str) -> None:
             ("norm_topk_prob", "norm_topk_prob", moe.norm_topk_prob),
             ("routed_scaling_factor", "routed_scaling_factor", moe.routed_scaling_factor),
             ("every_n_layers", "moe_layer_freq", moe.every_n_layers)):
-        c.equal(f"model.moe.{ours}", theirs, key, hf.get(key, defaults.get(key, 1)))
+        c.equal(f"model.moe.{ours}", theirs, key, hf.get(key, defaults[key]))
 
 
 def _attention(spec, blocks: str) -> list[HFTensor]:

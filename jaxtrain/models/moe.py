@@ -526,9 +526,6 @@ def check_mesh(c, sizes: dict[str, int]) -> None:
     """What no dispatch path runs under yet: a row split over the context axis. Its
     routing statistics are per row, summed inside the layer's shard_map: a row split over
     context would report one device's share."""
-    if sizes.get("pipeline", 1) > 1 and c.model.moe.first_dense_layers:
-        fail("model.moe.first_dense_layers", c.model.moe.first_dense_layers, "the pipeline "
-             "splits the MoE groups, not a dense prefix before them; use 0 or mesh.pipeline=1")
     if sizes.get("context", 1) > 1:
         fail("model.moe.num_experts", c.model.moe.num_experts, f"MoE layers do not run "
              f"under mesh.context={sizes['context']} yet; use 0 (dense) or mesh.context=1")

@@ -78,9 +78,8 @@ class MtpDepth(nnx.Module):
 
     def __call__(self, h_BLD: jax.Array, emb_BLD: jax.Array):
         both_BLE = jnp.concatenate([self.enorm(emb_BLD), self.hnorm(h_BLD)], axis=-1)
-        h_BLD = self.block(dense(self.spec, "ble,ed->bld", both_BLE, self.w_eh[...]))
-        if isinstance(h_BLD, tuple):  # the model's Block: (x, its routing stats, {})
-            h_BLD = h_BLD[0]
+        # block(x) -> (x, aux), as the model's blocks return (aux: a dense block's {})
+        h_BLD = self.block(dense(self.spec, "ble,ed->bld", both_BLE, self.w_eh[...]))[0]
         return h_BLD, self.norm(h_BLD)
 
 

@@ -85,10 +85,12 @@ class Groups:
 
     def split(self, tree) -> dict:
         """Per-layer leaves [layers, ...] (the kv cache) as the walker reads them:
-        {"dense": [groups(, dense), ...], "moe": [groups, ...]}; after a dense prefix,
-        the leaves past it (the prefix's are [:prefix])."""
+        {"dense": [groups(, dense), ...], "moe": [groups, ...]}, and a dense prefix's
+        leaves under "prefix" ([prefix, ...])."""
         if self.prefix:
-            tree = jax.tree.map(lambda a: a[self.prefix:], tree)
+            rest = dataclasses.replace(self, prefix=0).split(
+                jax.tree.map(lambda a: a[self.prefix:], tree))
+            return {"prefix": jax.tree.map(lambda a: a[:self.prefix], tree), **rest}
         kinds = self._kinds()
         if len(kinds) == 1:  # every layer of one kind: already in order
             return {kinds[0][0]: tree}
@@ -101,6 +103,10 @@ class Groups:
 
     def join(self, parts: dict):
         """split's inverse: per-layer leaves [layers, ...] in the model's order."""
+        if self.prefix:
+            rest = dataclasses.replace(self, prefix=0).join(
+                {k: v for k, v in parts.items() if k != "prefix"})
+            return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), parts["prefix"], rest)
         kinds = self._kinds()
         if len(kinds) == 1:
             return parts[kinds[0][0]]
@@ -128,6 +134,17 @@ def stacked(block_cls, spec, keys: jax.Array):
 
 
 def walk(groups: Groups, layer: Callable, carry, xs):
+    """Runs the dense prefix (xs["prefix"], as dense layers: groups.head), then the groups:
+    ((x, aux sums), ys), the prefix's ys under "prefix" as Groups.split lays them out."""
+    if not groups.prefix:
+        return _walk_groups(groups, layer, carry, xs)
+    xs = dict(xs)
+    carry, head_ys = _walk_groups(groups.head, layer, carry, {"dense": xs.pop("prefix")})
+    carry, ys = _walk_groups(groups, layer, carry, xs)
+    return carry, {"prefix": head_ys["dense"], **ys}
+
+
+def _walk_groups(groups: Groups, layer: Callable, carry, xs):
     """Runs the groups, one scan per run of equal layer kinds: ((x, aux sums), ys).
 
     layer(kind, x, layer_xs, layer_kind, view=None) -> (x, aux, y) runs one layer of `kind`

@@ -335,7 +335,6 @@ class Transformer(nnx.Module):
         with their micro-batch through the stages, as the stats do in the carry."""
         spec, groups = self.spec, Groups.of(self.spec)
         defs, xs = self._stacks()
-        prefix = xs.pop("prefix", None)
         stats = {}
         if groups.moe:
             xs["index"] = jnp.arange(groups.count)
@@ -349,8 +348,6 @@ class Transformer(nnx.Module):
                     x, segments_BL, positions_BL, layer_kind))
                 return (*block(x_BLD, state), None)
 
-            if prefix is not None:  # the dense prefix, then the groups (no pipeline)
-                carry = walk(groups.head, layer, carry, {"dense": prefix})[0]
             return walk(groups, layer, carry, chunk)[0]
 
         if spec.pipeline is None:
@@ -411,16 +408,8 @@ class Transformer(nnx.Module):
                                                                      layer_kind)
             return x_BTD, {}, layer_cache
 
-        carry, head = (self._embed(tokens_BT, start), {}), []
-        if groups.prefix:  # the dense prefix's layers are the cache's first
-            xs = {"dense": (states.pop("prefix"),
-                            jax.tree.map(lambda a: a[:groups.prefix], cache))}
-            carry, new = walk(groups.head, layer, carry, xs)
-            head = [new["dense"]]
         xs = {kind: (states[kind], c) for kind, c in groups.split(cache).items()}
-        (x_BTD, _), new = walk(groups, layer, carry, xs)
-        new = groups.join(new)
-        if head:
-            new = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), head[0], new)
+        (x_BTD, _), new = walk(groups, layer, (self._embed(tokens_BT, start), {}), xs)
         logits_BTV = soft_cap(self.final_norm(x_BTD) @ self.head(), self.spec.final_softcap)
-        return (constrain(logits_BTV, ("batch", "length", "vocab"), self.spec.rules), new)
+        return (constrain(logits_BTV, ("batch", "length", "vocab"), self.spec.rules),
+                groups.join(new))

@@ -63,6 +63,9 @@ def _check_stages(c, stages: int) -> None:
     pc = c.pipeline
     chunks = stages * pc.repeats
     layers = c.model.num_layers
+    if c.model.moe.num_experts and c.model.moe.first_dense_layers:
+        fail("model.moe.first_dense_layers", c.model.moe.first_dense_layers, "the pipeline "
+             "splits the MoE groups, not a dense prefix before them; use 0 or mesh.pipeline=1")
     if c.model.moe.num_experts and c.model.moe.every_n_layers > 1:
         # The pipeline splits the groups of every_n_layers layers the model scans over.
         groups = layers // c.model.moe.every_n_layers
