@@ -13,7 +13,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxtrain"
 # Lowest first. A module may import its own layer and the ones below, never one above.
 LAYERS = [
     ("errors", "precision", "hostmem", "hardware", "distributed", "signals", "xla_flags",
-     "retry", "storage", "lease"),
+     "retry", "storage", "lease", "outbox"),
     ("mesh",),
     ("parallel",),
     ("models",),
