@@ -17,9 +17,12 @@ LAYERS = [
     ("mesh",),
     ("parallel",),
     ("models",),
-    ("data", "prepare", "optim", "objectives", "checkpoint", "checkpoint_tier", "workdir",
+    ("data", "prepare", "optim", "checkpoint", "checkpoint_tier", "workdir",
      "checkpoint_local", "checkpoint_remote", "checkpoint_shards", "fingerprints", "rotation",
      "metrics", "sinks", "metrics_log", "tasks"),
+    # Above the data it trains on: data/ never asks an objective (an error it phrases names
+    # the layout, not the objectives that take it).
+    ("objectives",),
     ("config",),
     ("train.state", "train.frozen", "train.step", "train.setup", "train.faults", "train.hooks",
      "train.profiling", "train.preemption", "train.goodput", "train.watchdog"),
