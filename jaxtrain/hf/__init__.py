@@ -51,7 +51,8 @@ def families_rows() -> list[tuple[str, str, str]]:
     an MoE model_type another family exports as (its MOE) reads 'llama + model.moe'."""
     moe_of = {getattr(m, "MOE", None) for m in FAMILIES.values()}
     return [(model_type, m.ARCHITECTURE,
-             m.FAMILY + (" + model.moe" if model_type in moe_of else ""))
+             m.FAMILY + (" + model.moe" if model_type in moe_of and m.FAMILY != model_type
+                         else ""))
             for model_type, m in FAMILIES.items()]
 
 
