@@ -313,3 +313,43 @@ def test_convert_help_and_the_docs_name_every_family():
     for model_type, module in FAMILIES.items():
         assert model_type in result.stdout and module.ARCHITECTURE in result.stdout
     assert families_table() in (ROOT / "docs" / "interop.md").read_text()
+
+
+def test_every_family_builds_its_config_from_config_json():
+    """No --config for any family: the config read from config.json passes the import's
+    checks of it (the one table, read both ways)."""
+    import transformers
+
+    from jaxtrain.hf.load import _check_matches
+
+    small = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                 vocab_size=320, intermediate_size=96)
+    gqa = dict(small, num_key_value_heads=2)
+    experts = dict(gqa, head_dim=16, num_experts_per_tok=2)
+    configs = {
+        "gpt2": transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=320),
+        "llama": transformers.LlamaConfig(**gqa, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}),
+        "mixtral": transformers.MixtralConfig(**gqa, num_local_experts=4, sliding_window=16),
+        "qwen2": transformers.Qwen2Config(**gqa, use_sliding_window=True, sliding_window=8,
+                                          max_window_layers=1),
+        "qwen3": transformers.Qwen3Config(**gqa, head_dim=16),
+        "mistral": transformers.MistralConfig(**gqa, sliding_window=8),
+        "gemma3_text": transformers.Gemma3TextConfig(**gqa, head_dim=16, sliding_window=8),
+        "gemma2": transformers.Gemma2Config(**gqa, head_dim=16, sliding_window=8),
+        "qwen3_moe": transformers.Qwen3MoeConfig(**experts, num_experts=4,
+                                                 moe_intermediate_size=32),
+        "gpt_oss": transformers.GptOssConfig(**experts, num_local_experts=4, sliding_window=8),
+        "deepseek_v3": transformers.DeepseekV3Config(
+            **small, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16,
+            q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
+    }
+    for model_type, config in configs.items():
+        hf = config.to_dict()
+        cfg = resolve(base_config(), hf, FAMILIES[model_type])
+        _check_matches(cfg, hf, FAMILIES[model_type], pathlib.Path(model_type))
+        assert cfg.model.d_model == 64, model_type
+    assert resolve(base_config(), configs["gemma2"].to_dict(), FAMILIES["gemma2"]) \
+        .model.layer_types == "sliding,full,sliding"

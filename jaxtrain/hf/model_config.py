@@ -13,6 +13,9 @@ mapping.FLOAT_REL_TOL. Keys config.json does not speak of keep the config's valu
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import ml_collections
 
 from jaxtrain.hf.mapping import deriving, same_value
@@ -69,7 +72,8 @@ def derive(hf: dict, family, model, given: set[str]) -> dict:
     cfg.model, changed in place) but for the `given` keys; returns them."""
     derived: dict = {}
     for _ in range(PASSES):
-        with deriving() as found:
+        # Quiet: a check's notes are printed once, by the import's own check.
+        with deriving() as found, contextlib.redirect_stderr(io.StringIO()):
             family.check_config(hf, model)
         changed = [_set(model, k, v) for k, v in found.items() if k not in given]
         derived.update({k: v for k, v in found.items() if k not in given})
