@@ -2,9 +2,10 @@
 import) as the config of its next session, so that `jaxtrain train --workdir RUN` continues
 or fine-tunes a run without repeating its config and model overrides.
 
+The record is the workdir's, or for a new LoRA run model.lora.base's (an import's):
 - No --config: the record, with the command line's --config.KEY=VALUE overrides.
 - A --config (training settings): each model key it leaves at its default, and no override
-  sets, is the record's; the record is the workdir's, or for a new LoRA run model.lora.base's.
+  sets, is the record's.
 """
 
 from __future__ import annotations
@@ -51,18 +52,18 @@ def _put(cfg, key: str, value) -> None:
 def session_config(cfg, workdir, config_given: bool, overrides: set[str]):
     """The config the session trains with (module docstring); ConfigError (one line) for
     no --config and no record."""
-    own = recorded(workdir)
-    if not config_given:
-        if own is None:
-            raise ConfigError(f"--config is required: --workdir={workdir} holds no "
-                              f"{CONFIG_FILE} of an earlier run or import")
-        recorded_dispatch = own.model.moe.dispatch
-        for key in overrides:
-            _put(own, key, _get(cfg, key))
-        _warn_capacity(own, recorded_dispatch)
-        return own
     lora_base = cfg.model.lora.base
-    source = own or (recorded(lora_base) if lora_base else None)
+    source = recorded(workdir) or (recorded(lora_base) if lora_base else None)
+    if not config_given:
+        if source is None:
+            raise ConfigError(f"--config is required: --workdir={workdir} holds no "
+                              f"{CONFIG_FILE} of an earlier run or import (nor does a "
+                              "model.lora.base given)")
+        recorded_dispatch = source.model.moe.dispatch
+        for key in overrides:
+            _put(source, key, _get(cfg, key))
+        _warn_capacity(source, recorded_dispatch)
+        return source
     if source is None:
         return cfg
     cfg = cfg.copy_and_resolve_references()
