@@ -24,8 +24,13 @@ def recorded(workdir):
     """The config recorded in `workdir` (base_config() updated with it), or None."""
     try:
         text = (storage.as_path(workdir, "--workdir") / CONFIG_FILE).read_text()
-    except FileNotFoundError:
-        return None
+    except Exception as e:  # noqa: BLE001 - a bucket's own errors: the user's, in one line
+        problem = storage.user_error(e, "--workdir", workdir)
+        if problem is not None:
+            raise problem from None
+        if isinstance(e, FileNotFoundError):
+            return None
+        raise
     try:
         saved = json.loads(text)
     except ValueError as e:
