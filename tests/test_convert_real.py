@@ -353,3 +353,33 @@ def test_every_family_builds_its_config_from_config_json():
         assert cfg.model.d_model == 64, model_type
     assert resolve(base_config(), configs["gemma2"].to_dict(), FAMILIES["gemma2"]) \
         .model.layer_types == "sliding,full,sliding"
+
+
+@pytest.mark.slow  # three CLI runs
+def test_the_cli_imports_trains_and_exports_with_no_config(tmp_path):
+    """`convert --from-hf DIR --workdir RUN`, `train --workdir RUN --config.steps=2`,
+    `convert --to-hf OUT --workdir RUN`: no --config anywhere; a --config whose model key
+    disagrees is refused in one line naming both values."""
+    model = hf_model("qwen3")
+    model.save_pretrained(tmp_path / "hf")
+    run, env = tmp_path / "run", {**os.environ, "PYTHONPATH": str(ROOT),
+                                  "JAXTRAIN_HUGE_PAGES": "0"}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "jaxtrain", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    result = cli("convert", f"--from-hf={tmp_path / 'hf'}", f"--workdir={tmp_path / 'bad'}",
+                 "--config=configs/tiny.py")
+    assert result.returncode == 2
+    assert "model.num_layers=4 but config.json num_hidden_layers=2" in \
+        result.stderr.strip().splitlines()[-1]
+    result = cli("convert", f"--from-hf={tmp_path / 'hf'}", f"--workdir={run}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"({model.num_parameters():,} parameters)" in result.stderr
+    result = cli("train", f"--workdir={run}", "--config.steps=2", "--config.eval_batches=1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (run / "checkpoints" / "2").is_dir()
+    result = cli("convert", f"--to-hf={tmp_path / 'out'}", f"--workdir={run}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"]
