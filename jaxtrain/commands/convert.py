@@ -135,7 +135,7 @@ def _import(flag: dict, source: str, workdir) -> None:
     given = set()
     if flags.FLAGS["config"].present:
         given = model_config.given_keys(cfg.model, base_config().model)
-    given |= {f"{k}" for k in override_keys(flag["argv"]) if k.startswith("model.")}
+    given |= {k for k in override_keys(flag["argv"]) if k.startswith("model.")}
     directory = hf_source(source)
     cfg = import_config(cfg, directory, given)
     setup, _ = import_hf(cfg, directory, workdir, allow_unused=flag["allow_unused"].value)

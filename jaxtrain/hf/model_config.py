@@ -18,6 +18,7 @@ import io
 
 import ml_collections
 
+from jaxtrain.errors import ConfigError
 from jaxtrain.hf.mapping import deriving, same_value
 
 PASSES = 4  # the checks branch on the model (a rope type's fields): enough to settle
@@ -63,7 +64,11 @@ def _set(model, key: str, value) -> bool:
     value = _typed(section[leaf], value)
     if same_value(section[leaf], value) and type(section[leaf]) is type(value):
         return False
-    section[leaf] = value
+    try:
+        section[leaf] = value
+    except (TypeError, ValueError):
+        raise ConfigError(f"config.json gives {key} the value {value!r}, which is no "
+                          f"{type(section[leaf]).__name__}") from None
     return True
 
 
