@@ -79,7 +79,10 @@ def derive(hf: dict, family, model, given: set[str]) -> dict:
     for _ in range(PASSES):
         # Quiet: a check's notes are printed once, by the import's own check.
         with deriving() as found, contextlib.redirect_stderr(io.StringIO()):
-            family.check_config(hf, model)
+            try:
+                family.check_config(hf, model)
+            except (TypeError, ValueError) as e:  # a string where a number belongs
+                raise ConfigError(f"config.json holds a value of the wrong type: {e}") from None
         changed = [_set(model, k, v) for k, v in found.items() if k not in given]
         derived.update({k: v for k, v in found.items() if k not in given})
         if not any(changed):
