@@ -186,12 +186,17 @@ def _stacker(sharding: NamedSharding):
 def _check_unused(files: SafetensorsDir, hf_tensors, layers: int, hf: dict, hf_dir,
                   allow_unused: bool) -> None:
     """ConfigError listing the checkpoint's tensors that map to no parameter (dropping them
-    would import another model), unless `allow_unused`; buffers (BUFFER_SUFFIXES) and a
-    tied checkpoint's lm_head (transformers reads the table instead) are no parameters."""
+    would import another model), unless `allow_unused`. Not counted, as transformers reads
+    none of them either: buffers (BUFFER_SUFFIXES), a tied checkpoint's lm_head (the table
+    is the head) and DeepSeek's multi-token prediction layers past num_hidden_layers (the
+    family module says so in a note)."""
     used = {files.resolve(name) for tensor in hf_tensors for name, _, _ in tensor.names(layers)}
     ignored = ("lm_head.weight",) if hf.get("tie_word_embeddings") else ()
+    extra = tuple(f"model.layers.{i}." for i in range(
+        layers, layers + int(hf.get("num_nextn_predict_layers") or 0)))
     unused = sorted(name for name in files.files if name not in used
-                    and not name.endswith(BUFFER_SUFFIXES) and name not in ignored)
+                    and not name.endswith(BUFFER_SUFFIXES) and name not in ignored
+                    and not name.startswith(extra or ("\0",)))
     if not unused:
         return
     more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
