@@ -196,7 +196,7 @@ def _check_unused(files: SafetensorsDir, hf_tensors, layers: int, hf: dict, hf_d
         layers, layers + int(hf.get("num_nextn_predict_layers") or 0)))
     unused = sorted(name for name in files.files if name not in used
                     and not name.endswith(BUFFER_SUFFIXES) and name not in ignored
-                    and not name.startswith(extra or ("\0",)))
+                    and not name.startswith(extra))
     if not unused:
         return
     more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
