@@ -35,11 +35,16 @@ from jax.experimental import multihost_utils
 
 from jaxtrain import checkpoint_shards, retry, storage
 from jaxtrain.checkpoint_tier import Checkpoints
-from jaxtrain.errors import CheckpointError, JaxtrainError
+from jaxtrain.errors import CheckpointError, JaxtrainError, LeaseUnconfirmed
 from jaxtrain.fingerprints import tree_bits, tree_sums
 from jaxtrain.outbox import FINAL_ENV, FINAL_S, retry_pause_s
 
 _uses: collections.Counter = collections.Counter()  # coordination keys: one name per use
+
+
+def _why(error: BaseException) -> str:
+    """An Unreachable's reason, or the first line of a lease that held the write back."""
+    return getattr(error, "reason", None) or storage.first_line(error)
 
 
 def _tag(kind: str, url: str, step: int) -> str:
@@ -116,8 +121,9 @@ class RemoteCheckpoints(Checkpoints, where="remote"):
             while True:
                 try:
                     problem = self._write_once(step, host, marker, tag)
-                except retry.Unreachable as e:
-                    problem = e.reason
+                except (retry.Unreachable, LeaseUnconfirmed) as e:
+                    # Unconfirmed: the lease held the write back while the store was away.
+                    problem = _why(e)
                     if time.monotonic() < deadline:
                         time.sleep(retry_pause_s())
                         tag = _tag("save", self.url, step)
@@ -139,7 +145,7 @@ class RemoteCheckpoints(Checkpoints, where="remote"):
         """What went wrong with one try of a save (None: committed)."""
         try:
             return checkpoint_shards.write(self._path(step), host, marker, tag)
-        except (retry.Unreachable, JaxtrainError):
+        except (retry.Unreachable, LeaseUnconfirmed, JaxtrainError):
             raise
         except Exception as e:  # noqa: BLE001 - an answer not foreseen: the run goes on
             return storage.first_line(e)
@@ -177,9 +183,9 @@ class RemoteCheckpoints(Checkpoints, where="remote"):
         marker = {**marker, "healthy": True}
         try:
             storage.AtomicSet.rewrite_marker(self._path(step), json.dumps(marker).encode())
-        except retry.Unreachable as e:
+        except (retry.Unreachable, LeaseUnconfirmed) as e:
             self.log(f"jaxtrain: the health mark of checkpoint step {step} could not be "
-                     f"written to {self.directory}: {e.reason}")
+                     f"written to {self.directory}: {_why(e)}")
             return
         except JaxtrainError as e:
             self._failure = e
@@ -196,9 +202,9 @@ class RemoteCheckpoints(Checkpoints, where="remote"):
     def _delete_objects(self, step: int) -> None:
         try:
             storage.AtomicSet.delete(self._path(step))
-        except retry.Unreachable as e:
+        except (retry.Unreachable, LeaseUnconfirmed) as e:
             self.log(f"jaxtrain: checkpoint step {step} could not be deleted from "
-                     f"{self.directory}: {e.reason}; a later run deletes it")
+                     f"{self.directory}: {_why(e)}; a later run deletes it")
         except JaxtrainError as e:
             self._failure = e
 
