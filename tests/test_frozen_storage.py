@@ -270,7 +270,7 @@ def test_a_stored_base_is_the_same_on_every_mesh(kind, devices):
 
 
 @pytest.mark.slow  # a run saved, exported and loaded in transformers per kind
-def test_a_lora_run_on_a_stored_base_exports_the_model_it_trained(tmp_path, devices):
+def test_a_lora_run_on_a_stored_base_exports_the_model_it_trained(tmp_path, devices, capfd):
     """convert --to-hf and quantize of a LoRA run whose base is held as bf16 bits, int8 or
     nf4: the
     merged Hugging Face model (each layer read back in float32, its adapter folded in)
@@ -306,7 +306,12 @@ def test_a_lora_run_on_a_stored_base_exports_the_model_it_trained(tmp_path, devi
         with jax.set_mesh(setup.mesh):
             ours = np.asarray(jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(
                 state.model_params(), tokens))
+        capfd.readouterr()
         export_hf(tmp_path / kind, tmp_path / f"hf_{kind}")  # FSDP over 8 devices
+        said = capfd.readouterr().err
+        assert (f"jaxtrain: merging the LoRA adapters into the base (dequantized from its "
+                f"{kind} storage): W + scale·A@B, written as float32 weights of the base "
+                "model") in said, said
         export_hf(tmp_path / kind, tmp_path / f"adapter_{kind}", adapter=True)
         model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"hf_{kind}")
         with torch.no_grad():

@@ -59,6 +59,7 @@ def export_hf(workdir, out_dir, max_shard_size: str | int = "2GB", dtype: str = 
     if adapter:
         return adapter_lib.export_adapter(setup, params, step, workdir, out_dir, DTYPES[dtype])
     if spec.lora is not None:
+        _say_merge(spec, dtype)
         params, spec = lora.merged(spec, params), lora.base_spec(spec)
     family = module_for(spec)
     hf_config = {**family.export_config(spec), "torch_dtype": dtype}
@@ -71,6 +72,15 @@ def export_hf(workdir, out_dir, max_shard_size: str | int = "2GB", dtype: str = 
           f"{spec.d_model}, {dtype}) to {out_dir}: config.json, {', '.join(files)}",
           file=sys.stderr)
     return ["config.json", *files]
+
+
+def _say_merge(spec, dtype: str) -> None:
+    """One line on what a merged export of a LoRA run writes: its base, held in a stored
+    form (bf16 bits, int8, nf4), is dequantized layer by layer and the adapters folded in."""
+    held = spec.lora.base_dtype
+    how = "as trained" if held == "float32" else f"dequantized from its {held} storage"
+    print(f"jaxtrain: merging the LoRA adapters into the base ({how}): W + scale·A@B, "
+          f"written as {dtype} weights of the base model", file=sys.stderr)
 
 
 def _write_generation_config(workdir, cfg, out_dir: pathlib.Path) -> list[str]:
