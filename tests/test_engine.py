@@ -221,3 +221,95 @@ def test_a_tensor_parallel_mesh_decodes_the_same(tmp_path, devices):
     assert [c[0].ids for c in engine.generate(_requests())] == want
     k_cache = jax.tree.leaves(engine.cache)[0]
     assert len(k_cache.sharding.device_set) == 2
+
+
+# --- the CLI: generate --chat / --prompts on a run with a tokenizer and a chat template ----
+
+SPECIAL = ["<|im_start|>", "<|im_end|>"]
+
+
+def chat_run(directory, devices):
+    """A tiny random Llama imported with a byte-level BPE whose EOS is <|im_end|>, the
+    shipped ChatML template beside it, and a generation_config.json naming EOS id 7 too:
+    (workdir, transformers' tokenizer of it)."""
+    import json
+
+    import transformers
+    from test_convert import _config, _hf_model
+
+    from jaxtrain.prepare import bpe, chat_template
+
+    texts = ["Hello there, how are you? I am fine. Name a colour: blue, red."] * 20
+    tokenizer = bpe.train_bpe(texts, 300)
+    tokenizer.backend.add_special_tokens(SPECIAL)
+    hf_dir = directory / "hf"
+    cfg = _config("llama", **{"model.seq_len": 64, "model.vocab_size": 320,
+                              "train.global_batch": 1})
+    _hf_model(cfg, seed=2).save_pretrained(hf_dir)
+    tokenizer.backend.save(str(hf_dir / "tokenizer.json"))
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}))
+    workdir = directory / "run"
+    import_hf(cfg, hf_dir, workdir, devices[:1])
+    (workdir / "tokenizer" / chat_template.TEMPLATE_FILE).write_text(
+        (chat_template.SHIPPED / "chatml.jinja").read_text())
+    (workdir / "generation_config.json").write_text(json.dumps({"eos_token_id": [7]}))
+    return workdir, transformers.PreTrainedTokenizerFast.from_pretrained(str(hf_dir))
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory, devices):
+    return chat_run(tmp_path_factory.mktemp("chat"), devices)
+
+
+def _cli(*args):
+    import pathlib
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "jaxtrain", "generate", *args],
+                          cwd=pathlib.Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_eos_ids_are_the_runs_and_the_tokenizers(chat):
+    from jaxtrain.data import record
+    from jaxtrain.engine import run_io
+
+    workdir, theirs = chat
+    tokenizer = record.run_tokenizer(workdir, None)
+    assert run_io.eos_ids(workdir, tokenizer) == (7, theirs.convert_tokens_to_ids("<|im_end|>"))
+
+
+@pytest.mark.slow  # a subprocess: jax's import and the compiles
+def test_generate_chat_prints_the_reply_and_prompts_write_jsonl(chat, tmp_path):
+    import json
+
+    workdir, theirs = chat
+    messages = [{"role": "user", "content": "Hello there"}]
+    result = _cli(f"--workdir={workdir}", "--chat=Hello there", "--max_new_tokens=12",
+                  "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    want = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                      chat_template=(workdir / "tokenizer" /
+                                                     "chat_template.jinja").read_text())
+    assert out["prompt_ids"] == list(want.get("input_ids", want))
+    ids = out["generated_ids"]
+    eos = {7, theirs.convert_tokens_to_ids("<|im_end|>")}
+    assert out["finish_reason"] == ("stop" if ids[-1] in eos else "length")
+    assert out["text"] == theirs.decode(ids[:-1] if ids[-1] in eos else ids)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"messages": messages}, {"prompt": "Name a colour:", "n": 2, "temperature": 1.0,
+                                 "seed": 3}, {"prompt_ids": [5, 6, 8], "max_new_tokens": 3}]))
+    result = _cli(f"--workdir={workdir}", f"--prompts={prompts}", "--max_new_tokens=12",
+                  f"--output={tmp_path / 'out.jsonl'}", "--logprobs")
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [(r["prompt_index"], r["sample"]) for r in rows] == [(0, 0), (1, 0), (1, 1), (2, 0)]
+    assert rows[0]["ids"] == ids  # the chat row is the --chat prompt, greedy
+    assert len(rows[3]["ids"]) <= 3 and len(rows[3]["logprobs"]) == len(rows[3]["ids"])
+    assert all(r["finish_reason"] in ("stop", "length") for r in rows)
+    bad = _cli(f"--workdir={workdir}", "--prompt=x", "--top_p=2")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
