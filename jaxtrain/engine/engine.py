@@ -79,6 +79,23 @@ class Engine:
         self.waiting.append(samples)
         return [s.completion for s in samples]
 
+    def cancel(self, listener: Listener) -> None:
+        """Drops the samples of the request heard by `listener`, waiting or decoding."""
+        self.waiting = collections.deque(s for s in self.waiting if s[0].listener is not listener)
+        for slot, sample in enumerate(self.busy):
+            if sample is not None and sample.listener is listener:
+                self.busy[slot] = None
+
+    def drop_all(self) -> set:
+        """Drops every request (after a failed step); returns their listeners."""
+        listeners = {s.listener for s in self.busy if s is not None}
+        listeners |= {samples[0].listener for samples in self.waiting}
+        self.waiting.clear()
+        self.busy = [None] * self.slots
+        with jax.set_mesh(self.model.mesh):  # the failed step may have taken the donated cache
+            self.cache = self.steps.init_cache(self.model.params)
+        return listeners - {None}
+
     def idle(self) -> bool:
         return not self.waiting and not any(self.busy)
 
