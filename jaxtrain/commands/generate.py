@@ -27,7 +27,7 @@ import time
 
 from absl import flags, logging
 
-from jaxtrain import inference
+from jaxtrain import inference, storage
 from jaxtrain.commands.common import run_absl
 from jaxtrain.data import record
 from jaxtrain.engine import Engine, Model, Request, SamplingParams, run_io
@@ -180,8 +180,6 @@ def _write(path: str | None, lines: list[str]) -> None:
     if path is None:
         print("\n".join(lines))
         return
-    from jaxtrain import storage
-
     target = storage.as_path(path, "--output")
     storage.make_parent(target)
     target.write_text("\n".join(lines) + "\n")

@@ -17,8 +17,14 @@ import sys
 
 from absl import flags, logging
 
+from jaxtrain import inference
 from jaxtrain.commands.common import run_absl
+from jaxtrain.data import record
+from jaxtrain.engine import Engine, Model, Request, SamplingParams, run_io
 from jaxtrain.errors import ConfigError, DataError, require_package
+from jaxtrain.serve.app import Served, make_app
+from jaxtrain.serve.protocol import Limits
+from jaxtrain.serve.worker import Worker
 
 
 def _define_flags() -> dict:
@@ -44,8 +50,6 @@ def _define_flags() -> dict:
 
 
 def _template(workdir, tokenizer, option):
-    from jaxtrain.engine import run_io
-
     try:
         return run_io.chat_template(workdir, tokenizer, option)
     except DataError:
@@ -54,14 +58,7 @@ def _template(workdir, tokenizer, option):
         return None  # no chat endpoint; completions still work
 
 
-def _served(f: dict):
-    from jaxtrain import inference
-    from jaxtrain.data import record
-    from jaxtrain.engine import Engine, Model, Request, SamplingParams, run_io
-    from jaxtrain.serve.app import Served
-    from jaxtrain.serve.protocol import Limits
-    from jaxtrain.serve.worker import Worker
-
+def _served(f: dict) -> Served:
     workdir = f["workdir"].value
     _, cfg = inference.run_config(workdir)
     tokenizer = record.run_tokenizer(workdir, cfg)
@@ -90,8 +87,6 @@ def _serve(f: dict, argv) -> None:
         if f[name].value < low:
             raise ConfigError(f"--{name}={f[name].value} is invalid: must be >= {low}")
     import uvicorn
-
-    from jaxtrain.serve.app import make_app
 
     served = _served(f)
     print(f"jaxtrain serve: {served.model_name} on http://{f['host'].value}:"

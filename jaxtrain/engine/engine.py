@@ -12,6 +12,7 @@ so a request's greedy tokens do not depend on what shares the batch with it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -54,8 +55,14 @@ class Engine:
             ("temperature_S", np.float32), ("top_k_S", np.int32), ("top_p_S", np.float32),
             ("min_p_S", np.float32), ("seed_S", np.uint32), ("sample_S", np.int32),
             ("index_S", np.int32))}
-        with jax.set_mesh(model.mesh):
+        with self._mesh():
             self.cache = self.steps.init_cache(model.params)
+
+    def _mesh(self):
+        """The model's mesh, set; a Model without one runs under the caller's."""
+        if self.model.mesh is None:
+            return contextlib.nullcontext()
+        return jax.set_mesh(self.model.mesh)
 
     def check(self, request: Request) -> int:
         """The new-token budget of each of the request's samples; ConfigError (one line)
@@ -92,7 +99,7 @@ class Engine:
         listeners |= {samples[0].listener for samples in self.waiting}
         self.waiting.clear()
         self.busy = [None] * self.slots
-        with jax.set_mesh(self.model.mesh):  # the failed step may have taken the donated cache
+        with self._mesh():  # the failed step may have taken the donated cache
             self.cache = self.steps.init_cache(self.model.params)
         return listeners - {None}
 
@@ -107,7 +114,7 @@ class Engine:
 
     def step(self) -> None:
         """Admits what fits, then decodes one token of every busy slot."""
-        with jax.set_mesh(self.model.mesh):
+        with self._mesh():
             self._admit()
             if not any(self.busy):
                 return

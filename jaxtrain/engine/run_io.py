@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import pathlib
 
+import jinja2
+
 from jaxtrain import storage
 from jaxtrain.errors import ConfigError, DataError
 from jaxtrain.hf import generation
+from jaxtrain.prepare import chat_template as templates
 from jaxtrain.workdir import TOKENIZER_DIR
 
 
@@ -24,8 +27,6 @@ def eos_ids(workdir, tokenizer) -> tuple[int, ...]:
 def chat_template(workdir, tokenizer, option: str | None = None):
     """The run's chat template (or --chat_template FILE|NAME); DataError (one line) for a
     run without one or without a tokenizer."""
-    from jaxtrain.prepare import chat_template as templates
-
     if tokenizer is None:
         raise DataError("--chat needs the model's tokenizer, and this run has none")
     directory = storage.local_copy(storage.as_path(workdir, "--workdir") / TOKENIZER_DIR,
@@ -36,8 +37,6 @@ def chat_template(workdir, tokenizer, option: str | None = None):
 def chat_ids(template, tokenizer, messages: list[dict]) -> list[int]:
     """The conversation rendered with the generation prompt, tokenized as transformers'
     apply_chat_template tokenizes it (text spelling a special token is that token)."""
-    import jinja2
-
     try:
         text = template.render(messages, add_generation_prompt=True)
     except jinja2.TemplateError as e:

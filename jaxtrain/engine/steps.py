@@ -25,11 +25,11 @@ MIN_BUCKET = 8
 @dataclasses.dataclass(frozen=True)
 class Model:
     """What the engine decodes with: a model's graph, its parameters (where they lie), the
-    mesh they lie on and its sharding rules."""
+    mesh they lie on (None: the caller's, set with jax.set_mesh) and its sharding rules."""
 
     graphdef: nnx.GraphDef
     params: dict
-    mesh: jax.sharding.Mesh
+    mesh: jax.sharding.Mesh | None
     rules: tuple
     vocab_size: int
     seq_len: int

@@ -2,17 +2,11 @@
 streamed as server-sent events) on one engine thread, a bearer key when one is set, a body
 size limit, and every refusal in OpenAI's error shape (the server keeps serving)."""
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import dataclasses
 import hmac
 import json
-
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException
 
 from jaxtrain.engine import Request as EngineRequest
 from jaxtrain.engine import run_io
@@ -54,7 +48,11 @@ class _Listener:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, message)
 
 
-def make_app(served: Served) -> FastAPI:
+def make_app(served: Served):
+    """The FastAPI app (fastapi, the [serve] extra, is imported here: importing this
+    module needs none of it)."""
+    from fastapi import FastAPI, Request
+
     @contextlib.asynccontextmanager
     async def lifespan(_):
         served.worker.start()
@@ -85,20 +83,25 @@ def make_app(served: Served) -> FastAPI:
     return app
 
 
-def _errors(app: FastAPI) -> None:
+def _errors(app) -> None:
+    from fastapi.exceptions import StarletteHTTPException as HTTPException
+    from fastapi.responses import JSONResponse
+
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_, e: HTTPException):
+    async def http_error(_, e):
         return JSONResponse(ApiError(e.status_code, str(e.detail)).body(),
                             status_code=e.status_code)
 
 
-def _guard(app: FastAPI, served: Served) -> None:
+def _guard(app, served: Served) -> None:
+    from fastapi.responses import JSONResponse
+
     @app.middleware("http")
-    async def guard(request: Request, call_next):
+    async def guard(request, call_next):
         if served.api_key is not None and request.url.path.startswith("/v1"):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {served.api_key}".encode()):
@@ -113,7 +116,7 @@ def _guard(app: FastAPI, served: Served) -> None:
         return await call_next(request)
 
 
-async def _body(served: Served, request: Request) -> dict:
+async def _body(served: Served, request) -> dict:
     raw = b""
     async for part in request.stream():
         raw += part
@@ -142,7 +145,9 @@ def _prompt(served: Served, body: dict, chat: bool) -> list[int]:
         raise ApiError(400, str(e)) from None
 
 
-async def _complete(served: Served, request: Request, chat: bool):
+async def _complete(served: Served, request, chat: bool):
+    from fastapi.responses import StreamingResponse
+
     body = await _body(served, request)
     params = protocol.sampling(body, served.limits, chat)
     stream = body.get("stream", False)
