@@ -82,7 +82,8 @@ class Engine:
         budget = self.check(request)
         samples = [_Sample(request, Completion(i), Stopper(
             frozenset() if request.params.ignore_eos else self.eos_ids, request.params.stop,
-            budget, self.tokenizer), listener) for i in range(request.params.n)]
+            budget, self.tokenizer, streaming=listener is not None), listener)
+            for i in range(request.params.n)]
         self.waiting.append(samples)
         return [s.completion for s in samples]
 

@@ -18,22 +18,26 @@ class Stopper:
     stops: tuple[str, ...]
     budget: int  # new tokens at most
     tokenizer: object = None
+    streaming: bool = False  # the text is wanted after every token, not only at the end
     text: str = ""
     shown: int = 0  # characters a stream has been given
 
     def add(self, ids: list[int]) -> str | None:
         """The finish reason after `ids` (every new token so far, the newest last), or
-        None to go on; the text is brought up to date (cut before a stop string)."""
+        None to go on; the text is brought up to date (cut before a stop string) at the
+        end, and after every token where stop strings or a stream need it."""
         if ids[-1] in self.eos_ids:
             self._decode(ids[:-1])
             return "stop"
-        self._decode(ids)
+        last = len(ids) >= self.budget
+        if self.stops or self.streaming or last:  # else no decode per token: O(n) not O(n²)
+            self._decode(ids)
         if self.stops:
             ends = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
             if ends:
                 self.text = self.text[:min(ends)]
                 return "stop"
-        return "length" if len(ids) >= self.budget else None
+        return "length" if last else None
 
     def _decode(self, ids: list[int]) -> None:
         if self.tokenizer is not None:
