@@ -313,3 +313,40 @@ def test_generate_chat_prints_the_reply_and_prompts_write_jsonl(chat, tmp_path):
     assert all(r["finish_reason"] in ("stop", "length") for r in rows)
     bad = _cli(f"--workdir={workdir}", "--prompt=x", "--top_p=2")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
+
+
+@pytest.mark.parametrize("which", ["llama", "deepseek_v3", "gpt_oss"])
+def test_the_planner_knows_a_slots_cache(which, devices):
+    """plan/decode.py's bytes a slot equal the engine's cache (GQA, MLA's latent, a
+    windowed pattern), and a tensor=2 mesh halves a GQA slot's share per device."""
+    from flax import nnx
+
+    from jaxtrain import hardware
+    from jaxtrain.config import validate
+    from jaxtrain.plan.decode import decode_plan
+    from jaxtrain.train.setup import build
+
+    if which == "llama":
+        from test_convert import _config
+        cfg = _config("llama", **{"model.seq_len": 48})
+    elif which == "deepseek_v3":
+        from test_convert_deepseek_v3 import _config
+        cfg = _config("deepseek_v3", **{"model.seq_len": 48})
+    else:
+        from test_convert_gpt_oss import _config
+        cfg = _config(**{"model.seq_len": 48})
+    setup = build(cfg, devices[:1])
+    with jax.set_mesh(setup.mesh):
+        cache = jax.eval_shape(lambda p: nnx.merge(setup.graphdef, p).init_cache(4, 48),
+                               setup.abstract_state().params)
+    hw = hardware.get("H100-SXM")
+    plan = decode_plan(cfg, validate(cfg, 1), hw, 80e9)
+    assert plan["cache_bytes_per_slot"] * 4 == sum(x.size * x.dtype.itemsize
+                                                   for x in jax.tree.leaves(cache))
+    assert plan["slots_that_fit"] > 1000
+    if which == "gpt_oss":  # half its layers see 8 keys
+        assert plan["window_cache_bytes_per_slot"] == plan["cache_bytes_per_slot"] * (8 + 48) / 96
+    if which == "llama":
+        cfg.mesh.tensor = 2
+        two = decode_plan(cfg, validate(cfg, 2), hw, 80e9)
+        assert two["cache_bytes_per_slot_per_device"] == plan["cache_bytes_per_slot"] / 2
