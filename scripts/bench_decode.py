@@ -29,6 +29,7 @@ smoke test, --layers 2 --d_model 64 --heads 4 --kv_heads 2 --mlp 128 --vocab 256
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -147,8 +148,11 @@ def lower_cuda(model: Model) -> dict:
         text = engine.steps.step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     targets = re.findall(r'custom_call @(\w+)|call_target_name = "([^"]+)"', text)
     names = sorted({a or b for a, b in targets})
-    return {"custom_calls": names,
-            "host_callbacks": [n for n in names if "callback" in n.lower()]}
+    # each matmul's operand types: (tensor<...xbf16>, tensor<...xbf16>) -> ...
+    dots = re.findall(r"dot_general.*?: \(tensor<(?:[\d?]+x)*(\w+)>, "
+                      r"tensor<(?:[\d?]+x)*(\w+)>\)", text)
+    return {"custom_calls": names, "host_callbacks": [n for n in names if "callback" in n],
+            "matmul_operand_types": dict(collections.Counter(f"{a}x{b}" for a, b in dots))}
 
 
 def main() -> None:
