@@ -195,6 +195,32 @@ def test_stop_strings_cut_the_text(llama):
     assert cut.ids == free[0].ids[:len(cut.ids)] and len(cut.ids) < 8
 
 
+def test_task_generation_stops_at_its_stop_strings(llama):
+    """Scorer.generate (lm-eval's generate_until) ends a continuation at its stop string
+    as it decodes, not after max_new_tokens."""
+    from jaxtrain.scoring import Scorer
+
+    scorer = Scorer(llama.graphdef, llama.mesh, llama.rules, llama.seq_len, 2,
+                    params=llama.params, progress=False, vocab_size=llama.vocab_size)
+    (full,) = scorer.generate([[5, 17, 42]], 10)
+    stop = _Digits().decode(full)[4:6]  # the third token's text
+    (cut,) = scorer.generate([[5, 17, 42]], 10, stop=[stop], tokenizer=_Digits())
+    assert len(full) == 10 and cut == full[:len(cut)] and len(cut) <= 3
+
+
+def test_a_cancelled_request_frees_its_slot(llama):
+    engine = Engine(llama, slots=1, max_len=48)
+    heard = []
+    listener = lambda c, delta, done: heard.append(done)  # noqa: E731
+    engine.submit(Request((5, 17), SamplingParams(max_new_tokens=20)), listener)
+    waiting = engine.submit(Request((3, 8), SamplingParams(max_new_tokens=3)))
+    engine.step()
+    engine.cancel(listener)
+    while not engine.idle():
+        engine.step()
+    assert heard == [False] and len(waiting[0].ids) == 3
+
+
 def test_bad_requests_are_one_line_errors(llama):
     engine = Engine(llama, slots=2, max_len=48)
     cases = [((), {}, "prompt"), ((300,), {}, "prompt"), ((1,) * 48, {}, "no room"),
