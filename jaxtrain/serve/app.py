@@ -178,7 +178,7 @@ async def _complete(served: Served, request, chat: bool):
         if len(done) < params.n:
             served.worker.cancel(listener)
     return replies.whole([done[i] for i in range(params.n)],
-                         len(engine_request.prompt_ids), params.top_logprobs > 0, logprobs)
+                         len(engine_request.prompt_ids), logprobs)
 
 
 async def _stream(served: Served, listener: _Listener, replies: Replies, n: int,

@@ -21,8 +21,7 @@ class Replies:
         return {"id": self.id, "object": self.object + suffix, "created": self.created,
                 "model": self.model}
 
-    def whole(self, completions, prompt_tokens: int, top_logprobs: bool, logprobs: bool
-              ) -> dict:
+    def whole(self, completions, prompt_tokens: int, logprobs: bool) -> dict:
         choices = []
         for c in completions:
             choice = {"index": c.index, "finish_reason": c.finish_reason,
