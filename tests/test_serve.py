@@ -155,6 +155,22 @@ def test_bad_requests_are_4xx_and_the_server_keeps_serving(server):
     assert finish in ("stop", "length")
 
 
+def test_a_client_leaving_mid_stream_frees_its_slots(server):
+    """Four streams (every slot) dropped after their first chunks: their slots free up, and
+    four more requests are answered."""
+    client = _client(server)
+    for _ in range(4):
+        stream = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hello"}], stream=True,
+            max_tokens=40, temperature=1.0, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        stream.close()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        done = list(pool.map(lambda i: _chat(client, "Hello 2", False, temperature=0,
+                                             max_tokens=4), range(4)))
+    assert len(set(done)) == 1 and done[0][1] in ("stop", "length")
+
+
 def test_ctrl_c_stops_the_server_cleanly(server):
     process = server[1]
     process.send_signal(signal.SIGINT)

@@ -53,7 +53,8 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 def sampling(body: dict, limits: Limits, chat: bool) -> SamplingParams:
     """The sampling fields of a completions or chat body, OpenAI's defaults where absent
-    (temperature 1, top_p 1, n 1; a random seed)."""
+    (temperature 1, top_p 1, n 1; a random seed); top_k, min_p and ignore_eos as vLLM
+    takes them beside OpenAI's."""
     number = (int, float)
     max_tokens = _field(body, "max_completion_tokens" if chat and "max_completion_tokens"
                         in body else "max_tokens", int, None, lambda v: v >= 1,
@@ -81,7 +82,8 @@ def sampling(body: dict, limits: Limits, chat: bool) -> SamplingParams:
         seed=_field(body, "seed", int, secrets.randbelow(2 ** 32),
                     lambda v: 0 <= v < 2 ** 32, "an integer in [0, 2**32)"),
         n=_field(body, "n", int, 1, lambda v: 1 <= v <= 128, "an integer in [1, 128]"),
-        stop=_stop(body), logprobs=logprobs, top_logprobs=top)
+        stop=_stop(body), logprobs=logprobs, top_logprobs=top,
+        ignore_eos=_field(body, "ignore_eos", bool, False, valid="true or false"))
 
 
 def prompt_of(body: dict, encode) -> list[int]:
