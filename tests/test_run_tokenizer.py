@@ -94,10 +94,20 @@ def test_hugging_face_export_and_import_carry_the_tokenizer(bpe_run, tmp_path, d
                       "from conftest import small_config\n\n\ndef get_config():\n"
                       "    return small_config(**{'model.vocab_size': 384, 'mesh.data': -1})\n")
     imported = tmp_path / "imported"
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    hf_config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**hf_config,
+                                                           "chat_template": template}))
     result = _cli("convert", "--from-hf", str(out), f"--config={config}",
                   f"--workdir={imported}")
     assert result.returncode == 0, result.stderr[-2000:]
     assert record.run_tokenizer(imported, None).fingerprint() == tokenizer.fingerprint()
+    # ... with the model's chat template, which generate --chat and serve render.
+    assert (imported / "tokenizer" / "chat_template.jinja").read_text() == template
+    from jaxtrain.engine import run_io
+    rendered = run_io.chat_template(imported, record.run_tokenizer(imported, None))
+    assert rendered.render([{"role": "user", "content": "hi"}],
+                           add_generation_prompt=True) == "<user>hi<assistant>"
     # ... and fine-tuning it on data of another tokenizer (the byte corpus) is refused.
     cfg = small_config(**{"model.vocab_size": 384})
     with pytest.raises(DataError, match=r"the data was made with tokenizer bytes \(UTF-8, 256 "

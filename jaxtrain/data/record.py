@@ -118,13 +118,15 @@ def run_tokenizer(workdir, cfg) -> tokenizers_lib.Tokenizer | None:
     return None
 
 
-def store_tokenizer(workdir, tokenizer: tokenizers_lib.Tokenizer | None) -> None:
+def store_tokenizer(workdir, tokenizer: tokenizers_lib.Tokenizer | None,
+                    extra: dict[str, str] | None = None) -> None:
     """Puts a tokenizer into a workdir (convert --from-hf: the model directory's; quantize:
-    the run's). None records that the ids have no known tokenizer, so that run_tokenizer
-    does not fall back to bytes for a config on the byte corpus."""
+    the run's), with `extra` files beside it (the model's chat template). None records that
+    the ids have no known tokenizer, so that run_tokenizer does not fall back to bytes for a
+    config on the byte corpus."""
     directory = storage.as_path(workdir, "--workdir") / TOKENIZER_DIR
     if tokenizer is not None:
-        tokenizer.save(directory)
+        tokenizer.save(directory, extra)
         return
     storage.make_parent(directory / tokenizers_lib.META_FILE)
     _write_json(directory / tokenizers_lib.META_FILE, {"kind": tokenizers_lib.NO_TOKENIZER})

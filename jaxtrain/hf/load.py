@@ -22,6 +22,7 @@ from jaxtrain.data import record, tokenizers
 from jaxtrain.errors import ConfigError, DataError
 from jaxtrain.hf import family_of, generation, layer_types
 from jaxtrain.hf.files import SafetensorsDir, read_config
+from jaxtrain.prepare import chat_template
 from jaxtrain.train.setup import Setup, build, loss_scale_init
 from jaxtrain.train.state import LossScale, TrainState
 from jaxtrain.workdir import CHECKPOINTS, prepare_workdir, write_config
@@ -98,7 +99,9 @@ def import_hf(cfg, hf_dir, workdir, devices: Sequence[jax.Device] | None = None,
     checkpoints.close()
     if jax.process_index() == 0:
         write_config(workdir, cfg)
-        record.store_tokenizer(workdir, tokenizer)
+        template = chat_template.own_source(hf_dir) if tokenizer is not None else None
+        record.store_tokenizer(workdir, tokenizer,
+                               {"chat_template.jinja": template} if template else None)
         if generation_text is not None:
             storage.atomic_write(workdir / generation.FILE, generation_text)
     return setup, state

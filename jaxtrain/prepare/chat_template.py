@@ -103,6 +103,13 @@ def find(option: str | None, tokenizer_spec: str | None, tokenizer) -> ChatTempl
     return ChatTemplate(source, tokens["bos"], tokens["eos"])
 
 
+def own_source(directory) -> str | None:
+    """The chat template a tokenizer directory carries (chat_template.jinja, or
+    tokenizer_config.json's), None if it has none: what an import keeps with the run's
+    tokenizer, so that `generate --chat` and `serve` render as the model's files say."""
+    return _own_template(str(directory), _tokenizer_config(str(directory)))
+
+
 def _directory(spec: str | None) -> pathlib.Path | None:
     if not spec:
         return None
