@@ -30,7 +30,7 @@ LAYERS = [
     ("sampling", "scoring", "engine"),
     ("train",),  # the loop and its hooks
     # engine.run_io: a run's EOS ids and chat template, for generate and serve
-    ("inference", "quantization", "hf", "plan", "engine.run_io", "serve"),
+    ("inference", "quantization", "hf", "plan", "run_record", "engine.run_io", "serve"),
     ("commands", "main", "__main__"),
 ]
 
@@ -153,7 +153,9 @@ def test_function_level_imports_only_where_needed():
 # Training, evaluation and the rest read prepared datasets through jaxtrain.data. And
 # engine.run_io: generate --chat and serve render a conversation with the chat template
 # exactly as prepare --chat rendered the training data (prepare/chat_template.py).
-PREPARE_IMPORTED_BY = ("prepare", "commands.prepare", "engine.run_io")
+# The chat template is prepare's (prepare --chat renders it); the engine renders with it and
+# an import keeps the model's own beside its tokenizer.
+PREPARE_IMPORTED_BY = ("prepare", "commands.prepare", "engine.run_io", "hf.load")
 
 
 def test_only_the_prepare_command_imports_the_offline_package():
