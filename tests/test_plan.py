@@ -38,6 +38,45 @@ def test_catalog_has_every_listed_device_with_sources():
         catalog.get("A200")
 
 
+def test_2026_rows_state_their_sources_dates_and_low_precision_peaks():
+    """GB200/GB300 are one GPU of an NVL72 rack (the NVLink domain: 72 devices a node, 4 a
+    host); TPU v7 (Ironwood) a chip; block-scaled columns only where the part has them."""
+    entries = catalog.load()
+    for name in ("GB200", "GB300", "B300", "TPU-v7"):
+        hw = entries[name]
+        assert hw.as_of == "2026-12-07" and "read 2026-12-07" in hw.source
+        assert hw.flops_tflops["fp8"] == 2 * hw.flops_tflops["bf16"]
+    for name in ("GB200", "GB300"):
+        assert entries[name].devices_per_node == 72 and entries[name].host_devices == 4
+        assert entries[name].intra_node_gbps == 900
+    assert entries["GB300"].flops_tflops["nvfp4"] == 15000 > entries["GB200"].flops_tflops[
+        "nvfp4"]
+    assert entries["TPU-v7"].flops_tflops == {"fp32": 576.75, "tf32": None, "bf16": 2307,
+                                              "fp8": 4614, "mxfp8": None, "nvfp4": None}
+    assert entries["H100-SXM"].flops_tflops["mxfp8"] is None  # Hopper: per-tensor fp8 only
+    for alias in ("tpu7x", "Ironwood", "v7"):
+        assert catalog.get(alias).name == "TPU-v7"
+    assert catalog.for_device_kind("NVIDIA GB200") == "GB200"
+    assert catalog.for_device_kind("NVIDIA B200") == "B200"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"flops_tflops": {"fp32": 1, "tf32": 1, "bf16": 2, "fp8": 4, "fp6": 8}},
+     "flops_tflops.fp6 is unknown; valid keys are fp32, tf32, bf16, fp8, mxfp8, nvfp4"),
+    ({"flops_tflops": {"fp32": 1, "bf16": 2}}, "flops_tflops lacks tf32, fp8"),
+    ({"flops_tflops": {"fp32": 1, "tf32": 1, "bf16": 2, "fp8": -4}}, "flops_tflops.fp8=-4"),
+    ({"kind": "fpga"}, "kind='fpga'; valid values are gpu, tpu, cpu"),
+    ({"memory_gb": 0}, "memory_gb=0; give a positive number"),
+])
+def test_a_malformed_entry_is_refused_in_one_line(tmp_path, change, message):
+    entry = {k: v for k, v in catalog.load()["B200"].__dict__.items() if k != "name"}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"Bad": {**entry, **change}}))
+    with pytest.raises(catalog.HardwareError, match="Bad") as e:
+        catalog.load(str(path))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
 def test_user_hardware_file_adds_an_entry(tmp_path):
     entry = dict(catalog.load()["A100-80GB"].__dict__, memory_gb=123)
     entry.pop("name")
