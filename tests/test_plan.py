@@ -322,6 +322,73 @@ def test_cli_errors_are_one_line():
     assert out.stderr.strip().count("\n") == 0 and "--hardware=A200" in out.stderr
 
 
+# Llama-3-70B laid over llama_1b.py (no shipped 70B config: a shipped config needs a stored
+# compile); global batch 512 × 8192 = 4M tokens a step.
+LLAMA3_70B = {"model.d_model": 8192, "model.num_layers": 80, "model.num_heads": 64,
+              "model.num_kv_heads": 8, "model.mlp_dim": 28672, "model.vocab_size": 128256,
+              "model.seq_len": 8192, "model.attention": "cudnn", "train.global_batch": 512}
+
+
+def test_compare_ranks_every_offer_by_cost_and_time_and_plots(tmp_path):
+    from jaxtrain.plan import compare
+    from jaxtrain.plan.compare_plot import plot
+
+    cfg = load_config(str(ROOT / "configs/llama_1b.py"), LLAMA3_70B)
+    offers = compare.parse_offers("H100-SXM,H200,B200,GB200:256,ironwood", 256)
+    assert [(hw.name, n) for hw, n in offers] == [
+        ("H100-SXM", 256), ("H200", 256), ("B200", 256), ("GB200", 256), ("TPU-v7", 256)]
+    rows = compare.compare(cfg, offers, tokens=1e12)
+    table = compare.format_table("llama3_70b", rows)
+    for hw, n in offers:
+        assert f"| {n} × {hw.name} |" in table
+    assert all(r["plan"] is not None and r["plan"]["memory"]["fits"] for r in rows)
+    hours = {r["hardware"]: r["plan"]["time"]["train_hours"] for r in rows}
+    by_time = sorted(rows, key=lambda r: r["rank_time"])
+    assert [hours[r["hardware"]] for r in by_time] == sorted(hours.values())
+    priced = [r for r in rows if r["plan"]["cost"]["cloud_usd"] is not None]
+    assert [r["rank_cost"] for r in rows] == [1, 2, 3, 4, 5]  # rows come ranked by cost
+    assert [r["plan"]["cost"]["cloud_usd"] for r in priced] == sorted(
+        r["plan"]["cost"]["cloud_usd"] for r in priced)
+    assert rows[-1]["hardware"] == "TPU-v7" and "n/a (no list price)" in table  # unpriced last
+    # Same compute, same links: H200 ties H100 on time and wins on price.
+    assert hours["H200"] == hours["H100-SXM"]
+    assert {r["hardware"]: r["rank_time"] for r in rows}["H200"] < {
+        r["hardware"]: r["rank_time"] for r in rows}["H100-SXM"]
+    path = tmp_path / "compare.png"
+    plot("llama3_70b", rows, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--compare", "H100-SXM:8,A200:8"], "--compare=A200:8 is invalid: unknown hardware 'A200';"
+     " valid values are A100-40GB"),
+    (["--compare", "H100-SXM:8"], "give two or more offers"),
+    (["--compare", "H100-SXM:x,B200:8"], "--compare=H100-SXM:x is invalid"),
+    (["--compare", "H100-SXM:8,B200:8", "--plot", "out.svg"], "--plot=out.svg is invalid"),
+    (["--plot", "out.png"], "--plot is invalid without --compare"),
+    ([], "--hardware is missing"),
+])
+def test_cli_compare_errors_are_one_line(args, message):
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxtrain.commands.plan", "--config",
+         str(ROOT / "configs/tiny.py"), *args],
+        capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().count("\n") == 0 and message in out.stderr, out.stderr
+
+
+def test_cli_compare_prints_the_table_and_writes_the_plot(tmp_path):
+    path = tmp_path / "offers.png"
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxtrain.commands.plan", "--config",
+         str(ROOT / "configs/llama_1b.py"), "--compare", "H100-SXM:8,B200:8,GB200:8",
+         "--tokens", "1e10", "--plot", str(path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "| 8 × H100-SXM |" in out.stdout and "| 8 × GB200 |" in out.stdout
+    assert path.stat().st_size > 0 and f"plot: {path}" in out.stdout
+
+
 def test_the_checkpoint_facts_are_the_bytes_of_a_real_train_state(devices):
     """The planner's checkpoint facts (plan/checkpoint_io.py) against a built train state:
     the state is the checkpointed tree's bytes; a 'host' of 2 devices reads the bytes its
