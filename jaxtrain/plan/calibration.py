@@ -17,7 +17,8 @@ CALIBRATION_FILE = pathlib.Path(__file__).with_name("calibration.json")
 # The parameters of step_time (plan/timing.py), in the order the fit uses.
 FAMILY_PARAMS = ("matmul_efficiency",)
 SHARED_PARAMS = ("width_knee", "attention_speed", "intra_link_efficiency",
-                 "inter_link_efficiency", "collective_latency_s", "overlap", "tensor_overlap")
+                 "inter_link_efficiency", "collective_latency_s", "overlap", "tensor_overlap",
+                 "low_precision_efficiency")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Calibration:
     collective_latency_s: float  # per collective
     overlap: float  # of data/fsdp collectives hidden under compute
     tensor_overlap: float  # of tensor/pipeline collectives hidden under compute
+    low_precision_efficiency: float  # fp8 matmuls' fraction of peak over the bf16 ones'
     runs: int = 0  # published runs of this family it was fitted on
     max_error: float | None = None  # largest |predicted/published − 1| of MFU among them
     loo_max_error: float | None = None  # the same, each run predicted by a fit without it
