@@ -69,6 +69,9 @@ def test_fp8_runs_only_their_blocks_matmuls_at_the_fp8_peak():
     assert plan["low_precision_peak_flops"] == 4500e12
     assert 0.5 < plan["low_precision_share"] < 0.9 and bf16["low_precision_share"] == 0
     assert bf16["compute_s"] / 2 < plan["compute_s"] < bf16["compute_s"]
+    text = format_plan(make_plan(cfg, hw, 8))
+    assert "fp8: the blocks' weight matmuls" in text and "4,500 TFLOP/s fp8 peak" in text
+    assert "fp8:" not in format_plan(make_plan(load_config("configs/llama_1b.py", {}), hw, 8))
     spec = published.ModelSpec.from_config(cfg)
     flops = timing.step_flops(spec, 1000)
     head = 6.0 * spec.d_model * spec.vocab_size * 1000
