@@ -32,6 +32,9 @@ FAMILIES = {"A100": ["A100-40GB", "A100-80GB"], "H100": ["H100-SXM", "H200"],
             "TPU-v4": ["TPU-v4"], "TPU-v5e": ["TPU-v5e"], "TPU-v5p": ["TPU-v5p"],
             "TPU-v6e": ["TPU-v6e"], "Blackwell": ["B200", "GB200", "B300", "GB300"]}
 DEFAULT_FAMILY = "H100"  # for hardware without published runs (marked uncalibrated)
+# Hardware without published runs whose nearest fitted family is not the default: TPU7x is
+# a TPU (compiler, 3D torus, v5p's 1,200 GB/s ICI), not a GPU. Still marked uncalibrated.
+NEAREST = {"TPU-v7": "TPU-v5p"}
 # name: (start, low, high)
 SHARED = {"width_knee": (500.0, 0.0, 5000.0), "attention_speed": (0.7, 0.2, 1.0),
           "intra_link_efficiency": (0.8, 0.2, 3.0), "inter_link_efficiency": (0.8, 0.2, 3.0),
@@ -148,7 +151,8 @@ def write(runs, params, in_sample, loo, held) -> None:
             "loo_max_error": max(abs(loo[i]) for i in ids) if loo else None}
     doc = {"_about": "Written by scripts/fit_planner.py from jaxtrain/plan/published_runs.json;"
                      " errors are |predicted/published - 1| of tokens/s per device.",
-           "default_family": DEFAULT_FAMILY, "shared": params["shared"], "families": families,
+           "default_family": DEFAULT_FAMILY, "nearest": NEAREST,
+           "shared": params["shared"], "families": families,
            "held_out": {k: float(v) for k, v in held.items()}}
     with open(calibration.CALIBRATION_FILE, "w") as f:
         f.write(json.dumps(doc, indent=1) + "\n")

@@ -105,3 +105,9 @@ def test_plans_state_their_uncertainty():
     assert "uncertainty: ±" in format_plan(plan)
     plan = make_plan(cfg, hardware.get("MI300X"), 8)
     assert plan["time"]["calibration"].startswith("uncalibrated")
+    # A TPU without published runs borrows the nearest TPU family's fit, still uncalibrated.
+    plan = make_plan(cfg, hardware.get("TPU-v7"), 8)
+    assert plan["time"]["calibration"] == ("uncalibrated for this hardware: TPU-v5p "
+                                           "parameters, fitted on other hardware; error unknown")
+    assert calibration.for_hardware("TPU-v7").matmul_efficiency == \
+        calibration.for_family("TPU-v5p").matmul_efficiency

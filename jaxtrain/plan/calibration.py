@@ -81,10 +81,15 @@ def family_of(hardware_name: str, path: str | None = None) -> str | None:
 
 
 def for_hardware(hardware_name: str, path: str | None = None) -> Calibration:
-    """The calibration of the family a catalog entry belongs to (else the default's,
-    marked uncalibrated)."""
+    """The calibration of the family a catalog entry belongs to; else its nearest fitted
+    family's (calibration.json `nearest`: TPU7x borrows v5p's, a TPU with the same ICI),
+    else the default's, either marked uncalibrated."""
     family = family_of(hardware_name, path)
-    if family is None:
-        cal = for_family("", path)
-        return dataclasses.replace(cal, family=cal.family)
-    return for_family(family, path)
+    if family is not None:
+        return for_family(family, path)
+    data = _load(str(path or CALIBRATION_FILE))
+    nearest = data.get("nearest", {}).get(hardware_name)
+    if nearest in data["families"]:
+        return dataclasses.replace(for_family(nearest, path), runs=0, max_error=None,
+                                   loo_max_error=None, calibrated=False)
+    return for_family("", path)
