@@ -17,6 +17,17 @@ import pathlib
 CATALOG_FILE = pathlib.Path(__file__).with_name("hardware.json")
 REQUIRED = ("kind", "flops_tflops", "memory_gb", "memory_bw_gbps", "intra_node_gbps",
             "inter_node_gbps", "devices_per_node", "power_w", "source")
+# Dense peak TFLOP/s an entry states (null: unsupported). fp8 is per-tensor-scaled fp8
+# (Hopper, Ada, MI300, TPU); mxfp8 the OCP microscaled fp8 with per-32-element scales and
+# nvfp4 NVIDIA's 4-bit format with per-16-element scales, both Blackwell's block-scaled
+# tensor-core paths: separate columns because a datasheet's "FP8" and "FP4" figures need not
+# be what a block-scaled recipe reaches, and pre-Blackwell parts have no such path.
+PEAKS = ("fp32", "tf32", "bf16", "fp8", "mxfp8", "nvfp4")
+REQUIRED_PEAKS = ("fp32", "tf32", "bf16", "fp8")  # older entries omit mxfp8/nvfp4: null
+KINDS = ("gpu", "tpu", "cpu")
+# Other names people use for an entry (canonical form: lower case, '-' for '_' and ' ').
+ALIASES = {"tpu7x": "TPU-v7", "ironwood": "TPU-v7", "tpu-v7x": "TPU-v7",
+           "gb200-nvl72": "GB200", "gb300-nvl72": "GB300"}
 
 
 class HardwareError(ValueError):
@@ -38,6 +49,7 @@ class Hardware:
     purchase_usd: float | None = None
     cloud_usd_per_hour: float | None = None
     devices_per_host: int | None = None  # None: a node is one host (GPUs)
+    as_of: str | None = None  # date the figures and prices were read from the sources
 
     @property
     def host_devices(self) -> int:
@@ -51,11 +63,15 @@ class Hardware:
     def peak_flops(self, precision) -> float:
         """Dense peak FLOP/s of matmuls for a train.precision entry (precision.py
         PRECISIONS; its `datasheet_peak` names the catalog's figure: fp32, bf16, fp8)."""
-        key = precision.datasheet_peak
+        return self.peak_of(precision.datasheet_peak, precision.name)
+
+    def peak_of(self, key: str, precision_name: str = "") -> float:
+        """Dense peak FLOP/s of the catalog column `key` (PEAKS)."""
         value = self.flops_tflops.get(key)
         if value is None:
             raise HardwareError(f"--hardware={self.name} is invalid for "
-                                f"train.precision={precision.name}: it has no {key} peak")
+                                f"train.precision={precision_name or key}: it has no {key} "
+                                "peak")
         return value * 1e12
 
 
@@ -64,8 +80,39 @@ def _parse(name: str, entry: dict, origin: str) -> Hardware:
     if missing:
         raise HardwareError(f"hardware entry {name!r} in {origin} is invalid: missing "
                             f"{', '.join(missing)}")
+    _check_peaks(name, entry["flops_tflops"], origin)
+    if entry["kind"] not in KINDS:
+        raise HardwareError(f"hardware entry {name!r} in {origin} is invalid: kind="
+                            f"{entry['kind']!r}; valid values are {', '.join(KINDS)}")
+    for key in ("memory_gb", "memory_bw_gbps", "intra_node_gbps", "inter_node_gbps",
+                "devices_per_node", "power_w"):
+        if not isinstance(entry[key], (int, float)) or entry[key] <= 0:
+            raise HardwareError(f"hardware entry {name!r} in {origin} is invalid: {key}="
+                                f"{entry[key]!r}; give a positive number")
     fields = {f.name for f in dataclasses.fields(Hardware)}
-    return Hardware(name=name, **{k: v for k, v in entry.items() if k in fields})
+    # Every column present (null where the entry does not state it): callers index freely.
+    values = {k: v for k, v in entry.items() if k in fields}
+    values["flops_tflops"] = {k: entry["flops_tflops"].get(k) for k in PEAKS}
+    return Hardware(name=name, **values)
+
+
+def _check_peaks(name: str, peaks, origin: str) -> None:
+    """flops_tflops: the REQUIRED_PEAKS present, only PEAKS keys, each null or > 0."""
+    where = f"hardware entry {name!r} in {origin} is invalid"
+    if not isinstance(peaks, dict):
+        raise HardwareError(f"{where}: flops_tflops must be an object of {', '.join(PEAKS)}")
+    unknown = sorted(set(peaks) - set(PEAKS))
+    if unknown:
+        raise HardwareError(f"{where}: flops_tflops.{unknown[0]} is unknown; valid keys are "
+                            f"{', '.join(PEAKS)}")
+    missing = [k for k in REQUIRED_PEAKS if k not in peaks]
+    if missing:
+        raise HardwareError(f"{where}: flops_tflops lacks {', '.join(missing)} (null where "
+                            "unsupported)")
+    for key, value in peaks.items():
+        if value is not None and (not isinstance(value, (int, float)) or value <= 0):
+            raise HardwareError(f"{where}: flops_tflops.{key}={value!r}; give a positive "
+                                "number or null")
 
 
 def load(extra_file: str | None = None) -> dict[str, Hardware]:
@@ -91,7 +138,7 @@ def get(name: str, extra_file: str | None = None) -> Hardware:
     """The entry called name (case, '-' and '_' ignored; a TPU slice name like
     'v5p-128' resolves to its chip)."""
     catalog = load(extra_file)
-    wanted = _canonical(name)
+    wanted = _canonical(ALIASES.get(_canonical(name), name))
     for candidate in (wanted, "tpu-" + wanted.split("-")[0] if wanted.startswith("v") else ""):
         for key, hw in catalog.items():
             if _canonical(key) == candidate:
@@ -104,7 +151,8 @@ def get(name: str, extra_file: str | None = None) -> Hardware:
 DEVICE_KINDS = (
     ("NVIDIA H100 PCIe", "H100-PCIe"), ("NVIDIA H100", "H100-SXM"), ("NVIDIA H200", "H200"),
     ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("NVIDIA A100-PCIE-40GB", "A100-40GB"),
-    ("NVIDIA A100", "A100-80GB"), ("NVIDIA B200", "B200"), ("TPU v4", "TPU-v4"),
+    ("NVIDIA A100", "A100-80GB"), ("NVIDIA B200", "B200"), ("NVIDIA B300", "B300"),
+    ("NVIDIA GB200", "GB200"), ("NVIDIA GB300", "GB300"), ("TPU v4", "TPU-v4"),
     ("TPU v5 lite", "TPU-v5e"), ("TPU v5", "TPU-v5p"), ("TPU v6 lite", "TPU-v6e"),
 )
 

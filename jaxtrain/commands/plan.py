@@ -1,6 +1,8 @@
 """jaxtrain plan --config configs/NAME.py --hardware NAME --devices N
        [--tokens T | --hours H] [--price-per-hour P] [--json] [--search [--by cost]]
        [--compile] [--config.KEY=VALUE ...]
+jaxtrain plan --config configs/NAME.py --compare H100-SXM:256,GB200:256,v7:256
+       [--tokens T] [--plot FILE.png] [--json]
 
 The planner's flags and output (the planner itself is jaxtrain/plan/).
 """
@@ -37,7 +39,11 @@ _BY = flags.DEFINE_enum("by", "time", ["time", "cost"], "--search ranking.")
 _TOP = flags.DEFINE_integer("top", 5, "--search: how many plans to print.")
 _COMPILE = flags.DEFINE_bool("compile", False, "AOT-compile the real step on fake CPU "
                              "devices and show XLA's per-device memory.")
-flags.mark_flags_as_required(["config", "hardware"])
+_COMPARE = flags.DEFINE_string("compare", None, "Offers to compare, comma-separated "
+                               "NAME[:DEVICES] (e.g. H100-SXM:256,GB200:256,v7:256): each "
+                               "on its fastest layout that fits, ranked by cost and time.")
+_PLOT = flags.DEFINE_string("plot", None, "--compare: write days against cost to FILE.png.")
+flags.mark_flags_as_required(["config"])
 
 
 def _plan(argv) -> None:
@@ -51,6 +57,11 @@ def _plan(argv) -> None:
     cfg = _CONFIG.value
     if _TOKENS.value is not None and _HOURS.value is not None:
         exit_usage("--tokens and --hours are exclusive: give one")
+    if _COMPARE.value is not None or _PLOT.value is not None:
+        _compare(cfg)
+        return
+    if _HARDWARE.value is None:
+        exit_usage("--hardware is missing: give a catalog entry (or --compare OFFERS)")
     try:
         hw = catalog.get(_HARDWARE.value, _HARDWARE_FILE.value)
         devices = _DEVICES.value or catalog.slice_devices(_HARDWARE.value)
@@ -78,6 +89,34 @@ def _plan(argv) -> None:
             print(f"#{rank}: {override_flags(plan['overrides'])}")
         print(format_plan(plan))
         print()
+
+
+def _compare(cfg) -> None:
+    from jaxtrain.plan import compare as compare_lib
+
+    if _COMPARE.value is None:
+        exit_usage("--plot is invalid without --compare: give the offers to plot")
+    if _HARDWARE.value or _SEARCH.value or _COMPILE.value or _PRICE.value is not None:
+        exit_usage("--compare is invalid with --hardware, --search, --compile or "
+                   "--price-per-hour: each offer is priced from the catalog")
+    if _PLOT.value and not _PLOT.value.endswith(".png"):
+        exit_usage(f"--plot={_PLOT.value} is invalid: give a FILE.png")
+    try:
+        offers = compare_lib.parse_offers(_COMPARE.value, _DEVICES.value, _HARDWARE_FILE.value)
+    except (compare_lib.CompareError, compare_lib.HardwareError) as e:
+        exit_usage(str(e))
+    rows = compare_lib.compare(cfg, offers, tokens=_TOKENS.value, hours=_HOURS.value,
+                               power_price=_POWER_PRICE.value, amortize_years=_YEARS.value)
+    if _PLOT.value:
+        from jaxtrain.plan.compare_plot import plot
+
+        plot(cfg.name, rows, _PLOT.value)
+    if _JSON.value:
+        print(json.dumps(rows, indent=1, default=str))
+        return
+    print(compare_lib.format_table(cfg.name, rows))
+    if _PLOT.value:
+        print(f"plot: {_PLOT.value}")
 
 
 def _confirm(cfg, devices: int):

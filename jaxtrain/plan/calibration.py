@@ -17,7 +17,8 @@ CALIBRATION_FILE = pathlib.Path(__file__).with_name("calibration.json")
 # The parameters of step_time (plan/timing.py), in the order the fit uses.
 FAMILY_PARAMS = ("matmul_efficiency",)
 SHARED_PARAMS = ("width_knee", "attention_speed", "intra_link_efficiency",
-                 "inter_link_efficiency", "collective_latency_s", "overlap", "tensor_overlap")
+                 "inter_link_efficiency", "collective_latency_s", "overlap", "tensor_overlap",
+                 "low_precision_efficiency")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Calibration:
     collective_latency_s: float  # per collective
     overlap: float  # of data/fsdp collectives hidden under compute
     tensor_overlap: float  # of tensor/pipeline collectives hidden under compute
+    low_precision_efficiency: float  # fp8 matmuls' fraction of peak over the bf16 ones'
     runs: int = 0  # published runs of this family it was fitted on
     max_error: float | None = None  # largest |predicted/published − 1| of MFU among them
     loo_max_error: float | None = None  # the same, each run predicted by a fit without it
@@ -79,10 +81,15 @@ def family_of(hardware_name: str, path: str | None = None) -> str | None:
 
 
 def for_hardware(hardware_name: str, path: str | None = None) -> Calibration:
-    """The calibration of the family a catalog entry belongs to (else the default's,
-    marked uncalibrated)."""
+    """The calibration of the family a catalog entry belongs to; else its nearest fitted
+    family's (calibration.json `nearest`: TPU7x borrows v5p's, a TPU with the same ICI),
+    else the default's, either marked uncalibrated."""
     family = family_of(hardware_name, path)
-    if family is None:
-        cal = for_family("", path)
-        return dataclasses.replace(cal, family=cal.family)
-    return for_family(family, path)
+    if family is not None:
+        return for_family(family, path)
+    data = _load(str(path or CALIBRATION_FILE))
+    nearest = data.get("nearest", {}).get(hardware_name)
+    if nearest in data["families"]:
+        return dataclasses.replace(for_family(nearest, path), runs=0, max_error=None,
+                                   loo_max_error=None, calibrated=False)
+    return for_family("", path)

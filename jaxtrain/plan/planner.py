@@ -65,6 +65,16 @@ def _usd(x) -> str:
     return "n/a" if x is None else f"${x:,.0f}"
 
 
+def _low_precision_line(t: dict) -> list[str]:
+    """Under an fp8 policy: which share of the matmul FLOPs runs at which peak."""
+    if not t.get("low_precision_share"):
+        return []
+    return [f"  fp8: the blocks' weight matmuls, {t['low_precision_share']:.0%} of the matmul "
+            f"FLOPs, at the {t['low_precision_peak_flops'] / 1e12:,.0f} TFLOP/s fp8 peak; "
+            f"attention, head and routed experts at {t['peak_flops'] / 1e12:,.0f} (bf16, "
+            "MFU's peak)"]
+
+
 def format_plan(plan: dict) -> str:
     m, t = plan["memory"], plan["time"]
     mesh = " ".join(f"{k}={v}" for k, v in plan["mesh"].items() if v > 1) or "1 device"
@@ -99,6 +109,7 @@ def format_plan(plan: dict) -> str:
               f"  MFU {t['mfu']:.1%}, {t['tokens_per_s']:,.0f} tokens/s, "
               f"{t['tokens_per_step']:,} tokens/step",
               f"  assumes: {t['overlap']}",
+              *_low_precision_line(t),
               f"  uncertainty: {t['calibration']}"]
     if "checkpoint" in plan:
         lines += checkpoint_io.describe(plan["checkpoint"], _gb)

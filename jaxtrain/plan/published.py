@@ -97,7 +97,7 @@ def predicted_tokens_per_s(run: dict, cal) -> float:
     """The planner's tokens/s per device for a run under calibration `cal`."""
     f = features(run["id"])
     hw = _hardware(run["hardware"])
-    t = timing.step_time(f, hw, hw.peak_flops(PRECISIONS[run["config"]["train.precision"]]),
+    t = timing.step_time(f, hw, timing.peaks(hw, PRECISIONS[run["config"]["train.precision"]]),
                          cal)
     return f["tokens_per_step"] / t["step_s"] / f["devices"]
 

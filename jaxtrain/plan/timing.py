@@ -61,16 +61,23 @@ def step_flops(spec: ModelSpec, tokens: int) -> dict[str, float]:
     hw_attention = attention * (1 + redo_attention / 3)
     if KERNELS[spec.attention].full_scores:
         hw_attention *= 2  # the full s×s scores, masked afterwards
+    routed = 0.0
     if spec.moe is not None:
         # The experts compute every row of their buffers: capacity_factor·k per token
         # (padding included) where the model counts k; dropless, exactly k.
         moe = spec.moe
         extra = routed_rows(spec, tokens, {}) / tokens / moe.top_k - 1
         expert_flops = 6.0 * 3 * spec.d_model * moe.expert_mlp_dim * moe.top_k * tokens
+        routed = (1 + extra) * expert_flops * moe.layers(spec.num_layers) * (
+            1 + redo_weights / 3)
         hw_weights += extra * expert_flops * moe.layers(spec.num_layers) * (
             1 + redo_weights / 3)
+    # Under an fp8 policy models/layers.dense runs the blocks' weight matmuls on fp8
+    # operands; the output head (models/head_loss.py), the routed experts' einsums
+    # (models/moe.py) and attention's scores and softmax stay in the compute dtype.
+    low = max(0.0, hw_weights - head - routed) if spec.fp8 else 0.0
     return {"model": model, "hardware": hw_weights + hw_attention,
-            "weights": hw_weights, "attention": hw_attention}
+            "weights": hw_weights, "attention": hw_attention, "low_precision": low}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +266,7 @@ def step_features(cfg, sizes: dict[str, int], hw, param_elems: int,
     return {"devices": n, "tokens_per_step": tokens, "model_flops": flops["model"],
             "hardware_flops": flops["hardware"],
             "weight_flops_per_device": flops["weights"] / n,
+            "low_precision_flops_per_device": flops["low_precision"] / n,
             "attention_flops_per_device": flops["attention"] / n * _busiest(spec),
             "width": spec.d_model, "memory_bytes": weight_traffic + act_traffic,
             "axes": axes, "bubble": bubble, "matmul_params": matmul_params(spec)}
@@ -273,11 +281,27 @@ def _busiest(spec: ModelSpec) -> float:
                            spec.sliding_window)
 
 
-def step_time(features: dict, hw, peak: float, cal) -> dict:
-    """Seconds per step and its parts, for a calibration `cal` (plan/calibration.py)."""
+def peaks(hw, precision) -> dict[str, float]:
+    """The dense peaks a step runs at: `base` for the compute dtype's matmuls (fp32, or bf16
+    for 16-bit and fp8 policies: attention, the head, routed experts) and `low` for the
+    weight matmuls a low-precision policy moves to its datasheet column (fp8); equal when
+    the policy has none."""
+    base = hw.peak_flops(PRECISIONS[precision.peak])
+    return {"base": base, "low": hw.peak_flops(precision) if precision.fp8_matmuls else base}
+
+
+def step_time(features: dict, hw, peak: dict, cal) -> dict:
+    """Seconds per step and its parts, for a calibration `cal` (plan/calibration.py) and
+    the peaks of `peaks()`. The low-precision matmuls reach `low_precision_efficiency` of
+    the bf16 matmuls' fraction of their peak (quantize/scale work, smaller tiles: fitted on
+    published fp8 runs)."""
     eff = cal.matmul_efficiency * features["width"] / (features["width"] + cal.width_knee)
-    compute = (features["weight_flops_per_device"]
-               + features["attention_flops_per_device"] / cal.attention_speed) / (peak * eff)
+    low = features.get("low_precision_flops_per_device", 0.0)
+    base = features["weight_flops_per_device"] - low \
+        + features["attention_flops_per_device"] / cal.attention_speed
+    compute = base / (peak["base"] * eff)
+    if low:
+        compute += low / (peak["low"] * eff * cal.low_precision_efficiency)
     memory = features["memory_bytes"] / (hw.memory_bw_gbps * 1e9)
     busy = max(compute, memory)
     comm = {}
@@ -302,7 +326,7 @@ def predict(cfg, sizes: dict[str, int], hw, param_elems: int, dcn: dict[str, int
     calibration (default: the hardware's family, plan/calibration.json)."""
     cal = cal or calibration_lib.for_hardware(hw.name)
     features = step_features(cfg, sizes, hw, param_elems, dcn)
-    peak = hw.peak_flops(PRECISIONS[cfg.train.precision])
+    peak = peaks(hw, PRECISIONS[cfg.train.precision])
     t = step_time(features, hw, peak, cal)
     tokens, n = features["tokens_per_step"], features["devices"]
     return {**t, "comm_bytes": {k: a["bytes"] for k, a in features["axes"].items()},
@@ -310,7 +334,11 @@ def predict(cfg, sizes: dict[str, int], hw, param_elems: int, dcn: dict[str, int
             "tokens_per_s": tokens / t["step_s"],
             "model_flops_per_step": features["model_flops"],
             "hardware_flops_per_step": features["hardware_flops"],
-            "mfu": features["model_flops"] / (t["step_s"] * n * peak), "peak_flops": peak,
+            # MFU against the compute dtype's peak (bf16 for fp8 runs), as metrics.py.
+            "mfu": features["model_flops"] / (t["step_s"] * n * peak["base"]),
+            "peak_flops": peak["base"], "low_precision_peak_flops": peak["low"],
+            "low_precision_share": features["low_precision_flops_per_device"]
+            / (features["weight_flops_per_device"] + features["attention_flops_per_device"]),
             "matmul_params": features["matmul_params"], "calibration": cal.describe(),
             "overlap": cal.overlap_text()}
 
