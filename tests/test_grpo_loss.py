@@ -20,6 +20,7 @@ from conftest import small_config
 from jaxtrain.rl.advantages import group_advantages, weighted_rewards
 from jaxtrain.rl.logps import completion_logps, rollout_layout
 from jaxtrain.rl.loss import LossSettings, grpo_loss, truncation_mask
+from jaxtrain.rl.objective import Rollouts, grpo_objective, rollout_logps, shard_rollouts
 from jaxtrain.rl.rewards import Reward, score
 
 SHAPE = {"model.d_model": 32, "model.num_heads": 4, "model.num_kv_heads": 2,
@@ -67,25 +68,36 @@ def _rollouts():
 
 
 @pytest.fixture(scope="module")
-def sides(tmp_path_factory, devices):
-    """(TRL's trainer, jaxtrain's (setup, state)) of one random Llama."""
+def hf_dir(tmp_path_factory):
+    """A random transformers Llama, saved."""
     pytest.importorskip("torch")
-    trl = pytest.importorskip("trl")
-    from datasets import Dataset
     from test_convert import _hf_model
 
+    path = tmp_path_factory.mktemp("grpo") / "hf"
+    _hf_model(small_config("llama", **SHAPE)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sides(hf_dir, devices):
+    """(TRL's trainer, jaxtrain's (setup, state)) of the one model."""
+    trl = pytest.importorskip("trl")
     from jaxtrain.hf.load import import_hf
 
-    tmp = tmp_path_factory.mktemp("grpo")
-    cfg = small_config("llama", **SHAPE)
-    _hf_model(cfg).save_pretrained(tmp / "hf")
-    setup, state = import_hf(cfg, tmp / "hf", tmp / "base", devices[:1])
+    setup, state = import_hf(small_config("llama", **SHAPE), hf_dir, hf_dir.parent / "base",
+                             devices[:1])
+    return _trl_trainer(trl, hf_dir), setup, state
+
+
+def _trl_trainer(trl, hf_dir):
+    from datasets import Dataset
+
     args = trl.GRPOConfig(
-        output_dir=str(tmp / "trl"), per_device_train_batch_size=GROUPS * GENERATIONS,
+        output_dir=str(hf_dir.parent / "trl"), per_device_train_batch_size=GROUPS * GENERATIONS,
         num_generations=GENERATIONS, max_completion_length=MAX_COMPLETION, beta=0.0,
         reward_weights=WEIGHTS, temperature=TEMPERATURE, report_to=[], use_cpu=True,
         bf16=False)
-    trainer = trl.GRPOTrainer(model=str(tmp / "hf"), reward_funcs=[score_a, score_b],
+    trainer = trl.GRPOTrainer(model=str(hf_dir), reward_funcs=[score_a, score_b],
                               args=args, processing_class=_tokenizer(),
                               train_dataset=Dataset.from_dict({"prompt": ["t2"] * 8}))
     prompts, completions = _rollouts()
@@ -93,7 +105,7 @@ def sides(tmp_path_factory, devices):
                                    None, {}, None, None)
     trainer.current_gradient_accumulation_steps = 1
     trainer.model.train()
-    return trainer, setup, state
+    return trainer
 
 
 def _trl_batch(trainer, scale_rewards="group", mask_truncated=False):
@@ -209,6 +221,80 @@ def test_loss_gradient_and_metrics_equal_trl(sides, case):
                                                       "cispo_clip_ratio")]
     # the clip is active on some tokens only (of the 11 left by truncation, by chance none)
     assert mask_truncated or all(0 < v < 1 for v in clipped), theirs
+
+
+def _rollouts_of(inputs, ref_logps=None):
+    mask = inputs["completion_mask"].numpy().astype(np.int32)
+    ids = np.concatenate([inputs["prompt_ids"].numpy(), inputs["completion_ids"].numpy()], 1)
+    ref = inputs["ref_per_token_logps"].numpy() if ref_logps is None else ref_logps
+    return Rollouts(ids.astype(np.int32), inputs["prompt_mask"].numpy().astype(np.int32),
+                    mask, inputs["advantages"].numpy(), inputs["old_per_token_logps"].numpy(),
+                    ref, np.full(len(mask), mask.sum(), np.float32))
+
+
+def test_the_objective_on_a_mesh_with_the_reference_on_the_fly_equals_trl(
+        sides, hf_dir, tmp_path, devices):
+    """grpo_objective on 8 devices (data 2 x fsdp 2 x tensor 2), the reference's
+    log-probs computed from its parameters (here the policy's, as at step 0), against TRL
+    given those log-probs: loss, gradient norm and metrics within 1e-5."""
+    from jaxtrain.hf.load import import_hf
+
+    trainer, one, one_state = sides
+    cfg = small_config("llama", **SHAPE, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
+    setup, state = import_hf(cfg, hf_dir, tmp_path / "mesh", devices)
+    inputs = _inputs(trainer)
+    rollouts = _rollouts_of(inputs, np.zeros(inputs["completion_mask"].shape, np.float32))
+    with jax.set_mesh(one.mesh):
+        ref = jax.jit(rollout_logps, static_argnums=(1, 3))(
+            one_state.params, one.graphdef, rollouts, TEMPERATURE)
+    inputs["ref_per_token_logps"] = torch_tensor(np.asarray(ref))
+    settings = LossSettings(loss_type="dapo", beta=0.04, epsilon_high=0.28)
+    loss, norm, theirs = _trl_loss(trainer, inputs, settings)
+
+    def objective(params, batch):
+        return grpo_objective(params, setup.graphdef, batch, settings, TEMPERATURE,
+                              reference=params, reference_graphdef=setup.graphdef)
+
+    with jax.set_mesh(setup.mesh):
+        batch = shard_rollouts(rollouts, setup.tokens_sharding)
+        (ours_loss, ours), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(
+            state.params, batch)
+    np.testing.assert_allclose(float(ours_loss), loss, rtol=1e-5)
+    np.testing.assert_allclose(float(optax.tree.norm(grads)), norm, rtol=1e-5)
+    for name, value in theirs.items():
+        np.testing.assert_allclose(float(ours[name]), value, rtol=1e-5, atol=1e-7,
+                                   err_msg=name)
+    assert theirs["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference is the policy
+
+
+def torch_tensor(array):
+    import torch
+
+    return torch.from_numpy(array)
+
+
+def test_micro_batches_average_to_the_whole_batch(sides):
+    """Two micro-batches of rows (i, i + 2, ...), the step's mean of their losses and
+    gradients, give the whole batch's: dapo's normaliser is the step's token count (grpo's
+    and dr_grpo's means over rows average without it)."""
+    trainer, setup, state = sides
+    rollouts = _rollouts_of(_inputs(trainer))
+    settings = LossSettings(loss_type="dapo", beta=0.04, epsilon_high=0.28)
+
+    @jax.jit
+    def value_and_grad(params, batch, microbatches):
+        return jax.value_and_grad(lambda p: grpo_objective(
+            p, setup.graphdef, batch, settings, TEMPERATURE, microbatches=microbatches)[0])(
+            params)
+
+    with jax.set_mesh(setup.mesh):
+        whole, grads = value_and_grad(state.params, rollouts, 1)
+        halves = [value_and_grad(state.params, jax.tree.map(lambda x: x[i::2], rollouts), 2)
+                  for i in range(2)]
+    np.testing.assert_allclose(float(halves[0][0] + halves[1][0]) / 2, float(whole), rtol=1e-5)
+    mean = jax.tree.map(lambda a, b: (a + b) / 2, halves[0][1], halves[1][1])
+    np.testing.assert_allclose(float(optax.tree.norm(mean)), float(optax.tree.norm(grads)),
+                               rtol=1e-5)
 
 
 def test_truncated_completions_are_masked_as_trl_masks_them(sides):
