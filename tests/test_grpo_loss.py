@@ -18,6 +18,7 @@ import pytest
 from conftest import small_config
 
 from jaxtrain.rl.advantages import group_advantages, weighted_rewards
+from jaxtrain.rl.batch import rollout_advantages, rollout_batch
 from jaxtrain.rl.logps import completion_logps, rollout_layout
 from jaxtrain.rl.loss import LossSettings, grpo_loss, truncation_mask
 from jaxtrain.rl.objective import Rollouts, grpo_objective, rollout_logps, shard_rollouts
@@ -305,6 +306,33 @@ def test_truncated_completions_are_masked_as_trl_masks_them(sides):
     ours = truncation_mask(ids, mask, trainer.eos_token_ids + [PAD])
     np.testing.assert_array_equal(ours, cut["completion_mask"].numpy())
     assert np.flatnonzero(np.asarray(ours).any(1)).tolist() == ENDS_IN_EOS
+
+
+def test_a_batch_of_rollouts_is_laid_out_as_trl_lays_it_out(sides):
+    """Prompts of several lengths (left-padded), completions right-padded, truncated ones
+    masked: rollout_batch's ids and masks and rollout_advantages' advantages are TRL's."""
+    trainer, _, _ = sides
+    prompts, completions = _rollouts()
+    prompts = [p[:2 + i % 3] for i, p in enumerate(prompts)]
+    fixed = trainer._generate
+    trainer._generate = lambda _: (prompts, completions, None, ["c"] * 8, None, {}, None, None)
+    try:
+        theirs = _trl_batch(trainer, "batch", mask_truncated=True)
+    finally:
+        trainer._generate = fixed
+    rewards = [Reward("score_a", score_a, WEIGHTS[0]), Reward("score_b", score_b, WEIGHTS[1])]
+    advantages, _ = rollout_advantages(rewards, ["t2"] * 8, ["c"] * 8, completions,
+                                       {"a": SCORE_A, "b": SCORE_B}, GENERATIONS, "batch")
+    ours = rollout_batch(prompts, completions, advantages, PAD, trainer.eos_token_ids,
+                         mask_truncated=True)
+    want = np.concatenate([theirs["prompt_ids"].numpy(), theirs["completion_ids"].numpy()], 1)
+    np.testing.assert_array_equal(ours.ids, want)
+    np.testing.assert_array_equal(ours.prompt_mask, theirs["prompt_mask"].numpy())
+    np.testing.assert_array_equal(ours.completion_mask, theirs["completion_mask"].numpy())
+    np.testing.assert_allclose(ours.advantages, theirs["advantages"].numpy(), rtol=1e-5,
+                               atol=1e-6)
+    assert ours.num_items[0] == float(theirs["num_items_in_batch"])
+    assert ours.prompt_mask.sum(1).tolist() == [len(p) for p in prompts]
 
 
 def test_left_padded_prompts_score_as_unpadded_ones(sides):
