@@ -224,13 +224,14 @@ def test_loss_gradient_and_metrics_equal_trl(sides, case):
     assert mask_truncated or all(0 < v < 1 for v in clipped), theirs
 
 
-def _rollouts_of(inputs, ref_logps=None):
+def _rollouts_of(inputs, with_ref=True):
     mask = inputs["completion_mask"].numpy().astype(np.int32)
     ids = np.concatenate([inputs["prompt_ids"].numpy(), inputs["completion_ids"].numpy()], 1)
-    ref = inputs["ref_per_token_logps"].numpy() if ref_logps is None else ref_logps
+    ref = inputs["ref_per_token_logps"].numpy() if with_ref else None
     return Rollouts(ids.astype(np.int32), inputs["prompt_mask"].numpy().astype(np.int32),
-                    mask, inputs["advantages"].numpy(), inputs["old_per_token_logps"].numpy(),
-                    ref, np.full(len(mask), mask.sum(), np.float32))
+                    mask, inputs["advantages"].numpy(), np.full(len(mask), mask.sum(),
+                                                                np.float32),
+                    old_logps=inputs["old_per_token_logps"].numpy(), ref_logps=ref)
 
 
 def test_the_objective_on_a_mesh_with_the_reference_on_the_fly_equals_trl(
@@ -244,7 +245,7 @@ def test_the_objective_on_a_mesh_with_the_reference_on_the_fly_equals_trl(
     cfg = small_config("llama", **SHAPE, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
     setup, state = import_hf(cfg, hf_dir, tmp_path / "mesh", devices)
     inputs = _inputs(trainer)
-    rollouts = _rollouts_of(inputs, np.zeros(inputs["completion_mask"].shape, np.float32))
+    rollouts = _rollouts_of(inputs, with_ref=False)
     with jax.set_mesh(one.mesh):
         ref = jax.jit(rollout_logps, static_argnums=(1, 3))(
             one_state.params, one.graphdef, rollouts, TEMPERATURE)
@@ -266,6 +267,25 @@ def test_the_objective_on_a_mesh_with_the_reference_on_the_fly_equals_trl(
         np.testing.assert_allclose(float(ours[name]), value, rtol=1e-5, atol=1e-7,
                                    err_msg=name)
     assert theirs["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference is the policy
+
+
+def test_on_policy_rollouts_without_old_logps_equal_trl(sides):
+    """old_logps None: the ratio is 1 with the policy's gradient (TRL's
+    per_token_logps.detach() when it has no old_per_token_logps), and nothing clips."""
+    trainer, setup, state = sides
+    inputs = _inputs(trainer)
+    rollouts = _rollouts_of(inputs)._replace(old_logps=None)
+    del inputs["old_per_token_logps"]
+    settings = LossSettings(loss_type="grpo", beta=0.04)
+    loss, norm, theirs = _trl_loss(trainer, inputs, settings)
+    with jax.set_mesh(setup.mesh):
+        (ours_loss, ours), grads = jax.jit(jax.value_and_grad(
+            lambda p: grpo_objective(p, setup.graphdef, rollouts, settings, TEMPERATURE),
+            has_aux=True))(state.params)
+    np.testing.assert_allclose(float(ours_loss), loss, rtol=1e-5)
+    np.testing.assert_allclose(float(optax.tree.norm(grads)), norm, rtol=1e-5)
+    np.testing.assert_allclose(float(ours["kl"]), theirs["kl"], rtol=1e-5)
+    assert float(ours["clip_ratio/region_mean"]) == theirs["clip_ratio/region_mean"] == 0.0
 
 
 def torch_tensor(array):

@@ -1,8 +1,8 @@
 """The engine's rollouts (token-id lists) and their texts -> one Rollouts batch, on the
 host: rewards scored, advantages computed, prompts left-padded and completions
 right-padded as TRL pads them, truncated completions masked (DAPO), and the step's token
-count. The sampling-time and reference log-probabilities are filled in on the device
-afterwards (objective.rollout_logps), or taken from the engine."""
+count. Sampling-time and reference log-probabilities, where needed, are filled in on the
+device afterwards (objective.rollout_logps), or taken from the engine."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def padded(rows: Sequence[Sequence[int]], width: int, pad_id: int, left: bool
 def rollout_batch(prompt_ids, completion_ids, advantages_N, pad_id: int, stop_ids=(),
                   mask_truncated: bool = False, prompt_width: int | None = None,
                   completion_width: int | None = None) -> Rollouts:
-    """Rollouts of N completions (old_logps and ref_logps zeros, to be filled in).
+    """Rollouts of N completions (old_logps and ref_logps None: on-policy and no reference
+    log-probs; fill them in with rollout_logps where needed).
     Widths default to the longest row (give fixed ones to keep one compiled shape);
     mask_truncated: zero the mask of completions whose last token is not in stop_ids
     (TRL's mask_truncated_completions: the EOS ids, and pad_id)."""
@@ -43,9 +44,8 @@ def rollout_batch(prompt_ids, completion_ids, advantages_N, pad_id: int, stop_id
         stops = set(stop_ids) | {pad_id}
         cut_N = np.asarray([len(c) == 0 or c[-1] not in stops for c in completion_ids])
         mask = mask * ~cut_N[:, None]
-    zeros = np.zeros(mask.shape, np.float32)
     return Rollouts(np.concatenate([prompts, completions], 1), prompt_mask, mask,
-                    np.asarray(advantages_N, np.float32), zeros, zeros,
+                    np.asarray(advantages_N, np.float32),
                     np.full(len(mask), mask.sum(), np.float32))
 
 

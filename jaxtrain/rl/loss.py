@@ -85,6 +85,9 @@ def grpo_loss(logp_BT, old_logp_BT, ref_logp_BT, mask_BT, advantages_B,
     per_token_BT = _surrogate(ratio_BT, advantages_B1, logp_BT, s)
     kl_BT = None
     if s.beta != 0.0:
+        if ref_logp_BT is None:
+            fail("train.grpo.beta", s.beta, "a KL penalty needs the reference's log-probs: "
+                 "give them, or a reference to compute them (or beta=0)")
         delta_BT = ref_logp_BT - logp_BT
         kl_BT = jnp.exp(delta_BT) - delta_BT - 1
         if s.kl_bias_correction:  # the unbiased reverse-KL gradient (DeepSeek-V3.2)

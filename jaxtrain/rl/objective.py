@@ -27,13 +27,17 @@ class Rollouts(NamedTuple):
     prompt_mask: jax.Array  # int32 [B, P]: 1 on the prompt's tokens
     completion_mask: jax.Array  # int32 [B, T]: the tokens the loss counts (truncation_mask'd)
     advantages: jax.Array  # float32 [B] (advantages.group_advantages)
-    old_logps: jax.Array  # float32 [B, T]: the policy's at sampling time (rollout_logps)
-    # float32 [B, T]: the reference's, computed at rollout time; or zeros when the loss
-    # computes them on the fly from the reference parameters (grpo_objective's `reference`)
-    ref_logps: jax.Array
     # float32 [B]: the step's active-token count over all its rows (all micro-batches),
     # repeated per row: dapo and cispo divide by it (TRL's num_items_in_batch)
     num_items: jax.Array
+    # float32 [B, T]: the policy's at sampling time (the engine's, or rollout_logps at the
+    # step that sampled them); None: on-policy, the policy's own without gradient (TRL
+    # with num_iterations=1, where old == current), no extra forward pass
+    old_logps: jax.Array | None = None
+    # float32 [B, T]: the reference's, computed at rollout time (rollout_logps); None: the
+    # loss computes them from the reference parameters (grpo_objective's `reference`), or
+    # beta is 0
+    ref_logps: jax.Array | None = None
 
 
 def _scores(params, graphdef, r: Rollouts, temperature: float):
@@ -59,7 +63,8 @@ def grpo_objective(params: dict, graphdef: nnx.GraphDef, rollouts: Rollouts,
     """(the loss plus an MoE model's router losses, metrics: `loss` the policy loss when a
     penalty is added, TRL's names otherwise). With settings.beta > 0 and `reference`
     given (LoRA's frozen base or the frozen copy), the reference's log-probabilities are
-    computed here under stop_gradient; without it, rollouts.ref_logps are used.
+    computed here under stop_gradient; without it, rollouts.ref_logps are used (the loss
+    refuses None then).
 
     microbatches: how many micro-batches of equal rows the step averages (rows: every
     loss type's micro-batches weigh equally, as TRL's accumulation). dapo and cispo then
