@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtrain.errors import fail
 from jaxtrain.mesh import constrain
 from jaxtrain.models.head_loss import (
     _head_axes,
@@ -33,6 +34,9 @@ def completion_logps(params: dict, graphdef: nnx.GraphDef, ids_BS, completion_le
     segments_BS / positions_BS: rollout_layout's, where prompts are left-padded;
     temperature: the sampling temperature the logits are divided by (TRL's)."""
     model = nnx.merge(graphdef, params)
+    if model.spec.context is not None:  # its rows would need the zig-zag layout (not here)
+        fail("mesh.context", model.spec.context.size, "RL rollouts are scored in their own "
+             "order: train.objective=grpo runs with mesh.context=1 for now")
     head, vocab_major = model.head_as_stored()
     inputs_BL, targets_BL = ids_BS[:, :-1], ids_BS[:, 1:]
     documents = () if segments_BS is None else (segments_BS[:, :-1], positions_BS[:, :-1])
