@@ -160,6 +160,10 @@ CASES = {  # name: (TRL GRPOConfig's settings, mask_truncated_completions)
     "cispo": (dict(loss_type="cispo", beta=0.04, epsilon=0.2, epsilon_high=1.1), False),
     "gspo": (dict(loss_type="grpo", beta=0.04, epsilon=0.05, epsilon_high=0.1,
                   importance_sampling_level="sequence"), False),
+    "sapo": (dict(loss_type="sapo", beta=0.04, sapo_temperature_pos=1.0,
+                  sapo_temperature_neg=1.5), False),
+    "luspo": (dict(loss_type="luspo", beta=0.04, epsilon=0.05, epsilon_high=0.1,
+                   importance_sampling_level="sequence"), False),
     "dapo-delta-no-kl": (dict(loss_type="dapo", beta=0.0, epsilon=0.2, epsilon_high=0.28,
                               delta=1.4), False),
     "bnpo-truncated": (dict(loss_type="bnpo", beta=0.04, epsilon=0.2, epsilon_high=0.28),
@@ -176,6 +180,8 @@ def _trl_loss(trainer, inputs, settings):
     trainer.beta = settings.beta
     trainer.epsilon_low, trainer.epsilon_high = settings.epsilon, settings.high
     trainer.args.delta = settings.delta
+    trainer.args.sapo_temperature_pos = settings.sapo_temperature_pos
+    trainer.args.sapo_temperature_neg = settings.sapo_temperature_neg
     trainer._metrics["train"].clear()
     trainer.model.zero_grad()
     loss = trainer._compute_loss(trainer.model, inputs)

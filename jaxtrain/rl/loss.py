@@ -5,7 +5,9 @@ Per token, with ratio r = exp(logp - old_logp) (old: the sampling-time policy's)
 completion's advantage A:
 - grpo, bnpo, dr_grpo, dapo: −min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A), r first capped
   at `delta` when set (INTELLECT-2's two-sided clip);
-- cispo: −sg(min(r, ε_high))·A·logp (ε_high is then the ratio's cap itself, ~5).
+- cispo: −sg(min(r, ε_high))·A·logp (ε_high is then the ratio's cap itself, ~5);
+- sapo: −σ(τ·(r − 1))·4/τ·A, τ = sapo_temperature_pos where A > 0 else _neg (a soft
+  gate instead of the clip: SAPO).
 With importance_sampling_level='sequence' (GSPO) r is one per completion: exp of the
 masked mean of the log-ratios. With beta > 0 the k3 estimate of KL(π‖π_ref),
 exp(ref − logp) − (ref − logp) − 1, times r when kl_bias_correction (TRL's
@@ -16,7 +18,9 @@ Normalisations over the completion mask M:
 - bnpo: the sum over the batch / the batch's token count;
 - dr_grpo: the sum / (B · max_completion_length), a constant;
 - dapo, cispo: the sum / the active tokens of the global batch (`num_items`; by default
-  this batch's own count: pass the whole step's when this batch is one micro-batch of it).
+  this batch's own count: pass the whole step's when this batch is one micro-batch of it);
+- sapo: as grpo; luspo: each completion's sum (its length times its mean: LUSPO, meant
+  with importance_sampling_level='sequence'), then the mean over completions.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ import jax.numpy as jnp
 
 from jaxtrain.errors import fail
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
 LEVELS = ("token", "sequence")
-CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")  # the PPO-style clip (cispo caps instead)
+# the PPO-style clip (cispo caps the ratio instead, sapo gates it softly)
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +49,8 @@ class LossSettings:
     delta: float | None = None
     kl_bias_correction: bool = True
     max_completion_length: int | None = None  # dr_grpo's constant
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
 
     def __post_init__(self):
         key = "train.grpo"
@@ -56,6 +63,10 @@ class LossSettings:
             fail(f"{key}.epsilon", (self.epsilon, self.epsilon_high), "clip widths are >= 0")
         if self.beta < 0:
             fail(f"{key}.beta", self.beta, "the KL coefficient is >= 0 (0: no reference)")
+        if min(self.sapo_temperature_pos, self.sapo_temperature_neg) <= 0:
+            fail(f"{key}.sapo_temperature_pos",
+                 (self.sapo_temperature_pos, self.sapo_temperature_neg),
+                 "sapo's gate temperatures (pos, neg) are > 0")
         if self.loss_type == "dr_grpo" and not (self.max_completion_length or 0) > 0:
             fail(f"{key}.max_completion_length", self.max_completion_length,
                  "loss_type='dr_grpo' divides by batch · max_completion_length: give it (> 0)")
@@ -104,6 +115,9 @@ def _surrogate(ratio_BT, advantages_B1, logp_BT, s: LossSettings):
     if s.loss_type == "cispo":  # REINFORCE on logp, weighted by the capped, frozen ratio
         capped_BT = jax.lax.stop_gradient(jnp.minimum(ratio_BT, s.high))
         return -capped_BT * advantages_B1 * logp_BT
+    if s.loss_type == "sapo":
+        tau_B1 = jnp.where(advantages_B1 > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
+        return -jax.nn.sigmoid(tau_B1 * (ratio_BT - 1)) * 4 / tau_B1 * advantages_B1
     clipped_BT = jnp.clip(ratio_BT, 1 - s.epsilon, 1 + s.high)
     if s.delta is not None:  # the unclipped side capped too (after the clip is taken)
         ratio_BT = jnp.minimum(ratio_BT, s.delta)
@@ -111,8 +125,10 @@ def _surrogate(ratio_BT, advantages_B1, logp_BT, s: LossSettings):
 
 
 def _normalised(masked_BT, mask_BT, s: LossSettings, num_items):
-    if s.loss_type == "grpo":
+    if s.loss_type in ("grpo", "sapo"):
         return (masked_BT.sum(-1) / jnp.maximum(mask_BT.sum(-1), 1.0)).mean()
+    if s.loss_type == "luspo":
+        return masked_BT.sum(-1).mean()
     if s.loss_type == "bnpo":
         return masked_BT.sum() / jnp.maximum(mask_BT.sum(), 1.0)
     if s.loss_type == "dr_grpo":
@@ -140,6 +156,8 @@ def _metrics(ratio_BT, advantages_B1, mask_BT, kl_BT, entropy_BT, s: LossSetting
     if entropy_BT is not None:
         metrics["entropy"] = global_mean(jax.lax.stop_gradient(entropy_BT))
     ratio_BT = jax.lax.stop_gradient(ratio_BT)
+    if s.loss_type == "sapo":  # no clip to count
+        return metrics
     if s.loss_type == "cispo":
         capped = (ratio_BT > s.high) & (advantages_B1 > 0)
         metrics["cispo_clip_ratio"] = global_mean(capped.astype(jnp.float32))
