@@ -8,10 +8,13 @@ successors), apart from the engine that produces the rollouts.
   (scale_rewards group / batch / none), as TRL's GRPOTrainer computes them; DAPO's dynamic
   sampling (drop the groups whose rewards are all equal).
 - loss.py: the clipped surrogate per token and its normalisations (loss_type grpo, bnpo,
-  dr_grpo, dapo, cispo; GSPO by importance_sampling_level='sequence'), the k3 KL penalty
-  against a reference, and TRL's metrics; a pure jnp function of [B, T] log-probabilities.
+  dr_grpo, dapo, cispo, sapo, luspo; GSPO by importance_sampling_level='sequence'), the
+  k3 KL penalty against a reference, and TRL's metrics; a pure jnp function of [B, T]
+  log-probabilities.
 - logps.py: the per-token log-probabilities (and entropies) of completions under the model,
   chunked over the sequence like the DPO objective's (models/head_loss.py).
+- batch.py, objective.py: the engine's rollouts -> a Rollouts batch (padding, truncation
+  masks, advantages, the step's token count) -> the step's loss (grpo_objective).
 
 Everything is checked against TRL 1.16's GRPOTrainer itself (tests/test_grpo_loss.py).
 """
