@@ -240,6 +240,7 @@ def _rollouts_of(inputs, with_ref=True):
                     old_logps=inputs["old_per_token_logps"].numpy(), ref_logps=ref)
 
 
+@pytest.mark.slow
 def test_the_objective_on_a_mesh_with_the_reference_on_the_fly_equals_trl(
         sides, hf_dir, tmp_path, devices):
     """grpo_objective on 8 devices (data 2 x fsdp 2 x tensor 2), the reference's
@@ -300,6 +301,7 @@ def torch_tensor(array):
     return torch.from_numpy(array)
 
 
+@pytest.mark.slow
 def test_micro_batches_average_to_the_whole_batch(sides):
     """Two micro-batches of rows (i, i + 2, ...), the step's mean of their losses and
     gradients, give the whole batch's: dapo's normaliser is the step's token count (grpo's

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxtrain.errors import DataError
 from jaxtrain.rl.advantages import group_advantages, weighted_rewards
 from jaxtrain.rl.objective import Rollouts
 from jaxtrain.rl.rewards import Reward, score
@@ -38,6 +39,12 @@ def rollout_batch(prompt_ids, completion_ids, advantages_N, pad_id: int, stop_id
     (TRL's mask_truncated_completions: the EOS ids, and pad_id)."""
     p_width = prompt_width or max(len(p) for p in prompt_ids)
     c_width = completion_width or max(max(len(c) for c in completion_ids), 1)
+    for what, rows, width in (("prompt", prompt_ids, p_width),
+                              ("completion", completion_ids, c_width)):
+        longest = max(len(row) for row in rows)
+        if longest > width:
+            raise DataError(f"a {what} of {longest} tokens does not fit the {what} width "
+                            f"{width} of the rollout batch")
     prompts, prompt_mask = padded(prompt_ids, p_width, pad_id, left=True)
     completions, mask = padded(completion_ids, c_width, pad_id, left=False)
     if mask_truncated:
