@@ -12,21 +12,13 @@ corrupted one, with new LoRA adapters: the merged model, frozen, is the referenc
     jaxtrain train --config configs/stdlib_dpo.py
 """
 
-import importlib.util
 import pathlib
 
-
-def base():
-    """configs/stdlib_bpe.py's config: the model shape both runs share."""
-    path = pathlib.Path(__file__).with_name("stdlib_bpe.py")
-    spec = importlib.util.spec_from_file_location("stdlib_bpe", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+from jaxtrain.config import load_config_file
 
 
 def get_config():
-    c = base()
+    c = load_config_file(pathlib.Path(__file__).with_name("stdlib_bpe.py"))
     c.name = "stdlib_dpo"
     c.steps = 60
     c.log_every_steps = 10

@@ -10,21 +10,13 @@ corpus, trained on the answers only; a few minutes on a laptop CPU.
     jaxtrain train --config configs/stdlib_sft.py
 """
 
-import importlib.util
 import pathlib
 
-
-def base():
-    """configs/stdlib_bpe.py's config: the model the adapters fine-tune."""
-    path = pathlib.Path(__file__).with_name("stdlib_bpe.py")
-    spec = importlib.util.spec_from_file_location("stdlib_bpe", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+from jaxtrain.config import load_config_file
 
 
 def get_config():
-    c = base()
+    c = load_config_file(pathlib.Path(__file__).with_name("stdlib_bpe.py"))
     c.name = "stdlib_sft"
     c.steps = 150
     c.eval_every_steps = 50

@@ -9,22 +9,16 @@ sigmoid router is balanced by its correction bias (γ = 0.001), with no aux loss
 docs/benchmarks.md compares the two (scripts/moe_tiny_compare.py).
 """
 
-from jaxtrain.config import base_config
+import pathlib
+
+from jaxtrain.config import load_config_file
 
 
 def get_config():
-    c = base_config()
+    c = load_config_file(pathlib.Path(__file__).with_name("tiny.py"))
     c.name = "tiny_deepseek"
-    c.steps = 500
-    c.log_every_steps = 5
-    c.eval_every_steps = 100
     c.model.family = "deepseek_v3"
-    c.model.d_model = 128
-    c.model.num_layers = 4
-    c.model.num_heads = 4
     c.model.mlp_dim = 512  # the dense first layer
-    c.model.vocab_size = 256
-    c.model.seq_len = 128
     c.model.mla.kv_lora_rank = 64
     c.model.mla.q_lora_rank = 64
     c.model.mla.qk_nope_head_dim = 16
@@ -41,9 +35,4 @@ def get_config():
     c.model.moe.bias_update_rate = 0.001
     c.model.moe.aux_loss_weight = 0.0
     c.model.moe.z_loss_weight = 0.0
-    c.train.global_batch = 32
-    c.optimizer.lr = 3e-3
-    c.optimizer.warmup_steps = 50
-    c.optimizer.weight_decay = 0.1
-    c.checkpoint.every_steps = 200
     return c

@@ -2,24 +2,13 @@
 (RMSNorm, SwiGLU, RoPE, GQA, per-head q/k RMSNorm): the docs' CPU example of a family made
 of parts (docs/architecture.md)."""
 
-from jaxtrain.config import base_config
+import pathlib
+
+from jaxtrain.config import load_config_file
 
 
 def get_config():
-    c = base_config()
-    c.steps = 500
-    c.log_every_steps = 5
-    c.eval_every_steps = 100
-    c.model.d_model = 128
-    c.model.num_layers = 4
-    c.model.num_heads = 4
-    c.model.vocab_size = 256
-    c.model.seq_len = 128
-    c.train.global_batch = 32
-    c.optimizer.lr = 3e-3
-    c.optimizer.warmup_steps = 50
-    c.optimizer.weight_decay = 0.1
-    c.checkpoint.every_steps = 200
+    c = load_config_file(pathlib.Path(__file__).with_name("tiny.py"))
     c.name = "tiny_qwen3"
     c.model.family = "qwen3"
     c.model.num_kv_heads = 2

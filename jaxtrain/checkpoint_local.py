@@ -83,10 +83,11 @@ class LocalCheckpoints(Checkpoints, where="local"):
 
     # Saving
 
-    def save(self, step: int, tree: dict, config: dict) -> None:
+    def save(self, step: int, tree: dict, config: dict, last: bool = False) -> None:
         """Starts an async save of a pytree of arrays (the train state's tree()), the run's
         config and the tree's fingerprints (the device-to-host copy happens before this
-        returns)."""
+        returns). `last` (the run's final save) changes nothing on a disk."""
+        del last
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(tree), config=ocp.args.JsonSave(config),
             sums=ocp.args.JsonSave({"sum_of_squares": tree_sums(tree),

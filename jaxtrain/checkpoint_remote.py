@@ -16,13 +16,16 @@ only the pieces its devices need, checks each against its xxh3, and combines the
 verdicts: a damaged step is set aside whole (`<DIR>_damaged/<step>-<time>`, never deleted)
 on every process together, and the next older one is tried. Every request is under the one
 retry policy (retry.py); a store lost past its budget is a one-line error at a restore, and
-a logged line at a save (the run goes on; the step is not committed).
+a logged line at a save (the run goes on; the step is not committed). The run's last save is
+the exception (in a one-process job): there is no later step to save instead, so it is tried
+again until the store answers, up to $JAXTRAIN_STORAGE_FINAL_S (outbox.py), saying so.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -34,6 +37,7 @@ from jaxtrain import checkpoint_shards, retry, storage
 from jaxtrain.checkpoint_tier import Checkpoints
 from jaxtrain.errors import CheckpointError, JaxtrainError
 from jaxtrain.fingerprints import tree_bits, tree_sums
+from jaxtrain.outbox import FINAL_ENV, FINAL_S, retry_pause_s
 
 _uses: collections.Counter = collections.Counter()  # coordination keys: one name per use
 
@@ -87,28 +91,41 @@ class RemoteCheckpoints(Checkpoints, where="remote"):
 
     # Saving
 
-    def save(self, step: int, tree: dict, config: dict) -> None:
+    def save(self, step: int, tree: dict, config: dict, last: bool = False) -> None:
         """Starts a save: the shards and the fingerprints are copied to the host before
-        this returns, and written on the background thread."""
+        this returns, and written on the background thread. `last`: the run's final save,
+        patient with a store that does not answer (module docstring)."""
         self._raise_failure()
         sums = {"sum_of_squares": tree_sums(tree), "bit_sums": tree_bits(tree)}
         host = checkpoint_shards.host_copy(tree)
         tag = _tag("save", self.url, step)
+        # Patience only where no other process must try again in step with this one.
+        patient_s = retry.seconds(FINAL_ENV, FINAL_S) \
+            if last and jax.process_count() == 1 else None
         self._pending.append(self._executor.submit(
-            self._write, step, host, {"config": config, "sums": sums}, tag))
+            self._write, step, host, {"config": config, "sums": sums}, tag, patient_s))
 
-    def _write(self, step: int, host, marker: dict, tag: str) -> None:
+    def _write(self, step: int, host, marker: dict, tag: str,
+               patient_s: float | None = None) -> None:
         problem = None
-        try:
-            marker = {**marker, "healthy": step in self.healthy}
-            problem = checkpoint_shards.write(self._path(step), host, marker, tag)
-        except retry.Unreachable as e:
-            problem = e.reason
-        except JaxtrainError as e:
-            self._failure = e  # raised by the next save or wait
-            return
-        except Exception as e:  # noqa: BLE001 - an answer not foreseen: the run goes on
-            problem = storage.first_line(e)
+        marker = {**marker, "healthy": step in self.healthy}
+        deadline = time.monotonic() + (patient_s or 0.0)
+        watching = retry.watch(f"saving checkpoint step {step} to {self.directory}", self.log,
+                               going_on=lambda: f"waiting up to {patient_s:g}s (${FINAL_ENV})")
+        with watching if patient_s else contextlib.nullcontext():
+            while True:
+                try:
+                    problem = self._write_once(step, host, marker, tag)
+                except retry.Unreachable as e:
+                    problem = e.reason
+                    if time.monotonic() < deadline:
+                        time.sleep(retry_pause_s())
+                        tag = _tag("save", self.url, step)
+                        continue
+                except JaxtrainError as e:
+                    self._failure = e  # raised by the next save or wait
+                    return
+                break
         if problem is not None:
             self.log(f"jaxtrain: checkpoint step {step} could not be saved to "
                      f"{self.directory}: {problem}; the run goes on without it")
@@ -117,6 +134,15 @@ class RemoteCheckpoints(Checkpoints, where="remote"):
                               "processes": jax.process_count(), **marker}
         if self.on_commit is not None:
             self.on_commit(step)
+
+    def _write_once(self, step: int, host, marker: dict, tag: str) -> str | None:
+        """What went wrong with one try of a save (None: committed)."""
+        try:
+            return checkpoint_shards.write(self._path(step), host, marker, tag)
+        except (retry.Unreachable, JaxtrainError):
+            raise
+        except Exception as e:  # noqa: BLE001 - an answer not foreseen: the run goes on
+            return storage.first_line(e)
 
     def wait(self) -> None:
         """Blocks until every started save is committed (or has failed, said in a line)."""

@@ -42,6 +42,19 @@ class LeaseLost(JaxtrainError, RuntimeError):
     exit_code = IN_USE
 
 
+class StoreUnavailable(JaxtrainError, RuntimeError):
+    """The store did not take what the run had to write (past the outbox's bound, or past
+    the final wait): one line naming where it was kept instead, exit code IN_USE (75,
+    EX_TEMPFAIL: the launchers try again later)."""
+    exit_code = IN_USE
+
+
+class LeaseUnconfirmed(TimeoutError):
+    """The store has not answered this run's lease for longer than the takeover time: a
+    write waits (a transient error, which the one retry policy tries again) until the lease
+    is read back as this run's and renewed, or is found taken over (LeaseLost)."""
+
+
 def fail(key: str, value, valid: str) -> None:
     """Raises ConfigError('KEY=VALUE is invalid: VALID')."""
     raise ConfigError(f"{key}={value!r} is invalid: {valid}")

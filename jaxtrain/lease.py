@@ -15,9 +15,18 @@ cut off). A taker deletes the stale lease only if it is still the object it judg
 takers exactly one wins, and the other is refused by the lease the winner wrote.
 
 Fencing: every write of the run to the workdir asks `Lease.check` first (storage.fence),
-which refuses (LeaseLost, exit 75) once the lease was taken over or went unconfirmed past
-the takeover time, and reads it again when it went unconfirmed for half of it (a paused
-process), so a holder resumed after a takeover stops before it writes.
+which refuses (LeaseLost, exit 75) once the lease was taken over, and reads it again when it
+went unconfirmed for half the takeover time (a paused process), so a holder resumed after a
+takeover stops before it writes.
+
+A store that does not answer is not a takeover. While the lease cannot be read, nobody else
+can take it either; a lease unconfirmed past the takeover time only holds the run's writes
+back (LeaseUnconfirmed, which the retry policy tries again) and training goes on. Once the
+store answers, a lease that is still the object this run last wrote (its holder id; the
+rewrite is conditional on the version read, S3 If-Match, GCS ifGenerationMatch) is renewed
+and the writes go out; one that another run wrote stops the run (LeaseLost). Only a store
+without conditional writes still counts an unconfirmed lease as lost past the takeover time:
+there a blind rewrite could land over a taker's lease.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import time
 import uuid
 
 from jaxtrain import retry, storage
-from jaxtrain.errors import ConfigError, LeaseLost, WorkdirBusy
+from jaxtrain.errors import ConfigError, LeaseLost, LeaseUnconfirmed, WorkdirBusy
 
 LEASE_FILE = ".lock"
 HEARTBEAT_S = 30.0
@@ -93,11 +102,15 @@ class _Heartbeat:
                 if self._stop.is_set():
                     return
                 try:
+                    confirmed = self._confirmed
                     if not self._renew():
                         return
+                    if failing and self._confirmed > confirmed:
+                        self.say(f"jaxtrain: renewed the lease {self.path}: the store answers "
+                                 "again and the lease is still this run's")
                     failing = False
                 except Exception as e:  # the store unreachable: try again next beat
-                    if self._overdue():
+                    if self._unconfirmed_is_lost() and self._overdue():
                         return
                     if not failing:
                         self.say(f"jaxtrain: could not renew the lease {self.path} "
@@ -121,15 +134,20 @@ class _Heartbeat:
         if not conditional and time.monotonic() - self._confirmed > RENEW_WITHIN * self.stale_s:
             return not self._overdue()  # too late to write blind: the next beat judges
         blob = self._blob()
-        # Cut off where a blind write would no longer be safe: no heartbeat lands late.
-        left = max(RENEW_WITHIN * self.stale_s - (time.monotonic() - self._confirmed), 0.1)
-        if conditional:
-            if not storage.put_if_match(self.path, blob, seen.version, left):
+        if conditional:  # safe however late: the store refuses it over another's write
+            if not storage.put_if_match(self.path, blob, seen.version, self.stale_s / 4):
                 return True  # changed since read: the next beat reads who holds it
         else:
+            # Cut off where a blind write would no longer be safe: no heartbeat lands late.
+            left = max(RENEW_WITHIN * self.stale_s - (time.monotonic() - self._confirmed), 0.1)
             storage.put(self.path, blob, budget=left, versioned=False)
         self._confirmed = began
         return True
+
+    def _unconfirmed_is_lost(self) -> bool:
+        """Whether a lease unconfirmed past the takeover time counts as lost: only on a store
+        without conditional writes (module docstring)."""
+        return not storage.conditional_writes(self.path)
 
     def _overdue(self) -> bool:
         """True (and `lost` set, said once) when the lease has not been confirmed for longer
@@ -152,7 +170,9 @@ class _Heartbeat:
         line) when the lease was lost; when it was not confirmed within stale_s / 2 (this
         process was paused, its heartbeat late), or `confirm` (the store refused a write
         conditional on this run's last version: storage.VersionedWrites), it is read and
-        renewed first, so a holder resumed after a takeover stops before it writes."""
+        renewed first, so a holder resumed after a takeover stops before it writes. A store
+        that does not answer lets the write through within the takeover time, and holds it
+        back after that (LeaseUnconfirmed: the writer tries again) until the lease is read."""
         if path is not None and not str(path).startswith(f"{self.workdir}/"):
             return
         if str(path) == str(self.path):
@@ -162,8 +182,14 @@ class _Heartbeat:
             with self._mutex:
                 try:
                     self._renew()
-                except Exception:  # noqa: BLE001 - unreachable: judged by the time alone
-                    self._overdue()
+                except Exception as e:  # noqa: BLE001 - unreachable: judged by the time
+                    if self._unconfirmed_is_lost():
+                        self._overdue()
+                    elif time.monotonic() - self._confirmed > self.stale_s:
+                        raise LeaseUnconfirmed(
+                            f"the lease {self.path} has not been confirmed for "
+                            f"{time.monotonic() - self._confirmed:.0f}s "
+                            f"({storage.first_line(e)}); the write waits for the store") from e
         if self.lost.is_set():
             raise LeaseLost(f"--workdir={self.workdir}: {self.lost_reason}; stopped before "
                             "writing")

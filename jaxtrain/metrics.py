@@ -82,15 +82,17 @@ class MetricsWriter:
     as metrics.sinks says) and the progress bar, on process 0."""
 
     def __init__(self, workdir: pathlib.Path, total_steps: int, start_step: int,
-                 enabled: bool = True, cfg=None):
-        """cfg: the run's config, for metrics.sinks (None: metrics.jsonl and TensorBoard)."""
+                 enabled: bool = True, cfg=None, outbox=None):
+        """cfg: the run's config, for metrics.sinks (None: metrics.jsonl and TensorBoard);
+        outbox: the run's writer thread for a remote workdir (outbox.py; None: the sinks'
+        own)."""
         self.enabled = enabled
         self.bar = None
         self.sinks: list = []
         if not enabled:
             return
         names = sinks.sink_names(cfg) if cfg is not None else ("jsonl", "tensorboard")
-        self.sinks = sinks.open_sinks(workdir, cfg, start_step, names)
+        self.sinks = sinks.open_sinks(workdir, cfg, start_step, names, outbox)
         self.bar = tqdm.tqdm(total=total_steps, initial=start_step, unit="step",
                              dynamic_ncols=True, mininterval=1.0)
 

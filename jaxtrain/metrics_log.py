@@ -16,17 +16,18 @@ the highest listed, by conditional create (S3 `If-None-Match: *`, GCS `ifGenerat
 so two writers never share one, and a run resumed after another gets a higher one. Other
 objects under metrics/ are ignored.
 
-When rows are durable: a writer (MetricsLog) keeps rows in memory and hands them to its
-writer thread at the first row logged `flush_s` seconds (60) after the last flush, on
-flush() and on close(); the thread writes each flush as one segment under the one retry
-policy (retry.py), so the training thread never waits on the store. The loop flushes before
-every checkpoint save (train/checkpointing.py), so the rows up to a checkpoint's step are on
-their way before it commits; a killed run loses only the rows not stored yet, which its
-resume logs again from its checkpoint's step. An outage within the retry budget costs no
-row; a longer one is one line, and its rows go out with the next segment (or are named at
-close). A stall is said while it lasts. Requests: at most 3600 / flush_s PUTs an hour (60 at
-the default), plus one per checkpoint save that has rows to write and one LIST when a
-session writes its first segment; reading is one LIST and a GET per segment.
+When rows are durable: a writer (MetricsLog) keeps rows in memory and hands them to the
+run's outbox (outbox.py) at the first row logged `flush_s` seconds (60) after the last
+flush, on flush() and on close(); its thread writes each flush as one segment under the one
+retry policy (retry.py), so the training thread never waits on the store. The loop flushes
+before every checkpoint save (train/checkpointing.py), so the rows up to a checkpoint's step
+are on their way before it commits; a killed run loses only the rows not stored yet, which
+its resume logs again from its checkpoint's step. An outage within the retry budget costs no
+row; a longer one is one line, its rows wait in memory (bounded: outbox.py) and go out in
+order when the store answers, or, at the end of a run the store never answered, are kept on
+the scratch disk and named. A stall is said while it lasts. Requests: at most 3600 / flush_s
+PUTs an hour (60 at the default), plus one per checkpoint save that has rows to write and one
+LIST when a session writes its first segment; reading is one LIST and a GET per segment.
 
 A resume (keep_metrics_up_to) rewrites the log without rename, in two phases: (1) a base
 segment, the first of a new session S, holds the kept rows after the header line
@@ -39,12 +40,14 @@ exactly once; the next resume deletes what (2) left.
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 import sys
 import threading
 import time
 
 from jaxtrain import retry, storage
+from jaxtrain.outbox import Job, Outbox
 from jaxtrain.workdir import METRICS_DIR as SEGMENTS_DIR
 from jaxtrain.workdir import METRICS_FILE
 
@@ -99,16 +102,16 @@ def keep_metrics_up_to(workdir, step: int, say=print) -> None:
 class MetricsLog:
     """The writer of a run's metrics log: write(row) per row, flush() to make the rows so
     far durable, close() at the end. Local rows are on disk when write returns. Remote ones
-    are kept and written as one segment per flush by a background thread (SegmentWriter):
-    the training thread never waits on the store."""
+    are kept and handed, one segment per flush, to the run's outbox (outbox.py: its writer
+    thread, or one of the log's own): the training thread never waits on the store."""
 
-    def __init__(self, workdir, flush_s: float = FLUSH_S, say=None):
+    def __init__(self, workdir, flush_s: float = FLUSH_S, say=None, outbox=None):
         self.file = None
         self.segments = None
         if storage.on_disk(workdir):  # appended to; an object store has no append
             self.file = open(location(workdir), "ab", buffering=0)
         else:
-            self.segments = SegmentWriter(location(workdir), flush_s, say or _say)
+            self.segments = SegmentWriter(location(workdir), flush_s, say or _say, outbox)
 
     @property
     def flush_s(self) -> float:
@@ -129,14 +132,14 @@ class MetricsLog:
 
     def flush(self) -> None:
         """Local: nothing to do (every row is in the file). Remote: hands the rows so far to
-        the background writer and returns at once; sync() waits for them."""
+        the outbox and returns at once; sync() waits for them."""
         if self.segments is not None:
             self.segments.flush()
 
     def sync(self, timeout: float | None = None) -> bool:
-        """Waits until every row flushed so far is stored, or its write gave up; False when
-        `timeout` ran out first."""
-        return True if self.segments is None else self.segments.sync(timeout)
+        """Waits until every row flushed so far is stored, or its write was tried for a
+        whole retry budget; False when `timeout` ran out first."""
+        return True if self.segments is None else self.segments.outbox.sync(timeout)
 
     def close(self) -> None:
         if self.file is not None:
@@ -150,104 +153,59 @@ def _say(message: str) -> None:
 
 
 class SegmentWriter:
-    """The remote log's writer thread. Rows wait in memory until a flush hands them over;
-    the thread writes them as one segment under the one retry policy (retry.py): an outage
-    within the budget costs nothing, a stall is said while it lasts (naming the store and
-    how long), and a write that gives up says one line and keeps its rows, which go out
-    with the next segment. Rows stay in order: one thread writes, and a failed segment's
-    rows go back before any newer ones."""
+    """The remote log's rows. They wait in memory until a flush hands them to the outbox as
+    one segment; the outbox writes segments in order under the one retry policy, and keeps
+    one the store does not take (trying it again, the later ones behind it) until the store
+    answers, or the run ends and it is kept on the scratch disk (outbox.py)."""
 
-    def __init__(self, directory, flush_s: float, say):
+    def __init__(self, directory, flush_s: float, say, outbox: Outbox | None = None):
         self.directory, self.flush_s, self.say = directory, flush_s, say
+        self.owns = outbox is None  # a log of its own (the tests, a tool): closed with it
+        self.outbox = Outbox(directory, say) if outbox is None else outbox
         self.lines: list[str] = []  # rows not flushed yet
-        self.batches: list[list[str]] = []  # flushed rows not stored yet, a segment each
         self.session: int | None = None  # taken by the first segment
         self.seq = 0
         self.flushed = time.monotonic()
-        self._cond = threading.Condition()
-        self._asked = self._done = 0  # flushes requested, and finished (stored or given up)
-        self._closing = False
-        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
 
     def write(self, line: str) -> None:
-        with self._cond:
+        with self._lock:
             self.lines.append(line)
         if time.monotonic() - self.flushed >= self.flush_s:
             self.flush()
 
     def flush(self) -> None:
         self.flushed = time.monotonic()
-        with self._cond:
-            if not self.lines:
-                return
-            self.batches.append(self.lines)  # one segment each, in order
-            self.lines = []
-            self._asked += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="jaxtrain-metrics",
-                                                daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
-
-    def sync(self, timeout: float | None = None) -> bool:
-        with self._cond:
-            target = self._asked
-            return self._cond.wait_for(lambda: self._done >= target, timeout)
+        with self._lock:
+            lines, self.lines = self.lines, []
+        if not lines:
+            return
+        blob = "".join(lines)
+        self.outbox.submit(Job(lambda: self._store(blob), f"{len(lines)} metrics rows",
+                               str(self.directory), lambda folder: _keep(folder, blob),
+                               len(blob)))
 
     def close(self) -> None:
-        """Flushes, and waits for the writes to end (each within its retry budget); rows
-        that could not be stored are said in one line."""
+        """Flushes; a log of its own also waits for its outbox (outbox.Outbox.close)."""
         self.flush()
-        with self._cond:
-            if self.batches and self._done >= self._asked:
-                self._asked += 1  # a last try of rows an earlier write gave up on
-            self._closing = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-        left = sum(len(batch) for batch in self.batches)
-        if left:
-            self.say(f"jaxtrain: {left} metrics rows were not stored in {self.directory} "
-                     "(the store did not answer; see above)")
+        if self.owns:
+            self.outbox.close()
 
-    def _run(self) -> None:
-        """Writes the flushed batches in order until one fails; a failed one stays first
-        and is tried again at the next flush (or at close)."""
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._done < self._asked or self._closing)
-                if self._done >= self._asked:
-                    return  # closing, and the last try is over
-                target, batches = self._asked, list(self.batches)
-            for batch in batches:
-                if not self._store("".join(batch)):
-                    break
-                with self._cond:
-                    self.batches.pop(0)
-            with self._cond:
-                self._done = target
-                self._cond.notify_all()
-
-    def _store(self, blob: str) -> bool:
-        """Writes one segment; False (said in one line) when the store did not take it
-        within the retry budget."""
-        rows = blob.count("\n")
-        try:
-            if self.session is None:
-                self.session = _claim(self.directory, blob, say=self.say)
-            else:
-                storage.put(self.directory / _name(self.session, self.seq), blob.encode(),
-                            say=self.say)
-        except Exception as e:  # noqa: BLE001 - said in one line; the rows are kept
-            self.say(f"jaxtrain: could not store {rows} metrics rows in {self.directory} "
-                     f"({_first_line(e)}); they are kept and written with the next segment")
-            return False
+    def _store(self, blob: str) -> None:
+        """Writes one segment (raises when the store did not take it)."""
+        if self.session is None:
+            self.session = _claim(self.directory, blob)
+        else:
+            storage.put(self.directory / _name(self.session, self.seq), blob.encode())
         self.seq += 1
-        return True
 
 
-def _first_line(error: BaseException) -> str:
-    return str(error) if isinstance(error, retry.Unreachable) else storage.first_line(error)
+def _keep(folder: pathlib.Path, blob: str) -> str:
+    """A segment the store never took, as a file of the scratch folder the outbox names."""
+    target = folder / "metrics" / f"unsent-{time.monotonic_ns()}.jsonl"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(blob)
+    return str(target)
 
 
 def _jsonl(rows: list[dict]) -> str:

@@ -80,8 +80,8 @@ def transient(error: BaseException) -> bool:
     return status is not None or type(error).__module__.split(".")[0] in _CLIENT_PACKAGES
 
 
-def seconds(name: str, default: float) -> float:
-    """A positive number of seconds from the environment variable `name`, else `default`;
+def seconds(name: str, default: float, unit: str = "seconds") -> float:
+    """A positive number (of `unit`) from the environment variable `name`, else `default`;
     ConfigError (one line) for anything else."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -91,7 +91,7 @@ def seconds(name: str, default: float) -> float:
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name}={raw}: must be a number of seconds > 0")
+        raise ConfigError(f"{name}={raw}: must be a number of {unit} > 0")
     return value
 
 
@@ -104,9 +104,10 @@ def stall_s() -> float:
 
 
 @contextlib.contextmanager
-def watch(what: str, say, every_s: float | None = None):
+def watch(what: str, say, every_s: float | None = None, going_on=lambda: "training goes on"):
     """While the block runs, says every `every_s` seconds that `what` has waited so long
-    (a stall seen as it happens); nothing when the block ends sooner."""
+    (a stall seen as it happens), and `going_on()`: what the run does meanwhile; nothing
+    when the block ends sooner."""
     every = stall_s() if every_s is None else every_s
     done = threading.Event()
     began = time.monotonic()
@@ -116,7 +117,7 @@ def watch(what: str, say, every_s: float | None = None):
             waited = time.monotonic() - began
             how_long = f"{waited:.0f}s" if waited >= 10 else f"{waited:.1f}s"
             say(f"jaxtrain: {what}: the store has not answered for {how_long}; still trying "
-                "(training goes on)")
+                f"({going_on()})")
 
     thread = threading.Thread(target=report, name="jaxtrain-stall-watch", daemon=True)
     thread.start()

@@ -23,6 +23,7 @@ from typing import Protocol
 from jaxtrain import storage
 from jaxtrain.errors import ConfigError, fail, require_package
 from jaxtrain.metrics_log import MetricsLog
+from jaxtrain.outbox import Job, Outbox
 from jaxtrain.workdir import TENSORBOARD_DIR, WANDB_RUN_FILE
 
 WANDB_MODES = ("online", "offline", "disabled")
@@ -42,8 +43,8 @@ class JsonlSink:
     """The run's metrics log (metrics_log.py: WORKDIR/metrics.jsonl, or segments on object
     storage): one JSON object per row, floats exactly as Python holds them."""
 
-    def __init__(self, workdir: pathlib.Path, cfg, start_step: int):
-        self.log = MetricsLog(workdir)
+    def __init__(self, workdir: pathlib.Path, cfg, start_step: int, outbox=None):
+        self.log = MetricsLog(workdir, outbox=outbox)
 
     def write(self, step: int, row: dict) -> None:
         self.log.write({"step": int(step), **row})
@@ -56,6 +57,10 @@ class JsonlSink:
 
     def close(self) -> None:
         self.log.close()
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _summary_writer():
@@ -79,13 +84,15 @@ class TensorBoardSink:
 
     PUBLISH_S = 120.0
 
-    def __init__(self, workdir: pathlib.Path, cfg, start_step: int):
+    def __init__(self, workdir: pathlib.Path, cfg, start_step: int, outbox=None):
         SummaryWriter = _summary_writer()
         target = workdir / TENSORBOARD_DIR
         # Event files are appended to, which an object store cannot do: on gs:// or s3://
-        # they are written to this host's scratch disk and uploaded whole, at most every
-        # PUBLISH_S and at the end (one PUT per event file each time).
+        # they are written to this host's scratch disk and uploaded whole by the outbox's
+        # thread, at most every PUBLISH_S and at the end (one PUT per event file each time).
         self.output = storage.LocalMirror(target, "tensorboard")
+        self.outbox = outbox or Outbox(workdir, _say)
+        self.owns = outbox is None
         self.published = time.monotonic()
         self.writer = SummaryWriter(str(self.output.path))
 
@@ -98,12 +105,17 @@ class TensorBoardSink:
 
     def _publish(self) -> None:
         self.writer.flush()
-        self.output.sync()
+        if self.output.staged:  # the folder as it is when the job runs: the newest wins
+            self.outbox.submit(Job(self.output.sync, "TensorBoard's event files",
+                                   str(self.output.target), lambda _: str(self.output.path),
+                                   key=str(self.output.target)))
         self.published = time.monotonic()
 
     def close(self) -> None:
         self.writer.close()
-        self.output.sync()
+        self._publish()
+        if self.owns:
+            self.outbox.close()
 
 
 class WandbSink:
@@ -177,9 +189,12 @@ class MetricSink:
 
     name: str
     doc: str
-    open: Callable  # (workdir, config, start step) -> Sink
+    open: Callable  # (workdir, config, start step[, outbox=]) -> Sink
     check: Callable | None = None  # config -> None, raising ConfigError
     module: str | None = None  # the package it imports when opened; None: none
+    # Whether it writes to the workdir itself, through the run's outbox (outbox.py), which
+    # `open` then takes as `outbox=`.
+    writes_workdir: bool = False
 
     def validate(self, c) -> None:
         if self.module is not None:
@@ -190,9 +205,9 @@ class MetricSink:
 
 
 SINKS: dict[str, MetricSink] = {s.name: s for s in (
-    MetricSink("jsonl", "WORKDIR/metrics.jsonl (always on)", JsonlSink),
+    MetricSink("jsonl", "WORKDIR/metrics.jsonl (always on)", JsonlSink, writes_workdir=True),
     MetricSink("tensorboard", "WORKDIR/tensorboard event files", TensorBoardSink,
-               module="tensorboardX"),
+               module="tensorboardX", writes_workdir=True),
     MetricSink("wandb", "Weights & Biases (metrics.wandb.*; offline mode needs no network)",
                WandbSink, _check_wandb, module="wandb"),
 )}
@@ -232,12 +247,17 @@ def validate_sinks(c) -> None:
         SINKS[name].validate(c)
 
 
-def open_sinks(workdir: pathlib.Path, cfg, start_step: int, names) -> list[Sink]:
-    """The sinks of `names`, opened (all or none: one that fails closes the others)."""
+def open_sinks(workdir: pathlib.Path, cfg, start_step: int, names,
+               outbox: Outbox | None = None) -> list[Sink]:
+    """The sinks of `names`, opened (all or none: one that fails closes the others); those
+    that write to a remote workdir hand their writes to `outbox` (the run's writer thread;
+    None: each its own)."""
     opened: list[Sink] = []
     try:
         for name in names:
-            opened.append(SINKS[name].open(workdir, cfg, start_step))
+            entry = SINKS[name]
+            extra = {"outbox": outbox} if entry.writes_workdir else {}
+            opened.append(entry.open(workdir, cfg, start_step, **extra))
     except BaseException:
         for sink in opened:
             sink.close()

@@ -160,5 +160,10 @@ def _holder(path: pathlib.Path) -> str:
         return "another process"
 
 
+def config_text(cfg) -> str:
+    """WORKDIR/config.json's content: the resolved config."""
+    return cfg.to_json_best_effort(indent=2) + "\n"
+
+
 def write_config(workdir: pathlib.Path, cfg) -> None:
-    storage.atomic_write(workdir / CONFIG_FILE, cfg.to_json_best_effort(indent=2) + "\n")
+    storage.atomic_write(workdir / CONFIG_FILE, config_text(cfg))

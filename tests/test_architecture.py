@@ -13,13 +13,16 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxtrain"
 # Lowest first. A module may import its own layer and the ones below, never one above.
 LAYERS = [
     ("errors", "precision", "hostmem", "hardware", "distributed", "signals", "xla_flags",
-     "retry", "storage", "lease"),
+     "retry", "storage", "lease", "outbox"),
     ("mesh",),
     ("parallel",),
     ("models",),
-    ("data", "prepare", "optim", "objectives", "checkpoint", "checkpoint_tier", "workdir",
+    ("data", "prepare", "optim", "checkpoint", "checkpoint_tier", "workdir",
      "checkpoint_local", "checkpoint_remote", "checkpoint_shards", "fingerprints", "rotation",
      "metrics", "sinks", "metrics_log", "tasks"),
+    # Above the data it trains on: data/ never asks an objective (an error it phrases names
+    # the layout, not the objectives that take it).
+    ("objectives",),
     ("config",),
     ("train.state", "train.frozen", "train.step", "train.setup", "train.faults", "train.hooks",
      "train.profiling", "train.preemption", "train.goodput", "train.watchdog"),

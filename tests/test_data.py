@@ -41,6 +41,30 @@ def test_validation_split_is_held_out():
     assert len(val) == 4 and all(v.shape == (16, 33) for v in val)
 
 
+@pytest.mark.parametrize("rows, used, said", [
+    (19, 2, "jaxtrain: the validation split holds 19 rows: 2 of the eval_batches=4 batches of "
+            "8 rows are used, each row at most once"),
+    (40, 4, None),
+    (5, 1, "jaxtrain: warning: the validation split holds 5 rows, fewer than one batch of 8: "
+           "eval_batches=4 batches of 8 rows are cut to 1, in which some rows count more than "
+           "once")])
+def test_val_loss_counts_each_row_once(capfd, rows, used, said):
+    """A validation split of fewer rows than eval_batches global batches: as many whole
+    batches as it holds (the issue's 19-row split with eval_batches 4 logged a val_loss with
+    repeated rows), said in one line."""
+    from jaxtrain.data.batches import Batches
+    val = [np.full(3, i, np.int32) for i in range(rows)]
+    batches = Batches(train_source=val, val_source=val, global_batch=8, seed=0, prefetch=1,
+                      eval_batches=4)
+    got = batches.val_batches()
+    assert len(got) == used
+    seen = np.concatenate([b[:, 0] for b in got])
+    if rows >= 8:
+        assert len(set(seen.tolist())) == len(seen) == used * 8  # no row twice
+    err = capfd.readouterr().err.strip()
+    assert err == (said or "")
+
+
 def _bin_config(path, **more):
     return small_config(**{"data.source": "bin", "data.path": str(path), **more})
 

@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from jaxtrain import storage
+from jaxtrain import retry, storage
 from jaxtrain.errors import ConfigError, LeaseLost
 from jaxtrain.lease import Lease, lease_times
 
@@ -343,7 +343,7 @@ def test_a_heartbeat_costs_the_requests_docs_operations_md_says():
 # and exit code the CLI gives (commands/common.guarded).
 _HOLDER = """
 import sys, time
-from jaxtrain import storage
+from jaxtrain import retry, storage
 from jaxtrain.errors import LeaseLost
 from jaxtrain.lease import Lease
 workdir, heartbeat, stale = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
@@ -430,25 +430,116 @@ def test_a_paused_holder_stops_before_writing_after_a_takeover(bucket, where):
     taker.release()
 
 
-def test_a_run_whose_heartbeat_fails_past_the_takeover_time_stops_before_writing(bucket):
+def _forge_past_the_proxy(bucket, key, blob: bytes) -> None:
+    """Writes bucket/key at the server itself, not through the proxy the run uses: another
+    host that still reaches the store while this one does not."""
     from conftest import object_server
+    server = object_server(storage.scheme_of(bucket))
+    name = bucket.split("://", 1)[1]
+    if server.scheme == "s3":
+        import boto3
+        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{server.port}",
+                     aws_access_key_id="testing", aws_secret_access_key="testing",
+                     region_name="us-east-1").put_object(Bucket=name, Key=key, Body=blob)
+        return
+    import urllib.parse
+    import urllib.request
+    url = (f"http://127.0.0.1:{server.port}/upload/storage/v1/b/{name}/o?uploadType=media"
+           f"&name={urllib.parse.quote(key, safe='')}")
+    urllib.request.urlopen(urllib.request.Request(url, data=blob, method="POST"),
+                           timeout=10).read()
+
+
+def _down_past_the_takeover_time(bucket, lease, monkeypatch):
+    """Takes the store away from this process (the proxy refuses) for longer than the
+    lease's takeover time; returns the proxy, still down."""
+    from conftest import object_server
+    monkeypatch.setenv("JAXTRAIN_STORAGE_RETRY_S", "1")
+    proxy = object_server(storage.scheme_of(bucket)).proxy
+    proxy.down()
+    confirmed = lease._confirmed
+    while time.monotonic() - confirmed < lease.stale_s + 0.5:
+        time.sleep(0.1)
+    return proxy
+
+
+def test_a_store_down_past_the_takeover_time_holds_writes_back_and_then_renews(
+        bucket, monkeypatch):
+    """The store does not answer for longer than the takeover time: nobody could take the
+    lease over meanwhile, so the run keeps it. Its writes wait (the one retry policy gives up
+    on each, and the writers keep what they hold), and once the store answers the lease,
+    still the object this run wrote, is renewed and the writes go out."""
     workdir = f"{bucket}/run"
     said = []
     lease = Lease(workdir, say=said.append, heartbeat_s=0.2, stale_s=1.5)
     lease.acquire()
-    proxy = object_server(storage.scheme_of(bucket)).proxy
-    proxy.down()
+    proxy = _down_past_the_takeover_time(bucket, lease, monkeypatch)
     try:
-        assert lease.lost.wait(15)
+        assert not lease.lost.is_set(), said
+        with pytest.raises(retry.Unreachable) as held_back:
+            storage.atomic_write(storage.as_path(workdir) / "data", "during")
+        assert "has not been confirmed" in str(held_back.value.__cause__), held_back.value
     finally:
         proxy.up()
+    deadline = time.monotonic() + 20
+    while time.monotonic() - lease._confirmed > lease.stale_s:
+        assert time.monotonic() < deadline and not lease.lost.is_set(), said
+        time.sleep(0.05)
+    storage.atomic_write(storage.as_path(workdir) / "data", "after")
+    fs, path = storage.filesystem(storage.as_path(workdir) / "data")
+    fs.invalidate_cache()
+    assert fs.cat_file(path) == b"after"
+    assert _content(workdir)["id"] == lease.id and not lease.lost.is_set()
+    assert f"jaxtrain: renewed the lease {workdir}/.lock: the store answers again and the " \
+        "lease is still this run's" in said, said
+    lease.release()
+    assert not _exists(workdir)
+
+
+def test_a_lease_taken_over_while_the_store_was_unreachable_stops_the_run(
+        bucket, monkeypatch):
+    """The same outage, but another host, which still reached the store, took the lease
+    over: once the store answers this run, it stops before writing (exit code 75)."""
+    workdir = f"{bucket}/run"
+    said = []
+    lease = Lease(workdir, say=said.append, heartbeat_s=0.2, stale_s=1.5)
+    lease.acquire()
+    proxy = _down_past_the_takeover_time(bucket, lease, monkeypatch)
+    try:
+        blob = json.dumps({"host": "node-7", "pid": 4242, "since": SINCE,
+                           "heartbeat": time.time(), "argv": ["train"], "id": "other"})
+        _forge_past_the_proxy(bucket, "run/.lock", blob.encode())
+    finally:
+        proxy.up()
+    assert lease.lost.wait(20), said
     with pytest.raises(LeaseLost) as stopped:
         storage.atomic_write(storage.as_path(workdir) / "data", "late")
-    assert re.fullmatch(
-        rf"--workdir={workdir}: the heartbeat of the lease {workdir}/.lock failed for \d+s, "
-        r"longer than the takeover time \(1.5s\): another run may hold it now; stopped "
-        "before writing", str(stopped.value)), str(stopped.value)
+    assert str(stopped.value) == (
+        f"--workdir={workdir}: lost the lease {workdir}/.lock: it is now held by pid 4242 on "
+        f"node-7 since {SINCE}; its heartbeat stopped; stopped before writing")
     assert stopped.value.exit_code == 75
+    assert _content(workdir)["id"] == "other"  # nothing of this run's over the new lease
+    lease.release()
+    assert _content(workdir)["id"] == "other"
+
+
+def test_a_write_after_half_the_takeover_time_reads_the_lease_first(bucket):
+    """The trust window: a holder trusts its lease without asking the store only for half
+    the takeover time after it was last confirmed. Past that (a process paused for 0.75 of
+    the takeover time, its heartbeat not yet run), a write reads the lease first, and one
+    taken over meanwhile stops it. The heartbeat is slow here so that only the write's own
+    check can see the takeover."""
+    workdir = f"{bucket}/run"
+    lease = Lease(workdir, say=lambda line: None, heartbeat_s=30, stale_s=40)
+    lease.acquire()
+    storage.atomic_write(storage.as_path(workdir) / "data", "before")
+    _forge(workdir)  # another run's lease, written while this one was paused
+    lease._confirmed -= 0.75 * lease.stale_s  # the pause, on the lease's own clock
+    with pytest.raises(LeaseLost):
+        storage.atomic_write(storage.as_path(workdir) / "data", "after the pause")
+    fs, path = storage.filesystem(storage.as_path(workdir) / "data")
+    fs.invalidate_cache()
+    assert fs.cat_file(path) == b"before"
     lease.release()
 
 

@@ -225,8 +225,8 @@ def test_an_outage_past_the_budget_is_one_line_and_the_rows_go_out_later(bucket,
     failed = [line for line in said if "could not store" in line]
     assert len(failed) == 1 and "\n" not in failed[0], said
     assert failed[0].startswith(f"jaxtrain: could not store 1 metrics rows in {workdir}/metrics (")
-    assert failed[0].endswith("retried for 1s ($JAXTRAIN_STORAGE_RETRY_S)); they are kept and "
-                              "written with the next segment")
+    assert failed[0].endswith("retried for 1s ($JAXTRAIN_STORAGE_RETRY_S)); kept in memory and "
+                              "written when the store answers")
     log.write(_rows([2])[0])
     log.close()
     assert read_metrics(workdir) == _rows([1, 2])
@@ -270,7 +270,7 @@ def test_a_stall_is_reported_while_the_training_thread_goes_on(bucket, monkeypat
     assert went_on, "the training thread waited on the paused store"
     assert slowest < 0.1, slowest
     assert heard, said  # said during the stall, not after it
-    assert heard[0].startswith(f"jaxtrain: writing {workdir}/metrics/00000000-000001.jsonl: "
+    assert heard[0].startswith(f"jaxtrain: writing {workdir}/metrics: "
                                "the store has not answered for "), heard[0]
     log.close()
     assert read_metrics(workdir) == _rows(range(step))

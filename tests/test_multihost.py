@@ -29,9 +29,16 @@ def _launch(workdir, *args, processes=2, timeout=400):
                           capture_output=True, text=True, timeout=timeout)
 
 
+class _Logged(dict):
+    """{step: loss}, and `val`: {step: val_loss}."""
+    val: dict
+
+
 def _losses(workdir):
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    logged = _Logged({r["step"]: r["loss"] for r in rows if "loss" in r})
+    logged.val = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    return logged
 
 
 RUN = ["--config.steps=12", "--config.checkpoint.every_steps=4"]
@@ -64,6 +71,11 @@ def test_two_processes_match_one(tmp_path, single_process, two_processes):
     assert sorted(losses) == list(range(1, 13))
     np.testing.assert_allclose([losses[s] for s in range(1, 13)],
                                [single_process[s] for s in range(1, 13)], rtol=0, atol=1e-5)
+    # Each process evaluates its own slice of the validation rows: the same val_loss.
+    assert losses.val and sorted(losses.val) == sorted(single_process.val)
+    np.testing.assert_allclose([losses.val[s] for s in sorted(losses.val)],
+                               [single_process.val[s] for s in sorted(losses.val)],
+                               rtol=0, atol=1e-5)
     # The checkpoint of the 2-process run resumes in one process (8 devices, another mesh).
     shutil.rmtree(tmp_path / "checkpoints" / "12")
     out = _launch(tmp_path, "--config.mesh.data=1", "--config.mesh.fsdp=8", *RUN, processes=1)

@@ -127,3 +127,23 @@ def test_ray_refuses_what_it_cannot_split_and_a_missing_ray_is_one_line(
     assert err == ["jaxtrain: error: --ray needs the ray package: pip install "
                    "'jaxtrain[ray]'"]
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("address, said", [
+    ("127.0.0.1:1", "jaxtrain: error: --ray 127.0.0.1:1: no Ray cluster answers there within "
+                    "2s ($JAXTRAIN_RAY_CONNECT_S; ConnectionRefusedError: "),
+    ("not-a-host:xx", "jaxtrain: error: --ray not-a-host:xx: not a cluster address; give "
+                      "HOST:PORT"),
+    ("no-such-host.invalid:6379", "jaxtrain: error: --ray no-such-host.invalid:6379: no Ray "
+                                  "cluster answers there within 2s")])
+def test_an_address_with_no_cluster_is_one_line_in_bounded_time(
+        inputs, tmp_path, capsys, monkeypatch, address, said):
+    """The probe's `--ray 127.0.0.1:1` waited over 4 minutes printing Ray's "Failed to
+    connect to GCS", and `--ray not-a-host:xx` was a ValueError traceback."""
+    monkeypatch.setenv("JAXTRAIN_RAY_CONNECT_S", "2")
+    argv = [str(inputs[0]), "--out", str(tmp_path / "o"), "--tokenizer", "bytes",
+            "--ray", address]
+    assert command.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(said), err
+    assert not (tmp_path / "o").exists()

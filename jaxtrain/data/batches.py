@@ -50,10 +50,33 @@ class Batches:
         return iter(ds.to_iter_dataset(options))
 
     def val_batches(self) -> list:
+        """This process's slices of the validation batches: eval_batches of them, or as many
+        whole global batches as the split holds, so that no row counts twice in val_loss
+        (said in one line when that is fewer than asked)."""
         count, index = jax.process_count(), jax.process_index()
         ds = self._dataset(self.val_source, None)
         ds = ds.batch(self.local_batch, drop_remainder=True)[index::count]
-        return [ds[i] for i in range(self.eval_batches)]
+        batches = self.eval_batches
+        if (line := self._fewer_val_batches()) is not None:
+            batches = max(1, len(self.val_source) // self.global_batch)
+            if index == 0:
+                print(line, file=sys.stderr)
+        return [ds[i] for i in range(batches)]
+
+    def _fewer_val_batches(self) -> str | None:
+        """The line saying that the validation split holds fewer rows than eval_batches
+        global batches; None when it holds enough (or is a mixture of unknown length)."""
+        rows = len(self.val_source) if hasattr(self.val_source, "__len__") else None
+        if rows is None or rows >= self.eval_batches * self.global_batch:
+            return None
+        asked = f"eval_batches={self.eval_batches} batches of {self.global_batch} rows"
+        if rows < self.global_batch:
+            return (f"jaxtrain: warning: the validation split holds {rows} rows, fewer than "
+                    f"one batch of {self.global_batch}: {asked} are cut to 1, in which some "
+                    "rows count more than once")
+        used = rows // self.global_batch
+        return (f"jaxtrain: the validation split holds {rows} rows: {used} of the "
+                f"{asked} are used, each row at most once")
 
     @staticmethod
     def _dataset(source, seed: int | None) -> grain.MapDataset:

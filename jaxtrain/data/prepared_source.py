@@ -25,7 +25,6 @@ from jaxtrain.data import fingerprints, layouts, remote_file, tokenizers
 from jaxtrain.data.dataset import PreparedDataset
 from jaxtrain.data.windows import PreparedWindows  # noqa: F401 (its old home)
 from jaxtrain.errors import ConfigError, DataError
-from jaxtrain.objectives import training_on
 
 NAME = "prepared"
 
@@ -153,8 +152,8 @@ def _check_pairs(c, layout, datasets: list[tuple[PreparedDataset, str]]) -> None
         if ds.pairs and not layout.pairs:
             first = next(n for n, other in layouts.LAYOUTS.items() if other.pairs)
             raise ConfigError(f"{what}={ds.path} holds preference pairs (prepare "
-                              f"--preference): set data.packing={first!r} and "
-                              f"{training_on(first)}")
+                              f"--preference): set data.packing={first!r} and a "
+                              "train.objective that trains on pairs (docs/finetune.md)")
         if layout.pairs and not ds.pairs:
             raise ConfigError(f"data.packing={c.data.packing!r} needs a dataset of preference "
                               f"pairs, and {what}={ds.path} is not one: prepare it with "

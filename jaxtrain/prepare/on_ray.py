@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 import sys
 
 from tqdm import tqdm
 
-from jaxtrain import storage
+from jaxtrain import retry, storage
 from jaxtrain.data import dataset as fmt
 from jaxtrain.errors import DataError, JaxtrainError, require_package
 from jaxtrain.prepare import merge as merge_lib
@@ -35,6 +36,30 @@ from jaxtrain.prepare.request import Request
 
 INSTALL = "pip install 'jaxtrain[ray]'"
 RETRIES = 3  # a task's reruns after a failure that is not the user's
+# How long the driver tries to reach a cluster's address before it says so in one line
+# (Ray's own client retries for minutes, printing only "Failed to connect to GCS").
+CONNECT_ENV = "JAXTRAIN_RAY_CONNECT_S"
+CONNECT_S = 10.0
+
+
+def check_address(address: str) -> None:
+    """DataError (one line) unless something answers at `address` ("HOST:PORT", or
+    "ray://HOST:PORT" for Ray Client; "auto" and "local" are Ray's own words, passed on)
+    within $JAXTRAIN_RAY_CONNECT_S seconds: before ray.init, which would wait minutes."""
+    if address in ("auto", "local"):
+        return
+    hostport = address.split("://", 1)[1] if address.startswith("ray://") else address
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DataError(f"--ray {address}: not a cluster address; give HOST:PORT (the head "
+                        "node's GCS address, e.g. 10.0.0.5:6379), ray://HOST:PORT, or auto")
+    seconds = retry.seconds(CONNECT_ENV, CONNECT_S)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=seconds).close()
+    except OSError as e:
+        raise DataError(f"--ray {address}: no Ray cluster answers there within {seconds:g}s "
+                        f"(${CONNECT_ENV}; {storage.first_line(e)}); start one with `ray start "
+                        "--head`, or give its head node's address") from None
 
 
 def check(request: Request) -> None:
@@ -101,6 +126,8 @@ def prepare_on_ray(request: Request, address: str | None = None, parts: int | No
 
     out = storage.as_path(request.output.path, "--out")
     _check_out(out)
+    if address:
+        check_address(address)
     started = not ray.is_initialized()
     if started:
         ray.init(address=address, logging_level="WARNING",

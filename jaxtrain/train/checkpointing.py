@@ -177,7 +177,7 @@ class Checkpointer(Hook):
         self.previous = info
         c = self.cfg.checkpoint
         if due(info.step, c.every_steps, info.last):
-            self.save(info.step, info.state)
+            self.save(info.step, info.state, last=info.last)
         elif self.tiers.local is not None and due(info.step, c.local_every_steps, False):
             self.save(info.step, info.state, self.tiers.local)
 
@@ -187,7 +187,10 @@ class Checkpointer(Hook):
         for tier in self.tiers.all:
             tier.wait()
 
-    def save(self, step: int, state: TrainState, tier: Checkpoints | None = None) -> None:
+    def save(self, step: int, state: TrainState, tier: Checkpoints | None = None,
+             last: bool = False) -> None:
+        """last: the run's final step (a remote tier waits for a store that does not answer,
+        checkpoint_remote.py)."""
         tier = tier or self.tiers.durable
         if step in self.saved[tier]:  # e.g. a stop request right after a periodic save
             return
@@ -196,14 +199,14 @@ class Checkpointer(Hook):
         with self.logger.outside_steps("checkpoint"):
             self.logger.writer.flush()  # and handed to the log's writer (object storage:
             # a segment, stored by its thread: the training thread never waits on the store)
-            tier.save(step, state.tree(), self.cfg.to_dict())
+            tier.save(step, state.tree(), self.cfg.to_dict(), last=last)
         self.unjudged.append((tier, step))
 
     def save_and_wait(self, step: int, state: TrainState) -> None:
         """A durable checkpoint of `step`, committed when this returns (for a stop)."""
         if self.stop is not None:
             self.stop.saving(step)
-        self.save(step, state)
+        self.save(step, state, last=True)
         with self.logger.outside_steps("checkpoint"):
             for tier in self.tiers.all:  # a local save of this step may still be in flight
                 tier.wait()

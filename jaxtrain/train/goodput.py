@@ -19,9 +19,10 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import sys
 import time
 
-from jaxtrain import storage
+from jaxtrain.outbox import Outbox
 from jaxtrain.workdir import GOODPUT_FILE as FILE
 
 # Causes of lost time within a session (restart and recomputed come from the sessions).
@@ -32,16 +33,22 @@ CAUSES = ("startup", "checkpoint", "eval", "data")
 LOST = CAUSES + ("restart", "recomputed")
 
 
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 class Goodput:
     def __init__(self, workdir: pathlib.Path, started: float, resumed_at: int,
-                 enabled: bool = True):
+                 enabled: bool = True, outbox: Outbox | None = None):
+        """outbox: the run's writer (outbox.py): on object storage the file is written by
+        its thread, never on the training thread."""
         self.path = workdir / FILE
         self.enabled = enabled
+        self.outbox = outbox or Outbox(workdir, _say)
         self.previous = self._load(resumed_at) if enabled else []
         self.session = {"start": started, "end": started, "resumed_at": resumed_at,
                         "productive": [], "lost": {cause: 0.0 for cause in CAUSES}}
         self._startup_open = True
-        self._saved = -math.inf
 
     def _load(self, resumed_at: int) -> list[dict]:
         try:
@@ -106,10 +113,9 @@ class Goodput:
         return row
 
     def save(self, force: bool = False) -> None:
+        """Writes the record (on object storage each save is a billed PUT: at most one per
+        REMOTE_SAVE_S, the newest, unless `force`)."""
         if not self.enabled:
             return
-        if not storage.on_disk(self.path) and not force:  # each save a billed request
-            if time.monotonic() - self._saved < REMOTE_SAVE_S:
-                return
-            self._saved = time.monotonic()
-        storage.write_json(self.path, {"sessions": self.previous + [self.session]})
+        text = json.dumps({"sessions": self.previous + [self.session]}) + "\n"
+        self.outbox.put(self.path, text, every_s=0.0 if force else REMOTE_SAVE_S)

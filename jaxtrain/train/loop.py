@@ -34,6 +34,7 @@ from jaxtrain.errors import ConfigError, WorkdirBusy
 from jaxtrain.metrics import MetricsWriter, flops_per_token, peak_flops_per_device
 from jaxtrain.metrics_log import keep_metrics_up_to, read_metrics
 from jaxtrain.models.attention import computed_scores
+from jaxtrain.outbox import Outbox
 from jaxtrain.parallel.pipeline import microbatches_for_bubble
 from jaxtrain.train import frozen
 from jaxtrain.train.checkpointing import Checkpointer, Restored, Tiers, restore_or_init
@@ -49,7 +50,7 @@ from jaxtrain.train.setup import Setup, build
 from jaxtrain.train.step_log import StepLogger
 from jaxtrain.train.task_eval import TaskEvaluator, load_tasks
 from jaxtrain.train.watchdog import Watchdog
-from jaxtrain.workdir import prepare_workdir, workdir_lock, write_config
+from jaxtrain.workdir import CONFIG_FILE, config_text, prepare_workdir, workdir_lock
 
 T = TypeVar("T")
 
@@ -130,17 +131,22 @@ def _session(r: _Run) -> list[dict]:
         r.say(f"jaxtrain: nothing to do: the checkpoint at step {start} in {workdir} is "
               f"at or past steps={cfg.steps}; raise --config.steps to train further")
         return []
+    # What the run writes to its workdir while it trains goes through the outbox's thread:
+    # a store that stops answering holds neither the training thread nor a row (outbox.py).
+    outbox = Outbox(workdir, r.say)
     if main_process:
         keep_metrics_up_to(workdir, start, r.say)
-        write_config(workdir, cfg)
-    goodput = Goodput(workdir, r.started, start, enabled=main_process)
+        outbox.put(workdir / CONFIG_FILE, config_text(cfg))
+    goodput = Goodput(workdir, r.started, start, enabled=main_process, outbox=outbox)
     goodput.lose("checkpoint", restoring)
     r.stop.check("before compiling")
-    writer = MetricsWriter(workdir, cfg.steps, start, enabled=main_process, cfg=cfg)
+    writer = MetricsWriter(workdir, cfg.steps, start, enabled=main_process, cfg=cfg,
+                           outbox=outbox)
     try:
         return _train(r, state, start, restored, writer, goodput)
     finally:
         writer.close()
+        outbox.close()  # waits for the store (saying so), up to $JAXTRAIN_STORAGE_FINAL_S
 
 
 def _train(r: _Run, state, start: int, restored: Restored | None, writer: MetricsWriter,
