@@ -143,7 +143,7 @@ def _train() -> dict:
         # float16 only: dynamic loss scaling, doubled after this many finite steps in a row.
         "loss_scale_init": 2.0**15,
         "loss_scale_period": 2000,
-        # train.objective and each objective's section (train.dpo, train.simpo).
+        # train.objective and each objective's section (train.dpo, train.simpo, train.grpo).
         **objectives_lib.defaults(),
     }
 
@@ -227,7 +227,8 @@ def _check_paths(c) -> None:
                         ("data.mixture", split_list(d.mixture)),
                         ("model.lora.base", [c.model.lora.base]),
                         ("data.tokenizer", [d.tokenizer]),
-                        ("train.dpo.reference", [c.train.dpo.reference])):
+                        ("train.dpo.reference", [c.train.dpo.reference]),
+                        ("train.grpo.reference", [c.train.grpo.reference])):
         for value in values:
             check_path(value, key)
     check_cache_config(c)
