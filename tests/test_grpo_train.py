@@ -19,7 +19,7 @@ from conftest import small_config
 
 from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.commands import prepare as prepare_cmd
-from jaxtrain.config import validate
+from jaxtrain.config import apply_overrides, load_config_file, validate
 from jaxtrain.data.prompt_set import load
 from jaxtrain.errors import ConfigError
 from jaxtrain.rl.objective import Rollouts, shard_rollouts
@@ -157,7 +157,8 @@ def _start(prompts, workdir):
 
 
 def _final_params(prompts, workdir):
-    cfg = small_config("gpt2", **{**GRPO, "data.path": str(prompts)})
+    cfg = apply_overrides(load_config_file(ROOT / "configs" / "tiny.py"),
+                          {**GRPO, "data.path": str(prompts)})
     setup = build(cfg, jax.devices()[:1])
     checkpoints = Checkpoints(workdir / "checkpoints", keep=3, read_only=True)
     try:
@@ -178,7 +179,7 @@ def test_kill_9_then_rerun_is_bitwise_the_uninterrupted_run(prompts, tmp_path):
     process = _start(prompts, killed)
     deadline = time.time() + 300
     while time.time() < deadline and max(
-            _losses(killed) if (killed / "metrics.jsonl").exists() else [0]) < 7:
+            _losses(killed) if (killed / "metrics.jsonl").exists() else [], default=0) < 7:
         assert process.poll() is None, process.communicate()[1][-3000:]
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
