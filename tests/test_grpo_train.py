@@ -254,3 +254,13 @@ def test_lora_base_as_reference_iterations_and_dynamic_sampling(devices, prompts
     assert 0 < rows[0]["kl"] < 0.1 and rows[-1]["kl"] > 0
     assert 0 < rows[0]["kept_ratio"] <= 1 and rows[0]["grad_norm"] > 0
     assert "rewards/answer/mean" in rows[0] and "rewards/digits/mean" in rows[0]
+
+
+def test_generate_reads_a_prompt_set_by_its_ids(prompts):
+    """generate --prompts takes a prompt set's lines (prompt_ids beside the prompt as given
+    and the reward columns) as well as its own one-key lines."""
+    from jaxtrain.engine.run_io import read_prompts
+
+    rows = read_prompts(str(prompts / "prompts.jsonl"))
+    assert len(rows) == 40 and all({"prompt_ids", "prompt", "answer"} <= set(r) for r in rows)
+    assert bytes(rows[0]["prompt_ids"]).decode() == rows[0]["prompt"]
