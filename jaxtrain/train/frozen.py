@@ -169,7 +169,9 @@ def on_base(cfg, spec, shardings: dict, adapters: dict, saved_fingerprint) -> di
 def _reference_key(cfg) -> str:
     """The config key of the reference's run directory: the objective's own section's
     (train.dpo.reference, train.grpo.reference)."""
-    return "train.grpo.reference" if cfg.train.objective == "grpo" else "train.dpo.reference"
+    section = cfg.train.get(cfg.train.objective)
+    has_own = section is not None and "reference" in section
+    return f"train.{cfg.train.objective}.reference" if has_own else "train.dpo.reference"
 
 
 def _load_reference(cfg, spec, shardings: dict) -> dict:
