@@ -264,3 +264,17 @@ def test_generate_reads_a_prompt_set_by_its_ids(prompts):
     rows = read_prompts(str(prompts / "prompts.jsonl"))
     assert len(rows) == 40 and all({"prompt_ids", "prompt", "answer"} <= set(r) for r in rows)
     assert bytes(rows[0]["prompt_ids"]).decode() == rows[0]["prompt"]
+
+
+def test_the_planner_counts_a_reference_copy_only_with_beta_and_without_lora(prompts):
+    from jaxtrain.plan.memory import estimate
+
+    sizes = {a: 1 for a in ("data", "pipeline", "fsdp", "expert", "context", "tensor")}
+    lm = estimate(small_config("llama"), sizes)
+    grpo = {**GRPO, "data.path": str(prompts)}
+    assert estimate(small_config("llama", **grpo), sizes)["params"] == lm["params"]
+    with_kl = estimate(small_config("llama", **grpo, **{"train.grpo.beta": 0.1}), sizes)
+    assert with_kl["params"] == 2 * lm["params"]
+    lora = {"model.lora.rank": 4}
+    assert estimate(small_config("llama", **grpo, **lora, **{"train.grpo.beta": 0.1}),
+                    sizes)["params"] == estimate(small_config("llama", **lora), sizes)["params"]

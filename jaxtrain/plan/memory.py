@@ -436,7 +436,8 @@ def _model_state(s: _Step) -> dict[str, float]:
     # An objective's frozen reference copy of the parameters (without LoRA, whose base is
     # the reference): float32 like them, no gradient or optimizer state.
     objective = OBJECTIVES[s.cfg.train.objective]
-    params += s.shards["total"] * F32 * (objective.holds_reference and s.spec.lora is None)
+    params += s.shards["total"] * F32 * (objective.holds_reference and s.spec.lora is None
+                                         and objective.with_reference(s.cfg))
     # The optimizer's state mirrors the trained params (AdamW: mu and nu; under LoRA the
     # adapters only, the frozen base has none).
     opt = OPTIMIZERS[s.cfg.optimizer.name].state_per_param * s.shards["total_trained"] * F32

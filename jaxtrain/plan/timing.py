@@ -226,7 +226,8 @@ def step_features(cfg, sizes: dict[str, int], hw, param_elems: int,
     flops = step_flops(spec, tokens)
     # An objective's reference forwards (DPO: one, no backward), which the hardware runs
     # and MFU counts (models/flops.py).
-    reference = OBJECTIVES[cfg.train.objective].reference_forwards \
+    objective = OBJECTIVES[cfg.train.objective]
+    reference = objective.reference_forwards * objective.with_reference(cfg) \
         * reference_forward_flops_per_token(spec) * tokens
     share = flops["weights"] / flops["hardware"]
     flops = {**flops, "model": flops["model"] + reference,

@@ -161,7 +161,7 @@ def _train(r: _Run, state, start: int, restored: Restored | None, writer: Metric
     with Watchdog(cfg.train.step_timeout_s, writer.print) as watchdog:
         logger = StepLogger(writer, cfg.log_every_steps,
                             cfg.train.global_batch * cfg.model.seq_len,
-                            flops_per_token(setup.spec, setup.objective.reference_forwards),
+                            flops_per_token(setup.spec, setup.reference_forwards),
                             peak[0] * setup.mesh.devices.size,
                             cfg.train.mfu_floor, goodput, watchdog.beat, peak[1],
                             setup.mesh.devices.size)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax
 import numpy as np
 
 from jaxtrain.data import prompt_set, record
@@ -65,8 +66,10 @@ class Rollouter:
             self.engine = Engine(model, slots=self.g.slots or self.cfg.train.global_batch,
                                  max_len=self.width + self.g.max_completion_length,
                                  eos_ids=self.eos_ids, tokenizer=self.tokenizer)
-        else:  # the state's new arrays; the compiled steps and the cache stay
+        else:  # the state's new arrays; the compiled steps stay
             self.engine.model = model
+            with jax.set_mesh(setup.mesh):
+                self.engine.cache = self.engine.steps.init_cache(params)
         return self.engine
 
     def _requests(self, step: int, indices) -> list[Request]:
@@ -87,6 +90,8 @@ class Rollouter:
         began = time.perf_counter()
         engine = self._engine(setup, state.model_params())
         done = [c for cs in engine.generate(self._requests(step, indices)) for c in cs]
+        # The KV cache lives while sampling only: the update's activations take its place.
+        engine.cache = None
         generated = time.perf_counter()
         lines = [self.prompts.lines[i] for i in np.repeat(indices, g.num_generations)]
         rollouts, metrics = self._scored(lines, done)

@@ -125,10 +125,16 @@ class Setup:
         return LAYOUTS[self.cfg.data.packing].batch(rows)
 
     @property
+    def reference_forwards(self) -> int:
+        """Forward passes of a frozen reference per step (MFU counts them): the
+        objective's, where this run has a reference (GRPO: beta > 0)."""
+        return self.objective.reference_forwards * self.objective.with_reference(self.cfg)
+
+    @property
     def uses_reference(self) -> bool:
         """Whether the objective runs a reference model (the eval step then takes the
         state's reference parameters: TrainState.reference_params)."""
-        return self.objective.reference_forwards > 0 and self.objective.with_reference(self.cfg)
+        return self.reference_forwards > 0
 
     def eval_step(self) -> Callable:
         """jit(eval)(params, tokens) -> the objective's sums over a batch and its units
