@@ -294,7 +294,7 @@ def _check_model(c, platform: str | None) -> None:
     if m.rope_scaling.type != "none" and not FAMILIES[m.family].rope:
         fail("model.rope_scaling.type", m.rope_scaling.type, f"model.family={m.family!r} has "
              "learned positions, no RoPE: use none")
-    documents = LAYOUTS[c.data.packing].segments
+    documents = objectives_lib.document_masks(c)
     window = pattern_window(m)
     parts = FAMILIES[m.family].kernel_parts
     kernel = resolve_attention(m.attention, c.train.precision, platform or "", m.seq_len,

@@ -577,6 +577,12 @@ def defaults() -> dict:
     }
 
 
+def document_masks(cfg) -> bool:
+    """Whether the attention kernels get segment ids: the batch layout's document masks,
+    or an objective's rollouts (left-padded prompts, right-padded completions)."""
+    return LAYOUTS[cfg.data.packing].segments or OBJECTIVES[cfg.train.objective].rollouts
+
+
 def training_on(layout: str) -> str:
     """"train.objective='a' or 'b'": the objectives that train on rows of a layout."""
     return " or ".join(f"train.objective={o.name!r}" for o in OBJECTIVES.values()

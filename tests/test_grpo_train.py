@@ -4,6 +4,7 @@ kill -9 and a rerun bitwise the uninterrupted run, a mesh equal to one device, a
 function that raises refused in one line with the last checkpoint standing, one-line
 config errors before anything compiles."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -41,7 +42,7 @@ def prompts(tmp_path_factory):
     """A prompt set of 40 sums 'a+b=' with their answers, rendered as the bare text."""
     directory = tmp_path_factory.mktemp("prompts")
     rng = np.random.default_rng(0)
-    pairs = rng.integers(0, 10, (40, 2))
+    pairs = rng.integers(0, 20, (40, 2))  # prompts of 4 to 6 tokens: left padding
     (directory / "p.jsonl").write_text("".join(
         json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a, b in pairs))
     (directory / "raw.jinja").write_text(RAW_TEMPLATE)
@@ -278,3 +279,30 @@ def test_the_planner_counts_a_reference_copy_only_with_beta_and_without_lora(pro
     lora = {"model.lora.rank": 4}
     assert estimate(small_config("llama", **grpo, **lora, **{"train.grpo.beta": 0.1}),
                     sizes)["params"] == estimate(small_config("llama", **lora), sizes)["params"]
+
+
+def test_the_step_scores_what_the_engine_sampled(prompts, devices):
+    """The loss's log-probabilities of a step's rollouts (left-padded prompts of several
+    lengths, segment masks and positions from each row's first token) are the engine's
+    own log-probabilities of the tokens it sampled."""
+    from jaxtrain.rl.objective import rollout_logps
+    from jaxtrain.train import rollouts as rollouts_lib
+
+    cfg = small_config("gpt2", **{**GRPO, "data.path": str(prompts)})
+    setup = build(cfg, devices[:1])
+    state = setup.init_state()
+    rollouter = rollouts_lib.Rollouter(cfg)
+    by_length = np.argsort([len(line["prompt_ids"]) for line in rollouter.prompts.lines])
+    indices = by_length[[0, -1]]  # the shortest prompt and the longest
+    assert len(rollouter.prompts.lines[indices[0]]["prompt_ids"]) < rollouter.width
+    requests = [r.__class__(r.prompt_ids, dataclasses.replace(r.params, logprobs=True))
+                for r in rollouter._requests(0, indices)]
+    engine = rollouter._engine(setup, state.model_params())
+    done = [c for cs in engine.generate(requests) for c in cs]
+    lines = [rollouter.prompts.lines[i] for i in np.repeat(indices, 4)]
+    batch, _ = rollouter._scored(lines, done)
+    with jax.set_mesh(setup.mesh):
+        logp_BT = np.asarray(jax.jit(rollout_logps, static_argnums=(1, 3))(
+            state.model_params(), setup.graphdef, batch, 1.0))
+    for completion, row in zip(done, logp_BT):
+        np.testing.assert_allclose(row[:len(completion.ids)], completion.logprobs, atol=2e-5)

@@ -20,7 +20,7 @@ from jaxtrain.data.layouts import LAYOUTS
 from jaxtrain.mesh import dcn_shape, make_mesh
 from jaxtrain.models import ModelSpec, lora
 from jaxtrain.models.router import bias_update
-from jaxtrain.objectives import OBJECTIVES, Objective, rollout_shardings
+from jaxtrain.objectives import OBJECTIVES, Objective, document_masks, rollout_shardings
 from jaxtrain.optim import make_optimizer
 from jaxtrain.precision import PRECISIONS
 from jaxtrain.train import frozen
@@ -164,7 +164,7 @@ def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
     mesh = make_mesh(sizes, devices, dcn_shape(cfg.mesh))
     spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"],
                                  platform=devices[0].platform, context=sizes["context"],
-                                 segments=LAYOUTS[cfg.data.packing].segments)
+                                 segments=document_masks(cfg))
     optimizer, schedule = make_optimizer(cfg)
     return Setup(cfg=cfg, mesh=mesh, spec=spec, optimizer=optimizer, schedule=schedule,
                  graphdef=nnx.graphdef(state_lib.abstract_model(spec)),
