@@ -306,3 +306,26 @@ def test_the_step_scores_what_the_engine_sampled(prompts, devices):
             state.model_params(), setup.graphdef, batch, 1.0))
     for completion, row in zip(done, logp_BT):
         np.testing.assert_allclose(row[:len(completion.ids)], completion.logprobs, atol=2e-5)
+
+
+def _launch(prompts, workdir, processes: int) -> dict:
+    """A GRPO job of `processes` local processes (jaxtrain launch, 8 devices in all, data 2
+    x fsdp 2 x tensor 2): every process samples the whole batch, each steps its rows."""
+    args = _args(prompts, workdir, steps=3, **{"model.num_layers": 2, "mesh.data": 2,
+                                               "mesh.fsdp": 2, "mesh.tensor": 2,
+                                               "train.global_batch": 16})
+    done = subprocess.run([sys.executable, "-m", "jaxtrain.commands.launch", "--processes",
+                           str(processes), "--devices-per-process", str(8 // processes),
+                           "--", *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return _losses(workdir)
+
+
+@pytest.mark.slow
+def test_two_processes_sample_and_train_as_one(prompts, tmp_path):
+    one = _launch(prompts, tmp_path / "one", 1)
+    two = _launch(prompts, tmp_path / "two", 2)
+    assert sorted(two) == [1, 2, 3] and any(grad > 0 for _, grad, _ in two.values())
+    for step in (1, 2, 3):
+        np.testing.assert_allclose(two[step], one[step], rtol=0, atol=1e-6, err_msg=step)

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -84,11 +85,17 @@ def grpo_objective(params: dict, graphdef: nnx.GraphDef, rollouts: Rollouts,
 
 def shard_rollouts(rollouts: Rollouts, tokens_sharding: NamedSharding) -> Rollouts:
     """The rows of a (host) Rollouts batch as global arrays, each leaf's batch axis sharded
-    as the step's token batches are (its other axes replicated)."""
+    as the step's token batches are (its other axes replicated). With several processes,
+    every one gives the whole batch."""
     batch_axes = tokens_sharding.spec[0]
 
     def put(x):
         spec = PartitionSpec(batch_axes, *([None] * (jnp.ndim(x) - 1)))
-        return jax.make_array_from_process_local_data(
-            NamedSharding(tokens_sharding.mesh, spec), x)
+        sharding = NamedSharding(tokens_sharding.mesh, spec)
+        if jax.process_count() == 1:
+            return jax.make_array_from_process_local_data(sharding, x)
+        # Every process holds the whole batch (each sampled all of it): each takes the
+        # rows of its own devices.
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
     return jax.tree.map(put, rollouts)
