@@ -45,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.data.layouts import LAYOUTS
 from jaxtrain.data.packing import Packed, batch_targets
-from jaxtrain.errors import fail
+from jaxtrain.errors import ConfigError, fail
 from jaxtrain.models.head_loss import head_cross_entropy, logits_chunk, token_logprobs
 from jaxtrain.parallel.context import to_layout
 from jaxtrain.rl.advantages import SCALES
@@ -463,7 +463,8 @@ def _grpo_losses(graphdef, reference_graphdef, cfg) -> tuple[Callable, Callable]
                               microbatches)
 
     def evaluate(params, rollouts):
-        raise NotImplementedError("train.objective='grpo' has no validation batches")
+        raise ConfigError("train.objective='grpo' has no validation loss: its rewards are "
+                          "the measure (or jaxtrain generate --prompts)")
 
     return loss, evaluate
 

@@ -329,3 +329,13 @@ def test_two_processes_sample_and_train_as_one(prompts, tmp_path):
     assert sorted(two) == [1, 2, 3] and any(grad > 0 for _, grad, _ in two.values())
     for step in (1, 2, 3):
         np.testing.assert_allclose(two[step], one[step], rtol=0, atol=1e-6, err_msg=step)
+
+
+@pytest.mark.slow  # a subprocess: jax's import
+def test_a_bad_grpo_key_is_one_line_and_exit_2_through_the_cli(prompts, tmp_path):
+    done = _cli(prompts, tmp_path / "run", **{"train.grpo.loss_type": "ppo"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip() == ("jaxtrain: error: train.grpo.loss_type='ppo' is invalid: "
+                                   "valid values are grpo, bnpo, dr_grpo, dapo, cispo, sapo, "
+                                   "luspo"), done.stderr[-2000:]
+    assert not (tmp_path / "run").exists()  # refused before the workdir is written

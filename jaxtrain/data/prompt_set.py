@@ -97,5 +97,6 @@ def tokenizer(c) -> tokenizers_lib.Tokenizer:
 
 def splits(c):
     """The prompt set is sampled from, not cut into windows: the GRPO loop reads it."""
-    raise DataError(f"data.source='prompts' (data.path={c.data.path!r}) is a prompt set: "
-                    "train it with train.objective='grpo'")
+    raise DataError(f"data.source='prompts' (data.path={c.data.path!r}) is a prompt set, "
+                    "no batches of tokens: train.objective='grpo' samples from it; measure "
+                    "a GRPO run by its rewards, or with jaxtrain generate --prompts")
