@@ -147,7 +147,7 @@ def _train() -> dict:
         # float16 only: dynamic loss scaling, doubled after this many finite steps in a row.
         "loss_scale_init": 2.0**15,
         "loss_scale_period": 2000,
-        # train.objective and each objective's section (train.dpo, train.simpo).
+        # train.objective and each objective's section (train.dpo, train.simpo, train.grpo).
         **objectives_lib.defaults(),
     }
 
@@ -231,7 +231,8 @@ def _check_paths(c) -> None:
                         ("data.mixture", split_list(d.mixture)),
                         ("model.lora.base", [c.model.lora.base]),
                         ("data.tokenizer", [d.tokenizer]),
-                        ("train.dpo.reference", [c.train.dpo.reference])):
+                        ("train.dpo.reference", [c.train.dpo.reference]),
+                        ("train.grpo.reference", [c.train.grpo.reference])):
         for value in values:
             check_path(value, key)
     check_cache_config(c)
@@ -297,7 +298,7 @@ def _check_model(c, platform: str | None) -> None:
     if m.rope_scaling.type != "none" and not FAMILIES[m.family].rope:
         fail("model.rope_scaling.type", m.rope_scaling.type, f"model.family={m.family!r} has "
              "learned positions, no RoPE: use none")
-    documents = LAYOUTS[c.data.packing].segments
+    documents = objectives_lib.document_masks(c)
     window = pattern_window(m)
     parts = FAMILIES[m.family].kernel_parts
     kernel = resolve_attention(m.attention, c.train.precision, platform or "", m.seq_len,

@@ -22,6 +22,11 @@ parameters as that reference.
   loss = mean over pairs of −log σ(β·(π̄_c − π̄_r) − γ) (with label smoothing ε:
   −(1−ε)·log σ(z) − ε·log σ(−z)), as TRL's CPOTrainer with loss_type='simpo' and
   cpo_alpha=0. No reference model: nothing is loaded, held or run for one.
+- `grpo`: GRPO and its family (TRL 1.16's GRPOTrainer, jaxtrain/rl/): each step the loop
+  samples train.grpo.num_generations completions of each of its prompts with the engine
+  on the parameters being trained (train/rollouts.py), scores them with the reward
+  functions, and the step minimises rl/objective.py's grpo_objective on them. Its KL
+  reference (train.grpo.beta > 0) is LoRA's frozen base, or a frozen copy as DPO's.
 
 An entry names the batch layouts it trains on (`layouts`, data/layouts.py) and carries the
 defaults of its own config section (`train.<name>`, `defaults`), which config.py assembles.
@@ -30,17 +35,23 @@ defaults of its own config section (`train.<name>`, `defaults`), which config.py
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.data.layouts import LAYOUTS
 from jaxtrain.data.packing import Packed, batch_targets
-from jaxtrain.errors import fail
+from jaxtrain.errors import ConfigError, fail
 from jaxtrain.models.head_loss import head_cross_entropy, logits_chunk, token_logprobs
 from jaxtrain.parallel.context import to_layout
+from jaxtrain.rl.advantages import SCALES
+from jaxtrain.rl.loss import LossSettings
+from jaxtrain.rl.objective import Rollouts, grpo_objective
+from jaxtrain.rl.rewards import build_rewards
 
 # Logged by the dpo objective (TRL's DPOTrainer names), and by simpo (CPOTrainer's: the
 # same names, its rewards being β times the mean log-probabilities).
@@ -338,6 +349,151 @@ def _check_dpo(c) -> None:
              "(model.lora.base): leave train.dpo.reference empty")
 
 
+# --- grpo ----------------------------------------------------------------------------------
+
+# Logged by the grpo objective beside the loss's own (rl/loss.py: kl, clip_ratio/*,
+# entropy) and the rollout's (train/rollouts.py): TRL's GRPOTrainer names.
+GRPO_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
+                "completions/max_length", "completions/clipped_ratio")
+
+
+def _grpo_defaults() -> dict:
+    """train.grpo: TRL GRPOConfig's names and, where they fit a small run, its defaults."""
+    return {
+        "num_generations": 8,  # G completions per prompt; train.global_batch counts them
+        "max_completion_length": 64,  # new tokens per completion (TRL: 256)
+        # reward functions, comma-separated: built-ins (answer, format, overlong) or
+        # module:function (TRL's signature); reward_weights: one float each (empty: 1.0)
+        "rewards": "answer",
+        "reward_weights": "",
+        # JSON {"name": {option: value}} of built-ins' options, e.g.
+        # '{"format": {"pattern": "^<think>"}, "answer": {"column": "solution"}}'
+        "reward_options": "",
+        "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+        "stop": "",  # a stop string (the prompt set's EOS token always stops)
+        "loss_type": "dapo",  # rl/loss.py LOSS_TYPES
+        "epsilon": 0.2,
+        "epsilon_high": 0.0,  # 0: epsilon (DAPO's clip-higher: 0.28)
+        "delta": 0.0,  # 0: off (INTELLECT-2's two-sided clip of the ratio)
+        "importance_sampling_level": "token",  # or sequence (GSPO)
+        "beta": 0.0,  # the KL coefficient; > 0 runs a frozen reference
+        "scale_rewards": "group",  # group, batch, none
+        "mask_truncated_completions": False,  # DAPO: completions cut at the length count 0
+        "dynamic_sampling": False,  # DAPO: groups whose rewards are all equal count 0
+        "num_iterations": 1,  # μ: optimizer updates per generation (all inside one step)
+        "reference": "",  # beta > 0 without LoRA: a run directory; empty: the seed's model
+        "slots": 0,  # the engine's KV slots; 0: train.global_batch (every sample at once)
+    }
+
+
+def grpo_settings(cfg) -> LossSettings:
+    """The loss's settings of train.grpo (ConfigError, one line, for a bad one)."""
+    g = cfg.train.grpo
+    return LossSettings(loss_type=g.loss_type, epsilon=float(g.epsilon),
+                        epsilon_high=float(g.epsilon_high) or None, beta=float(g.beta),
+                        importance_sampling_level=g.importance_sampling_level,
+                        delta=float(g.delta) or None,
+                        max_completion_length=int(g.max_completion_length))
+
+
+def reward_entries(cfg) -> list[dict]:
+    """train.grpo.rewards, reward_weights and reward_options as build_rewards' entries."""
+    g = cfg.train.grpo
+    names = [n.strip() for n in str(g.rewards).split(",") if n.strip()]
+    weights = [w.strip() for w in str(g.reward_weights).split(",") if w.strip()]
+    if weights and len(weights) != len(names):
+        fail("train.grpo.reward_weights", g.reward_weights,
+             f"give one weight per reward function ({len(names)}: {', '.join(names)})")
+    try:
+        options = json.loads(g.reward_options) if str(g.reward_options).strip() else {}
+        weights = [float(w) for w in weights] or [1.0] * len(names)
+    except ValueError as e:
+        fail("train.grpo.reward_options", g.reward_options, f"not JSON or a bad weight ({e})")
+    if not isinstance(options, dict) or set(options) - set(names):
+        fail("train.grpo.reward_options", g.reward_options, "must be a JSON object keyed by "
+             f"the names in train.grpo.rewards ({', '.join(names)})")
+    entries = []
+    for name, weight in zip(names, weights):
+        entry = {"name": name, "weight": weight, **options.get(name, {})}
+        if name == "overlong" and name not in options:  # DAPO's cache: a quarter
+            length = int(g.max_completion_length)
+            entry.update(max_completion_len=length, soft_punish_cache=max(1, length // 4))
+        entries.append(entry)
+    return entries
+
+
+def _check_grpo(c) -> None:
+    g, t = c.train.grpo, c.train
+    if c.data.source != "prompts":
+        fail("data.source", c.data.source, "train.objective='grpo' samples prompts: give "
+             "data.source='prompts' and data.path a set made by jaxtrain prepare --prompts")
+    for key, low in (("num_generations", 2), ("max_completion_length", 1),
+                     ("num_iterations", 1), ("slots", 0), ("top_k", 0)):
+        if g[key] < low:
+            fail(f"train.grpo.{key}", g[key], f"must be >= {low}")
+    if t.global_batch % g.num_generations:
+        fail("train.global_batch", t.global_batch, f"counts completions: it must divide by "
+             f"train.grpo.num_generations={g.num_generations}")
+    if g.slots and g.slots < g.num_generations:
+        fail("train.grpo.slots", g.slots, f"must be 0 or >= train.grpo.num_generations="
+             f"{g.num_generations} (a prompt's samples decode together)")
+    if not g.temperature > 0:
+        fail("train.grpo.temperature", g.temperature, "must be > 0 (G samples of a prompt "
+             "must differ)")
+    if g.scale_rewards not in SCALES:
+        fail("train.grpo.scale_rewards", g.scale_rewards, f"valid values are {', '.join(SCALES)}")
+    grpo_settings(c)
+    build_rewards(reward_entries(c))  # imports user functions: their errors now, one line
+    if g.reference and (c.model.lora.rank or not g.beta):
+        fail("train.grpo.reference", g.reference, "is the KL reference without LoRA, with "
+             "train.grpo.beta > 0 (with LoRA the frozen base is the reference): leave it empty")
+    if c.data.mixture:
+        fail("data.mixture", c.data.mixture, "train.objective='grpo' reads one prompt set "
+             "(data.path)")
+
+
+def _grpo_losses(graphdef, reference_graphdef, cfg) -> tuple[Callable, Callable]:
+    settings, temperature = grpo_settings(cfg), float(cfg.train.grpo.temperature)
+    microbatches = int(cfg.train.microbatches)
+
+    def loss(params, rollouts, step, reference):
+        del step
+        return grpo_objective(params, graphdef, rollouts, settings, temperature,
+                              reference if settings.beta else None, reference_graphdef,
+                              microbatches)
+
+    def evaluate(params, rollouts):
+        raise ConfigError("train.objective='grpo' has no validation loss: its rewards are "
+                          "the measure (or jaxtrain generate --prompts)")
+
+    return loss, evaluate
+
+
+def grpo_needs_reference(cfg) -> bool:
+    return cfg.train.grpo.beta > 0
+
+
+def rollout_shardings(tokens_sharding: NamedSharding) -> Rollouts:
+    """The step's Rollouts shardings: rows on the batch axes as token batches, [B] leaves
+    too (a 2-D sharding cannot be a 1-D leaf's)."""
+    rows = tokens_sharding.spec[0]
+    per_row = NamedSharding(tokens_sharding.mesh, PartitionSpec(rows))
+    return Rollouts(tokens_sharding, tokens_sharding, tokens_sharding, per_row, per_row)
+
+
+def abstract_rollouts(cfg, prompt_width: int, tokens_sharding: NamedSharding) -> Rollouts:
+    """ShapeDtypeStructs of one step's Rollouts (B = train.global_batch completions of
+    prompt_width + max_completion_length tokens)."""
+    b, t = cfg.train.global_batch, cfg.train.grpo.max_completion_length
+    s = rollout_shardings(tokens_sharding)
+    shape = jax.ShapeDtypeStruct
+    return Rollouts(shape((b, prompt_width + t), jnp.int32, sharding=s.ids),
+                    shape((b, prompt_width), jnp.int32, sharding=s.prompt_mask),
+                    shape((b, t), jnp.int32, sharding=s.completion_mask),
+                    shape((b,), jnp.float32, sharding=s.advantages),
+                    shape((b,), jnp.float32, sharding=s.num_items))
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
     """One `train.objective` value."""
@@ -370,6 +526,16 @@ class Objective:
     layouts: tuple[str, ...] | None = None
     # () -> the defaults of its config section train.<name> (None: it has none).
     defaults: Callable | None = None
+    # (config) -> whether this run holds or runs the reference (holds_reference,
+    # reference_forwards apply only then); None: always
+    needs_reference: Callable | None = None
+    # The loop samples its batches with the model being trained (train/rollouts.py): no
+    # batches of a dataset, no validation loss; its batch is a Rollouts
+    # (rollout_shardings, abstract_rollouts).
+    rollouts: bool = False
+
+    def with_reference(self, cfg) -> bool:
+        return self.needs_reference is None or bool(self.needs_reference(cfg))
 
     def takes(self, layout: str) -> bool:
         """Whether it trains on rows of this data.packing value."""
@@ -390,6 +556,12 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
               "reference-free, mean log-probabilities, margin train.simpo.simpo_gamma",
               _simpo_losses, _check_simpo, weighting="rows", reports=("loss", *SIMPO_METRICS),
               units="pairs", layouts=("pairs",), defaults=_simpo_defaults),
+    Objective("grpo", "GRPO and its family (TRL's GRPOTrainer: loss train.grpo.loss_type) on "
+              "completions the engine samples each step from a prompt set, scored by "
+              "train.grpo.rewards", _grpo_losses, _check_grpo, weighting="rows",
+              reference_forwards=1, holds_reference=True, reports=("loss", *GRPO_METRICS),
+              units="completions", defaults=_grpo_defaults,
+              needs_reference=grpo_needs_reference, rollouts=True),
 )}
 
 
@@ -400,10 +572,16 @@ def defaults() -> dict:
         # What the step minimises (OBJECTIVES, docs/finetune.md): lm (next-token cross
         # entropy), dpo (preference pairs against a frozen reference: LoRA's base, or
         # train.dpo.reference's parameters, also the starting ones), simpo (pairs, no
-        # reference).
+        # reference), grpo (completions sampled from a prompt set and rewarded: train.grpo).
         "objective": "lm",
         **{o.name: o.defaults() for o in OBJECTIVES.values() if o.defaults is not None},
     }
+
+
+def document_masks(cfg) -> bool:
+    """Whether the attention kernels get segment ids: the batch layout's document masks,
+    or an objective's rollouts (left-padded prompts, right-padded completions)."""
+    return LAYOUTS[cfg.data.packing].segments or OBJECTIVES[cfg.train.objective].rollouts
 
 
 def training_on(layout: str) -> str:
@@ -420,4 +598,7 @@ def check(c) -> None:
         takes = " or ".join(repr(n) for n in LAYOUTS if objective.takes(n))
         fail("data.packing", packing, f"{LAYOUTS[packing].doc} train {training_on(packing)}; "
              f"train.objective={objective.name!r} takes data.packing={takes}")
+    if c.data.source == "prompts" and not objective.rollouts:
+        fail("data.source", c.data.source, "a prompt set is sampled from: it trains "
+             f"train.objective='grpo', not {objective.name!r}")
     objective.check(c)

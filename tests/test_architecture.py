@@ -17,7 +17,7 @@ LAYERS = [
     ("mesh",),
     ("parallel",),
     ("models",),
-    ("data", "prepare", "optim", "checkpoint", "checkpoint_tier", "workdir",
+    ("data", "prepare", "rl", "optim", "checkpoint", "checkpoint_tier", "workdir",
      "checkpoint_local", "checkpoint_remote", "checkpoint_shards", "fingerprints", "rotation",
      "metrics", "sinks", "metrics_log", "tasks"),
     # Above the data it trains on: data/ never asks an objective (an error it phrases names

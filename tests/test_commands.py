@@ -242,7 +242,7 @@ def test_folders_a_command_may_not_write_into_are_refused_in_one_line(tmp_path):
         "empty folder, or an existing run's",
         "data.path='ds' is invalid: data.source='stdlib' reads no path (it would train on the "
         "bytes of this Python's standard library sources); data.path is read by "
-        "data.source='bin' or 'prepared': set data.source, or drop data.path",
+        "data.source='bin' or 'prepared' or 'prompts': set data.source, or drop data.path",
         "--to-hf=hf is not empty (it holds tokenizer.json); export into a new or empty folder",
     ]
     for message, (code, _, err) in zip(expected, results[1:]):

@@ -34,7 +34,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     # A path for a source that reads none (the default stdlib corpus) would be ignored.
     ({"data.path": "ds"}, 1, "data.path='ds' is invalid: data.source='stdlib' reads no path "
      "(it would train on the bytes of this Python's standard library sources); data.path is "
-     "read by data.source='bin' or 'prepared': set data.source, or drop data.path"),
+     "read by data.source='bin' or 'prepared' or 'prompts': set data.source, or drop "
+     "data.path"),
     ({"data.path": "ds", "data.source": "synthetic"}, 1,
      "data.path='ds' is invalid: data.source='synthetic' reads no path"),
     ({"model.vocab_size": 100}, 1, "model.vocab_size=100 is invalid: the byte-level stdlib corpus needs >= 256"),

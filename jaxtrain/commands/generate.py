@@ -13,9 +13,10 @@ EOS token; --ignore_eos: never), at a --stop string, or after --max_new_tokens. 
 --chat_template FILE|NAME) and prints only the reply. --prompt is encoded, and the output
 decoded, with the run's tokenizer; runs without one take --prompt_ids and print ids.
 --prompts reads JSON Lines ({"prompt": TEXT} | {"prompt_ids": [...]} | {"messages": [...]},
-each with optional max_new_tokens, temperature, top_k, top_p, min_p, seed, n, stop) and
-writes one line per sample: prompt_index, sample, text, ids, finish_reason (stop | length),
-and with --logprobs the log-probability of each token (--top_logprobs: the K likeliest
+each with optional max_new_tokens, temperature, top_k, top_p, min_p, seed, n, stop; a
+prompt set's prompts.jsonl, from prepare --prompts, is read by its prompt_ids) and writes
+one line per sample: prompt_index, sample, text, ids, finish_reason (stop | length), and
+with --logprobs the log-probability of each token (--top_logprobs: the K likeliest
 alternatives too). --tensor N shards the model over N devices.
 """
 
@@ -88,6 +89,9 @@ def _one_prompt(f: dict, cfg, tokenizer, workdir) -> list[int]:
 
 
 def _row_prompt(row: dict, cfg, tokenizer, template) -> list[int]:
+    if "prompt_ids" in row:  # alone, or a prompt set's line (its rendered prompt)
+        return inference.prompt_tokens(cfg, None, [str(i) for i in row["prompt_ids"]], 0,
+                                       tokenizer)
     if "messages" in row:
         return run_io.chat_ids(template(), tokenizer, row["messages"])
     text, ids = row.get("prompt"), row.get("prompt_ids")

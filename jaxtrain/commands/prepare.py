@@ -7,6 +7,7 @@
     jaxtrain prepare INPUT... --out DIR --ray [ADDRESS] [--parts N]   (the parts on Ray)
     jaxtrain prepare CHATS.jsonl --chat --out DIR --tokenizer T [--chat-template chatml]
     jaxtrain prepare PAIRS.jsonl --preference --out DIR --tokenizer T --max-length N  (DPO)
+    jaxtrain prepare PROMPTS.jsonl --prompts --out DIR --tokenizer T  (RL prompt sets)
 
 INPUTs, --out DIR and --merge DIR may be gs:// or s3:// URLs: inputs are downloaded to a local
 cache first, and the dataset is prepared on local disk, then uploaded with its manifest last.
@@ -29,6 +30,7 @@ from jaxtrain.errors import DataError, JaxtrainError
 from jaxtrain.prepare import chat_template, on_ray
 from jaxtrain.prepare import merge as merge_lib
 from jaxtrain.prepare import pipeline as prepare_lib
+from jaxtrain.prepare import prompts as prompts_lib
 from jaxtrain.prepare.formats import FORMATS
 from jaxtrain.prepare.records import Options
 from jaxtrain.prepare.request import Chat, Inputs, Output, Run, TokenizerChoice
@@ -91,6 +93,11 @@ def _chat_flags(p: argparse.ArgumentParser) -> None:
                       "pairs for DPO: `prompt` (or `messages`) with `chosen` and `rejected` "
                       "replies, each pair stored as two documents masked on the replies "
                       "(docs/finetune.md); the chat options apply")
+    chat.add_argument("--prompts", action="store_true", help="records are prompts for RL: "
+                      "`prompt` (text or messages) or `messages`, other columns kept for the "
+                      "reward functions; rendered with the chat template's generation prompt "
+                      "into OUT/prompts.jsonl (docs/finetune.md); --max-length skips longer "
+                      "ones")
     chat.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file, or "
                       f"a shipped one ({', '.join(chat_template.shipped_names())}); default: "
                       "the tokenizer's own")
@@ -148,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.out:
             raise DataError("--out DIR is required: the dataset directory to write")
+        if args.prompts:
+            return _prompts(args)
         inputs = list(args.inputs) + ([str(p) for p in stdlib_files()] if args.stdlib else [])
         request = prepare_lib.Request(
             inputs=Inputs(paths=inputs, hf_dataset=args.hf_dataset, hf_config=args.hf_config,
@@ -176,6 +185,25 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("jaxtrain: interrupted; run the same command again to continue", file=sys.stderr)
         return 130
+    return 0
+
+
+def _prompts(args) -> int:
+    """prepare --prompts: the prompt set (prepare/prompts.py), which the token pipeline's
+    options do not apply to."""
+    others = [flag for flag, on in (
+        ("--chat", args.chat), ("--preference", args.preference), ("--shard", args.shard),
+        ("--ray", args.ray is not None), ("--hf-dataset", args.hf_dataset),
+        ("--stdlib", args.stdlib), ("--train-tokenizer", args.train_tokenizer)) if on]
+    if others:
+        raise DataError(f"--prompts does not go with {', '.join(others)}")
+    if not args.tokenizer:
+        raise DataError("--prompts needs --tokenizer (the model's: its chat template renders "
+                        "the prompts)")
+    manifest = prompts_lib.prepare_prompts(
+        args.inputs, args.out, args.tokenizer, args.chat_template, args.max_length,
+        args.overwrite, args.max_bad_fraction)
+    print(f"jaxtrain: {manifest['prompts']:,} prompts -> {args.out}", file=sys.stderr)
     return 0
 
 

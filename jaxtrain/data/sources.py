@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxtrain import storage
-from jaxtrain.data import fingerprints, prepared_source, remote_file, tokenizers
+from jaxtrain.data import fingerprints, prepared_source, prompt_set, remote_file, tokenizers
 from jaxtrain.data.layouts import LAYOUTS
 from jaxtrain.data.stdlib import stdlib_files
 from jaxtrain.data.windows import SyntheticWindows  # noqa: F401 (its old home)
@@ -139,6 +139,12 @@ def _check_bin(c) -> None:
         tokenizers.require_tokenizer_package(c.data.tokenizer, "data.tokenizer")
 
 
+def _check_prompts(c) -> None:
+    if not c.data.path:
+        fail("data.path", "", "data.source='prompts' needs a prompt set (a directory made by "
+             "jaxtrain prepare --prompts)")
+
+
 def _stdlib_fingerprint(c) -> dict:
     return {"the stdlib corpus": fingerprints.stdlib_corpus(stdlib_files()),
             "data.val_fraction": fingerprints.value(c.data.val_fraction)}
@@ -219,6 +225,10 @@ SOURCES: dict[str, DataSource] = {s.name: s for s in (
                "by weight (docs/data.md)", prepared_source.splits, prepared_source.check,
                fingerprint=prepared_source.fingerprint, tokenizer=prepared_source.tokenizer,
                documents=True, reads_path=True),
+    DataSource("prompts", "a prompt set made by `jaxtrain prepare --prompts`, sampled from "
+               "by train.objective='grpo'", prompt_set.splits, _check_prompts,
+               fingerprint=prompt_set.fingerprint, tokenizer=prompt_set.tokenizer,
+               validation_text=False, reads_path=True),
 )}
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxtrain.engine.requests import Completion, Request, check_prompt
 from jaxtrain.engine.sampler import RowSampling
@@ -35,6 +36,14 @@ class _Sample:
     completion: Completion
     stopper: Stopper
     listener: Listener | None
+
+
+def _to_host(arrays) -> list:
+    """The step's outputs on the host; on a mesh that spans processes (a GRPO job of
+    several, every process sampling the same requests) gathered from all of them."""
+    if all(a.is_fully_addressable for a in arrays):
+        return jax.device_get(arrays)
+    return multihost_utils.process_allgather(arrays, tiled=True)
 
 
 class Engine:
@@ -122,7 +131,7 @@ class Engine:
             rows = RowSampling(**self.rows)
             self.cache, *out = self.steps.step(self.model.params, self.cache, self.tokens_S,
                                                self.positions_S, rows)
-        tokens_S, logprobs_S, top_ids_SN, top_lp_SN = jax.device_get(out)
+        tokens_S, logprobs_S, top_ids_SN, top_lp_SN = _to_host(out)
         for slot, sample in enumerate(self.busy):
             if sample is not None:
                 self._advance(slot, sample, int(tokens_S[slot]), float(logprobs_S[slot]),

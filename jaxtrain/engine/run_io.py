@@ -48,7 +48,8 @@ def chat_ids(template, tokenizer, messages: list[dict]) -> list[int]:
 
 def read_prompts(path: str) -> list[dict]:
     """--prompts FILE.jsonl: one JSON object a line with "prompt" (text), "prompt_ids"
-    (ids) or "messages" (a chat), and optionally its own sampling keys."""
+    (ids) or "messages" (a chat), and optionally its own sampling keys; or a line of a
+    prompt set (prepare --prompts: prompt_ids, its prompt and columns), whose ids win."""
     file = pathlib.Path(path)
     if not file.is_file():
         raise DataError(f"--prompts={path}: no such file")
@@ -62,9 +63,12 @@ def read_prompts(path: str) -> list[dict]:
             raise DataError(f"--prompts={path} line {number}: not JSON ({e})") from None
         keys = [k for k in ("prompt", "prompt_ids", "messages") if k in row] \
             if isinstance(row, dict) else []
-        if len(keys) != 1:
+        # A prompt set's line (prepare --prompts) holds its rendered prompt_ids beside the
+        # prompt as given: the ids are what is generated from.
+        if len(keys) != 1 and not (isinstance(row, dict) and "prompt_ids" in row):
             raise DataError(f"--prompts={path} line {number}: give exactly one of prompt, "
-                            "prompt_ids, messages")
+                            "prompt_ids, messages (or a prompt set's line: prompt_ids "
+                            "with its prompt)")
         rows.append(row)
     if not rows:
         raise ConfigError(f"--prompts={path}: holds no prompts")

@@ -19,13 +19,12 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxtrain.data.layouts import LAYOUTS
 from jaxtrain.mesh import batch_shards, logical_to_spec
 from jaxtrain.models import ModelSpec, Transformer, base_storage, lora
 from jaxtrain.models.attention import KERNELS, VARIANTS
 from jaxtrain.models.moe import DISPATCHES
 from jaxtrain.models.remat import REMATS
-from jaxtrain.objectives import OBJECTIVES
+from jaxtrain.objectives import OBJECTIVES, document_masks
 from jaxtrain.optim import OPTIMIZERS
 
 F32 = 4
@@ -436,7 +435,8 @@ def _model_state(s: _Step) -> dict[str, float]:
     # An objective's frozen reference copy of the parameters (without LoRA, whose base is
     # the reference): float32 like them, no gradient or optimizer state.
     objective = OBJECTIVES[s.cfg.train.objective]
-    params += s.shards["total"] * F32 * (objective.holds_reference and s.spec.lora is None)
+    params += s.shards["total"] * F32 * (objective.holds_reference and s.spec.lora is None
+                                         and objective.with_reference(s.cfg))
     # The optimizer's state mirrors the trained params (AdamW: mu and nu; under LoRA the
     # adapters only, the frozen base has none).
     opt = OPTIMIZERS[s.cfg.optimizer.name].state_per_param * s.shards["total_trained"] * F32
@@ -521,7 +521,7 @@ def estimate(cfg, sizes: dict[str, int], backend: str = "accelerator",
     # The batch layout's document masks take part in the kernel 'auto' picks.
     spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"], platform=platform,
                                  context=sizes.get("context", 1),
-                                 segments=LAYOUTS[cfg.data.packing].segments)
+                                 segments=document_masks(cfg))
     s = _Step(cfg, spec, sizes, factors or factors_for(platform), value_bytes(spec, backend),
               param_shards(spec, sizes),
               cfg.train.global_batch // cfg.train.microbatches // batch_shards(sizes))

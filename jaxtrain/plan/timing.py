@@ -22,7 +22,6 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from jaxtrain.data.layouts import LAYOUTS
 from jaxtrain.mesh import batch_shards
 from jaxtrain.models import ModelSpec
 from jaxtrain.models.attention import KERNELS, VARIANTS
@@ -33,7 +32,7 @@ from jaxtrain.models.flops import (
     reference_forward_flops_per_token,
 )
 from jaxtrain.models.remat import REMATS
-from jaxtrain.objectives import OBJECTIVES
+from jaxtrain.objectives import OBJECTIVES, document_masks
 from jaxtrain.parallel.context import imbalance
 from jaxtrain.parallel.pipeline import bubble_fraction
 from jaxtrain.plan import calibration as calibration_lib
@@ -227,13 +226,14 @@ def step_features(cfg, sizes: dict[str, int], hw, param_elems: int,
     spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"],
                                  platform=hw.kind if hw.kind in ("gpu", "tpu") else "cpu",
                                  context=sizes.get("context", 1),
-                                 segments=LAYOUTS[cfg.data.packing].segments)
+                                 segments=document_masks(cfg))
     n = math.prod(sizes.values())
     tokens = cfg.train.global_batch * cfg.model.seq_len
     flops = step_flops(spec, tokens)
     # An objective's reference forwards (DPO: one, no backward), which the hardware runs
     # and MFU counts (models/flops.py).
-    reference = OBJECTIVES[cfg.train.objective].reference_forwards \
+    objective = OBJECTIVES[cfg.train.objective]
+    reference = objective.reference_forwards * objective.with_reference(cfg) \
         * reference_forward_flops_per_token(spec) * tokens
     share = flops["weights"] / flops["hardware"]
     flops = {**flops, "model": flops["model"] + reference,

@@ -80,7 +80,7 @@ def check_sources(setup) -> None:
     missing or misshapen one is refused (ConfigError, one line) before anything else
     happens."""
     for name in setup.shardings.frozen:
-        key = ROLES[name].key
+        key = ROLES[name].key_of(setup.cfg)
         if source := _source(setup.cfg, key):
             with _newest(source, key) as (checkpoints, step):
                 _check_fits(checkpoints, step, _base_shapes(setup.spec), key, source)
@@ -166,13 +166,22 @@ def on_base(cfg, spec, shardings: dict, adapters: dict, saved_fingerprint) -> di
     return lora.join(base, adapters)
 
 
+def _reference_key(cfg) -> str:
+    """The config key of the reference's run directory: the objective's own section's
+    (train.dpo.reference, train.grpo.reference)."""
+    section = cfg.train.get(cfg.train.objective)
+    has_own = section is not None and "reference" in section
+    return f"train.{cfg.train.objective}.reference" if has_own else "train.dpo.reference"
+
+
 def _load_reference(cfg, spec, shardings: dict) -> dict:
-    return load_params(cfg.train.dpo.reference, "train.dpo.reference", cfg.seed, spec,
-                       shardings)
+    key = _reference_key(cfg)
+    return load_params(_source(cfg, key), key, cfg.seed, spec, shardings)
 
 
 def _reference_named(cfg) -> str:
-    return f"train.dpo.reference={cfg.train.dpo.reference!r}"
+    key = _reference_key(cfg)
+    return f"{key}={_source(cfg, key)!r}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +196,11 @@ class Role:
     mismatch: str  # "<named> <mismatch> (fingerprint ...)": a resume on another one
     remedy: str
     starts_training: bool = False  # a fresh run's trained parameters start as a copy of it
+    # (cfg) -> the key, where it depends on the config (None: `key`)
+    key_for: Callable | None = None
+
+    def key_of(self, cfg) -> str:
+        return self.key if self.key_for is None else self.key_for(cfg)
 
 
 ROLES: dict[str, Role] = {r.name: r for r in (
@@ -195,7 +209,7 @@ ROLES: dict[str, Role] = {r.name: r for r in (
          "resume with the same base and model.lora.base_dtype"),
     Role(REFERENCE, "train.dpo.reference", _load_reference, _reference_named,
          "is not the reference this run was trained against", "resume with the same reference",
-         starts_training=True),
+         starts_training=True, key_for=_reference_key),
 )}
 
 

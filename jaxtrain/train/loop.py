@@ -46,6 +46,7 @@ from jaxtrain.train.hooks import Halt, LeaseGuard, StepInfo
 from jaxtrain.train.preemption import StartupStopped, StopRequest
 from jaxtrain.train.profiling import ProfileWindow
 from jaxtrain.train.restore_check import FirstStepCheck, RestoreRejected, expected_first_loss
+from jaxtrain.train.rollouts import Rollouter, RolloutFeed
 from jaxtrain.train.setup import Setup, build
 from jaxtrain.train.step_log import StepLogger
 from jaxtrain.train.task_eval import TaskEvaluator, load_tasks
@@ -91,7 +92,8 @@ def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None,
     started: when the process started (time.time()), for goodput's start-up time."""
     started = time.time() if started is None else started
     setup = build(cfg, devices)  # validates the config before anything else happens
-    batches = make_batches(cfg)  # and the data
+    # and the data: batches of a dataset, or the prompts an objective samples from
+    batches = Rollouter(cfg) if setup.objective.rollouts else make_batches(cfg)
     tasks = load_tasks(cfg)  # and the downstream tasks (eval.tasks)
     data = record.run_data(cfg)  # and the data's tokenizer (its package, its vocabulary)
     frozen.check_sources(setup)  # and LoRA's base (or DPO's reference): there, of this shape
@@ -159,18 +161,21 @@ def _train(r: _Run, state, start: int, restored: Restored | None, writer: Metric
     with Watchdog(cfg.train.step_timeout_s, writer.print) as watchdog:
         logger = StepLogger(writer, cfg.log_every_steps,
                             cfg.train.global_batch * cfg.model.seq_len,
-                            flops_per_token(setup.spec, setup.objective.reference_forwards),
+                            flops_per_token(setup.spec, setup.reference_forwards),
                             peak[0] * setup.mesh.devices.size,
                             cfg.train.mfu_floor, goodput, watchdog.beat, peak[1],
                             setup.mesh.devices.size)
         val_batches = [to_global(b, setup.tokens_sharding) for b in r.batches.val_batches()]
+        example = r.batches.example(setup) if setup.objective.rollouts else val_batches[0]
+        if setup.objective.rollouts:  # generating is the step's work, not a slow pipeline
+            logger.warned.add("data")
         with jax.set_mesh(setup.mesh):
-            train_step = _compiled(r, state, val_batches[0], writer, peak,
+            train_step = _compiled(r, state, example, writer, peak,
                                    f"resuming at step {start}" if restored is not None
                                    else "starting at step 0")
             evaluator = Evaluator(r.compiled["eval"], val_batches, cfg.eval_every_steps, logger,
                                   setup.uses_reference)
-            if start == 0:
+            if start == 0 and val_batches:
                 with logger.outside_steps("eval"):
                     value = stop.during("evaluating", _meshed(
                         setup.mesh, lambda: evaluator.evaluate(state)))
@@ -182,13 +187,13 @@ def _train(r: _Run, state, start: int, restored: Restored | None, writer: Metric
                                    writer.enabled, say=writer.print),
                      logger, BadStepGuard(cfg.train.max_consecutive_bad_steps,
                                           None if restored is None else start),
-                     evaluator, TaskEvaluator(r.tasks, setup, workdir, logger), checkpointer,
+                     *([evaluator] if val_batches else []),
+                     TaskEvaluator(r.tasks, setup, workdir, logger), checkpointer,
                      StopOnRequest(stop)]
             goodput.training_started()
             stop.training_started()
-            data = data_with_faults(r.batches.train_iter(start), cfg.debug, start)
-            _steps(setup, state, train_step, data, start, hooks, logger, checkpointer,
-                   watchdog)
+            _steps(setup, state, train_step, _feed(r, start), start, hooks, logger,
+                   checkpointer, watchdog)
     goodput.finished()  # reached its steps, or stopped on request, its checkpoint durable
     return logger.rows
 
@@ -226,7 +231,17 @@ def _meshed(mesh, work: Callable[[], T]) -> Callable[[], T]:
     return meshed
 
 
-def _steps(setup: Setup, state, train_step, data, start: int, hooks, logger: StepLogger,
+def _feed(r: _Run, start: int) -> Callable:
+    """fetch(step, state) -> (the step's global batch, host metrics): the dataset's next
+    batch, or rollouts sampled with the state (an objective's, train/rollouts.py)."""
+    setup = r.setup
+    if setup.objective.rollouts:
+        return RolloutFeed(r.batches, setup)
+    data = data_with_faults(r.batches.train_iter(start), setup.cfg.debug, start)
+    return lambda step, state: (to_global(next(data), setup.tokens_sharding), {})
+
+
+def _steps(setup: Setup, state, train_step, fetch, start: int, hooks, logger: StepLogger,
            checkpointer: Checkpointer, watchdog: Watchdog) -> None:
     """Steps from `start` to cfg.steps; on Halt, saves the step (durably), then stops."""
     steps = setup.cfg.steps
@@ -236,9 +251,9 @@ def _steps(setup: Setup, state, train_step, data, start: int, hooks, logger: Ste
         for step in range(start, steps):
             for hook in hooks:
                 hook.before_step(step)
-            tokens = logger.data.timed(lambda: to_global(next(data), setup.tokens_sharding))
+            tokens, extra = logger.data.timed(lambda: fetch(step, state))  # noqa: B023
             state, metrics = train_step(state, tokens)
-            info = StepInfo(step + 1, state, metrics, last=step + 1 == steps)
+            info = StepInfo(step + 1, state, {**metrics, **extra}, last=step + 1 == steps)
             for hook in hooks:
                 hook.after_step(info)
             watchdog.beat(step + 1)

@@ -20,7 +20,7 @@ from jaxtrain.data.layouts import LAYOUTS
 from jaxtrain.mesh import dcn_shape, make_mesh
 from jaxtrain.models import ModelSpec, lora
 from jaxtrain.models.router import bias_update
-from jaxtrain.objectives import OBJECTIVES, Objective
+from jaxtrain.objectives import OBJECTIVES, Objective, document_masks, rollout_shardings
 from jaxtrain.optim import make_optimizer
 from jaxtrain.precision import PRECISIONS
 from jaxtrain.train import frozen
@@ -29,6 +29,7 @@ from jaxtrain.train.faults import loss_with_faults
 from jaxtrain.train.step import (
     StepOptions,
     batch_sharding,
+    iterated_step,
     jit_eval_step,
     jit_train_step,
     make_train_step,
@@ -99,7 +100,18 @@ class Setup:
             after_update=bias_update(self.spec))
         loss = loss_with_faults(self.losses()[0], cfg.debug)
         step = make_train_step(loss, self.optimizer, self.schedule, self.spec.rules, options)
-        return jit_train_step(step, self.shardings, self.tokens_sharding)
+        if self.objective.rollouts and cfg.train.grpo.num_iterations > 1:
+            step = iterated_step(step, self.graphdef, cfg.train.grpo.num_iterations,
+                                 float(cfg.train.grpo.temperature))
+        return jit_train_step(step, self.shardings, self.batch_shardings)
+
+    @property
+    def batch_shardings(self):
+        """The step's batch sharding: the token sharding (every array of a Packed batch),
+        or an objective's Rollouts' (objectives.rollout_shardings)."""
+        if self.objective.rollouts:
+            return rollout_shardings(self.tokens_sharding)
+        return self.tokens_sharding
 
     def losses(self) -> tuple[Callable, Callable]:
         """(the loss the step differentiates, the eval loss) of train.objective."""
@@ -113,10 +125,16 @@ class Setup:
         return LAYOUTS[self.cfg.data.packing].batch(rows)
 
     @property
+    def reference_forwards(self) -> int:
+        """Forward passes of a frozen reference per step (MFU counts them): the
+        objective's, where this run has a reference (GRPO: beta > 0)."""
+        return self.objective.reference_forwards * self.objective.with_reference(self.cfg)
+
+    @property
     def uses_reference(self) -> bool:
         """Whether the objective runs a reference model (the eval step then takes the
         state's reference parameters: TrainState.reference_params)."""
-        return self.objective.reference_forwards > 0
+        return self.reference_forwards > 0
 
     def eval_step(self) -> Callable:
         """jit(eval)(params, tokens) -> the objective's sums over a batch and its units
@@ -135,7 +153,8 @@ def loss_scale_init(cfg) -> float | None:
 def holds_reference(cfg, spec: ModelSpec) -> bool:
     """Whether the state holds a reference copy of the parameters: an objective that
     needs one, without LoRA (whose frozen base is the reference)."""
-    return OBJECTIVES[cfg.train.objective].holds_reference and spec.lora is None
+    objective = OBJECTIVES[cfg.train.objective]
+    return objective.holds_reference and spec.lora is None and objective.with_reference(cfg)
 
 
 def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
@@ -145,7 +164,7 @@ def build(cfg, devices: Sequence[jax.Device] | None = None) -> Setup:
     mesh = make_mesh(sizes, devices, dcn_shape(cfg.mesh))
     spec = ModelSpec.from_config(cfg, pipeline_stages=sizes["pipeline"],
                                  platform=devices[0].platform, context=sizes["context"],
-                                 segments=LAYOUTS[cfg.data.packing].segments)
+                                 segments=document_masks(cfg))
     optimizer, schedule = make_optimizer(cfg)
     return Setup(cfg=cfg, mesh=mesh, spec=spec, optimizer=optimizer, schedule=schedule,
                  graphdef=nnx.graphdef(state_lib.abstract_model(spec)),

@@ -17,6 +17,7 @@ from jaxtrain.mesh import logical_to_spec
 from jaxtrain.models import lora
 from jaxtrain.objectives import lm_sums, loss_fn, objective_fn  # noqa: F401 (their old home)
 from jaxtrain.optim import skipped_steps
+from jaxtrain.rl.objective import rollout_logps
 from jaxtrain.train.state import BASE, TrainState
 
 
@@ -102,13 +103,14 @@ def _differentiated(loss: Callable) -> Callable:
 
 
 def _micro_split(tokens_BT, microbatches: int, rules):
-    """[B, T] -> [M, B/M, T]: micro-batch i takes rows i, i+m, i+2m, ...: each device's
+    """[B, ...] -> [M, B/M, ...]: micro-batch i takes rows i, i+m, i+2m, ...: each device's
     contiguous block of rows holds its share of every micro-batch, so splitting moves no
-    data between devices."""
-    b, t = tokens_BT.shape
-    micro_MBT = tokens_BT.reshape(b // microbatches, microbatches, t).swapaxes(0, 1)
+    data between devices. Any leaf with rows first: [B, T] tokens, a Rollouts' [B]
+    advantages."""
+    b, *rest = tokens_BT.shape
+    micro_MBT = tokens_BT.reshape(b // microbatches, microbatches, *rest).swapaxes(0, 1)
     return jax.lax.with_sharding_constraint(
-        micro_MBT, logical_to_spec((None, "batch", None), rules))
+        micro_MBT, logical_to_spec((None, "batch", *[None] * len(rest)), rules))
 
 
 def _accumulated(grad_fn: Callable, rules, options: StepOptions) -> Callable:
@@ -141,6 +143,29 @@ def _accumulated(grad_fn: Callable, rules, options: StepOptions) -> Callable:
         return jax.tree.map(lambda x: x / microbatches, totals)
 
     return loss_and_grads
+
+
+def iterated_step(train_step: Callable, graphdef: nnx.GraphDef, iterations: int,
+                  temperature: float) -> Callable:
+    """GRPO's μ = `iterations` optimizer updates on one batch of rollouts, in one step
+    (TRL's num_iterations): the sampling policy's log-probabilities (old_logps) are taken
+    once from the step's starting parameters, then train_step runs μ times; the state's
+    step advances by one (a step is one generation); its metrics are the last update's, the
+    loss and grad_norm the updates' means.
+    Everything is a function of the state and the batch, so a resume is bitwise."""
+    def step(state: TrainState, rollouts):
+        old_BT = rollout_logps(state.model_params(), graphdef, rollouts, temperature)
+        rollouts = rollouts._replace(old_logps=old_BT)
+        history = []
+        for _ in range(iterations):
+            state, metrics = train_step(state, rollouts)
+            history.append(metrics)
+        metrics = dict(history[-1])
+        for key in ("loss", "grad_norm"):
+            metrics[key] = jnp.mean(jnp.stack([m[key] for m in history]))
+        return state.replace(step=state.step - (iterations - 1)), metrics
+
+    return step
 
 
 def _unscaled(state: TrainState, scale, value, grads, period: int):
