@@ -63,7 +63,14 @@ def load() -> dict:
 # estimate moves them back), and named by the plans of models like them (memory.known_gap).
 # The DeepSeek-style MoE (issue 38): a dense prefix walked as a scan of its own, and capacity
 # buffers at top-8 over 256 experts under expert × FSDP, hold more than the MoE terms count.
-UNCALIBRATED = {"tiny_deepseek.py", "deepseek_v3_671b.py"}
+DEEPSEEK_ROWS = {"tiny_deepseek.py", "deepseek_v3_671b.py"}
+# Megatron-Bridge's Llama-3-8B fp8 layouts (issue 53: added for the time model): at seq 8192,
+# 16 rows a device and no tensor or FSDP split, XLA:CPU holds about a third more than the
+# estimate (0.75), where the fp8 70B layouts land within the bound (1.11, 0.94): the fp8
+# casts of the activations a layer keeps are not counted. Kept out until they are.
+FP8_ROWS = {"megatron-bridge-h100-llama3-8b-fp8", "megatron-bridge-b200-llama3-8b-fp8",
+            "megatron-bridge-gb200-llama3-8b-fp8"}
+UNCALIBRATED = DEEPSEEK_ROWS | FP8_ROWS
 
 
 def known_gap(spec) -> str | None:
@@ -72,7 +79,7 @@ def known_gap(spec) -> str | None:
     any other model."""
     if spec.moe is None or (spec.router is None and not spec.moe.first_dense_layers):
         return None
-    rows = [c for c in cases("cpu", calibrated=False) if c["case"] in UNCALIBRATED]
+    rows = [c for c in cases("cpu", calibrated=False) if c["case"] in DEEPSEEK_ROWS]
     ratios = ", ".join(f"{c['case']} {estimate(c) / c['compiled_bytes']:.2f}"
                        for c in sorted(rows, key=lambda c: c["case"]))
     return ("LOW for DeepSeek-style MoE (a dense prefix, a sigmoid or group router): "
