@@ -118,6 +118,10 @@ def _model() -> dict:
         "final_logit_softcap": 0.0,  # c·tanh(logit/c) on the output logits; 0: none
         "rope_scaling": rope_lib.defaults(),
         "norm_eps": 1e-5,
+        # The output head is the token embedding table: one array, trained as one (HF's
+        # tie_word_embeddings). The families whose head is always the table (gpt2, gemma2,
+        # gemma3) are tied whatever this says.
+        "tie_embeddings": False,
         "init_std": 0.02,
         "moe": {**moe_lib.defaults(), **router_lib.defaults()},
         "mla": mla_lib.defaults(),  # multi-head latent attention (kv_lora_rank 0: GQA)

@@ -132,7 +132,8 @@ def test_import_export_import_is_exact(family, tmp_path, devices):
     _hf_model(cfg).save_pretrained(tmp_path / "hf")
     _, first = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
     files = export_hf(tmp_path / "run", tmp_path / "out", devices=devices[:1])
-    assert files == ["config.json", "model.safetensors"]
+    # generation_config.json: the one save_pretrained wrote, kept by the import.
+    assert files == ["config.json", "model.safetensors", "generation_config.json"]
     _, second = import_hf(cfg, tmp_path / "out", tmp_path / "again", devices[:1])
     a, b = _numpy(first.params), _numpy(second.params)
     assert a.keys() == b.keys()

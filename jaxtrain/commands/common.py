@@ -48,6 +48,16 @@ with what each means); a wrong key or type is refused in one line. The common on
   --config.eval.tasks=hellaswag,...      downstream tasks during training"""
 
 
+# --config's default where a command may go without one (commands/base_config_file.py).
+BASE_CONFIG_FILE = str(pathlib.Path(__file__).with_name("base_config_file.py"))
+
+
+def override_keys(argv) -> set[str]:
+    """The keys argv's --config.KEY=VALUE overrides set: {'model.seq_len', 'steps'}."""
+    return {arg[len("--config."):].split("=", 1)[0] for arg in argv
+            if arg.startswith("--config.")}
+
+
 def exit_usage(message: str, code: int = USAGE_ERROR) -> None:
     """Prints 'jaxtrain: error: MESSAGE' and exits with the usage/config/input code (or
     `code`: errors.IN_USE for a workdir another run holds)."""

@@ -44,3 +44,30 @@ def family_of(hf: dict, where: str):
         raise ConfigError(f"{where}: model_type={model_type!r}, architectures="
                           f"{architectures} is not supported; jaxtrain converts {supported}")
     return module
+
+
+def families_rows() -> list[tuple[str, str, str]]:
+    """(model_type, architecture, jaxtrain family) of every family module, registry order;
+    an MoE model_type another family exports as (its MOE) reads 'llama + model.moe'."""
+    moe_of = {getattr(m, "MOE", None) for m in FAMILIES.values()}
+    return [(model_type, m.ARCHITECTURE,
+             m.FAMILY + (" + model.moe" if model_type in moe_of and m.FAMILY != model_type
+                         else ""))
+            for model_type, m in FAMILIES.items()]
+
+
+def families_help() -> str:
+    """convert --help's list of the families, from FAMILIES."""
+    rows = families_rows()
+    width = max(len(t) for t, _, _ in rows) + 2
+    arch = max(len(a) for _, a, _ in rows) + 2
+    return ("Hugging Face families (config.json model_type, architecture -> jaxtrain "
+            "model.family):\n" + "\n".join(f"  {t:<{width}}{a:<{arch}}-> {f}"
+                                            for t, a, f in rows))
+
+
+def families_table() -> str:
+    """docs/interop.md's table of the families, from FAMILIES (a test keeps them equal)."""
+    lines = ["| config.json model_type | architecture | jaxtrain model.family |",
+             "|---|---|---|"]
+    return "\n".join(lines + [f"| `{t}` | `{a}` | `{f}` |" for t, a, f in families_rows()])

@@ -124,6 +124,7 @@ def check_shared(hf: dict, m, defaults: dict, router: str) -> Checks:
     c.equal("model.rope_theta", m.rope_theta, "rope_theta", llama.rope_theta(hf))
     _check_mla(c, hf, m.mla, defaults)
     _check_moe(c, hf, m, defaults, router)
+    llama.check_tie(c, hf, m)
     if hf.get("hidden_act", "silu") != "silu":
         c.refuse("hidden_act", hf["hidden_act"], "the MLP is SwiGLU (silu)")
     if hf.get("attention_bias"):
@@ -243,11 +244,9 @@ def tensors(spec, hf: dict | None = None, fused: bool = False) -> list[HFTensor]
     if dense:
         layered += [dataclasses.replace(t, layers=dense) for t in _attention(spec, "blocks")
                     + _mlp(f"{LAYER}mlp.", ("blocks", "mlp"), d, spec.mlp_dim)]
-    tied = bool(hf and hf.get("tie_word_embeddings", False))
     return [one("model.embed_tokens.weight", (v, d), ("tok_embed",)), *layered,
             one("model.norm.weight", (d,), ("final_norm", "scale")),
-            linear("model.embed_tokens.weight" if tied else "lm_head.weight", (v, d),
-                   ("lm_head",))]
+            *llama.head_tensors(spec, hf)]
 
 
 def export_config(spec) -> dict:
@@ -278,7 +277,8 @@ def export_shared(spec, architecture: str, router_name: str) -> dict:
         "qk_rope_head_dim": mla.qk_rope_head_dim, "v_head_dim": mla.v_head_dim,
         "rope_interleave": mla.rope_interleave, "hidden_act": "silu",
         "max_position_embeddings": spec.seq_len, "rms_norm_eps": spec.norm_eps,
-        "rope_theta": spec.rope_theta, "attention_bias": False, "tie_word_embeddings": False,
+        "rope_theta": spec.rope_theta, "attention_bias": False,
+        "tie_word_embeddings": spec.tied_embeddings,
         "initializer_range": spec.init_std, "bos_token_id": None, "eos_token_id": None,
     }
 

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxtrain import storage
-from jaxtrain.errors import ConfigError
+from jaxtrain.errors import ConfigError, DataError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -65,6 +65,12 @@ class SafetensorsDir:
             if not path.is_file():
                 raise ConfigError(f"{directory / name} is missing (listed in {INDEX})")
 
+    def check_readable(self) -> None:
+        """DataError (one line, naming the file) for a file safetensors cannot open: a
+        truncated or damaged download, checked before anything is read or written."""
+        for name in sorted(set(self.files.values())):
+            self._handle(name)
+
     def __enter__(self) -> SafetensorsDir:
         return self
 
@@ -73,8 +79,12 @@ class SafetensorsDir:
 
     def _handle(self, file: str):
         if file not in self._open:
-            self._open[file] = self._stack.enter_context(
-                safe_open(str(self.directory / file), framework="numpy"))
+            try:
+                self._open[file] = self._stack.enter_context(
+                    safe_open(str(self.directory / file), framework="numpy"))
+            except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: the file's fault
+                raise DataError(f"{self.directory / file} is not a readable safetensors file "
+                                f"({storage.first_line(e)}): download it again") from None
         return self._open[file]
 
     def resolve(self, name: str) -> str | None:

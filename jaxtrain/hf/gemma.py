@@ -57,6 +57,8 @@ def _types(self, hf: dict) -> list[str]:
 
 def _check_layer_types(self, c: Checks, hf: dict, m) -> None:
     layer_types.check(c, m, hf, _types(self, hf), "layer_types/sliding_window")
+    if self.rope_by_layer_type:
+        c.derive("model.rope_local_theta", _sliding_theta(hf))
     theta = layer_types.windowed_theta(m)
     want = _sliding_theta(hf) if self.rope_by_layer_type else m.rope_theta
     if theta is not None and theta != want:

@@ -51,15 +51,23 @@ def parse(blob: dict, where: str = FILE) -> GenerationDefaults:
         sampling={k: blob[k] for k in SAMPLING_KEYS if blob.get(k) is not None})
 
 
+def text(workdir) -> str | None:
+    """The run's generation_config.json as it was imported (None: the run has none), for
+    export."""
+    try:
+        return (storage.as_path(workdir, "--workdir") / FILE).read_text()
+    except FileNotFoundError:
+        return None
+
+
 def read(workdir) -> GenerationDefaults:
     """The run's defaults; empty ones when the run has no generation_config.json."""
     path = storage.as_path(workdir, "--workdir") / FILE
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
+    text_ = text(workdir)
+    if text_ is None:
         return GenerationDefaults()
     try:
-        blob = json.loads(text)
+        blob = json.loads(text_)
     except ValueError as e:
         raise ConfigError(f"{path}: not JSON ({e})") from e
     return parse(blob, str(path))

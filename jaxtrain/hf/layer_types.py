@@ -42,10 +42,22 @@ def shown(windows_: list[int | None]) -> str:
 def check(c, m, hf: dict, types: list[str], where: str) -> None:
     """One problem in Checks `c` when cfg.model `m`'s windows differ from the checkpoint's."""
     ours, theirs = windows(m), hf_windows(hf, types)
+    derive(c, theirs)
     if ours != theirs:
         c.problems.append(f"model.layer_types={m.layer_types!r} with model.sliding_window="
                           f"{m.sliding_window} gives windows {shown(ours)} but config.json "
                           f"{where} give {shown(theirs)} (S<w>: sliding, F: full)")
+
+
+def derive(c, windows_: list[int | None]) -> None:
+    """config.json's windows as model.layer_types and model.sliding_window (Checks.derive):
+    no pattern when no layer is windowed, 'sliding' (repeated) when every layer is, else one
+    kind per layer. Sliding layers, not uniform ones: those take model.rope_local_theta."""
+    window = next((w for w in windows_ if w), 0)
+    kinds = ["sliding" if w else "full" for w in windows_]
+    c.derive("model.layer_types", "" if not window else
+             "sliding" if set(kinds) == {"sliding"} else ",".join(kinds))
+    c.derive("model.sliding_window", window)
 
 
 def export(spec, unused_window: int | None = None) -> dict:

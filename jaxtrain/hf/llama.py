@@ -4,7 +4,9 @@ HF Llama keeps torch Linear weights [out, in] (jaxtrain: [in, out], with heads s
 q_proj [H*K, D] -> w_q [D, H, K], k/v_proj [G*K, D] -> [D, G, K], o_proj [D, H*K] ->
 w_o [H, K, D]); RoPE rotates the two halves of each head, as jaxtrain's `rope` does, so no
 permutation of q/k rows is needed. The output head is separate unless tie_word_embeddings,
-in which case jaxtrain gets a copy of the embedding table (and exports an untied head).
+which is model.tie_embeddings both ways: the head is then the embedding table itself (one
+array, no lm_head tensor). A model given untied (model.tie_embeddings=False) imports a tied
+checkpoint with a copy of the table as its head, and exports it untied.
 """
 
 from __future__ import annotations
@@ -62,11 +64,33 @@ def check_shared(hf: dict, m) -> Checks:
             rope_theta(hf))
     if hf.get("hidden_act", "silu") != "silu":
         c.refuse("hidden_act", hf["hidden_act"], "jaxtrain's Llama MLP is SwiGLU (silu)")
+    check_tie(c, hf, m)
     check_rope_scaling(c, hf, m)
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             c.refuse(key, hf[key], "jaxtrain's Llama has no biases")
     return c
+
+
+def check_tie(c: Checks, hf: dict, m) -> None:
+    """tie_word_embeddings (transformers' default for these families: false) is
+    model.tie_embeddings; an untied model may take a tied checkpoint (its head a copy of the
+    table), a tied one cannot take a separate lm_head."""
+    tied = bool(hf.get("tie_word_embeddings", False))
+    c.derive("model.tie_embeddings", tied)
+    if m.tie_embeddings and not tied:
+        c.problems.append("model.tie_embeddings=True but config.json tie_word_embeddings="
+                          "false (the checkpoint has its own lm_head)")
+
+
+def head_tensors(spec, hf: dict | None) -> list[HFTensor]:
+    """The output head's tensor: none when the model ties it (the embedding table is the
+    head); on import of a tied checkpoint into an untied model, a copy of the table."""
+    if spec.tied_embeddings:
+        return []
+    copied = bool(hf and hf.get("tie_word_embeddings", False))
+    return [linear("model.embed_tokens.weight" if copied else "lm_head.weight",
+                   (spec.vocab_size, spec.d_model), ("lm_head",))]
 
 
 # model.rope_scaling fields per type, with transformers' defaults where its dict may omit
@@ -127,8 +151,7 @@ LAYER = "model.layers.{i}."
 
 
 def tensors(spec, hf: dict | None = None) -> list[HFTensor]:
-    """The checkpoint's tensors, in file order. On import (`hf` given) a tied head is read
-    from the embedding table; on export the head is always written separately."""
+    """The checkpoint's tensors, in file order (head_tensors: the head's, if any)."""
     d, f = spec.d_model, spec.mlp_dim
     mlp = [linear(f"{LAYER}mlp.gate_proj.weight", (f, d), ("blocks", "mlp", "w_gate")),
            linear(f"{LAYER}mlp.up_proj.weight", (f, d), ("blocks", "mlp", "w_up")),
@@ -141,7 +164,6 @@ def around_mlp(spec, hf: dict | None, blocks: str, mlp: list[HFTensor]) -> list[
     parameters live under `blocks` ('moe_blocks' for Mixtral)."""
     d, h, g, k, v = spec.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim, \
         spec.vocab_size
-    tied = bool(hf and hf.get("tie_word_embeddings", False))
 
     def attn(name, path, heads, out=False):
         return split_heads(f"{LAYER}self_attn.{name}.weight", (blocks, "attn", path), d,
@@ -157,8 +179,7 @@ def around_mlp(spec, hf: dict | None, blocks: str, mlp: list[HFTensor]) -> list[
         one(f"{LAYER}post_attention_layernorm.weight", (d,), (blocks, "mlp_norm", "scale")),
         *mlp,
         one("model.norm.weight", (d,), ("final_norm", "scale")),
-        linear("model.embed_tokens.weight" if tied else "lm_head.weight", (v, d),
-               ("lm_head",)),
+        *head_tensors(spec, hf),
     ]
 
 
@@ -174,6 +195,7 @@ def export_config(spec) -> dict:
         # rope_scaling.
         "rope_theta": spec.rope_theta, "rope_parameters": export_rope(spec),
         **({} if spec.rope_scaling is None else {"rope_scaling": export_rope(spec)}),
-        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": spec.tied_embeddings,
         "initializer_range": spec.init_std, "bos_token_id": None, "eos_token_id": None,
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import pathlib
 import sys
 from collections.abc import Sequence
@@ -19,13 +20,16 @@ from jaxtrain import storage
 from jaxtrain.checkpoint import Checkpoints
 from jaxtrain.data import record, tokenizers
 from jaxtrain.errors import ConfigError, DataError
-from jaxtrain.hf import family_of, layer_types
+from jaxtrain.hf import family_of, generation, layer_types
 from jaxtrain.hf.files import SafetensorsDir, read_config
 from jaxtrain.train.setup import Setup, build, loss_scale_init
 from jaxtrain.train.state import LossScale, TrainState
 from jaxtrain.workdir import CHECKPOINTS, prepare_workdir, write_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+# Tensors a checkpoint may hold that are no parameters: buffers older transformers saved
+# (RoPE's inverse frequencies, GPT-2's causal mask).
+BUFFER_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
 
 def _say(message: str) -> None:
@@ -44,47 +48,49 @@ def hf_tokenizer(directory, vocab_size: int) -> tokenizers.Tokenizer | None:
     return tokenizer
 
 
-def import_hf(cfg, hf_dir, workdir, devices: Sequence[jax.Device] | None = None
-              ) -> tuple[Setup, TrainState]:
+def import_hf(cfg, hf_dir, workdir, devices: Sequence[jax.Device] | None = None,
+              allow_unused: bool = False) -> tuple[Setup, TrainState]:
     """Imports HF `hf_dir` into a step-0 checkpoint of `cfg` in `workdir`, with the
     directory's tokenizer as the run's (WORKDIR/tokenizer; without tokenizer files, a record
-    that the run has none, so that bytes are not assumed for a config on the byte corpus).
+    that the run has none, so that bytes are not assumed for a config on the byte corpus)
+    and its generation_config.json as the run's (hf/generation.py).
 
-    Everything is checked before any tensor is read: the directory, the architecture, every
-    config.json value against cfg.model (one error naming each mismatch), the tokenizer's
-    size, and every tensor's shape in the safetensors headers. Then each parameter is read
-    with safetensors (only the slice it needs: q, k and v each read their third of GPT-2's
-    fused c_attn) and placed straight into its shards with device_put; a per-layer HF tensor
-    goes to the devices layer by layer and the stacked [layers, ...] parameter is assembled
-    there by one jitted stack. Peak host memory is about two copies of the largest single HF
-    tensor read (the slice and its transposed/reshaped copy), usually the embedding table;
-    peak device memory is the params plus, transiently, a second copy of one stacked
-    parameter (its per-layer pieces), and then the optimizer state the checkpoint needs.
+    What is read is questioned before anything is written: the directory, the
+    architecture, every config.json value against cfg.model (one error naming each
+    mismatch), the tokenizer's size, generation_config.json, every safetensors file (a
+    truncated download: DataError naming it), every tensor's shape in their headers, and
+    tensors that map to nothing (refused, listed, unless `allow_unused`). Each tensor read
+    is checked finite (DataError naming it) before the checkpoint is saved.
+
+    Each parameter is read with safetensors (only the slice it needs: q, k and v each read
+    their third of GPT-2's fused c_attn) and placed straight into its shards with
+    device_put; a per-layer HF tensor goes to the devices layer by layer and the stacked
+    [layers, ...] parameter is assembled there by one jitted stack. Peak host memory is
+    about two copies of the largest single HF tensor read (the slice and its
+    transposed/reshaped copy), usually the embedding table; peak device memory is the
+    params plus, transiently, a second copy of one stacked parameter (its per-layer
+    pieces), and then the optimizer state the checkpoint needs.
     """
     hf_dir, workdir = pathlib.Path(hf_dir), storage.as_path(workdir, "--workdir")
     hf = read_config(hf_dir)
     family = family_of(hf, f"{hf_dir / 'config.json'}")
     _check_matches(cfg, hf, family, hf_dir)
     tokenizer = hf_tokenizer(hf_dir, cfg.model.vocab_size)
+    generation_text = _generation_config(hf_dir)
     setup = build(cfg, devices)
     checkpoints_dir = workdir / CHECKPOINTS
     if checkpoints_dir.is_dir() and any(checkpoints_dir.iterdir()):
         raise ConfigError(f"--workdir={workdir} already holds checkpoints; import into a new "
                           "or empty directory")
-    prepare_workdir(workdir)
-
     abstract = traverse_util.flatten_dict(setup.abstract_state().params)
     tensors, layers = family.tensors(setup.spec, hf), setup.spec.num_layers
     sources = _sources(tensors, abstract)
     with SafetensorsDir(hf_dir) as files:
+        files.check_readable()
         _check_tensors(files, tensors, layers, hf_dir)
-        params = {}
-        work = sum(abstract[path].shape[0] if path[0] in ("blocks", "moe_blocks") else 1
-                   for path in abstract)
-        with tqdm(total=work, desc="import", unit="tensor", file=sys.stderr) as bar:
-            for path, target in abstract.items():
-                params[path] = _load(files, sources[path], target, bar)
-    params = traverse_util.unflatten_dict(params)
+        _check_unused(files, tensors, layers, hf, hf_dir, allow_unused)
+        prepare_workdir(workdir)
+        params = _load_all(files, abstract, sources, hf_dir)
     state = _fresh_state(setup, params)
     checkpoints = Checkpoints(checkpoints_dir, cfg.checkpoint.keep, cfg.checkpoint.keep_period,
                               log=_say)
@@ -93,7 +99,34 @@ def import_hf(cfg, hf_dir, workdir, devices: Sequence[jax.Device] | None = None
     if jax.process_index() == 0:
         write_config(workdir, cfg)
         record.store_tokenizer(workdir, tokenizer)
+        if generation_text is not None:
+            storage.atomic_write(workdir / generation.FILE, generation_text)
     return setup, state
+
+
+def _generation_config(hf_dir: pathlib.Path) -> str | None:
+    """generation_config.json's text, checked (hf/generation.py parse), or None."""
+    path = hf_dir / generation.FILE
+    if not path.is_file():
+        return None
+    text = path.read_text()
+    try:
+        blob = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"{path}: not JSON ({e})") from None
+    generation.parse(blob, str(path))
+    return text
+
+
+def _load_all(files, abstract: dict, sources: dict, hf_dir) -> dict:
+    """Every parameter read, checked finite and placed in its shards."""
+    params = {}
+    work = sum(abstract[path].shape[0] if path[0] in ("blocks", "moe_blocks") else 1
+               for path in abstract)
+    with tqdm(total=work, desc="import", unit="tensor", file=sys.stderr) as bar:
+        for path, target in abstract.items():
+            params[path] = _load(files, sources[path], target, bar, hf_dir)
+    return traverse_util.unflatten_dict(params)
 
 
 def _check_matches(cfg, hf: dict, family, hf_dir: pathlib.Path) -> None:
@@ -150,7 +183,28 @@ def _stacker(sharding: NamedSharding):
     return jax.jit(lambda *layers: jnp.stack(layers), out_shardings=sharding)
 
 
-def _load(files, source, target: jax.ShapeDtypeStruct, bar) -> jax.Array:
+def _check_unused(files: SafetensorsDir, hf_tensors, layers: int, hf: dict, hf_dir,
+                  allow_unused: bool) -> None:
+    """ConfigError listing the checkpoint's tensors that map to no parameter (dropping them
+    would import another model), unless `allow_unused`; buffers (BUFFER_SUFFIXES) and a
+    tied checkpoint's lm_head (transformers reads the table instead) are no parameters."""
+    used = {files.resolve(name) for tensor in hf_tensors for name, _, _ in tensor.names(layers)}
+    ignored = ("lm_head.weight",) if hf.get("tie_word_embeddings") else ()
+    unused = sorted(name for name in files.files if name not in used
+                    and not name.endswith(BUFFER_SUFFIXES) and name not in ignored)
+    if not unused:
+        return
+    more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+    if allow_unused:
+        _say(f"jaxtrain: --allow-unused: not importing {len(unused)} tensors of {hf_dir}: "
+             f"{', '.join(unused[:5])}{more}")
+        return
+    raise ConfigError(f"{hf_dir} holds {len(unused)} tensors that map to no parameter of "
+                      f"the model: {', '.join(unused[:5])}{more}; pass --allow-unused to "
+                      "import without them")
+
+
+def _load(files, source, target: jax.ShapeDtypeStruct, bar, hf_dir) -> jax.Array:
     tensor, offset, part = source
 
     def read(layer=None) -> np.ndarray:
@@ -160,8 +214,11 @@ def _load(files, source, target: jax.ShapeDtypeStruct, bar) -> jax.Array:
 
     def read_one(layer, expert=None) -> np.ndarray:
         start, stop = (0, None) if tensor.read_whole else (offset, offset + part.size)
-        value = tensor.select(files.read(tensor.named(layer, expert), tensor.axis, start,
-                                         stop), offset, part.size)
+        name = tensor.named(layer, expert)
+        value = tensor.select(files.read(name, tensor.axis, start, stop), offset, part.size)
+        if not np.isfinite(value).all():  # training would call step 0 damaged
+            raise DataError(f"{hf_dir}: tensor {name} holds non-finite values (NaN or inf); "
+                            "the checkpoint is damaged")
         return np.asarray(part.to_jax(value), dtype=target.dtype)
 
     if not tensor.per_layer:

@@ -1,8 +1,16 @@
 """How a Hugging Face tensor relates to jaxtrain parameters: the vocabulary the family
-modules (gpt2.py, llama.py) describe their checkpoints in."""
+modules (gpt2.py, llama.py) describe their checkpoints in.
+
+A family's config checks (Checks.equal: jaxtrain key, its value, config.json key, the value
+there) are its config table, read both ways: checking a given config against config.json,
+and, under `deriving`, recording config.json's value of each key (hf/model_config.py builds
+a run's model config from config.json with them).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from collections.abc import Callable
@@ -136,18 +144,51 @@ def split_heads(name: str, path: Path, d: int, heads: int, head_dim: int,
     return one(name, shape, path, lambda x: x.reshape(jax_shape), lambda x: x.reshape(flat))
 
 
+# Floats of config.json and the config agree within this relative tolerance: config.json
+# holds float32 values written out as float64 (rms_norm_eps 9.999999747378752e-06 is 1e-5).
+FLOAT_REL_TOL = 1e-6
+
+_DERIVED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("derived", default=None)
+
+
+@contextlib.contextmanager
+def deriving():
+    """Within it, every Checks records config.json's value of each jaxtrain key it checks
+    into the dict yielded ('model.d_model' -> 576)."""
+    derived: dict = {}
+    token = _DERIVED.set(derived)
+    try:
+        yield derived
+    finally:
+        _DERIVED.reset(token)
+
+
+def same_value(ours, theirs) -> bool:
+    """Equal, floats within FLOAT_REL_TOL."""
+    if isinstance(ours, float) and isinstance(theirs, (int, float)) \
+            and not isinstance(theirs, bool):
+        return math.isclose(float(ours), float(theirs), rel_tol=FLOAT_REL_TOL)
+    return ours == theirs
+
+
 class Checks:
     """Collects every disagreement between config.json and the jaxtrain config, so that one
     error names them all."""
 
     def __init__(self):
         self.problems: list[str] = []
+        self.derived = _DERIVED.get()
+
+    def derive(self, key: str, theirs) -> None:
+        """Records config.json's value of jaxtrain `key` ('model.x', maybe with a note after
+        a space: 'model.head_dim (0: d_model/num_heads)') while deriving."""
+        key = key.split(" ")[0]
+        if self.derived is not None and key.startswith("model.") and theirs is not None:
+            self.derived[key] = theirs
 
     def equal(self, key: str, ours, hf_key: str, theirs) -> None:
-        same = (math.isclose(float(ours), float(theirs), rel_tol=1e-9)
-                if isinstance(ours, float) and isinstance(theirs, (int, float)) else
-                ours == theirs)
-        if not same:
+        self.derive(key, theirs)
+        if not same_value(ours, theirs):
             self.problems.append(f"{key}={ours!r} but config.json {hf_key}={theirs!r}")
 
     def refuse(self, hf_key: str, value, why: str) -> None:

@@ -40,6 +40,7 @@ def check_config(hf: dict, m) -> list[str]:
                           "no shared experts (use 0)")
     # transformers' window is what jaxtrain's is: query i sees keys (i - W, i].
     window = hf.get("sliding_window")
+    c.derive("model.sliding_window", window or 0)
     if (m.sliding_window or None) != window:
         c.problems.append(f"model.sliding_window={m.sliding_window} but config.json "
                           f"sliding_window={window} (0 is null: full causal attention)")

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from jaxtrain import inference
 from jaxtrain.errors import ConfigError
 from jaxtrain.hf import adapter as adapter_lib
-from jaxtrain.hf import layer_types, module_for
+from jaxtrain.hf import generation, layer_types, module_for
 from jaxtrain.hf.files import SafetensorsWriter, parse_size
 from jaxtrain.models import lora
 from jaxtrain.train.setup import Setup
@@ -66,10 +66,22 @@ def export_hf(workdir, out_dir, max_shard_size: str | int = "2GB", dtype: str = 
     files = _write_tensors(out_dir, max_bytes, traverse_util.flatten_dict(params),
                            _tensor_order(spec, family.tensors(spec)), DTYPES[dtype])
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    files += _write_generation_config(workdir, setup.cfg, out_dir)
     print(f"jaxtrain: exported step {step} of {workdir} ({spec.family} {spec.num_layers}x"
           f"{spec.d_model}, {dtype}) to {out_dir}: config.json, {', '.join(files)}",
           file=sys.stderr)
     return ["config.json", *files]
+
+
+def _write_generation_config(workdir, cfg, out_dir: pathlib.Path) -> list[str]:
+    """The run's generation_config.json (a LoRA run without one: its base's), as imported."""
+    text = generation.text(workdir)
+    if text is None and cfg.model.lora.base:
+        text = generation.text(cfg.model.lora.base)
+    if text is None:
+        return []
+    (out_dir / generation.FILE).write_text(text)
+    return [generation.FILE]
 
 
 def _check_request(workdir, out_dir: pathlib.Path, dtype: str, adapter: bool) -> None:

@@ -65,6 +65,7 @@ class ModelSpec:
     final_softcap: float = 0.0  # final-logit soft-cap (models/head_loss.py soft_cap); 0: none
     rope_scaling: RopeScaling | None = None  # None: plain RoPE (models/rope.py)
     norm_eps: float = 1e-5
+    tie_embeddings: bool = False  # model.tie_embeddings (or the family ties: tied_embeddings)
     init_std: float = 0.02
     param_dtype: Any = jnp.float32
     compute_dtype: Any = jnp.float32
@@ -120,7 +121,7 @@ class ModelSpec:
             remat=m.remat, rope_theta=m.rope_theta, rope_scaling=_rope_scaling(m),
             attention_scale_dim=m.attention_scale_dim, attn_softcap=m.attn_logit_softcap,
             final_softcap=m.final_logit_softcap,
-            norm_eps=m.norm_eps,
+            norm_eps=m.norm_eps, tie_embeddings=bool(m.tie_embeddings),
             init_std=m.init_std, compute_dtype=precision.compute_dtype,
             rules=active_rules(tuple(tuple(r) for r in cfg.mesh.rules),
                                cfg.mesh.sequence_parallel, context_spec is not None),
@@ -136,7 +137,8 @@ class ModelSpec:
     # What the model code reads: the family's fields, never its name.
     use_bias = property(lambda self: self.family_entry.bias)
     rope = property(lambda self: self.family_entry.rope)
-    tied_embeddings = property(lambda self: self.family_entry.tied_embeddings)
+    tied_embeddings = property(lambda self: self.family_entry.tied_embeddings
+                               or self.tie_embeddings)
     gated_mlp = property(lambda self: self.family_entry.gated_mlp)
     rms_norm = property(lambda self: self.family_entry.norm == "rms")
     attention_parts = property(lambda self: self.family_entry.attention_parts)
