@@ -69,6 +69,7 @@ INSTALL = {
        for name in ("pyarrow", "datasets", "sentencepiece", "tiktoken")},
     "tensorboardX": "pip install tensorboardX (a dependency of jaxtrain)",
     "transformers": "pip install transformers",
+    **{name: "pip install 'jaxtrain[serve]'" for name in ("fastapi", "uvicorn")},
 }
 
 

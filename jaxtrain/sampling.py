@@ -1,21 +1,24 @@
-"""Autoregressive decoding with a KV cache: one jitted prefill and a scan of one-token steps.
+"""Fixed-length generation for the tests and scripts that want [B, N] tokens from a batch
+of equal-length prompts, on the generation engine (jaxtrain/engine/: one decode path for
+everything); and `pick`, one sampling draw per row, as the engine's decode step draws.
 
-The cache holds every layer's keys and values for prompt + new tokens ([layers, B, M, G, K],
-sharded like the attention heads), so each new token costs one forward over one position.
+The engine is what generate, serve, task evaluation and RL use: ragged prompts, stops at
+EOS ids and stop strings, log-probabilities, continuous batching.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from jaxtrain.engine import Engine, Model, Request, SamplingParams
+from jaxtrain.engine.sampler import RowSampling, sample
 from jaxtrain.errors import ConfigError
-from jaxtrain.mesh import constrain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,45 +37,46 @@ class Sampling:
                 raise ConfigError(f"--{name}={getattr(self, name)} is invalid: must be {valid}")
 
 
+def seed_of(key: jax.Array) -> int:
+    """A request seed (uint32) from a jax PRNG key: its key data, folded."""
+    data = np.asarray(jax.random.key_data(key)).astype(np.uint64).ravel()
+    return int((data[0] * 0x9E3779B1 + data[-1]) % (1 << 32))
+
+
 def pick(logits_BV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
-    """The next token of each row: argmax, or a draw from the tempered, truncated softmax."""
-    logits_BV = logits_BV.astype(jnp.float32)
-    if sampling.temperature == 0:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    logits_BV = logits_BV / sampling.temperature
-    if sampling.top_k:
-        kth_B1 = jax.lax.top_k(logits_BV, sampling.top_k)[0][:, -1:]
-        logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
-    if sampling.top_p < 1:
-        sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
-        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
-        # Keep a token while the mass before it is under top_p (the first is always kept).
-        before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-        cutoff_B1 = jnp.min(jnp.where(before_BV < sampling.top_p, sorted_BV, jnp.inf),
-                            axis=-1, keepdims=True)
-        logits_BV = jnp.where(logits_BV < cutoff_B1, -jnp.inf, logits_BV)
-    return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
+    """The next token of each row: argmax, or a draw from the tempered, truncated softmax
+    (the engine's sampler, engine/sampler.py)."""
+    b = logits_BV.shape[0]
+    full = lambda v, dt: jnp.full((b,), v, dt)  # noqa: E731
+    rows = RowSampling(full(sampling.temperature, jnp.float32), full(sampling.top_k, jnp.int32),
+                       full(sampling.top_p, jnp.float32), full(0.0, jnp.float32),
+                       full(seed_of(key), jnp.uint32), jnp.arange(b, dtype=jnp.int32),
+                       full(0, jnp.int32))
+    return sample(logits_BV, rows, 0)[0]
 
 
 def make_generate(graphdef: nnx.GraphDef, sampling: Sampling, rules) -> Callable:
-    """jit((params, prompt_BP, key) -> [B, max_new_tokens] tokens continuing each row)."""
-    return jax.jit(functools.partial(_generate, graphdef, sampling, rules))
+    """(params, prompt_BP, key) -> [B, max_new_tokens] tokens continuing each row, every
+    row its full length (no EOS), on the engine with B slots. Call it under the mesh the
+    parameters lie on (jax.set_mesh); engines are kept by batch size, so a second call of
+    the same shape compiles nothing."""
+    engines: dict[int, Engine] = {}
 
+    def generate(params, prompt_BP, key) -> np.ndarray:
+        prompt_BP = np.asarray(prompt_BP)
+        batch = prompt_BP.shape[0]
+        spec = nnx.merge(graphdef, params).spec
+        model = Model(graphdef, params, None, rules, spec.vocab_size, spec.seq_len)
+        if batch not in engines:
+            engines[batch] = Engine(model, slots=batch)
+        engine = engines[batch]
+        engine.model = model
+        params_ = SamplingParams(max_new_tokens=sampling.max_new_tokens,
+                                 temperature=sampling.temperature, top_k=sampling.top_k,
+                                 top_p=sampling.top_p, seed=seed_of(key), ignore_eos=True)
+        # one request of B samples would share one prompt; B requests keep each row's own
+        done = engine.generate([Request(tuple(int(t) for t in row), params_)
+                                for row in prompt_BP])
+        return np.asarray([c[0].ids for c in done], np.int32)
 
-def _generate(graphdef, sampling: Sampling, rules, params, prompt_BP, key):
-    model = nnx.merge(graphdef, params)
-    batch, prompt_len = prompt_BP.shape
-    cache = model.init_cache(batch, prompt_len + sampling.max_new_tokens)
-    logits_BPV, cache = model.decode(prompt_BP, cache, jnp.int32(0))
-    first_B = pick(logits_BPV[:, -1], jax.random.fold_in(key, 0), sampling)
-
-    def step(carry, i):
-        token_B, cache = carry
-        logits_B1V, cache = model.decode(token_B[:, None], cache, prompt_len + i)
-        next_B = pick(logits_B1V[:, 0], jax.random.fold_in(key, i + 1), sampling)
-        return (next_B, cache), next_B
-
-    steps = jnp.arange(sampling.max_new_tokens - 1, dtype=jnp.int32)
-    _, rest_NB = jax.lax.scan(step, (first_B, cache), steps)
-    tokens_BN = jnp.concatenate([first_B[:, None], rest_NB.T], axis=1)
-    return constrain(tokens_BN, ("batch", None), rules)
+    return generate

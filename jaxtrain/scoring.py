@@ -11,9 +11,8 @@ A causal model's logits at a position do not depend on what comes after it, so p
 changes nothing the score reads. The head runs over sequence chunks, so the B·L·V logits
 never exist at once (a 128k vocabulary would otherwise need gigabytes per batch).
 
-Generation: prompts of one length go through the decoder together (it has no padding mask,
-so prompts of different lengths cannot share a batch without changing their results); rows
-are padded up to the batch size by repeating a prompt, so each prompt length compiles once.
+Generation runs on the engine (jaxtrain/engine/): prompts of any lengths share its `batch`
+slots, each row at its own position, each ending at its stop strings or EOS.
 """
 
 from __future__ import annotations
@@ -31,11 +30,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.errors import DataError
+from jaxtrain.engine import Engine, Model, Request, SamplingParams
+from jaxtrain.errors import DataError, JaxtrainError
 from jaxtrain.mesh import batch_shards, constrain, logical_to_spec
 from jaxtrain.models.attention import KERNELS
 from jaxtrain.models.head_loss import soft_cap
-from jaxtrain.sampling import Sampling, make_generate
 
 MIN_BUCKET = 16
 HEAD_CHUNK_TOKENS = 2048  # rows × positions whose logits exist at once
@@ -54,6 +53,7 @@ class Scorer:
     seq_multiple: int = 1  # what every padded length must divide by
     params: dict | None = None
     progress: bool = True
+    vocab_size: int = 1 << 30  # ids at most (prompts are checked against it)
     compiled: dict = dataclasses.field(default_factory=dict, repr=False)  # by what it does
 
     @classmethod
@@ -69,7 +69,8 @@ class Scorer:
                 axes = (axes,) if isinstance(axes, str) else axes
                 seq_multiple = math.lcm(seq_multiple, math.prod(sizes[a] for a in axes))
         return cls(setup.graphdef, setup.mesh, spec.rules, spec.seq_len,
-                   -(-batch // multiple) * multiple, seq_multiple, params, progress)
+                   -(-batch // multiple) * multiple, seq_multiple, params, progress,
+                   spec.vocab_size)
 
     def bind(self, params: dict) -> Scorer:
         self.params = params
@@ -140,41 +141,34 @@ class Scorer:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int = 0) -> list[list[int]]:
-        """max_new_tokens tokens continuing each prompt (greedy at temperature 0; else
-        sampled as sampling.Sampling says). Each prompt must leave room for them within
-        model.seq_len."""
-        sampling = Sampling(max_new_tokens, temperature, top_k, top_p)
-        sampling.check()
-        groups: dict[int, list[int]] = {}
-        for i, prompt in enumerate(prompts):
-            if not prompt or len(prompt) + sampling.max_new_tokens > self.seq_len:
-                raise DataError(f"a prompt of {len(prompt)} tokens plus {sampling.max_new_tokens}"
+                 seed: int = 0, stop: Sequence[str] = (), tokenizer=None,
+                 eos_ids: Sequence[int] = ()) -> list[list[int]]:
+        """Up to max_new_tokens tokens continuing each prompt, on the generation engine
+        (jaxtrain/engine/: `batch` slots, continuous batching; greedy at temperature 0).
+        A continuation ends early at an EOS id (kept, last) or at a stop string (its text:
+        needs `tokenizer`). Each prompt must leave room for them within model.seq_len."""
+        for prompt in prompts:
+            if not prompt or len(prompt) + max_new_tokens > self.seq_len:
+                raise DataError(f"a prompt of {len(prompt)} tokens plus {max_new_tokens}"
                                 f" new ones does not fit model.seq_len={self.seq_len}")
-            groups.setdefault(len(prompt), []).append(i)
-        chunks = [(group[s:s + self.batch]) for _, group in sorted(groups.items())
-                  for s in range(0, len(group), self.batch)]
-        results: list = [None] * len(prompts)
-        generate = self._generate_fn(sampling)
-        for n, chosen in enumerate(tqdm.tqdm(chunks, desc="generating", unit="batch",
-                                             leave=False,
-                                             disable=not self.progress or len(chunks) < 2)):
-            batch = np.asarray([prompts[i] for i in chosen]
-                               + [prompts[chosen[0]]] * (self.batch - len(chosen)), np.int32)
-            with jax.set_mesh(self.mesh):
-                tokens = generate(self.params, self._global(batch),
-                                  jax.random.fold_in(jax.random.key(seed), n))
-            tokens = np.asarray(jax.device_get(tokens))
-            for slot, i in enumerate(chosen):
-                results[i] = tokens[slot].tolist()
-        return results
+        engine = self._engine()
+        engine.eos_ids, engine.tokenizer = frozenset(eos_ids), tokenizer
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                top_k=top_k, top_p=top_p, seed=seed, stop=tuple(stop))
+        try:
+            results = engine.generate([Request(tuple(p), params) for p in prompts])
+        except JaxtrainError as e:
+            raise DataError(f"generation: {e}") from None
+        return [completions[0].ids for completions in results]
 
-    def _generate_fn(self, sampling: Sampling):
-        if sampling not in self.compiled:
-            self.compiled[sampling] = jax.jit(
-                make_generate(self.graphdef, sampling, self.rules),
-                out_shardings=NamedSharding(self.mesh, P()))
-        return self.compiled[sampling]
+    def _engine(self) -> Engine:
+        """The engine (compiled once), on the scorer's current parameters."""
+        model = Model(self.graphdef, self.params, self.mesh, self.rules, self.vocab_size,
+                      self.seq_len)
+        if "engine" not in self.compiled:
+            self.compiled["engine"] = Engine(model, slots=self.batch)
+        self.compiled["engine"].model = model
+        return self.compiled["engine"]
 
 
 def _token_scores(graphdef, rules, params, inputs_BL, targets_BL, mask_BL):

@@ -26,9 +26,11 @@ LAYERS = [
     ("config",),
     ("train.state", "train.frozen", "train.step", "train.setup", "train.faults", "train.hooks",
      "train.profiling", "train.preemption", "train.goodput", "train.watchdog"),
-    ("sampling", "scoring"),  # decoding and scoring parameters, for the loop and commands
+    # decoding and scoring parameters, for the loop and commands; the generation engine
+    ("sampling", "scoring", "engine"),
     ("train",),  # the loop and its hooks
-    ("inference", "quantization", "hf", "plan"),
+    # engine.run_io: a run's EOS ids and chat template, for generate and serve
+    ("inference", "quantization", "hf", "plan", "engine.run_io", "serve"),
     ("commands", "main", "__main__"),
 ]
 
@@ -41,7 +43,9 @@ LATE_THIRD_PARTY = ("matplotlib", "tensorboardX", "ml_dtypes", "jax.experimental
                     # the [eval] and [wandb] extras
                     "lm_eval", "wandb",
                     # the [ray] extra: `prepare --ray` only
-                    "ray")
+                    "ray",
+                    # the [serve] extra: `jaxtrain serve` only
+                    "fastapi", "uvicorn")
 LATE_ALLOWED_IN = ("commands.train", "commands.plan", "commands.common")
 
 
@@ -146,8 +150,10 @@ def test_function_level_imports_only_where_needed():
 
 
 # Who may import the offline preparation package (jaxtrain/prepare/): its command only.
-# Training, evaluation and the rest read prepared datasets through jaxtrain.data.
-PREPARE_IMPORTED_BY = ("prepare", "commands.prepare")
+# Training, evaluation and the rest read prepared datasets through jaxtrain.data. And
+# engine.run_io: generate --chat and serve render a conversation with the chat template
+# exactly as prepare --chat rendered the training data (prepare/chat_template.py).
+PREPARE_IMPORTED_BY = ("prepare", "commands.prepare", "engine.run_io")
 
 
 def test_only_the_prepare_command_imports_the_offline_package():

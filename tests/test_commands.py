@@ -170,8 +170,8 @@ def test_local_only_paths_refuse_object_storage_in_one_line(tmp_path):
     (tmp_path / "run").mkdir()  # an empty run: whatever reads it would fail otherwise
     results = run_commands([argv for argv, _ in URL_CASES], tmp_path)
     # convert, quantize, report, prepare: every path may be on object storage
-    assert {argv[0] for argv, _ in URL_CASES} == set(COMMANDS) - {"generate", "convert", "launch",
-                                                                  "quantize", "report", "prepare"}
+    assert {argv[0] for argv, _ in URL_CASES} == set(COMMANDS) - {
+        "generate", "serve", "convert", "launch", "quantize", "report", "prepare"}
     for (argv, where), (code, _, err) in zip(URL_CASES, results):
         assert code == 2, (argv, err[-2000:])
         assert err.strip().startswith(f"jaxtrain: error: {where}: "), (argv, err)
@@ -195,7 +195,9 @@ OWN_FLAGS = {
     "train": ["--config", "--workdir", "--coordinator", "--config.steps", "--config.optimizer.lr"],
     "prepare": ["--out", "--tokenizer", "--train-tokenizer", "--shard", "--merge"],
     "plan": ["--config", "--hardware", "--devices", "--search", "--compile"],
-    "generate": ["--workdir", "--prompt", "--prompt_ids", "--max_new_tokens", "--temperature"],
+    "generate": ["--workdir", "--prompt", "--prompt_ids", "--max_new_tokens", "--temperature",
+                 "--chat", "--prompts"],
+    "serve": ["--workdir", "--host", "--port", "--api_key", "--slots"],
     "eval": ["--workdir", "--data", "--tasks", "--task_dir", "--out"],
     "quantize": ["--workdir", "--out", "--calibration_batches", "--int8_activations"],
     "convert": ["--from-hf", "--to-hf", "--workdir", "--config", "--dtype"],

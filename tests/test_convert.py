@@ -502,7 +502,7 @@ def test_generate_and_eval_of_an_import_without_a_tokenizer(tmp_path, devices):
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
 
     result = cli("generate", f"--workdir={run}", "--prompt_ids=300,400,511",
-                 "--max_new_tokens=4", "--json")
+                 "--max_new_tokens=4", "--ignore_eos", "--json")
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["prompt_ids"] == [300, 400, 511] and len(out["generated_ids"]) == 4

@@ -141,7 +141,7 @@ def test_int8_model_is_smaller_with_the_same_loss(tiny_run, tmp_path, activation
     assert int8_loss != float_loss  # the int8 weights are really in use
     if not activations:
         generated = _json(_cli("generate", f"--workdir={out}", "--prompt=def ",
-                               "--max_new_tokens=16", "--json"))
+                               "--max_new_tokens=16", "--ignore_eos", "--json"))
         assert generated["prompt_ids"] == list(b"def ")
         assert len(generated["generated_ids"]) == 16
 

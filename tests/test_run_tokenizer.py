@@ -54,7 +54,7 @@ def test_generate_encodes_and_decodes_with_the_runs_tokenizer(bpe_run):
     workdir, tokenizer = bpe_run
     assert record.run_tokenizer(workdir, None).fingerprint() == tokenizer.fingerprint()
     result = _json(_cli("generate", f"--workdir={workdir}", "--prompt=def alpha",
-                        "--max_new_tokens=6", "--json"))
+                        "--max_new_tokens=6", "--ignore_eos", "--json"))
     assert result["prompt_ids"] == tokenizer.encode("def alpha")
     assert len(result["generated_ids"]) == 6
     assert result["text"] == tokenizer.decode(result["prompt_ids"] + result["generated_ids"])

@@ -1,7 +1,7 @@
 """The `jaxtrain` command line: one subcommand per module of this package.
 
     jaxtrain train --config configs/NAME.py [--config.KEY=VALUE ...] [--workdir DIR]
-    jaxtrain prepare | plan | generate | eval | quantize | convert | report | launch ...
+    jaxtrain prepare | plan | generate | serve | eval | quantize | convert | report | launch
 
 `python -m jaxtrain.main` is `jaxtrain train`, and `python -m jaxtrain.commands.NAME` runs
 NAME. Importing this package imports neither jax nor the command modules: `train` must
@@ -18,7 +18,8 @@ COMMANDS = {
     "train": ("train", "train a model (the same as python -m jaxtrain.main)"),
     "prepare": ("prepare", "tokenize text, JSON Lines, Parquet or HF datasets into shards"),
     "plan": ("plan", "memory, step time, MFU and cost of a config on a hardware catalog entry"),
-    "generate": ("generate", "continue a prompt with a trained model (KV cache)"),
+    "generate": ("generate", "continue prompts or chat with a trained model (the engine)"),
+    "serve": ("serve", "an OpenAI-compatible HTTP server on a trained model"),
     "eval": ("eval", "loss, perplexity and bits per byte of a trained model"),
     "quantize": ("quantize", "int8 post-training quantization of a trained model"),
     "convert": ("convert", "import from / export to Hugging Face (GPT-2, Llama)"),

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.errors import fail
+from jaxtrain.models.attention import cache as decode_cache
 from jaxtrain.models.attention.kernels import KERNELS, resolve_attention
-from jaxtrain.models.attention.scaffold import causal_mask
 from jaxtrain.models.layers import Norm, dense, param
 from jaxtrain.models.rope import rope
 
@@ -294,20 +294,20 @@ class Mla(nnx.Module):
         """T new positions [start, start+T) against the latent cache, with the
         up-projections absorbed (module docstring); returns (y_BTD, cache)."""
         spec, mla = self.spec, self.mla
-        positions_T = start + jnp.arange(x_BTD.shape[1])
-        q_nope_BTHN, q_rope_BTHK = self._query(x_BTD, positions_T)
-        new = self._latent(x_BTD, positions_T)
-        c_BMR, k_rope_BMK = (jax.lax.dynamic_update_slice_in_dim(old, n.astype(old.dtype),
-                                                                 start, 1)
-                             for old, n in zip(cache, new))
+        positions_xT = decode_cache.positions(start, x_BTD.shape[1])
+        q_nope_BTHN, q_rope_BTHK = self._query(x_BTD, positions_xT)
+        new = self._latent(x_BTD, positions_xT)
+        c_BMR, k_rope_BMK = (decode_cache.write(old, n, start) for old, n in zip(cache, new))
         dt = spec.compute_dtype
         q_lat_BTHR = jnp.einsum("bthn,rhn->bthr", q_nope_BTHN, self.w_k_up[...].astype(dt))
         scores_BHTM = (jnp.einsum("bthr,bmr->bhtm", q_lat_BTHR, c_BMR.astype(dt),
                                   preferred_element_type=jnp.float32)
                        + jnp.einsum("bthk,bmk->bhtm", q_rope_BTHK, k_rope_BMK.astype(dt),
                                     preferred_element_type=jnp.float32)) * mla.scale
-        visible_TM = causal_mask(positions_T, jnp.arange(c_BMR.shape[1]),
-                                 spec.layer_kind(kind).window(spec))
+        visible_TM = decode_cache.visible(positions_xT, c_BMR.shape[1],
+                                          spec.layer_kind(kind).window(spec))
+        if positions_xT.ndim == 2:  # [B, T, M] per row, under the heads
+            visible_TM = visible_TM[:, None]
         scores_BHTM = jnp.where(visible_TM, scores_BHTM, jnp.finfo(jnp.float32).min)
         probs_BHTM = jax.nn.softmax(scores_BHTM, axis=-1).astype(dt)
         o_lat_BTHR = jnp.einsum("bhtm,bmr->bthr", probs_BHTM, c_BMR.astype(dt))

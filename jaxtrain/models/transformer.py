@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxtrain.mesh import active_rules, constrain
 from jaxtrain.models.attention import Attention, resolve_attention, resolve_variant
+from jaxtrain.models.attention.cache import positions as decode_positions
 from jaxtrain.models.embedding import embed
 from jaxtrain.models.families import (
     FAMILIES,
@@ -400,7 +401,8 @@ class Transformer(nnx.Module):
     def decode(self, tokens_BT: jax.Array, cache: tuple, start: jax.Array):
         """Logits of T new tokens at positions [start, start+T), reading and extending the
         kv cache of the earlier ones (prefill: start 0, T = prompt; then T = 1 per token).
-        The cache stays [layers, ...]; the walker reads it by group."""
+        start: a scalar shared by the batch, or [B], each row's own (the engine's slots,
+        jaxtrain/engine/). The cache stays [layers, ...]; the walker reads it by group."""
         groups = Groups.of(self.spec)
         defs, states = self._stacks()
 
@@ -411,7 +413,12 @@ class Transformer(nnx.Module):
             return x_BTD, {}, layer_cache
 
         xs = {kind: (states[kind], c) for kind, c in groups.split(cache).items()}
-        (x_BTD, _), new = walk(groups, layer, (self._embed(tokens_BT, start), {}), xs)
+        if jnp.ndim(start) == 0:
+            x_BTD = self._embed(tokens_BT, start)
+        else:  # each row's own positions (the position table's rows, where there is one)
+            x_BTD = self._embed(tokens_BT, positions_BL=decode_positions(start,
+                                                                       tokens_BT.shape[1]))
+        (x_BTD, _), new = walk(groups, layer, (x_BTD, {}), xs)
         logits_BTV = soft_cap(self.final_norm(x_BTD) @ self.head(), self.spec.final_softcap)
         return (constrain(logits_BTV, ("batch", "length", "vocab"), self.spec.rules),
                 groups.join(new))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jaxtrain.config import dcn_shape, validate
 from jaxtrain.models import ModelSpec
-from jaxtrain.plan import checkpoint_io, memory, memory_fit, timing
+from jaxtrain.plan import checkpoint_io, decode, memory, memory_fit, timing
 
 # What a device can give the step: CUDA/ROCm context, XLA's own reserve and fragmentation
 # take the rest (on GPUs also raise XLA_PYTHON_CLIENT_MEM_FRACTION from its 0.75 default).
@@ -32,7 +32,8 @@ def make_plan(cfg, hw, devices: int, tokens: float | None = None, hours: float |
                        "uncertainty": memory.uncertainty(platform),
                        "known_gap": memory_fit.known_gap(spec)},
             "time": time,
-            "checkpoint": checkpoint_io.checkpoint_io(cfg, sizes, devices, hw.host_devices)}
+            "checkpoint": checkpoint_io.checkpoint_io(cfg, sizes, devices, hw.host_devices),
+            "decode": decode.decode_plan(cfg, sizes, hw, usable)}
     if tokens is None and hours is None:
         return plan
     if tokens is not None:
@@ -101,6 +102,8 @@ def format_plan(plan: dict) -> str:
               f"  uncertainty: {t['calibration']}"]
     if "checkpoint" in plan:
         lines += checkpoint_io.describe(plan["checkpoint"], _gb)
+    if "decode" in plan:
+        lines += decode.describe(plan["decode"], _gb)
     if "cost" in plan:
         c = plan["cost"]
         lines += [f"training {t['train_tokens']:.3g} tokens: {t['train_steps']:,.0f} steps, "

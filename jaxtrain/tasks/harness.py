@@ -156,8 +156,9 @@ def loglikelihood_rolling(lm, requests) -> list[float]:
 
 
 def generate_until(lm, requests) -> list[str]:
-    """Continuations decoded with the KV cache (greedy unless a task asks for sampling),
-    cut at the first stop string or the tokenizer's end-of-text token."""
+    """Continuations decoded by the generation engine (greedy unless a task asks for
+    sampling), each ending as soon as it meets one of its stop strings or the tokenizer's
+    end-of-text token, and cut there."""
     jobs: dict[tuple, list[int]] = {}
     prompts, stops = [], []
     for i, request in enumerate(requests):
@@ -166,11 +167,13 @@ def generate_until(lm, requests) -> list[str]:
         prompt = lm.tok_encode(context) or [lm.prefix_token_id]
         prompts.append(prompt[-(lm.max_length - sampling[0]):])
         stops.append(until)
-        jobs.setdefault(sampling, []).append(i)
+        jobs.setdefault((sampling, tuple(until)), []).append(i)
     texts: list = [None] * len(requests)
-    for sampling, chosen in jobs.items():
+    eos = () if lm.tokens.eos_id is None else (lm.tokens.eos_id,)
+    for (sampling, until), chosen in jobs.items():
         outputs = lm.scorer.generate([prompts[i] for i in chosen], *sampling,
-                                     seed=SAMPLING_SEED)
+                                     seed=SAMPLING_SEED, stop=[s for s in until if s],
+                                     tokenizer=lm.tokens, eos_ids=eos)
         for i, tokens in zip(chosen, outputs):
             texts[i] = _cut(lm, tokens, stops[i])
             lm.cache_hook.add_partial("generate_until", requests[i].args, texts[i])

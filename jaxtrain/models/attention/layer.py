@@ -11,6 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.mesh import constrain
 from jaxtrain.models import lora
+from jaxtrain.models.attention import cache as decode_cache
 from jaxtrain.models.attention.context import context_attention
 from jaxtrain.models.attention.kernels import KERNELS
 from jaxtrain.models.attention.xla import cached_attention
@@ -118,13 +119,14 @@ class Attention(nnx.Module):
     def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array,
                kind: str | None = None):
         """T new positions [start, start+T) against the kv cache ([B, M, G, K] each), which
-        gets their keys and values; returns (y_BTD, cache). A windowed kind's cache keeps
+        gets their keys and values; returns (y_BTD, cache). start: a scalar, or [B] (each
+        row at its own position: models/attention/cache.py). A windowed kind's cache keeps
         every position too (the mask hides the ones past its window)."""
-        positions_T = start + jnp.arange(x_BTD.shape[1])
-        q_BTHK, k_BTGK, v_BTGK = self.qkv(x_BTD, positions_T, kind)
-        k_BMGK, v_BMGK = (jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, 1)
+        positions_xT = decode_cache.positions(start, x_BTD.shape[1])
+        q_BTHK, k_BTGK, v_BTGK = self.qkv(x_BTD, positions_xT, kind)
+        k_BMGK, v_BMGK = (decode_cache.write(c, new, start)
                           for c, new in zip(cache, (k_BTGK, v_BTGK)))
-        out_BTHK = cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T,
+        out_BTHK = cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_xT,
                                     self.spec.layer_kind(kind).window(self.spec),
                                     softcap=self.spec.attn_softcap, **self._kernel_parts())
         return self._output(out_BTHK), (k_BMGK, v_BMGK)

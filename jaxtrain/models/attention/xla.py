@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.models.attention import cache as decode_cache
 from jaxtrain.models.attention.scaffold import causal_mask, same_document
 
 
@@ -46,18 +47,22 @@ _qk_16bit.defvjp(_qk_16bit_fwd, _qk_16bit_bwd)
 
 def cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T, window: int | None,
                      segments_BL=None, softcap: float = 0.0, sinks=None):
-    """T queries at positions_T against M keys at positions 0..M-1: full score matrix, mask,
-    float32 softmax. When decoding, the keys are a cache whose slots past each query's
-    position are unwritten; the causal mask hides them. segments_BL (self-attention, T = M):
-    the document masks of the module docstring. sinks: [H] learned logits (the sinks
-    part), one more column of every query's softmax whose probability is dropped."""
+    """T queries at positions_T ([T], or [B, T]: each row's own) against M keys at positions
+    0..M-1: full score matrix, mask, float32 softmax. When decoding, the keys are a cache
+    whose slots past each query's position are unwritten; the causal mask hides them.
+    segments_BL (self-attention, T = M): the document masks of the module docstring. sinks:
+    [H] learned logits (the sinks part), one more column of every query's softmax whose
+    probability is dropped."""
     b, t, heads, head_dim = q_BTHK.shape
     groups = k_BMGK.shape[2]
     q_BTGRK = q_BTHK.reshape(b, t, groups, heads // groups, head_dim)
     scores_BGRTM = _scores(q_BTGRK, k_BMGK)
     if softcap:  # the soft-cap part: c·tanh(s/c), before the mask (as transformers)
         scores_BGRTM = softcap * jnp.tanh(scores_BGRTM / softcap)
-    visible_TM = causal_mask(positions_T, jnp.arange(k_BMGK.shape[1]), window)
+    if positions_T.ndim == 2:  # each row at its own position (batched decoding)
+        visible_TM = decode_cache.visible(positions_T, k_BMGK.shape[1], window)[:, None, None]
+    else:
+        visible_TM = causal_mask(positions_T, jnp.arange(k_BMGK.shape[1]), window)
     if segments_BL is not None:
         visible_TM = (visible_TM & same_document(segments_BL, segments_BL))[:, None, None]
     # The mask as an added bias, not a select: a select's gradient needs the mask, which
