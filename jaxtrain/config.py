@@ -38,7 +38,6 @@ from jaxtrain.mesh import (
     validate_axes,
 )
 from jaxtrain.models import lora as lora_lib
-from jaxtrain.models.linear_attention import layer as linear_lib
 from jaxtrain.models import mla as mla_lib
 from jaxtrain.models import moe as moe_lib
 from jaxtrain.models import mtp as mtp_lib
@@ -53,6 +52,7 @@ from jaxtrain.models.families import (
     linear_layers,
     pattern_window,
 )
+from jaxtrain.models.linear_attention import layer as linear_lib
 from jaxtrain.models.remat import REMATS
 from jaxtrain.objectives import OBJECTIVES
 from jaxtrain.optim import OPTIMIZERS, SCHEDULES

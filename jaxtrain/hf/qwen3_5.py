@@ -154,11 +154,12 @@ def export_config(spec) -> dict:
              for k in spec.layer_types]
     ls = spec.linear
     rope = {**llama.export_rope(spec), "partial_rotary_factor": spec.rope_fraction}
+    shape = {theirs: getattr(ls, ours) for ours, theirs in (
+        ("key_heads", "linear_num_key_heads"), ("value_heads", "linear_num_value_heads"),
+        ("key_dim", "linear_key_head_dim"), ("value_dim", "linear_value_head_dim"),
+        ("conv", "linear_conv_kernel_dim"))}
     return {**base, "architectures": [ARCHITECTURE], "model_type": "qwen3_5_text",
-            "layer_types": types, "rope_parameters": rope, **{theirs: getattr(ls, ours) for ours, theirs in (
-                ("key_heads", "linear_num_key_heads"), ("value_heads", "linear_num_value_heads"),
-                ("key_dim", "linear_key_head_dim"), ("value_dim", "linear_value_head_dim"),
-                ("conv", "linear_conv_kernel_dim"))}}
+            "layer_types": types, "rope_parameters": rope, **shape}
 
 
 @dataclasses.dataclass(frozen=True)
