@@ -111,3 +111,59 @@ def test_gradients_equal_reference(form):
     got = jax.grad(loss, argnums=tuple(range(5)))(*_f32(*args))
     for name, g, w in zip("q k v g beta".split(), got, want):
         np.testing.assert_allclose(np.asarray(g), w, atol=1e-4, rtol=1e-4, err_msg=name)
+
+
+# -- the layer in a model: meshes, remat, the refusals -------------------------------------
+
+HYBRID = {"model.num_layers": 4, "model.num_heads": 4, "model.num_kv_heads": 2,
+          "model.head_dim": 16, "model.attention": "xla", "model.partial_rotary_factor": 0.5,
+          "model.layer_types": "linear_attention,linear_attention,linear_attention,full",
+          "model.linear_attention.num_key_heads": 2,
+          "model.linear_attention.num_value_heads": 4,
+          "model.linear_attention.chunk_size": 8}
+
+
+def _hybrid(**overrides):
+    from conftest import small_config
+
+    return small_config("qwen3_5_text", **{**HYBRID, **overrides})
+
+
+@pytest.fixture(scope="module")
+def one_device(devices):
+    from helpers import train_steps
+
+    return train_steps(_hybrid(), devices[:1])
+
+
+@pytest.mark.parametrize("overrides", [
+    {"mesh.fsdp": 4},
+    {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},  # tensor: over the linear heads
+    {"model.remat": "full"},
+], ids=["fsdp4", "dp2_fsdp2_tp2", "remat_full"])
+def test_mesh_and_remat_match_one_device(overrides, one_device, devices):
+    from helpers import assert_params_close, train_steps
+
+    ref_losses, ref_params, _ = one_device
+    count = int(np.prod([v for k, v in overrides.items() if k.startswith("mesh.")]))
+    losses, params, _ = train_steps(_hybrid(**overrides), devices[:count])
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert losses[-1] < losses[0], "the steps must actually train"
+    assert_params_close(params, ref_params, rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides,key", [
+    ({"mesh.context": 2}, "mesh.context=2"),
+    ({"mesh.pipeline": 2}, "mesh.pipeline=2"),
+    ({"model.moe.num_experts": 4}, "model.moe.num_experts"),
+    ({"model.linear_attention.num_value_heads": 3}, "num_value_heads"),
+    ({"data.packing": "documents"}, "data.packing"),
+])
+def test_what_linear_layers_cannot_run_is_refused_in_one_line(overrides, key):
+    from jaxtrain.config import validate
+    from jaxtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        validate(_hybrid(**overrides), overrides.get("mesh.context", 1)
+                 * overrides.get("mesh.pipeline", 1), "cpu")
+    assert key in str(e.value) and "\n" not in str(e.value)
