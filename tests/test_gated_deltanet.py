@@ -167,3 +167,26 @@ def test_what_linear_layers_cannot_run_is_refused_in_one_line(overrides, key):
         validate(_hybrid(**overrides), overrides.get("mesh.context", 1)
                  * overrides.get("mesh.pipeline", 1), "cpu")
     assert key in str(e.value) and "\n" not in str(e.value)
+
+
+def test_planner_facts_are_the_model_s():
+    """The planner's per-layer facts (LinearSpec): the projections' weights are the
+    layer's w_*, a slot's state bytes are init_cache's linear part (whatever its length),
+    and the delta rule's FLOPs per token grow with the chunk (C² and C·K terms)."""
+    import jax
+    from flax import nnx
+
+    from jaxtrain.models.transformer import ModelSpec, Transformer
+
+    spec = ModelSpec.from_config(_hybrid())
+    model = nnx.eval_shape(lambda: Transformer(spec, rngs=nnx.Rngs(0)))
+    layer = model.linear_blocks.attn
+    weights = sum(getattr(layer, n).value.size for n in ("w_q", "w_k", "w_v", "w_z", "w_a",
+                                                        "w_b", "w_o")) // 3
+    assert spec.linear.matmul_params(spec.d_model) == weights
+    for length in (16, 64):
+        cache = jax.eval_shape(lambda m=model, n=length: m.init_cache(1, n))
+        state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache["linear_blocks"]))
+        assert spec.linear.state_bytes(4) * 3 == state
+    flops = [spec.linear.delta_rule_flops_per_token(c) for c in (16, 64, 256)]
+    assert flops[0] < flops[1] < flops[2]

@@ -46,6 +46,33 @@ class LinearSpec:
                    s.num_value_heads or m.num_heads, s.key_head_dim or head_dim,
                    s.value_head_dim or head_dim, s.conv_kernel, s.chunk_size)
 
+    def matmul_params(self, d_model: int) -> int:
+        """Planner: the weights of a token's matmuls in one layer (q, k, v, z, a, b, out)."""
+        hk, hv = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        return d_model * (2 * hk + 2 * hv + 2 * self.value_heads) + hv * d_model
+
+    def delta_rule_flops_per_token(self, chunk: int | None = None) -> float:
+        """Planner: the chunked delta rule's forward FLOPs per token and layer, beyond the
+        projections, for chunks of `chunk` tokens (default the layer's): per value head and
+        chunk of C, the WY pieces (k·kᵀ 2C²K, the triangular solve C³, u and w 2C²(V + K))
+        and the chunk's step (q·kᵀ 2C²K, three C×K×V products with the state 6CKV, scores
+        times values 2C²V); the conv 2W per channel and the gated norm ~6 per value."""
+        c, k, v = chunk or self.chunk, self.key_dim, self.value_dim
+        per_head = 6 * c * k + c * c + 4 * c * v + 6 * k * v
+        channels = 2 * self.key_heads * k + self.value_heads * v
+        return self.value_heads * (per_head + 6 * v) + 2 * self.conv * channels
+
+    def recurrent_flops_per_token(self) -> float:
+        """Planner: one decode step's delta rule per layer: decay, read, write and output
+        of the K×V state per value head (~7KV)."""
+        return 7.0 * self.value_heads * self.key_dim * self.value_dim
+
+    def state_bytes(self, compute_bytes: int) -> int:
+        """Planner: one slot's decode state per layer: S [H, K, V] in float32 and the
+        conv's last W−1 inputs in the compute dtype, whatever the length."""
+        conv = self.state_values - self.value_heads * self.key_dim * self.value_dim
+        return 4 * self.value_heads * self.key_dim * self.value_dim + compute_bytes * conv
+
     @property
     def state_values(self) -> int:
         """Values one slot keeps per layer: the recurrent state and the conv's inputs."""
