@@ -89,7 +89,10 @@ def chunked(q_BLHK, k_BLHK, v_BLHV, g_BLH, beta_BLH, chunk: int, state_BHKV=None
 
     q, kk, vv = by_chunk(q_BLHK, k), by_chunk(k_BLHK, k), by_chunk(v_BLHV, v)
     g, beta = by_chunk(g_BLH), by_chunk(beta_BLH)
-    u, w, cum, decay = _chunk_prep(kk, vv, g, beta)
+    # Recomputed in the backward pass from its inputs: the inverse's log2(C) products of
+    # [C, C] per chunk and head would otherwise all be kept (most of the layer's memory).
+    u, w, cum, decay = jax.checkpoint(
+        _chunk_prep, policy=jax.checkpoint_policies.nothing_saveable)(kk, vv, g, beta)
     if state_BHKV is None:
         state_BHKV = jnp.zeros((b, h, k, v), f32)
     state, o = jax.lax.scan(_chunk_step, state_BHKV.astype(f32), (q, kk, u, w, cum, decay))
