@@ -107,6 +107,26 @@ def test_greedy_generation_equals_transformers(tmp_path, devices):
     assert_greedy_decode_equals_transformers(setup, state, model)
 
 
+def test_engine_slots_decode_like_transformers(tmp_path, devices):
+    """The engine with the recurrent cache: ragged prompts (one of a single token: its slot
+    starts afresh at position 0, no prefill) in 4 slots give transformers' greedy tokens,
+    some rows stopping at EOS while others go on; 6 requests through 2 slots (slots
+    retaken: the state of the one before must not leak) give one-at-a-time's tokens."""
+    from test_engine import (
+        _assert_family_decodes_like_transformers,
+        _imported,
+        _requests,
+    )
+
+    from jaxtrain.engine import Engine
+
+    _assert_family_decodes_like_transformers("qwen3_5_text", tmp_path / "a", devices)
+    model = _imported("qwen3_5_text", tmp_path / "b", devices[:1])[1]
+    engine = Engine(model, slots=2, max_len=48)
+    together = [c[0].ids for c in engine.generate(_requests())]
+    assert together == [engine.generate([r])[0][0].ids for r in _requests()]
+
+
 def test_full_model_imports_its_text_model(tmp_path, devices, capsys):
     """Qwen3_5ForConditionalGeneration: the text model's logits, the vision tower left in
     one line."""
