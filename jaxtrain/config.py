@@ -346,6 +346,8 @@ def _check_linear(c, documents: bool) -> None:
              "layers is not implemented; use 0"),
             ("model.mtp.depths", m.mtp.depths, "MTP beside linear_attention layers is not "
              "implemented; use 0"),
+            ("model.lora.rank", m.lora.rank, "LoRA's adapters are not mapped onto the "
+             "linear_attention layers' projections yet; use 0 (a full fine-tune)"),
             ("data.packing", c.data.packing if documents else "", "packs documents, whose "
              "bounds the linear_attention layers' recurrence would cross; use a layout "
              "without document masks")):

@@ -158,6 +158,7 @@ def test_mesh_and_remat_match_one_device(overrides, one_device, devices):
     ({"model.moe.num_experts": 4}, "model.moe.num_experts"),
     ({"model.linear_attention.num_value_heads": 3}, "num_value_heads"),
     ({"data.packing": "documents"}, "data.packing"),
+    ({"model.lora.rank": 4}, "model.lora.rank"),
 ])
 def test_what_linear_layers_cannot_run_is_refused_in_one_line(overrides, key):
     from jaxtrain.config import validate
