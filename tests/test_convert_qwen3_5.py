@@ -107,6 +107,7 @@ def test_greedy_generation_equals_transformers(tmp_path, devices):
     assert_greedy_decode_equals_transformers(setup, state, model)
 
 
+@pytest.mark.slow  # ~100 s on 2 cores: two imports, the engine's buckets
 def test_engine_slots_decode_like_transformers(tmp_path, devices):
     """The engine with the recurrent cache: ragged prompts (one of a single token: its slot
     starts afresh at position 0, no prefill) in 4 slots give transformers' greedy tokens,

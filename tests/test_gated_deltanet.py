@@ -137,9 +137,9 @@ def one_device(devices):
 
 
 @pytest.mark.parametrize("overrides", [
-    {"mesh.fsdp": 4},
+    pytest.param({"mesh.fsdp": 4}, marks=pytest.mark.slow),
     {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},  # tensor: over the linear heads
-    {"model.remat": "full"},
+    pytest.param({"model.remat": "full"}, marks=pytest.mark.slow),
 ], ids=["fsdp4", "dp2_fsdp2_tp2", "remat_full"])
 def test_mesh_and_remat_match_one_device(overrides, one_device, devices):
     from helpers import assert_params_close, train_steps
