@@ -173,3 +173,23 @@ def test_twenty_training_steps_equal_pytorch(tmp_path, devices):
     np.testing.assert_allclose(ours[:5], want[:5], rtol=1e-5)
     bound = 2 * np.abs(theirs - want).max(0) + 1e-5 * np.abs(want).max(0)
     assert (np.abs(ours - want).max(0) <= bound).all(), (np.abs(ours - want).max(0), bound)
+
+
+def test_config_json_reads_back_as_the_model_config(imported):
+    """Import with no --config: config.json's keys through the family's checks give the
+    test's model config (the pattern, the linear layers' shape, partial RoPE)."""
+    from jaxtrain.config import base_config
+    from jaxtrain.hf import family_of
+    from jaxtrain.hf.files import read_config
+    from jaxtrain.hf.model_config import resolve
+
+    tmp, cfg, _, _, _ = imported
+    hf = read_config(tmp / "hf")
+    m = resolve(base_config(), hf, family_of(hf, "config.json")).model
+    for key in ("family", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                "mlp_dim", "layer_types", "partial_rotary_factor", "norm_eps",
+                "tie_embeddings"):
+        assert m[key] == cfg.model[key], key
+    shape = ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim",
+             "conv_kernel")
+    assert all(m.linear_attention[k] == cfg.model.linear_attention[k] for k in shape)
