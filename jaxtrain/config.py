@@ -49,8 +49,10 @@ from jaxtrain.models.families import (
     FAMILIES,
     check_layer_pattern,
     layer_pattern,
+    linear_layers,
     pattern_window,
 )
+from jaxtrain.models.linear_attention import layer as linear_lib
 from jaxtrain.models.remat import REMATS
 from jaxtrain.objectives import OBJECTIVES
 from jaxtrain.optim import OPTIMIZERS, SCHEDULES
@@ -108,6 +110,9 @@ def _model() -> dict:
         "context_attention": "auto",
         "remat": "none",
         "rope_theta": 10000.0,
+        # RoPE rotates each head's first partial_rotary_factor·head_dim features (HF's
+        # partial_rotary_factor), the rest pass as they are; 1: all.
+        "partial_rotary_factor": 1.0,
         # The sliding layers' theta, unscaled (HF's rope_local_base_freq); 0: as full layers
         "rope_local_theta": 0.0,
         # q·k scaled by attention_scale_dim**-0.5 (HF's query_pre_attn_scalar); 0: head_dim
@@ -127,6 +132,8 @@ def _model() -> dict:
         "mla": mla_lib.defaults(),  # multi-head latent attention (kv_lora_rank 0: GQA)
         "mtp": mtp_lib.defaults(),  # multi-token prediction (depths 0: none)
         "lora": lora_lib.defaults(),
+        # The linear_attention layers' shape (Gated DeltaNet, models/linear_attention/)
+        "linear_attention": linear_lib.defaults(),
     }
 
 
@@ -319,6 +326,34 @@ def _check_model(c, platform: str | None) -> None:
              f"data.packing={c.data.packing!r} packs them; use a layout without document "
              "masks, or 0")
     lora_lib.check(c)
+    _check_linear(c, documents)
+
+
+def _check_linear(c, documents: bool) -> None:
+    """Partial RoPE, and the linear-attention layers' shape and what they cannot run with."""
+    m = c.model
+    head_dim = m.head_dim or m.d_model // m.num_heads
+    rotary = int(head_dim * m.partial_rotary_factor)
+    if not 0 < m.partial_rotary_factor <= 1 or rotary % 2:
+        fail("model.partial_rotary_factor", m.partial_rotary_factor, f"must be in (0, 1] and "
+             f"rotate an even number of model.head_dim={head_dim}'s features")
+    if not linear_layers(m):
+        return
+    linear_lib.check(m)
+    for key, value, why in (
+            ("model.moe.num_experts", m.moe.num_experts, "MoE beside linear_attention layers "
+             "is not implemented yet; use 0"),
+            ("model.mla.kv_lora_rank", m.mla.kv_lora_rank, "MLA beside linear_attention "
+             "layers is not implemented; use 0"),
+            ("model.mtp.depths", m.mtp.depths, "MTP beside linear_attention layers is not "
+             "implemented; use 0"),
+            ("model.lora.rank", m.lora.rank, "LoRA's adapters are not mapped onto the "
+             "linear_attention layers' projections yet; use 0 (a full fine-tune)"),
+            ("data.packing", c.data.packing if documents else "", "packs documents, whose "
+             "bounds the linear_attention layers' recurrence would cross; use a layout "
+             "without document masks")):
+        if value:
+            fail(key, value, why)
 
 
 def _check_eval(c) -> None:
@@ -345,6 +380,11 @@ def _check_on_mesh(c, sizes: dict[str, int], platform: str | None) -> None:
         fail("model.family", m.family, f"its attention parts {FAMILIES[m.family].kernel_parts} "
              f"run inside the kernel, and the context-parallel attention (mesh.context="
              f"{sizes['context']}) has none of them; use mesh.context=1")
+    for axis in ("pipeline", "context"):
+        if sizes[axis] > 1 and linear_layers(m):
+            fail("model.layer_types", m.layer_types, f"has linear_attention layers, which "
+                 f"mesh.{axis}={sizes[axis]} cannot split (their recurrence runs along the "
+                 f"whole sequence through every layer); use mesh.{axis}=1")
     if sizes["pipeline"] > 1 and len(set(layer_pattern(m.layer_types, m.num_layers))) > 1:
         fail("model.layer_types", m.layer_types, f"mixes layer kinds, which the walker runs "
              f"as one scan per run of equal kinds; mesh.pipeline={sizes['pipeline']} needs "

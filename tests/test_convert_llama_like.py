@@ -99,10 +99,13 @@ def test_greedy_generation_equals_transformers(family, tmp_path, devices):
 
 def _decays(name: str) -> bool:
     """jaxtrain's decay mask (optim.decay_mask: matmul weights and the head) in transformers'
-    names: the projections (DeepSeek's kv_a_proj_with_mqa too), the head, a router's weight
-    and fused experts' weights; never norms, biases, sinks or a router's correction bias."""
+    names: the projections (DeepSeek's kv_a_proj_with_mqa, Gated DeltaNet's in_proj_* too),
+    the head, a router's weight and fused experts' weights; never norms, biases, sinks, a
+    router's correction bias, nor Gated DeltaNet's conv, A_log and dt_bias."""
     return (name.endswith(("proj.weight", "gate.weight", "router.weight", "experts.gate_up_proj",
-                           "experts.down_proj", "kv_a_proj_with_mqa.weight"))
+                           "experts.down_proj", "kv_a_proj_with_mqa.weight",
+                           "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_a.weight",
+                           "in_proj_b.weight"))
             or name == "lm_head.weight")
 
 

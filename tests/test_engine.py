@@ -65,8 +65,15 @@ def _deepseek_v3():
     return cfg, _hf_model(cfg, seed=2)
 
 
+def _qwen3_5():
+    from test_convert_qwen3_5 import _config, _hf_model
+    cfg = _config(**{"model.seq_len": 48})
+    return cfg, _hf_model(cfg, seed=2)
+
+
 FAMILIES = {"gpt2": _gpt2, "llama": _llama, "qwen3": _qwen3, "gemma3": _gemma3,
-            "mixtral": _mixtral, "gpt_oss": _gpt_oss, "deepseek_v3": _deepseek_v3}
+            "mixtral": _mixtral, "gpt_oss": _gpt_oss, "deepseek_v3": _deepseek_v3,
+            "qwen3_5_text": _qwen3_5}
 FAST = ("llama",)  # the others ~10-50 s each on a 2-core CPU: the slow tier
 
 

@@ -149,7 +149,8 @@ class Engine:
             if len(prompt) > 1:  # all but the last token; the step feeds that one
                 padded = np.zeros((1, bucket(len(prompt) - 1, self.max_len)), np.int32)
                 padded[0, :len(prompt) - 1] = prompt[:-1]
-                piece = self.steps.prefill(self.model.params, padded)
+                piece = self.steps.prefill(self.model.params, padded,
+                                           np.int32(len(prompt) - 1))
             for slot, sample in zip(free, samples):
                 if piece is not None:
                     self.cache = self.steps.insert(self.cache, piece, np.int32(slot))

@@ -64,12 +64,14 @@ def _init_cache(graphdef, slots: int, max_len: int, params):
     return nnx.merge(graphdef, params).init_cache(slots, max_len)
 
 
-def _prefill(graphdef, params, tokens_1P):
-    """The cache of a prompt's first P positions (a fresh one, P long). The logits are not
-    returned, so XLA drops the output head."""
+def _prefill(graphdef, params, tokens_1P, valid):
+    """The cache of a prompt's first P positions (a fresh one, P long), of which the first
+    `valid` are the prompt's (the rest its bucket's padding, which a linear-attention
+    layer's state must not take). The logits are not returned, so XLA drops the output
+    head."""
     model = nnx.merge(graphdef, params)
     cache = model.init_cache(1, tokens_1P.shape[1])
-    return model.decode(tokens_1P, cache, jnp.int32(0))[1]
+    return model.decode(tokens_1P, cache, jnp.int32(0), valid)[1]
 
 
 def _insert(cache, piece, slot):

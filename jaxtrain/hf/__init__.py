@@ -11,13 +11,15 @@ from jaxtrain.hf import (
     llama_like,
     mistral4,
     mixtral,
+    qwen3_5,
     qwen3_moe,
 )
 
 # HF model_type -> module; each module's FAMILY is the jaxtrain model.family it maps to.
 FAMILIES = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral, **llama_like.ENTRIES,
             **gemma.ENTRIES, "qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss,
-            "deepseek_v3": deepseek_v3, "mistral4": mistral4}
+            "deepseek_v3": deepseek_v3, "mistral4": mistral4, "qwen3_5_text": qwen3_5,
+            "qwen3_5": qwen3_5.WITH_VISION}
 
 
 def module_for(spec):

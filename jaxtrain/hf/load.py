@@ -89,7 +89,8 @@ def import_hf(cfg, hf_dir, workdir, devices: Sequence[jax.Device] | None = None,
     with SafetensorsDir(hf_dir) as files:
         files.check_readable()
         _check_tensors(files, tensors, layers, hf_dir)
-        _check_unused(files, tensors, layers, hf, hf_dir, allow_unused)
+        _check_unused(files, tensors, layers, hf, hf_dir, allow_unused,
+                      getattr(family, "LEFT_PREFIX", None))
         prepare_workdir(workdir)
         params = _load_all(files, abstract, sources, hf_dir)
     state = _fresh_state(setup, params)
@@ -124,7 +125,8 @@ def _generation_config(hf_dir: pathlib.Path) -> str | None:
 def _load_all(files, abstract: dict, sources: dict, hf_dir) -> dict:
     """Every parameter read, checked finite and placed in its shards."""
     params = {}
-    work = sum(abstract[path].shape[0] if path[0] in ("blocks", "moe_blocks") else 1
+    work = sum(abstract[path].shape[0] if path[0] in ("blocks", "moe_blocks", "linear_blocks")
+               else 1
                for path in abstract)
     with tqdm(total=work, desc="import", unit="tensor", file=sys.stderr) as bar:
         for path, target in abstract.items():
@@ -187,12 +189,13 @@ def _stacker(sharding: NamedSharding):
 
 
 def _check_unused(files: SafetensorsDir, hf_tensors, layers: int, hf: dict, hf_dir,
-                  allow_unused: bool) -> None:
+                  allow_unused: bool, left_prefix: str | None = None) -> None:
     """ConfigError listing the checkpoint's tensors that map to no parameter (dropping them
     would import another model), unless `allow_unused`. Not counted, as transformers reads
     none of them either: buffers (BUFFER_SUFFIXES), a tied checkpoint's lm_head (the table
     is the head) and DeepSeek's multi-token prediction layers past num_hidden_layers (the
-    family module says so in a note)."""
+    family module says so in a note). left_prefix: a part of the checkpoint the family
+    imports without (a multimodal model's vision tower), said in one line."""
     used = {files.resolve(name) for tensor in hf_tensors for name, _, _ in tensor.names(layers)}
     ignored = ("lm_head.weight",) if hf.get("tie_word_embeddings") else ()
     extra = tuple(f"model.layers.{i}." for i in range(
@@ -200,6 +203,11 @@ def _check_unused(files: SafetensorsDir, hf_tensors, layers: int, hf: dict, hf_d
     unused = sorted(name for name in files.files if name not in used
                     and not name.endswith(BUFFER_SUFFIXES) and name not in ignored
                     and not name.startswith(extra))
+    left = [name for name in unused if left_prefix and name.startswith(left_prefix)]
+    if left:
+        _say(f"jaxtrain: importing the text model of {hf_dir}; its {len(left)} "
+             f"{left_prefix}* tensors (the vision tower) are left")
+        unused = [name for name in unused if name not in left]
     if not unused:
         return
     more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""

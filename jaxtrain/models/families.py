@@ -79,6 +79,9 @@ class LayerKind:
     # Rotates by model.rope_local_theta, unscaled, where that is set (Gemma 3's
     # rope_local_base_freq); else by model.rope_theta and model.rope_scaling as full layers.
     local_rope: bool
+    # A Gated DeltaNet layer (models/linear_attention/): no softmax attention, no kv cache;
+    # its parameters are stacked apart (`linear_blocks`), its cache a constant-size state.
+    linear: bool = False
 
     def window(self, spec) -> int | None:
         """The kernels' window argument for this kind (None: full causal attention)."""
@@ -94,6 +97,8 @@ class LayerKind:
         """Planner: the keys a query sees on average: half the sequence under the causal
         mask; W - W²/2s within a window W (fewer in the first W positions)."""
         s, w = spec.seq_len, self.window(spec)
+        if self.linear:
+            return 0.0
         return s / 2 if not w or w >= s else w - w * w / (2 * s)
 
 
@@ -101,6 +106,9 @@ LAYER_KINDS: dict[str, LayerKind] = {k.name: k for k in (
     LayerKind("full", "attends to every earlier token", "full_attention", False, False),
     LayerKind("sliding", "attends to its last model.sliding_window tokens (Mistral, Gemma "
               "2/3's local layers)", "sliding_attention", True, True),
+    LayerKind("linear_attention", "a Gated DeltaNet layer: the gated delta rule over a "
+              "recurrent state, chunked in training (model.linear_attention) (Qwen3.5, "
+              "Qwen3-Next)", "linear_attention", False, False, linear=True),
 )}
 # model.layer_types unset: every layer is this kind, whose window is model.sliding_window
 # (0: none) and whose rope is the model's: the one-kind models as before the pattern.
@@ -141,6 +149,11 @@ def check_layer_pattern(m) -> None:
             fail("model.layer_types", m.layer_types, f"mixes kinds within MoE group {mixed[0]} "
                  f"(layers {mixed[0] * n}..{mixed[0] * n + n - 1}, model.moe.every_n_layers="
                  f"{n}): each group of n layers must be of one kind")
+
+
+def linear_layers(m) -> bool:
+    """Whether some layer of cfg.model `m` is a linear-attention layer."""
+    return any(LAYER_KINDS[k].linear for k in layer_pattern(m.layer_types, m.num_layers))
 
 
 def pattern_window(m) -> int:
@@ -184,6 +197,11 @@ def _qk_norm(module, which: str, y_BLHK, spec):
 
 def _sinks_params(spec) -> dict[str, tuple]:
     return {"sinks": ((spec.num_heads,), ("heads",), 0.0)}
+
+
+def _output_gate_params(spec) -> dict[str, tuple]:
+    return {"w_gate": ((spec.d_model, spec.num_heads, spec.head_dim),
+                       ("embed", "heads", "kv"), spec.init_std)}
 
 
 def _unchanged(module, which: str, y_BLHK, spec):
@@ -237,6 +255,11 @@ ATTENTION_PARTS: dict[str, AttentionPart] = {p.name: p for p in (
     AttentionPart("sinks", "a learned logit per head that joins every query's softmax and "
                   "takes its share of the probability, with no value (gpt-oss)",
                   _sinks_params, _unchanged, lambda s: 3 * s.num_heads, kernel="sinks"),
+    AttentionPart("output_gate", "the attention's output times σ(x·W_gate), per head and "
+                  "feature, before the output projection (Qwen3.5, Qwen3-Next)",
+                  _output_gate_params, _unchanged,
+                  lambda s: (2 * s.d_model + 4) * s.num_heads * s.head_dim,
+                  kept_per_token=lambda s: 2 * s.num_heads * s.head_dim),
 )}
 
 
@@ -335,5 +358,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "sinks, every layer MoE with clamped-SwiGLU experts and a router bias", norm="rms",
            bias=True, rope=True, tied_embeddings=False, mlp="swiglu", attention=("sinks",),
            experts="swiglu_clamped", dense_mlp=False),
+    Family("qwen3_5_text", "Qwen3.5 text (dense): (1 + w) RMSNorm, SwiGLU, gated "
+           "full-attention layers with (1 + w) q/k norms and partial RoPE "
+           "(model.partial_rotary_factor) between Gated DeltaNet layers (model.layer_types "
+           "linear_attention)", norm="rms", bias=False, rope=True, tied_embeddings=False,
+           mlp="swiglu", attention=("qk_norm", "output_gate"), norm_offset=1.0),
 )}
 

@@ -27,8 +27,16 @@ def matmul_params(spec: ModelSpec) -> int:
     # once more (models/mtp.py's fact).
     mtp = 0 if spec.mtp is None else (spec.mtp.matmul_params(d, attention + mlp)
                                       + spec.mtp.depths * d * spec.vocab_size)
-    return (spec.num_layers * attention + (spec.num_layers - moe_layers) * mlp + moe
+    linear = linear_layers(spec)  # Gated DeltaNet layers: their own projections
+    mixers = (spec.num_layers - linear) * attention + (
+        linear * spec.linear.matmul_params(d) if linear else 0)
+    return (mixers + (spec.num_layers - moe_layers) * mlp + moe
             + d * spec.vocab_size + mtp)
+
+
+def linear_layers(spec: ModelSpec) -> int:
+    """The model's linear-attention (Gated DeltaNet) layers."""
+    return sum(spec.layer_kind(k).linear for k in spec.layer_types)
 
 
 def flops_per_token(spec: ModelSpec, reference_forwards: int = 0) -> float:
@@ -86,5 +94,8 @@ def attention_flops_per_token(spec: ModelSpec) -> float:
         return sum(3 * n * spec.mla.score_flops_per_token(
             spec.num_heads, spec.layer_kind(kind).keys_per_query(spec))
             for kind, n in counts.items())
-    return sum(12 * n * spec.layer_kind(kind).keys_per_query(spec) * spec.num_heads
-               * spec.head_dim for kind, n in counts.items())
+    # Gated DeltaNet layers see no keys; their delta rule, forward and backward (×3).
+    delta = 3 * linear_layers(spec) * spec.linear.delta_rule_flops_per_token() \
+        if spec.linear is not None else 0.0
+    return delta + sum(12 * n * spec.layer_kind(kind).keys_per_query(spec) * spec.num_heads
+                       * spec.head_dim for kind, n in counts.items())

@@ -278,3 +278,44 @@ def _add_at(sums: dict, aux: dict, index, count: int) -> dict:
     return {k: acc + jnp.expand_dims(aux[k], 1)
             * slot_N.reshape((1, count) + (1,) * (aux[k].ndim - 1))
             for k, acc in sums.items()}
+
+
+def stack_of(kind: str | None) -> str:
+    """The parameter stack a layer kind's layers live in: linear-attention layers apart
+    (their parameters differ), every attention kind in `blocks`."""
+    return "linear_blocks" if kind == "linear_attention" else "blocks"
+
+
+def walk_mixed(kinds: tuple[str, ...], layer: Callable, x, xs: dict):
+    """The layers of a model whose stacks differ in parameters (Gated DeltaNet beside
+    attention): (x, ys {stack: [its layers, ...]}). xs: {stack: leaves [its layers, ...]};
+    layer(kind, x, layer_xs) -> (x, y). Runs of equal kinds are a scan each; a pattern that
+    repeats (3 linear : 1 full) is one outer scan over its periods, so a period's runs
+    compile once whatever the depth (as walk does)."""
+    n = len(kinds)
+    length = next((p for p in range(1, n // 2 + 1)
+                   if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n))), n)
+    reps, period = n // length, kinds[:length]
+    counts = {stack_of(k): sum(stack_of(j) == stack_of(k) for j in period) for k in period}
+    by_rep = {s: jax.tree.map(lambda a, c=c: a.reshape(reps, c, *a.shape[1:]), xs[s])
+              for s, c in counts.items()}
+
+    def one_period(x, rep_xs):
+        seen, ys = dict.fromkeys(counts, 0), {s: [] for s in counts}
+        for kind, lo, hi in Groups.runs_of(period):
+            s = stack_of(kind)
+            run_xs = jax.tree.map(lambda a, i=seen[s], m=hi - lo: a[i:i + m], rep_xs[s])
+            seen[s] += hi - lo
+            if hi - lo > 1:
+                x, y = jax.lax.scan(lambda x, lx, kind=kind: layer(kind, x, lx), x, run_xs)
+            else:
+                x, y = layer(kind, x, jax.tree.map(lambda a: a[0], run_xs))
+                y = jax.tree.map(lambda a: a[None], y)
+            ys[s].append(y)
+        return x, {s: jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
+                   for s, parts in ys.items()}
+
+    if reps == 1:
+        return one_period(x, jax.tree.map(lambda a: a[0], by_rep))
+    x, ys = jax.lax.scan(one_period, x, by_rep)
+    return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), ys)

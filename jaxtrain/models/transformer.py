@@ -22,10 +22,12 @@ from jaxtrain.models.families import (
     Family,
     LayerKind,
     layer_pattern,
+    linear_layers,
     pattern_window,
 )
 from jaxtrain.models.head_loss import soft_cap
 from jaxtrain.models.layers import Norm, param
+from jaxtrain.models.linear_attention.layer import GatedDeltaNet, LinearSpec
 from jaxtrain.models.lora import LoraSpec
 from jaxtrain.models.mla import MLA, MlaSpec
 from jaxtrain.models.mla import resolve_kernel as mla_kernel
@@ -35,7 +37,7 @@ from jaxtrain.models.mtp import MtpDepth, MtpSpec, mtp_loss
 from jaxtrain.models.remat import REMATS
 from jaxtrain.models.rope import RopeScaling
 from jaxtrain.models.router import EXPERT_LOAD, ROUTERS, DeepSeekMoe, RouterSpec
-from jaxtrain.models.stack import Groups, stacked, walk
+from jaxtrain.models.stack import Groups, stack_of, stacked, walk, walk_mixed
 from jaxtrain.parallel.context import ContextSpec
 from jaxtrain.parallel.pipeline import PipelineSpec, pipeline
 from jaxtrain.precision import PRECISIONS
@@ -81,6 +83,9 @@ class ModelSpec:
     # The MoE layers' router (models/router.py ROUTERS) when not Mixtral's softmax (None)
     router: RouterSpec | None = None
     mtp: MtpSpec | None = None  # multi-token prediction depths (models/mtp.py); None: none
+    rope_fraction: float = 1.0  # RoPE over each head's first fraction of features
+    # The linear_attention layers' shape (models/linear_attention/); None: no such layer
+    linear: LinearSpec | None = None
 
     @classmethod
     def from_config(cls, cfg, pipeline_stages: int = 1, platform: str = "cpu",
@@ -129,7 +134,8 @@ class ModelSpec:
             pipeline=pipeline, fp8=precision.fp8_matmuls, moe=MoeSpec.from_config(m, platform),
             context=context_spec, lora=LoraSpec.from_config(m), mla=mla,
             router=None if router is None or router.name == "softmax" else router,
-            mtp=MtpSpec.from_config(m.mtp))
+            mtp=MtpSpec.from_config(m.mtp), rope_fraction=m.partial_rotary_factor,
+            linear=LinearSpec.from_config(m) if linear_layers(m) else None)
 
     @property
     def family_entry(self) -> Family:
@@ -193,11 +199,22 @@ class Block(nnx.Module):
         dense one (models/stack.py sums them over the layers). segments_BL, positions_BL:
         packed documents' ids and restarted positions (models/attention/kernels.py); None:
         one document per row. kind: the layer's kind (model.layer_types; None: uniform)."""
-        q_BLHK, k_BLGK, v_BLGK = self._norm_then(
-            lambda x: self.attn.qkv(self.attn_norm(x), positions_BL, kind))(x_BLD)
+        q_BLHK, k_BLGK, v_BLGK, gate = self._norm_then(self._project(positions_BL, kind))(
+            x_BLD)
+        extra = {} if gate is None else {"gate_BLHK": gate}  # the output gate (a part)
         x_BLD = x_BLD + self._post("post_attn_norm", self.attn.attend(
-            q_BLHK, k_BLGK, v_BLGK, segments_BL, kind))
+            q_BLHK, k_BLGK, v_BLGK, segments_BL, kind, **extra))
         return self._mlp_residual(x_BLD)
+
+    def _project(self, positions_BL, kind):
+        """x -> (q, k, v, the output gate's logits or None) of the normed x."""
+        gate = getattr(self.attn, "gate", lambda x: None)
+
+        def project(x_BLD):
+            normed_BLD = self.attn_norm(x_BLD)
+            return (*self.attn.qkv(normed_BLD, positions_BL, kind), gate(normed_BLD))
+
+        return project
 
     def _norm_then(self, norm_and_project):
         """Without a remat policy, each norm and the projections reading it are recomputed
@@ -225,11 +242,36 @@ class Block(nnx.Module):
         return self.mlp.down(h_BLF, gate_BLF), {}
 
     def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array,
-               kind: str | None = None):
-        """(x_BTD, the layer's updated cache); no expert drops a token while generating."""
+               kind: str | None = None, valid=None):
+        """(x_BTD, the layer's updated cache); no expert drops a token while generating.
+        valid: the real tokens of a padded prefill (an attention layer's mask hides the
+        padding's keys until decoding overwrites them)."""
+        del valid
         y_BTD, cache = self.attn.decode(self.attn_norm(x_BTD), cache, start, kind)
         return self._mlp_residual(x_BTD + self._post("post_attn_norm", y_BTD),
                                   drop=False)[0], cache
+
+
+class LinearBlock(Block):
+    """A Gated DeltaNet layer (model.layer_types linear_attention) and its feed-forward."""
+
+    def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
+        norm = dict(rms=spec.rms_norm, eps=spec.norm_eps, dtype=spec.param_dtype, rngs=rngs,
+                    offset=spec.norm_offset)
+        self.spec = spec
+        self.attn_norm = Norm(spec.d_model, **norm)
+        self.attn = GatedDeltaNet(spec, rngs=rngs)
+        self.mlp_norm = Norm(spec.d_model, **norm)
+        self.mlp = self._make_mlp(spec, rngs)
+
+    def __call__(self, x_BLD, segments_BL=None, positions_BL=None, kind=None):
+        """(x_BLD, {}): config.py refuses document masks with linear layers."""
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD))
+        return self._mlp_residual(x_BLD)
+
+    def decode(self, x_BTD, cache: tuple, start, kind=None, valid=None):
+        y_BTD, cache = self.attn.decode(self.attn_norm(x_BTD), cache, start, valid)
+        return self._mlp_residual(x_BTD + y_BTD, drop=False)[0], cache
 
 
 class MoeBlock(Block):
@@ -255,7 +297,11 @@ class Transformer(nnx.Module):
         keys = jax.random.split(rngs.params(), spec.num_layers)
         # Dense layers under `blocks`, MoE layers (every n-th) under `moe_blocks`.
         moe_layer = Groups.of(spec).moe_layers()
-        if not moe_layer.all():
+        if spec.linear is not None:  # linear layers stacked apart (config.py: no MoE)
+            linear = np.asarray([LAYER_KINDS[k].linear for k in spec.layer_types])
+            self.blocks = stacked(Block, spec, keys[np.flatnonzero(~linear)])
+            self.linear_blocks = stacked(LinearBlock, spec, keys[np.flatnonzero(linear)])
+        elif not moe_layer.all():
             self.blocks = stacked(Block, spec, keys[np.flatnonzero(~moe_layer)])
         if moe_layer.any():
             self.moe_blocks = stacked(MoeBlock, spec, keys[np.flatnonzero(moe_layer)])
@@ -337,6 +383,8 @@ class Transformer(nnx.Module):
         (segments_BL, positions_BL) of packed rows, or None; under the pipeline they travel
         with their micro-batch through the stages, as the stats do in the carry."""
         spec, groups = self.spec, Groups.of(self.spec)
+        if spec.linear is not None:
+            return self._mixed_layers(x_BLD, documents), {}
         defs, xs = self._stacks()
         stats = {}
         if groups.moe:
@@ -356,6 +404,24 @@ class Transformer(nnx.Module):
         if spec.pipeline is None:
             return run(xs, (x_BLD, stats), documents)
         return pipeline(run, xs, (x_BLD, stats), spec.pipeline, spec.rules, documents)
+
+    def _mixed_stacks(self) -> tuple[dict, dict]:
+        """({stack: graphdef}, {stack: stacked state}) of a model with linear layers."""
+        split = {s: nnx.split(getattr(self, s)) for s in ("blocks", "linear_blocks")}
+        return {s: d for s, (d, _) in split.items()}, {s: st for s, (_, st) in split.items()}
+
+    def _mixed_layers(self, x_BLD, documents):
+        """The layers of a model with linear-attention layers (models/stack.py walk_mixed);
+        documents: positions only (config.py refuses document masks with linear layers)."""
+        defs, xs = self._mixed_stacks()
+        positions_BL = None if documents is None else documents[1]
+
+        def layer(kind, x_BLD, state):
+            block = self._remat(lambda x, state: nnx.merge(defs[stack_of(kind)], state)(
+                x, None, positions_BL, kind)[0])
+            return block(x_BLD, state), None
+
+        return walk_mixed(self.spec.layer_types, layer, x_BLD, xs)[0]
 
     def _zero_stats(self, batch: int, layers: int) -> dict:
         e = self.spec.moe.num_experts
@@ -388,6 +454,8 @@ class Transformer(nnx.Module):
         [layers, B, M, G, K] each, or MLA's latents [layers, B, M, kv_lora_rank] and rotary
         keys [layers, B, M, rope] (models/mla.py)."""
         spec = self.spec
+        if spec.linear is not None:
+            return self._mixed_cache(batch, length)
         if spec.mla is not None:
             return tuple(constrain(jnp.zeros((spec.num_layers, batch, length, dim),
                                              spec.compute_dtype),
@@ -398,11 +466,48 @@ class Transformer(nnx.Module):
         axes = ("layers", "batch", "length", "kv_heads", "kv")
         return constrain(zeros, axes, spec.rules), constrain(zeros, axes, spec.rules)
 
-    def decode(self, tokens_BT: jax.Array, cache: tuple, start: jax.Array):
+    def _mixed_cache(self, batch: int, length: int) -> dict:
+        """{blocks: (keys, values) [attention layers, B, M, G, K], linear_blocks: (conv
+        inputs q, k, v [linear layers, B, W−1, heads, dim], state [linear layers, B, H, K,
+        V] float32)}: the linear layers' part is the same whatever `length`."""
+        spec, linear = self.spec, sum(LAYER_KINDS[k].linear for k in self.spec.layer_types)
+        shape = (spec.num_layers - linear, batch, length, spec.num_kv_heads, spec.head_dim)
+        axes = ("layers", "batch", "length", "kv_heads", "kv")
+        kv = tuple(constrain(jnp.zeros(shape, spec.compute_dtype), axes, spec.rules)
+                   for _ in range(2))
+        ls = spec.linear
+        conv_axes = ("layers", "batch", None, "kv_heads", "kv")
+        states = (jnp.zeros((linear, batch, ls.conv - 1, ls.key_heads, ls.key_dim),
+                            spec.compute_dtype),) * 2 + (
+            jnp.zeros((linear, batch, ls.conv - 1, ls.value_heads, ls.value_dim),
+                      spec.compute_dtype),
+            jnp.zeros((linear, batch, ls.value_heads, ls.key_dim, ls.value_dim), jnp.float32))
+        axes_each = (conv_axes, conv_axes, ("layers", "batch", None, "heads", "kv"),
+                     ("layers", "batch", "heads", None, None))
+        return {"blocks": kv, "linear_blocks": tuple(
+            constrain(z, a, spec.rules) for z, a in zip(states, axes_each))}
+
+    def decode(self, tokens_BT: jax.Array, cache: tuple, start: jax.Array, valid=None):
         """Logits of T new tokens at positions [start, start+T), reading and extending the
         kv cache of the earlier ones (prefill: start 0, T = prompt; then T = 1 per token).
         start: a scalar shared by the batch, or [B], each row's own (the engine's slots,
-        jaxtrain/engine/). The cache stays [layers, ...]; the walker reads it by group."""
+        jaxtrain/engine/). The cache stays [layers, ...]; the walker reads it by group.
+        valid: the real tokens of a padded prefill (None: all); the linear layers' state
+        takes only those."""
+        if jnp.ndim(start) == 0:
+            x_BTD = self._embed(tokens_BT, start)
+        else:  # each row's own positions (the position table's rows, where there is one)
+            x_BTD = self._embed(tokens_BT, positions_BL=decode_positions(start,
+                                                                       tokens_BT.shape[1]))
+        if self.spec.linear is not None:
+            x_BTD, new = self._mixed_decode(x_BTD, cache, start, valid)
+        else:
+            x_BTD, new = self._grouped_decode(x_BTD, cache, start)
+        logits_BTV = soft_cap(self.final_norm(x_BTD) @ self.head(), self.spec.final_softcap)
+        return constrain(logits_BTV, ("batch", "length", "vocab"), self.spec.rules), new
+
+    def _grouped_decode(self, x_BTD, cache: tuple, start):
+        """decode's layers by group (models/stack.py walk): (x_BTD, the new cache)."""
         groups = Groups.of(self.spec)
         defs, states = self._stacks()
 
@@ -413,12 +518,17 @@ class Transformer(nnx.Module):
             return x_BTD, {}, layer_cache
 
         xs = {kind: (states[kind], c) for kind, c in groups.split(cache).items()}
-        if jnp.ndim(start) == 0:
-            x_BTD = self._embed(tokens_BT, start)
-        else:  # each row's own positions (the position table's rows, where there is one)
-            x_BTD = self._embed(tokens_BT, positions_BL=decode_positions(start,
-                                                                       tokens_BT.shape[1]))
         (x_BTD, _), new = walk(groups, layer, (x_BTD, {}), xs)
-        logits_BTV = soft_cap(self.final_norm(x_BTD) @ self.head(), self.spec.final_softcap)
-        return (constrain(logits_BTV, ("batch", "length", "vocab"), self.spec.rules),
-                groups.join(new))
+        return x_BTD, groups.join(new)
+
+    def _mixed_decode(self, x_BTD, cache: dict, start, valid):
+        """decode's layers with linear-attention layers: (x_BTD, the new cache)."""
+        defs, states = self._mixed_stacks()
+
+        def layer(kind, x_BTD, state_and_cache):
+            state, layer_cache = state_and_cache
+            return nnx.merge(defs[stack_of(kind)], state).decode(x_BTD, layer_cache, start,
+                                                                 kind, valid)
+
+        xs = {s: (states[s], cache[s]) for s in states}
+        return walk_mixed(self.spec.layer_types, layer, x_BTD, xs)

@@ -48,14 +48,21 @@ def decode_plan(cfg, sizes: dict[str, int], hw, usable_bytes: float,
     per_layer = layer_bytes_per_token(spec)
     windows = [spec.layer_kind(kind).window(spec) for kind in
                (spec.layer_types or (None,) * spec.num_layers)]
-    slot = spec.num_layers * positions * per_layer
-    windowed = sum(min(w or positions, positions) for w in windows) * per_layer
+    linear = [spec.layer_kind(kind).linear for kind in spec.layer_types]
+    state = sum(linear) * spec.linear.state_bytes(jax.numpy.dtype(
+        spec.compute_dtype).itemsize) if spec.linear is not None else 0
+    attending = spec.num_layers - sum(linear)  # a linear layer's state: the same any length
+    slot = attending * positions * per_layer + state
+    windowed = sum(min(w or positions, positions) for w, lin in
+                   zip(windows, linear or [False] * len(windows)) if not lin) * per_layer \
+        + state
     split, slot_ways = _splits(spec, sizes)
     weights = memory.param_shards(spec, sizes)["total"] * \
         jax.numpy.dtype(spec.param_dtype).itemsize
     slot_device = slot / split
     slots = max(0, int((usable_bytes - weights) // slot_device)) * slot_ways
-    out = {"max_len": positions, "cache_bytes_per_token": spec.num_layers * per_layer,
+    out = {"max_len": positions, "cache_bytes_per_token": attending * per_layer,
+           "recurrent_state_bytes_per_slot": state,
            "cache_bytes_per_slot": slot, "window_cache_bytes_per_slot": windowed,
            "cache_bytes_per_slot_per_device": slot_device, "weight_bytes_per_device": weights,
            "slots_that_fit": slots}
@@ -72,7 +79,12 @@ def describe(d: dict, gb) -> list[str]:
         f" (a window-sized cache: {gb(d['window_cache_bytes_per_slot'])})"
     return ["decode (generation engine, per device):",
             f"  KV cache {gb(d['cache_bytes_per_slot'])} a slot of {d['max_len']} positions"
-            f"{window}; {d['slots_that_fit']} slots fit beside "
+            f"{window}{_state(d, gb)}; {d['slots_that_fit']} slots fit beside "
             f"{gb(d['weight_bytes_per_device'])} of weights",
             f"  bandwidth bound {d['bound_tokens_per_s_batch_1']:,.0f} tokens/s at batch 1, "
             f"{d['bound_tokens_per_s_at_fit']:,.0f} at {max(d['slots_that_fit'], 1)} slots"]
+
+
+def _state(d: dict, gb) -> str:
+    state = d.get("recurrent_state_bytes_per_slot", 0)
+    return f" (of which {gb(state)} linear-attention state, any length)" if state else ""

@@ -23,6 +23,16 @@ PROJECTION_NAMES = {"q": "query_proj", "k": "key_proj", "v": "value_proj"}
 ATTENTION_DOT_NAMES = ("query_proj", "key_proj", "value_proj", "attention_out", "out_proj")
 
 
+def _rotate(x_BLHK, theta, positions_L, scaling, fraction: float):
+    """RoPE over each head's first fraction·K features, the rest as they are
+    (model.partial_rotary_factor; transformers' partial rotary: frequencies of that width)."""
+    rotary = int(x_BLHK.shape[-1] * fraction)
+    if rotary == x_BLHK.shape[-1]:
+        return rope(x_BLHK, theta, positions_L, scaling)
+    rotated = rope(x_BLHK[..., :rotary], theta, positions_L, scaling)
+    return jnp.concatenate([rotated, x_BLHK[..., rotary:]], axis=-1)
+
+
 class Attention(nnx.Module):
     def __init__(self, spec, *, rngs: nnx.Rngs):
         self.spec = spec
@@ -73,11 +83,18 @@ class Attention(nnx.Module):
         v_BLGK = self._project(x_BLD, "v", ("kv_heads", "kv"))
         if spec.rope:
             theta, scaling = spec.layer_kind(kind).rope(spec)
-            q_BLHK = rope(q_BLHK, theta, positions_L, scaling)
-            k_BLGK = rope(k_BLGK, theta, positions_L, scaling)
+            q_BLHK = _rotate(q_BLHK, theta, positions_L, scaling, spec.rope_fraction)
+            k_BLGK = _rotate(k_BLGK, theta, positions_L, scaling, spec.rope_fraction)
         q_BLHK = q_BLHK * jnp.asarray((spec.attention_scale_dim or spec.head_dim) ** -0.5,
                                       q_BLHK.dtype)
         return q_BLHK, k_BLGK, v_BLGK
+
+    def gate(self, x_BLD):
+        """The output gate's logits [B, L, H, K] of the normed input (family part
+        output_gate), or None without the part."""
+        if not hasattr(self, "w_gate"):
+            return None
+        return dense(self.spec, "bld,dhk->blhk", x_BLD, self.w_gate[...])
 
     def _kernel_parts(self) -> dict:
         """The parameters of the family's attention parts that act inside the kernel (the
@@ -85,8 +102,11 @@ class Attention(nnx.Module):
         return {p.kernel: getattr(self, p.kernel)[...] for p in self.spec.attention_parts
                 if p.kernel}
 
-    def _output(self, out_BLHK):
+    def _output(self, out_BLHK, gate_BLHK=None):
         spec = self.spec
+        if gate_BLHK is not None:
+            out_BLHK = out_BLHK * jax.nn.sigmoid(gate_BLHK.astype(jnp.float32)).astype(
+                out_BLHK.dtype)
         out_BLHK = checkpoint_name(out_BLHK, "attention_out")
         out_BLHK = constrain(out_BLHK, ("batch", "length", "heads", "kv"), spec.rules)
         y_BLD = dense(spec, "blhk,hkd->bld", out_BLHK,
@@ -96,13 +116,15 @@ class Attention(nnx.Module):
         return checkpoint_name(y_BLD, "out_proj")
 
     def __call__(self, x_BLD: jax.Array, segments_BL=None, positions_BL=None) -> jax.Array:
-        return self.attend(*self.qkv(x_BLD, positions_BL), segments_BL)
+        return self.attend(*self.qkv(x_BLD, positions_BL), segments_BL,
+                           gate_BLHK=self.gate(x_BLD))
 
     def attend(self, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array,
-               segments_BL=None, kind: str | None = None) -> jax.Array:
+               segments_BL=None, kind: str | None = None, gate_BLHK=None) -> jax.Array:
         """The attention kernel and the output projection, from projected q, k, v;
         segments_BL: document masks (the module docstring), None for none; kind: the
-        layer's kind, whose window the kernel takes (None: model.sliding_window's)."""
+        layer's kind, whose window the kernel takes (None: model.sliding_window's);
+        gate_BLHK: the output gate's logits (self.gate), None for none."""
         spec = self.spec
         window = spec.layer_kind(kind).window(spec)
         if spec.context is not None:  # the sequence is split: the kernel passes K/V around
@@ -114,7 +136,7 @@ class Attention(nnx.Module):
                                                rules=spec.rules, segments_BL=segments_BL,
                                                softcap=spec.attn_softcap,
                                                **self._kernel_parts())
-        return self._output(out_BLHK)
+        return self._output(out_BLHK, gate_BLHK)
 
     def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array,
                kind: str | None = None):
@@ -129,4 +151,4 @@ class Attention(nnx.Module):
         out_BTHK = cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_xT,
                                     self.spec.layer_kind(kind).window(self.spec),
                                     softcap=self.spec.attn_softcap, **self._kernel_parts())
-        return self._output(out_BTHK), (k_BMGK, v_BMGK)
+        return self._output(out_BTHK, self.gate(x_BTD)), (k_BMGK, v_BMGK)
