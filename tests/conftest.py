@@ -31,6 +31,15 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# The test workers themselves do not write to that cache, only the CLI subprocesses they
+# start: serialising an executable for the cache (jax 0.10.2, XLA:CPU) crashed a long-lived
+# pytest worker with SIGSEGV about once per full run (test_convert_gemma, test_lora_parallel,
+# always inside `put_executable_and_time`), and a crashed worker leaves pytest-xdist's
+# --dist loadfile controller waiting for the rest of that file for ever (a CI run went past
+# its 90 minutes so). A subprocess is short-lived and never crashed there; it is where the
+# cache pays (a resumed run or a relaunched rank compiles the same steps again).
+jax.config.update("jax_enable_compilation_cache", False)
+
 from jaxtrain.config import apply_overrides, base_config  # noqa: E402
 
 

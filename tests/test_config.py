@@ -78,7 +78,7 @@ SHIPPED = {"tiny": 1, "stdlib_bpe": 1, "bench_cpu": 1, "gpt2_124m": 8, "llama_1b
            "gpt13b": 64, "gpt13b_pp": 16, "tiny_moe": 1, "bench_cpu_moe": 1, "mixtral_8x7b": 64,
            "stdlib_sft": 1, "stdlib_dpo": 1, "tiny_qwen3": 1, "tiny_gemma3": 1,
            "qwen3_8b": 8, "qwen3_30b_a3b": 16, "gemma3_12b": 16, "gpt_oss_20b": 16,
-           "tiny_deepseek": 1, "deepseek_v3_671b": 1024}
+           "tiny_deepseek": 1, "deepseek_v3_671b": 1024, "tiny_qwen3_5": 1}
 
 
 @pytest.mark.parametrize("name,devices", SHIPPED.items())
