@@ -19,8 +19,8 @@ if "--xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = with_device_count(8, _flags)
 os.environ["JAX_PLATFORMS"] = "cpu"
-# One persistent compilation cache for the session, inherited by the CLI subprocesses: a
-# resumed run, a relaunched rank or a second test on the same shapes reuses the executable
+# One persistent compilation cache for the session, for the CLI subprocesses: a resumed
+# run, a relaunched rank or a second CLI test on the same shapes reuses the executable
 # instead of compiling it again (most of this suite's time is XLA compiling). Fresh per
 # session, so no run of the suite depends on another's leftovers.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
