@@ -33,15 +33,50 @@ import pytest  # noqa: E402
 
 # The test workers themselves do not write to that cache, only the CLI subprocesses they
 # start (a resumed run or a relaunched rank compiles the same steps again: that is where it
-# pays). On 2026-12-07 (jax 0.10.2, XLA:CPU) a long-lived pytest worker died with SIGSEGV
-# once in each full run: twice inside `put_executable_and_time` (serialising for this
-# cache), once inside `backend_compile_and_load` with the cache already off here, so this
-# setting is not the cure; the cause is still open (see the 2026-12-07 closing note). A
-# crashed worker leaves pytest-xdist's --dist loadfile controller waiting for ever, which is
-# why .ci/run puts the suite under a watchdog.
+# pays).
 jax.config.update("jax_enable_compilation_cache", False)
 
 from jaxtrain.config import apply_overrides, base_config  # noqa: E402
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+def _max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _executables_released(request):
+    """Frees each test file's compiled programs when the file is done, and fails loudly
+    where a file piles up memory maps.
+
+    XLA:CPU keeps every compiled kernel in memory maps of its own, and jax's caches keep
+    every executable alive. A long-lived pytest worker that passes vm.max_map_count (65530)
+    gets SIGSEGV from the next compile, in whatever test comes next, and pytest-xdist then
+    waits for ever. That happened in every full run on 2026-12-07: an eager sampler drew
+    800 times through a fresh lambda, compiling a new program per draw (48k maps in one
+    file; a typical file adds a few hundred).
+    """
+    before = _memory_maps()
+    yield
+    limit, grown = _max_map_count(), _memory_maps() - before
+    jax.clear_caches()
+    left = _memory_maps()
+    if grown > limit // 4 or left > limit // 2:
+        pytest.fail(f"{request.node.nodeid} added {grown} memory maps to this worker, and "
+                    f"{left} are left after jax.clear_caches() (vm.max_map_count={limit}): "
+                    "something compiles a new program per call (an eager jax call on a "
+                    "fresh lambda), or keeps compiled programs alive", pytrace=False)
 
 
 def small_config(family: str = "gpt2", **overrides):

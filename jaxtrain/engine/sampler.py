@@ -64,14 +64,20 @@ def _draw(logits_SV: jax.Array, rows: RowSampling) -> jax.Array:
     return jnp.where(rows.temperature_S > 0, drawn_S, greedy_S).astype(jnp.int32)
 
 
+def _greedy(logits_SV: jax.Array, rows: RowSampling) -> jax.Array:
+    del rows
+    return jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
+
+
 def sample(logits_SV: jax.Array, rows: RowSampling, top_n: int):
     """(tokens [S], their log-probabilities [S], the top_n likeliest tokens [S, top_n] and
     theirs): log-softmax of the raw float32 logits, whatever the sampling cut. The sort that
     sampling needs is skipped when every row is greedy."""
     logits_SV = logits_SV.astype(jnp.float32)
-    tokens_S = jax.lax.cond(
-        jnp.any(rows.temperature_S > 0), _draw,
-        lambda l_SV, _: jnp.argmax(l_SV, axis=-1).astype(jnp.int32), logits_SV, rows)
+    # Module-level branches, not lambdas: cond keys its traced branches on the functions,
+    # so a new lambda per call would trace, compile and keep a new program on every eager
+    # call (test_inference drew 800 times: 16k XLA:CPU kernels, each its own memory map).
+    tokens_S = jax.lax.cond(jnp.any(rows.temperature_S > 0), _draw, _greedy, logits_SV, rows)
     logprobs_SV = jax.nn.log_softmax(logits_SV, axis=-1)
     chosen_S = jnp.take_along_axis(logprobs_SV, tokens_S[:, None], axis=-1)[:, 0]
     if top_n:
