@@ -19,10 +19,12 @@ if "--xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = with_device_count(8, _flags)
 os.environ["JAX_PLATFORMS"] = "cpu"
-# One persistent compilation cache for the session, for the CLI subprocesses: a resumed
-# run, a relaunched rank or a second CLI test on the same shapes reuses the executable
-# instead of compiling it again (most of this suite's time is XLA compiling). Fresh per
-# session, so no run of the suite depends on another's leftovers.
+# One persistent compilation cache for the session, for the pytest workers and the CLI
+# subprocesses they start: a resumed run, a relaunched rank or a test on the same shapes in
+# the other worker reuses the executable instead of compiling it again (most of this
+# suite's time is XLA compiling). Fresh per session, so no run of the suite depends on
+# another's leftovers. (It was off in the workers for a day while a worker segfault was
+# blamed on its serialisation; the cause was the memory-map limit below.)
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxtrain-test-xla-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
@@ -30,11 +32,6 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-
-# The test workers themselves do not write to that cache, only the CLI subprocesses they
-# start (a resumed run or a relaunched rank compiles the same steps again: that is where it
-# pays).
-jax.config.update("jax_enable_compilation_cache", False)
 
 from jaxtrain.config import apply_overrides, base_config  # noqa: E402
 
