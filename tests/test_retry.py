@@ -45,17 +45,33 @@ def test_tensorstore_says_by_status_code_whether_to_try_again(message, transient
     assert retry.transient(ValueError(message)) is transient
 
 
-def test_transient_errors_are_retried_within_the_budget_then_one_line():
+class _Clock:
+    """monotonic() and sleep() for retry.call: a sleep moves the clock, nothing waits."""
+
+    def __init__(self):
+        self.now, self.slept = 0.0, []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_transient_errors_are_retried_within_the_budget_then_one_line(monkeypatch):
     calls = []
 
     def refused(timeout):
         calls.append(timeout)
         raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
 
-    began = time.monotonic()
+    clock = _Clock()
+    monkeypatch.setattr(retry, "time", clock)  # the policy's own clock: no host timing
     with pytest.raises(retry.Unreachable) as gave_up:
         retry.call(refused, "writing s3://b/k", budget=0.35, first_delay_s=0.1)
-    assert 0.2 <= time.monotonic() - began < 2 and len(calls) == 3  # 0.1 + 0.2 s apart
+    # Tried at 0, 0.1 and 0.3 s; a third pause (0.4 s) would pass the budget.
+    assert clock.slept == [0.1, 0.2] and len(calls) == 3
     assert str(gave_up.value) == ("writing s3://b/k failed (ConnectionRefusedError: [Errno "
                                   "111] Connection refused); retried for 0.35s "
                                   "($JAXTRAIN_STORAGE_RETRY_S)")
