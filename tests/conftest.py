@@ -125,22 +125,3 @@ def bucket(request):
     server.proxy.delay_s = 0.0
     server.proxy.up()
     return server.bucket()
-
-
-def threads_that_store(monkeypatch) -> list[str]:
-    """The names of the threads that write segments to the store, one per attempt: that
-    the caller is never among them is what "never waits on the store" means, whatever the
-    host's timing."""
-    import threading
-
-    from jaxtrain import metrics_log
-
-    names: list[str] = []
-    store = metrics_log.SegmentWriter._store
-
-    def recorded(self, blob):
-        names.append(threading.current_thread().name)
-        return store(self, blob)
-
-    monkeypatch.setattr(metrics_log.SegmentWriter, "_store", recorded)
-    return names

@@ -5,7 +5,7 @@ import json
 import threading
 import time
 
-from conftest import small_config, threads_that_store
+from conftest import small_config
 
 from jaxtrain import metrics_log, storage
 from jaxtrain.metrics_log import MetricsLog, keep_metrics_up_to, read_metrics
@@ -180,12 +180,27 @@ def _server_of(bucket):
     return object_server(storage.scheme_of(bucket))
 
 
+def _threads_that_store(monkeypatch) -> list[str]:
+    """The names of the threads that write segments to the store, one per attempt: that
+    the caller is never among them is what "never waits on the store" means, whatever the
+    host's timing."""
+    names: list[str] = []
+    store = metrics_log.SegmentWriter._store
+
+    def recorded(self, blob):
+        names.append(threading.current_thread().name)
+        return store(self, blob)
+
+    monkeypatch.setattr(metrics_log.SegmentWriter, "_store", recorded)
+    return names
+
+
 def test_an_outage_during_a_flush_costs_no_row_and_no_wait(bucket, monkeypatch):
     """Checkpointing.save -> flush on the training thread: the store refusing connections
     for 2 s (within the retry budget) neither raises nor holds the caller, and every row is
     stored once it is back."""
     monkeypatch.setenv("JAXTRAIN_STORAGE_RETRY_S", "30")
-    storers = threads_that_store(monkeypatch)
+    storers = _threads_that_store(monkeypatch)
     workdir = storage.as_path(bucket) / "run"
     said = []
     log = MetricsLog(workdir, say=said.append)
@@ -238,7 +253,7 @@ def test_a_stall_is_reported_while_the_training_thread_goes_on(bucket, monkeypat
     store's URL and how long), and the rows are stored after it."""
     monkeypatch.setenv("JAXTRAIN_STORAGE_STALL_S", "0.5")
     monkeypatch.setenv("JAXTRAIN_STORAGE_RETRY_S", "60")
-    storers = threads_that_store(monkeypatch)
+    storers = _threads_that_store(monkeypatch)
     workdir = storage.as_path(bucket) / "run"
     said = []
     log = MetricsLog(workdir, flush_s=0.2, say=said.append)
