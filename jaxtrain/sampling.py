@@ -52,12 +52,7 @@ def pick(logits_BV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
                        full(sampling.top_p, jnp.float32), full(0.0, jnp.float32),
                        full(seed_of(key), jnp.uint32), jnp.arange(b, dtype=jnp.int32),
                        full(0, jnp.int32))
-    return _sample(logits_BV, rows)[0]
-
-
-# One compiled program per shape for every eager `pick`: op by op, each call would compile
-# and keep the sampler's cond again (see engine/sampler.py).
-_sample = jax.jit(lambda logits_BV, rows: sample(logits_BV, rows, 0))
+    return sample(logits_BV, rows, 0)[0]
 
 
 def make_generate(graphdef: nnx.GraphDef, sampling: Sampling, rules) -> Callable:
