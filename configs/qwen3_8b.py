@@ -3,7 +3,7 @@ pre-training or a full fine-tune on one node of 8 H100/H200: FSDP over the 8 GPU
 full remat, 4096-token rows, 64 a step (256K tokens).
 
 Start from the released weights with `jaxtrain convert --from-hf Qwen/Qwen3-8B`
-(docs/interop.md); its size here is checked by tests/test_plan.py's compile on 8 fake devices.
+(docs/interop.md); its size here is checked by tests/unit/test_plan.py's compile on 8 fake devices.
 """
 
 from jaxtrain.config import base_config

@@ -133,7 +133,7 @@ def holdout(rows: list[dict], fallback: memory.Factors, folds: int) -> tuple[lis
     folds only (row i in fold i mod K, rows in case order; each fit starts from the default
     factors, not from the stored ones, which have seen the held-out rows): how far the
     estimate can be trusted on a layout it was not fitted on. Returns the spread, each
-    fold's factors and its rows' cases (stored, so that tests/test_plan.py rechecks every
+    fold's factors and its rows' cases (stored, so that tests/unit/test_plan.py rechecks every
     held-out row, and a row added later is known to be in no fold)."""
     ratios, fold_factors, fold_cases = [], [], []
     for f in range(folds):

@@ -10,7 +10,7 @@ Each case compiles in a fresh process with N fake CPU devices (plan/compile_chec
 compared with the like-for-like estimate (memory.estimate(backend='cpu'): XLA:CPU keeps
 16-bit activations in float32). --update stores the compiled figures in
 plan/memory_fit.json, which scripts/fit_memory.py fits the estimate's factors on and
-tests/test_plan.py checks every estimate against. Exit code 1 when a case fails to compile,
+tests/unit/test_plan.py checks every estimate against. Exit code 1 when a case fails to compile,
 its estimate is outside memory_fit.TARGET, or its compiled figure moved from the stored one.
 CI runs it on the published layouts and the grid (.ci/run; the suite recompiles the configs).
 """

@@ -1,5 +1,5 @@
 """The planner's memory estimate against XLA's compiled per-device memory, on the grid of
-small models and meshes that tests/test_plan.py checks (8 fake CPU devices).
+small models and meshes that tests/unit/test_plan.py checks (8 fake CPU devices).
 
     python scripts/plan_vs_compiler.py [--markdown]
 

@@ -1,4 +1,4 @@
-"""User reward functions (train.grpo.rewards='grpo_rewards:NAME') for tests/test_grpo_train.py:
+"""User reward functions (train.grpo.rewards='grpo_rewards:NAME') for tests/e2e/test_grpo_train.py:
 importable by the CLI runs it starts (tests/ on their PYTHONPATH)."""
 
 import os

@@ -1,4 +1,4 @@
-"""One process of a multi-process job for tests/test_checkpoint_shards.py: joins the job
+"""One process of a multi-process job for tests/storage/test_checkpoint_shards.py: joins the job
 (jax.distributed, gloo), builds a state sharded over every device of the job, and saves or
 restores it in place with jaxtrain.checkpoint_shards. Its object-store client goes through
 a proxy of its own (the test points each rank at one), so the test counts each process's

@@ -4,7 +4,7 @@ Runtime input (sources, batches, packing, the prepared source) and what the offl
 preparation (jaxtrain.prepare) shares with it: the dataset format, fingerprints, tokenizers.
 The names below load lazily, so that jaxtrain.prepare and its spawned workers, which import
 modules of this package, do not import jax and grain, which they never use
-(tests/test_architecture.py checks it).
+(tests/unit/test_architecture.py checks it).
 """
 
 import importlib

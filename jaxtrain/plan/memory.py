@@ -29,7 +29,7 @@ from jaxtrain.optim import OPTIMIZERS
 
 F32 = 4
 # How close the estimate is held to XLA's compiled figure (estimate / XLA) on every stored
-# compiled step (plan/memory_fit.py, tests/test_plan.py).
+# compiled step (plan/memory_fit.py, tests/unit/test_plan.py).
 TARGET = (0.85, 1.15)
 # The mesh axes parameters are sharded over only to be all-gathered before use (ZeRO-3):
 # fsdp, and context (mesh.py's rules).

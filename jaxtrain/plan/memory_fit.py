@@ -5,7 +5,7 @@ case: where it was compiled ('cpu': XLA:CPU on fake devices, scripts/memory_chec
 'tpu': libtpu's AOT compile for a TPU topology, scripts/tpu_aot_check.py --plan), the config
 and device count it was compiled for, and XLA's per-device bytes. The estimate for a row is
 like for like: on CPU rows float32 activations (XLA:CPU keeps 16-bit ones in float32) and
-the CPU factors, on TPU rows the compute dtype and the TPU factors. tests/test_plan.py holds
+the CPU factors, on TPU rows the compute dtype and the TPU factors. tests/unit/test_plan.py holds
 every row within 15%; the scripts recompile them (CI runs the CPU set).
 """
 
@@ -24,7 +24,7 @@ from jaxtrain.plan import memory
 from jaxtrain.plan.compile_check import load_config, single_granule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# estimate / XLA that tests/test_plan.py and the scripts hold every row to: ±15%.
+# estimate / XLA that tests/unit/test_plan.py and the scripts hold every row to: ±15%.
 TARGET = memory.TARGET
 # estimate / XLA that every row must meet with factors fitted without it (the held-out
 # spread, scripts/fit_memory.py --holdout): what a plan for a new layout can promise.
@@ -59,7 +59,7 @@ def load() -> dict:
 
 
 # Stored compiles the estimate is known to miss by more than TARGET: kept out of the fit, its
-# spread and its bound (tests/test_plan.py checks they are still outside, so a fix of the
+# spread and its bound (tests/unit/test_plan.py checks they are still outside, so a fix of the
 # estimate moves them back), and named by the plans of models like them (memory.known_gap).
 # The DeepSeek-style MoE (issue 38): a dense prefix walked as a scan of its own, and capacity
 # buffers at top-8 over 256 experts under expert × FSDP, hold more than the MoE terms count.

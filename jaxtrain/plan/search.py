@@ -65,7 +65,7 @@ def with_overrides(cfg, overrides: dict):
     return apply_overrides(ml_collections.ConfigDict(cfg.to_dict()), overrides)
 
 
-# The memory model's error bound against the compiler (tests/test_plan.py): a candidate is
+# The memory model's error bound against the compiler (tests/unit/test_plan.py): a candidate is
 # kept only if its estimate fits with this much to spare.
 ESTIMATE_ERROR = 1 / memory.TARGET[0]
 

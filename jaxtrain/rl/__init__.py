@@ -16,5 +16,5 @@ successors), apart from the engine that produces the rollouts.
 - batch.py, objective.py: the engine's rollouts -> a Rollouts batch (padding, truncation
   masks, advantages, the step's token count) -> the step's loss (grpo_objective).
 
-Everything is checked against TRL 1.16's GRPOTrainer itself (tests/test_grpo_loss.py).
+Everything is checked against TRL 1.16's GRPOTrainer itself (tests/parity/test_grpo_loss.py).
 """
