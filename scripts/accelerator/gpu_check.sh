@@ -87,9 +87,9 @@ else
 fi
 
 run_check env 60 $PY -c "import jax, flax, optax, json; d=jax.devices()[0]; print(json.dumps({'jax': jax.__version__, 'flax': flax.__version__, 'optax': optax.__version__, 'device_kind': d.device_kind, 'platform': d.platform, 'devices': jax.device_count()}))"
-run_check matmul_peak 60 $PY scripts/matmul_peak.py --n $PEAK_N
+run_check matmul_peak 60 $PY scripts/bench_matmul_peak.py --n $PEAK_N
 bench() {  # name precision attention
-  run_check "$1" 120 $PY scripts/bench.py --config configs/llama_1b.py --json --steps 3 \
+  run_check "$1" 120 $PY scripts/bench_train.py --config configs/llama_1b.py --json --steps 3 \
     --config.model.attention="$3" --config.train.precision="$2" $SHAPE
 }
 FIRST=${KERNELS%% *}
