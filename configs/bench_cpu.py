@@ -1,4 +1,4 @@
-"""The CPU benchmark model (scripts/bench.py): GPT-2 style, 512 wide, 8 layers, float32."""
+"""The CPU benchmark model (scripts/bench_train.py): GPT-2 style, 512 wide, 8 layers, float32."""
 
 from jaxtrain.config import base_config
 

@@ -3,7 +3,7 @@
 `fsdp`=8, bf16, full remat, 1M-token batches (256 × 4096) as 4 micro-batches.
 
 Checked without hardware by an AOT compile for the TPU topology (docs/benchmarks.md):
-    python scripts/tpu_aot_check.py --topology v5p:4x4x4 --cases mixtral_8x7b
+    python -m jaxtrain.plan.calibrate.tpu_aot_check --topology v5p:4x4x4 --cases mixtral_8x7b
 On GPUs, mesh.dcn_fsdp=8 puts FSDP across the nodes and the expert all-to-all within one.
 """
 

@@ -6,7 +6,7 @@ dense (SwiGLU 512), the other three MoE: 16 fine-grained SwiGLU experts of width
 groups (a token's 3 experts come from its 2 best groups) plus one shared expert, so each
 token uses (3 + 1) × 128 = 512 of expert width, configs/tiny_moe.py's active width. The
 sigmoid router is balanced by its correction bias (γ = 0.001), with no aux loss.
-docs/benchmarks.md compares the two (scripts/moe_tiny_compare.py).
+docs/benchmarks.md compares the two (scripts/bench_moe_tiny.py).
 """
 
 import pathlib

@@ -3,7 +3,7 @@
 Llama family, 4 layers, d_model 128, every layer MoE: 8 SwiGLU experts of width 256, top-2,
 so each token uses a SwiGLU of width 512 (≈ the active parameters of a dense llama with
 mlp_dim 512: `--config.model.moe.num_experts=0` is that model) out of 8 × 256 in total.
-docs/benchmarks.md compares the two (scripts/moe_tiny_compare.py).
+docs/benchmarks.md compares the two (scripts/bench_moe_tiny.py).
 """
 
 import pathlib

@@ -8,7 +8,7 @@ the config as it is); `config=PATH` among them takes another config file as the 
 against its dense counterpart: docs/benchmarks.md). All variants are compiled first; then
 every round measures the same-process matmul peak and one step of each variant in turn, so
 that slow drift of a noisy machine hits every variant alike. Prints the median and minimum
-step time and the MFU of the median against the median peak (as scripts/bench.py defines
+step time and the MFU of the median against the median peak (as scripts/bench_train.py defines
 MFU: model FLOPs, an MoE's active ones only).
 """
 

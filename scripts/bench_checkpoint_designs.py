@@ -5,12 +5,14 @@
 
 The staged design (orbax on a local scratch copy, mirrored to the bucket; every restore
 downloads the step first) is the commit `--staged` (08af334, the last main before issue 36's
-in-place remote tier), checked out into a temporary git worktree; the in-place one is this
-checkout. Each repeat runs `scripts/bench_storage.py --only checkpoint` once per design, in
-turn, each in a fresh process (the same script, servers and tree; only the jaxtrain it
-imports differs: $JAXTRAIN_BENCH_CODE), so both see the same machine. Printed: the median
-of each figure over the repeats, per row (local disk, S3 on 127.0.0.1, S3 with
---latency-ms before the first byte of every answer).
+in-place remote tier: an ancestor of main, so in every full clone; a shallow one is refused
+in one line), checked out into a temporary git worktree; the in-place one is this checkout.
+Its jaxtrain still runs this checkout's bench_storage.py (checked 2026-12-07 with a 1 MB
+checkpoint, on disk and on the S3 server). Each repeat runs `scripts/bench_storage.py
+--only checkpoint` once per design, in turn, each in a fresh process (the same script,
+servers and tree; only the jaxtrain it imports differs: $JAXTRAIN_BENCH_CODE), so both see
+the same machine. Printed: the median of each figure over the repeats, per row (local disk,
+S3 on 127.0.0.1, S3 with --latency-ms before the first byte of every answer).
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ def main() -> None:
     parser.add_argument("--staged", default="08af334")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
+    found = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{args.staged}^{{commit}}"],
+                           capture_output=True)
+    if found.returncode:
+        print(f"bench_checkpoint_designs: --staged {args.staged} is not a commit of this "
+              "clone (a shallow clone? git fetch --unshallow)", file=sys.stderr)
+        sys.exit(2)
     with tempfile.TemporaryDirectory() as tmp:
         staged = pathlib.Path(tmp) / "staged"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q",

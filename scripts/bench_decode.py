@@ -19,8 +19,8 @@ reads the same bytes a step) measured four ways:
    its own ends) against static batching (--slots requests at a time, each batch waiting for
    its longest), both on the same engine and compiled functions.
 4. --lower_cuda: the decode step lowered for CUDA (no GPU needed): its custom calls and host
-   callbacks (there should be none), as scripts/cuda_lowering_check.py does for the train
-   step.
+   callbacks (there should be none), as scripts/accelerator/cuda_lowering_check.py does for
+   the train step.
 
 Runs for minutes at the full shape on a CPU: the lead runs it on a quiet machine; for a
 smoke test, --layers 2 --d_model 64 --heads 4 --kv_heads 2 --mlp 128 --vocab 256.

@@ -7,7 +7,7 @@ A 64 MiB uint16 `.bin` file is uploaded to moto's S3 server on 127.0.0.1 (tests/
 whose proxy adds --latency-ms before the first byte of every answer; configs/bench_cpu.py's
 batch shape (8 rows of 513 tokens) is then read through `Batches.train_iter` with
 data.source=bin and data.path=s3://..., a sleep of --step-s standing in for each train step
-(pass bench_cpu's measured step: scripts/bench.py). Reported per block size: the wait for
+(pass bench_cpu's measured step: scripts/bench_train.py). Reported per block size: the wait for
 the first batch (read when the first step asks for it) and the mean wait of the later steps,
 as a share of the step: what `data_wait_s` would show in metrics.jsonl.
 """

@@ -1,11 +1,11 @@
-"""The PyTorch peer of scripts/bench.py: the same model shape in plain PyTorch, eager and
+"""The PyTorch peer of scripts/bench_train.py: the same model shape in plain PyTorch, eager and
 torch.compile, on the same synthetic batches, timed the same way (2 warm-up steps, the median
 of the timed ones, the optimizer step included).
 
     python scripts/bench_torch.py --config configs/bench_cpu.py [--config.KEY=VALUE ...]
         [--mode eager|compile] [--steps 5] [--json]
 
-`scripts/bench.py --config ... --against torch` runs this beside jaxtrain's own figure and
+`scripts/bench_train.py --config ... --against torch` runs this beside jaxtrain's own figure and
 prints the ratios. The model follows the config's family: GPT-2 (LayerNorm with biases,
 learned positions, tanh-GELU MLP, tied head) or Llama (RMSNorm, RoPE, SwiGLU, grouped K/V,
 separate head); attention is torch's scaled_dot_product_attention with the causal flag, the

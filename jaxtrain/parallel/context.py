@@ -37,7 +37,7 @@ class ContextSpec:
     size: int
     variant: str  # a models/attention/context_variants.py VARIANTS entry (resolved from auto)
     load_balance: bool
-    # Measurement only (tests, scripts/context_balance.py): called (device index along
+    # Measurement only (tests, scripts/table_context_balance.py): called (device index along
     # context, FLOPs) by every (query tile, key tile) pair the attention kernel computes,
     # forward and backward, as the compiled step runs; None (training) traces no callback.
     count_work: Callable | None = None

@@ -1,8 +1,8 @@
 """The time model's fitted parameters per hardware family, and how far to trust them.
 
-plan/calibration.json is written by scripts/fit_planner.py, which fits the parameters on the
-published training runs of plan/published_runs.json (plan/published.py) and records, per
-family, how many runs it saw and the largest in-sample and leave-one-out errors of the
+plan/calibration.json is written by plan/calibrate/fit_planner.py, which fits the parameters
+on the published training runs of plan/published_runs.json (plan/published.py) and records,
+per family, how many runs it saw and the largest in-sample and leave-one-out errors of the
 predicted MFU. Hardware without published runs gets the `default` parameters and says so.
 """
 

@@ -1,6 +1,6 @@
 """The grid of small models × meshes × remat policies on which the memory model is checked
-against XLA's compiled step (tests/unit/test_plan.py, scripts/plan_vs_compiler.py): 8 devices,
-models small enough that each compile takes seconds on a CPU."""
+against XLA's compiled step (tests/unit/test_plan.py, plan/calibrate/plan_vs_compiler.py): 8
+devices, models small enough that each compile takes seconds on a CPU."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ MOE_CASES = tuple(name for name, case in GRID.items() if "model.moe.num_experts"
 
 # Each shipped config (configs/) on the target its docstring names, the smallest device it
 # claims: (hardware catalog entry, devices). tests/unit/test_plan.py checks none OOMs there;
-# scripts/memory_check.py compares the estimate with XLA on them.
+# plan/calibrate/memory_check.py compares the estimate with XLA on them.
 SHIPPED_TARGETS = {"tiny.py": ("CPU-host", 1), "bench_cpu.py": ("CPU-host", 1),
                    "stdlib_bpe.py": ("CPU-host", 1), "stdlib_sft.py": ("CPU-host", 1),
                    "stdlib_dpo.py": ("CPU-host", 1),

@@ -44,9 +44,10 @@ MOE_ROW_COPIES = 4.0
 @dataclasses.dataclass(frozen=True)
 class Factors:
     """What the counting below cannot know and XLA's buffer assignments show, fitted per
-    compiler on its compiled steps (plan/memory_fit.json, scripts/fit_memory.py): XLA:CPU's
-    on the test grid, the shipped configs and the published layouts; the TPU compiler's
-    (libtpu, AOT) on the published TPU layouts. GPUs use the CPU set (no GPU compile here)."""
+    compiler on its compiled steps (plan/memory_fit.json, plan/calibrate/fit_memory.py):
+    XLA:CPU's on the test grid, the shipped configs and the published layouts; the TPU
+    compiler's (libtpu, AOT) on the published TPU layouts. GPUs use the CPU set (no GPU
+    compile here)."""
 
     # Buffers XLA holds besides the ones counted (fusion outputs, copies around collectives,
     # the optimizer's update tree), as a fraction of the counted temporaries,
@@ -124,7 +125,7 @@ def factors_for(platform: str) -> Factors:
 
 def uncertainty(platform: str) -> str:
     """How close the estimate came to the compiler on the steps its factors were fitted on,
-    and on the ones held out of the fit (plan/memory_fit.json, scripts/fit_memory.py
+    and on the ones held out of the fit (plan/memory_fit.json, plan/calibrate/fit_memory.py
     --write and --holdout K --write), in a plan's words."""
     source, data = compiler_of(platform), _fit_data()
     compiler = "libtpu (TPU AOT)" if source == "tpu" else "XLA:CPU"

@@ -1,12 +1,12 @@
 """The compiled steps the memory estimate is fitted on and checked against.
 
 plan/memory_fit.json holds, besides the fitted Factors (memory.py), one row per compiled
-case: where it was compiled ('cpu': XLA:CPU on fake devices, scripts/memory_check.py;
-'tpu': libtpu's AOT compile for a TPU topology, scripts/tpu_aot_check.py --plan), the config
-and device count it was compiled for, and XLA's per-device bytes. The estimate for a row is
+case: where it was compiled ('cpu': XLA:CPU on fake devices, plan/calibrate/memory_check.py;
+'tpu': libtpu's AOT compile for a TPU topology, plan/calibrate/tpu_aot_check.py --plan), the
+config and device count it was compiled for, and XLA's per-device bytes. The estimate for a row is
 like for like: on CPU rows float32 activations (XLA:CPU keeps 16-bit ones in float32) and
 the CPU factors, on TPU rows the compute dtype and the TPU factors. tests/unit/test_plan.py holds
-every row within 15%; the scripts recompile them (CI runs the CPU set).
+every row within 15%; plan/calibrate/ recompiles them (CI runs the CPU set).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # estimate / XLA that tests/unit/test_plan.py and the scripts hold every row to: ±15%.
 TARGET = memory.TARGET
 # estimate / XLA that every row must meet with factors fitted without it (the held-out
-# spread, scripts/fit_memory.py --holdout): what a plan for a new layout can promise.
+# spread, plan/calibrate/fit_memory.py --holdout): what a plan for a new layout can promise.
 HELD_OUT = (0.70, 1.30)
 # A stored compiled figure is current when a recompile lands within this of it (with the
 # jax it was compiled with: another XLA may assign buffers differently).
@@ -133,8 +133,8 @@ def config_of(case: dict):
 def held_out_ratios(source: str) -> list[float] | None:
     """Each stored row's estimate / XLA with the factors of the fold that held it out
     (plan/memory_fit.json holdout_factors and holdout_cases, written by
-    scripts/fit_memory.py --holdout K --write); a row stored after that fit was seen by no
-    fold, so any fold's factors hold it out (the first's). None when none are stored."""
+    plan/calibrate/fit_memory.py --holdout K --write); a row stored after that fit was seen by
+    no fold, so any fold's factors hold it out (the first's). None when none are stored."""
     data = load()
     folds = data.get("holdout_factors", {}).get(source)
     if not folds:

@@ -329,7 +329,7 @@ def test_a_heartbeat_costs_the_requests_docs_operations_md_says():
     doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
     said = re.search(r"the lease: (\d+) requests per heartbeat \((\d+) GET, (\d+) HEAD, "
                      r"(\d+) PUT\), every 30 s", doc)
-    assert said, "docs/operations.md quotes scripts/storage_requests.py's lease line"
+    assert said, "docs/operations.md quotes scripts/table_storage_requests.py's lease line"
     per_beat = {"GET": int(said[2]), "HEAD": int(said[3]), "PUT": int(said[4])}
     assert int(said[1]) == sum(per_beat.values())
     assert {k: n for k, n in during.items() if n} == {

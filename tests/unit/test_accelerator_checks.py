@@ -1,18 +1,16 @@
 """Evidence for accelerators gathered without one: the train step lowered for CUDA
-(scripts/cuda_lowering_check.py) and the GPU check script's CPU rehearsal
-(scripts/gpu_check.sh --rehearse)."""
+(tests/cuda_lowering.py), the attention check's rows on CPU (tests/attention_accuracy.py)
+and the GPU check script's CPU rehearsal (scripts/accelerator/gpu_check.sh --rehearse)."""
 
 import json
 import os
 import subprocess
-import sys
 
+import attention_accuracy
+import cuda_lowering as cuda
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import cuda_lowering_check as cuda  # noqa: E402
 
 
 @pytest.mark.parametrize("kernel,precision,expected", [
@@ -57,11 +55,39 @@ def test_attention_matmuls_are_16_bit_in_a_16_bit_policy(kernel, seq_len):
     assert cuda.problems({"kernel": kernel, "precision": "bfloat16", **found}) == []
 
 
+# The rest of the table docs/benchmarks.md shows (scripts/accelerator/cuda_lowering_check.py
+# prints it): every kernel × precision the tests above do not lower, and the document-mask
+# paths of the kernels written in XLA. Slow: 14 lowerings of about a second each.
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel,precision,packing", [
+    *[(k, p, "concat") for k in cuda.KERNELS for p in cuda.PRECISIONS
+      if (k, p) not in {("cudnn", "bfloat16"), ("pallas", "fp8"), ("chunked", "bfloat16"),
+                        ("xla", "bfloat16")}],
+    *[(k, p, "documents") for k in ("chunked", "xla") for p in cuda.PRECISIONS]])
+def test_every_kernel_and_precision_lowers_for_cuda_without_problems(kernel, precision,
+                                                                     packing):
+    row = cuda.check(kernel, precision, packing)
+    assert row["problems"] == [], row
+
+
+@pytest.mark.slow  # eight small compiles, for a check whose point is a GPU's kernels
+def test_the_attention_check_rows_on_cpu():
+    """What gpu_check.sh runs for cuDNN and Pallas on a GPU, here for the chunked kernel in
+    float32 at a small shape (tests/unit/test_attention.py holds the kernel itself): every
+    row computed, outputs and gradients those of the reference."""
+    rows = list(attention_accuracy.rows(length=128, windows=(None, 32), shape=(1, 4, 2, 32)))
+    assert [(r["impl"], r["window"]) for r in rows] == [("chunked", None), ("chunked", 32)]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["dtype"] == "float32" and row["fwd_bwd_ms"] > 0
+        assert row["out_rel_err"] < 1e-5 and row["grad_rel_err"] < 1e-5, row
+
+
 @pytest.mark.slow
 def test_gpu_check_rehearses_on_cpu(tmp_path):
-    out = subprocess.run(["bash", os.path.join(ROOT, "scripts/gpu_check.sh"), "--rehearse",
-                          str(tmp_path)], capture_output=True, text=True, timeout=900,
-                         cwd=ROOT)
+    out = subprocess.run(["bash", os.path.join(ROOT, "scripts/accelerator/gpu_check.sh"),
+                          "--rehearse", str(tmp_path)], capture_output=True, text=True,
+                         timeout=900, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = json.loads((tmp_path / "gpu_report.json").read_text())
     status = {r["check"]: r["status"] for r in rows}

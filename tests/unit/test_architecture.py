@@ -31,6 +31,9 @@ LAYERS = [
     ("train",),  # the loop and its hooks
     # engine.run_io: a run's EOS ids and chat template, for generate and serve
     ("inference", "quantization", "hf", "plan", "run_record", "engine.run_io", "serve"),
+    # The planner's calibration pipeline (python -m jaxtrain.plan.calibrate.NAME): it
+    # compiles and fits what plan/ reads from its JSON files; nothing imports it.
+    ("plan.calibrate",),
     ("commands", "main", "__main__"),
 ]
 
@@ -45,8 +48,12 @@ LATE_THIRD_PARTY = ("matplotlib", "tensorboardX", "ml_dtypes", "jax.experimental
                     # the [ray] extra: `prepare --ray` only
                     "ray",
                     # the [serve] extra: `jaxtrain serve` only
-                    "fastapi", "uvicorn")
-LATE_ALLOWED_IN = ("commands.train", "commands.plan", "commands.common")
+                    "fastapi", "uvicorn",
+                    # loaded only in tpu_aot_check's compile-only process (its environment)
+                    "libtpu")
+LATE_ALLOWED_IN = ("commands.train", "commands.plan", "commands.common",
+                   # jax after fake-device flags, or in a process re-run for libtpu
+                   "plan.calibrate.plan_vs_compiler", "plan.calibrate.tpu_aot_check")
 
 
 def _modules():
@@ -352,7 +359,9 @@ def _feature_names() -> set[str]:
 
 
 # plan/ modules that hold config values as data, not as branches: the test grid's configs
-# and the overrides the search generates.
+# and the overrides the search generates. plan/calibrate/ is not walked (plan/*.py only, as
+# below): it is the harness that compiles cases it picks by name (the splash kernel, a
+# dropless step, CPU stand-ins for GPU kernels), not the planner.
 PLAN_DATA = ("grid.py", "search.py")
 
 

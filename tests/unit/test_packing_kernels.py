@@ -2,8 +2,9 @@
 outputs and gradients equal a plain causal float64 reference in which a query sees only the
 keys of its own document (tests/helpers.py attention_f64): each document as if run alone.
 splash and pallas run in Pallas's interpreter; cuDNN has no CPU form, so its packed layout
-(the offsets and lengths it is given) is checked here and the kernel on a GPU
-(scripts/attention_check.py)."""
+(the offsets and lengths it is given) is checked here; the kernel runs only on a GPU
+(scripts/accelerator/attention_check.py, on unpacked rows: a packed cuDNN row is not checked
+there yet)."""
 
 import functools
 

@@ -129,7 +129,7 @@ def test_rejects_lengths_the_kernel_cannot_tile():
 
 def _libtpu_site():
     """Where libtpu is importable from, kept out of the test process: LIBTPU_SITE, else
-    /tmp/libtpu_site (see scripts/tpu_aot_check.py); None when neither holds it."""
+    /tmp/libtpu_site (see plan/calibrate/tpu_aot_check.py); None when neither holds it."""
     site = os.environ.get("LIBTPU_SITE", "/tmp/libtpu_site")
     return site if os.path.isdir(os.path.join(site, "libtpu")) else None
 
@@ -140,11 +140,11 @@ def _libtpu_site():
                            "'libtpu==0.0.42.*'); the TPU ahead-of-time compile check needs it")
 def test_tpu_aot_compile_of_offload_and_splash():
     """On a v5e topology from libtpu (no TPU): offloaded Adam moments compile into host
-    memory, and the splash kernel compiles for TPU (the script exits 1 on any problem)."""
+    memory, and the splash kernel compiles for TPU (the module exits 1 on any problem)."""
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "tpu_aot_check.py"),
+        [sys.executable, "-m", "jaxtrain.plan.calibrate.tpu_aot_check",
          "--cases", "tiny,splash", "--libtpu_site", _libtpu_site()],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
         env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "problems: none" in done.stdout

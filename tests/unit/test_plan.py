@@ -86,7 +86,8 @@ def test_user_hardware_file_adds_an_entry(tmp_path):
 
 
 # The stored figures are XLA's: the shipped configs are recompiled below, the grid and the
-# published layouts by scripts/memory_check.py --grid --published, which CI runs (.ci/run).
+# published layouts by plan/calibrate/memory_check.py --grid --published, which CI runs
+# (.ci/run).
 STORED = {(c["source"], c["case"]): c for c in memory_fit.cases()}
 
 
@@ -218,8 +219,8 @@ def test_every_shipped_config_has_a_target():
 @pytest.mark.parametrize("key", sorted(STORED), ids=" ".join)
 def test_every_stored_compiled_step_is_estimated_within_15_percent(key):
     """The CPU compiles of the grid, the shipped configs and the published layouts, and the
-    TPU compiles of the published TPU layouts (plan/memory_fit.json; scripts/memory_check.py
-    and scripts/tpu_aot_check.py --plan recompile them), against the like-for-like
+    TPU compiles of the published TPU layouts (plan/memory_fit.json; plan/calibrate/memory_check.py
+    and plan/calibrate/tpu_aot_check.py --plan recompile them), against the like-for-like
     estimate."""
     case = STORED[key]
     ratio = memory_fit.estimate(case) / case["compiled_bytes"]
@@ -229,7 +230,7 @@ def test_every_stored_compiled_step_is_estimated_within_15_percent(key):
 @pytest.mark.parametrize("source", ["cpu", "tpu"])
 def test_the_spread_plans_quote_is_the_stored_rows_own(source):
     """memory.uncertainty quotes plan/memory_fit.json's spread: it must be what the current
-    estimate gives on the stored rows (scripts/fit_memory.py --write refreshes it)."""
+    estimate gives on the stored rows (plan/calibrate/fit_memory.py --write refreshes it)."""
     ratios = [memory_fit.estimate(c) / c["compiled_bytes"]
               for (s, _), c in STORED.items() if s == source]
     low, high, rows = memory_fit.load()["spread"][source]
@@ -241,11 +242,11 @@ def test_the_spread_plans_quote_is_the_stored_rows_own(source):
 @pytest.mark.parametrize("source", ["cpu", "tpu"])
 def test_every_row_held_out_of_the_fit_is_estimated_within_the_held_out_bound(source):
     """The figure a plan for an unseen layout can trust: each stored row estimated with the
-    factors of the cross-validation fold that did not see it (scripts/fit_memory.py
+    factors of the cross-validation fold that did not see it (plan/calibrate/fit_memory.py
     --holdout K --write stores them) lands within memory_fit.HELD_OUT, and the held-out
     spread plans quote is exactly these rows' (so it is recomputed, not remembered)."""
     ratios = memory_fit.held_out_ratios(source)
-    assert ratios is not None, f"no held-out factors for {source}: run scripts/fit_memory.py"
+    assert ratios is not None, f"no held-out factors for {source}: run python -m jaxtrain.plan.calibrate.fit_memory --holdout K --write"
     low, high, folds = memory_fit.load()["holdout"][source]
     assert [low, high] == memory_fit.spread(ratios, folds)[:2]
     outside = [(c["case"], round(r, 3)) for c, r in zip(memory_fit.cases(source), ratios)

@@ -1,30 +1,23 @@
 """The planner's memory estimate against XLA's compiled per-device memory, on the grid of
 small models and meshes that tests/unit/test_plan.py checks (8 fake CPU devices).
 
-    python scripts/plan_vs_compiler.py [--markdown]
+    python -m jaxtrain.plan.calibrate.plan_vs_compiler [--markdown] [CASE ...]
 
 Nothing runs: each case's train step is only compiled (AOT).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
-import sys
-
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-
-from jaxtrain.plan.grid import GRID, grid_config  # noqa: E402
 
 
 def compare(name: str):
     from jaxtrain.config import validate
     from jaxtrain.plan import memory
     from jaxtrain.plan.compile_check import compiled_memory
+    from jaxtrain.plan.grid import grid_config
 
     cfg = grid_config(name)
     sizes = validate(cfg, 8)
@@ -36,11 +29,16 @@ def compare(name: str):
             "compiled": got}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("cases", nargs="*")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    # The grid's 8 fake CPU devices, set before jax loads (the imports below load it).
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from jaxtrain.plan.grid import GRID
+
     rows = [compare(name) for name in (args.cases or GRID)]
     if not args.markdown:
         for r in rows:

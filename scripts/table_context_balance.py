@@ -1,6 +1,6 @@
 """Per-device attention work of a context-parallel train step, counted as it runs.
 
-    python scripts/context_balance.py [--seq 32768] [--context 8] [--window 0] [--plain]
+    python scripts/table_context_balance.py [--seq 32768] [--context 8] [--window 0] [--plain]
 
 Runs one train step of a narrow llama (the layout of configs/llama_1b_32k.py: GQA 32/8
 heads of 64 dims, context=8, zig-zag unless --plain; 64 wide, one layer, so that a CPU runs

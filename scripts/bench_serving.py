@@ -1,6 +1,6 @@
 """The float32 model of a run next to its int8 versions: size, validation loss, decode speed.
 
-    python scripts/serving_table.py --workdir runs/tiny [--new_tokens 100] [--markdown]
+    python scripts/bench_serving.py --workdir runs/tiny [--new_tokens 100] [--markdown]
 
 Quantizes the run's newest checkpoint twice (int8 weights; int8 weights and activations),
 then for each model measures the checkpoint size on disk, the validation loss (as

@@ -1,6 +1,6 @@
 """The requests a run makes of object storage, by kind and purpose, as the server gets them:
 
-    python scripts/storage_requests.py [--steps 4] [--every 2] [--beats 4]
+    python scripts/table_storage_requests.py [--steps 4] [--every 2] [--beats 4]
 
 Starts moto's S3 server on 127.0.0.1 behind the tests' TCP proxy (tests/servers.py), which
 here also logs each request's line (method, path, query: what object storage bills), then

@@ -3,13 +3,13 @@ config on its target's device count, the published runs' layouts (plan/published
 with fewer layers so that a CPU compile fits this machine, the small test grid
 (plan/grid.py), and Llama-3-8B LoRA with its frozen base in each storage kind (--qlora).
 
-    python scripts/memory_check.py [--configs] [--published] [--grid] [--qlora] [--markdown]
-                                   [--json FILE] [--update] [CASE ...]
+    python -m jaxtrain.plan.calibrate.memory_check [--configs] [--published] [--grid]
+        [--qlora] [--markdown] [--json FILE] [--update] [CASE ...]
 
 Each case compiles in a fresh process with N fake CPU devices (plan/compile_check.py) and is
 compared with the like-for-like estimate (memory.estimate(backend='cpu'): XLA:CPU keeps
 16-bit activations in float32). --update stores the compiled figures in
-plan/memory_fit.json, which scripts/fit_memory.py fits the estimate's factors on and
+plan/memory_fit.json, which calibrate/fit_memory.py fits the estimate's factors on and
 tests/unit/test_plan.py checks every estimate against. Exit code 1 when a case fails to compile,
 its estimate is outside memory_fit.TARGET, or its compiled figure moved from the stored one.
 CI runs it on the published layouts and the grid (.ci/run; the suite recompiles the configs).
@@ -23,13 +23,11 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from jaxtrain.config import validate  # noqa: E402
-from jaxtrain.plan import memory, memory_fit, published  # noqa: E402
-from jaxtrain.plan.compile_check import compile_in_subprocess  # noqa: E402
-from jaxtrain.plan.grid import GRID, SHIPPED_OVERRIDES, SHIPPED_TARGETS  # noqa: E402
+from jaxtrain.config import validate
+from jaxtrain.plan import memory, memory_fit, published
+from jaxtrain.plan.calibrate import ROOT
+from jaxtrain.plan.compile_check import compile_in_subprocess
+from jaxtrain.plan.grid import GRID, SHIPPED_OVERRIDES, SHIPPED_TARGETS
 
 # Published layouts compile on at most this many fake devices (more take minutes each on two
 # cores); larger runs keep their axis sizes but fewer data-parallel replicas, and at most
@@ -121,7 +119,7 @@ def check(case: dict) -> dict:
                                         "temp_bytes")}}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", action="store_true", help="the shipped configs")
     parser.add_argument("--published", action="store_true", help="the published runs")
@@ -133,7 +131,7 @@ def main() -> None:
     parser.add_argument("--update", action="store_true",
                         help="store the compiled figures in plan/memory_fit.json")
     parser.add_argument("cases", nargs="*", help="case names (default: all)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     groups = {"configs": shipped_cases, "published": lambda: [
         scaled_run(r) for r in published.runs()], "grid": grid_cases, "qlora": qlora_cases}
     chosen = [g for g in groups if getattr(args, g)] or list(groups)
@@ -168,7 +166,7 @@ def main() -> None:
 def problems(rows: list[dict]) -> list[str]:
     """Rows that failed to compile, whose estimate is outside memory_fit.TARGET, or whose
     compiled figure moved from the stored one (plan/memory_fit.json: rerun with --update
-    and refit, scripts/fit_memory.py)."""
+    and refit, calibrate/fit_memory.py)."""
     stored = {c["case"]: c for c in memory_fit.cases("cpu", calibrated=False)}
     same = memory_fit.same_compiler()
     if not same:

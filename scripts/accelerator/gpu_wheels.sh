@@ -2,10 +2,11 @@
 # Wheels for the lent GPU machine, which has jax (CUDA), flax, optax, orbax and tensorstore
 # in its image but no network (docs: /work/.library/device): the few pure-Python packages
 # jaxtrain needs beyond them, for its Python 3.12, into .whl/ (git-ignored; carry it):
-#   bash scripts/gpu_wheels.sh        # here, where pip reaches PyPI
-# then on the device: bash scripts/gpu_check.sh OUT  (it installs .whl/ when jax sees a GPU)
+#   bash scripts/accelerator/gpu_wheels.sh        # here, where pip reaches PyPI
+# then on the device: bash scripts/accelerator/gpu_check.sh OUT  (it installs .whl/ when jax
+# sees a GPU)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."  # the repository root: .whl/ is there
 mkdir -p .whl
 PLATFORMS=""
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64 any; do

@@ -1,9 +1,9 @@
-"""The report of scripts/gpu_check.sh: each check's JSON row, and the measured llama_1b runs
+"""The report of gpu_check.sh: each check's JSON row, and the measured llama_1b runs
 next to the planner's prediction for the same run (step time, tokens/s, MFU, memory).
 
-    python scripts/gpu_report.py --results OUT/gpu_results.jsonl --out OUT [--hardware NAME]
-        -- [--config.KEY=VALUE ...]        # the overrides the benchmarks ran with
-    python scripts/gpu_report.py --row NAME SECONDS FILE   # (gpu_check.sh) one result row
+    python scripts/accelerator/gpu_report.py --results OUT/gpu_results.jsonl --out OUT
+        [--hardware NAME] -- [--config.KEY=VALUE ...]   # the overrides the benchmarks ran with
+    python scripts/accelerator/gpu_report.py --row NAME SECONDS FILE  # (gpu_check.sh) a row
 
 Writes OUT/gpu_report.json and OUT/gpu_report.md; exits 1 when a check failed (skipped ones
 are not failures).
@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def row(name: str, seconds: str, path: str) -> None:

@@ -5,8 +5,8 @@ callbacks: there should be none), and the matmuls' operand types (a 16-bit polic
 run no float32×float32 matmul: neither of model width nor a batched one of attention; fp8
 should run f8 matmuls).
 
-    python scripts/cuda_lowering_check.py [--json] [--kernels cudnn,pallas] [--precisions fp8]
-        [--packing documents]
+tests/unit/test_accelerator_checks.py holds every kernel × precision to `problems` (none);
+scripts/accelerator/cuda_lowering_check.py prints the table docs/benchmarks.md shows.
 
 Lowered with `jit(...).trace(...).lower(lowering_platforms=("cuda",))`: the same lowering
 jax.export(platforms=("cuda",)) performs, without export's refusal of custom calls that
@@ -14,29 +14,25 @@ have no serialization guarantee (cuDNN's). Two things cannot be had without a GP
 stubbed here, said so in the output: jax asks the CUDA plugin for the cuDNN version before
 lowering cuDNN attention (no plugin: "cuDNN is not detected"), and the Pallas kernel picks
 interpret mode on a CPU default backend. Compiling for CUDA (XLA's GPU passes, the cuDNN
-graph itself, Triton's PTX) needs a GPU: scripts/gpu_check.sh does that on the day.
+graph itself, Triton's PTX) needs a GPU: scripts/accelerator/gpu_check.sh does that on the
+day.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import dataclasses
-import json
 import os
 import re
-import sys
 from unittest import mock
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+from flax import nnx
 
-import jax  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from jaxtrain.config import apply_overrides, load_config_file  # noqa: E402
-from jaxtrain.train import state as state_lib  # noqa: E402
-from jaxtrain.train.setup import build  # noqa: E402
+from jaxtrain.config import apply_overrides, load_config_file
+from jaxtrain.train import state as state_lib
+from jaxtrain.train.setup import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = ("cudnn", "pallas", "chunked", "xla")
@@ -129,47 +125,11 @@ def problems(row: dict) -> list[str]:
     return out
 
 
-def run(kernels, precisions, packing: str = "concat") -> list[dict]:
-    rows = []
+def check(kernel: str, precision: str, packing: str = "concat") -> dict:
+    """One kernel × precision lowered and inspected, with its problems. packing
+    'documents': the document-mask paths (segment ids)."""
     overrides = ({} if packing == "concat" else
                  {"data.packing": packing, "data.source": "synthetic"})
-    for kernel in kernels:
-        for precision in precisions:
-            row = {"kernel": kernel, "precision": precision, "packing": packing}
-            try:
-                row.update(inspect(lower_for_cuda(kernel, precision, overrides),
-                                   SMALL["model.d_model"]))
-                row["problems"] = problems(row)
-            except Exception as e:  # noqa: BLE001 - a refusal is a finding too
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-                row["problems"] = [row["error"]]
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
-    return rows
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernels", default=",".join(KERNELS))
-    parser.add_argument("--precisions", default=",".join(PRECISIONS))
-    parser.add_argument("--packing", default="concat", choices=("concat", "documents"),
-                        help="documents: the document-mask paths (segment ids)")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    rows = run(args.kernels.split(","), args.precisions.split(","), args.packing)
-    if args.json:
-        print(json.dumps(rows))
-    else:
-        print("| kernel | precision | custom calls | matmul operand types | f32 batched "
-              "(attention) matmuls | problems |")
-        print("|---|---|---|---|---|---|")
-        for r in rows:
-            calls = ", ".join(f"{k} ×{v}" for k, v in r.get("custom_calls", {}).items())
-            dots = ", ".join(f"{k} ×{v}" for k, v in r.get("dot_operand_types", {}).items())
-            print(f"| {r['kernel']} | {r['precision']} | {calls or '–'} | {dots or '–'} | "
-                  f"{r.get('f32_batched_dots', '–')} | {'; '.join(r['problems']) or 'none'} |")
-    sys.exit(1 if any(r["problems"] for r in rows) else 0)
-
-
-if __name__ == "__main__":
-    main()
+    row = {"kernel": kernel, "precision": precision, "packing": packing,
+           **inspect(lower_for_cuda(kernel, precision, overrides), SMALL["model.d_model"])}
+    return {**row, "problems": problems(row)}

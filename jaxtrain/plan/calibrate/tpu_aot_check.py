@@ -13,18 +13,22 @@ compile-only devices jit can compile for; nothing is allocated or run. Checked h
   topology's devices (`expert` axis), both dispatch paths (dropless: ragged_dot and
   ragged_all_to_all, which XLA:CPU lacks; capacity: all-to-all); and configs/mixtral_8x7b.py
   on its 64-chip target, whose compiled step must fit the chips' HBM:
-      python scripts/tpu_aot_check.py --topology v5p:4x4x4 --cases mixtral_8x7b
+      python -m jaxtrain.plan.calibrate.tpu_aot_check --topology v5p:4x4x4 \
+          --cases mixtral_8x7b
 
 * the planner's memory estimate against the compiled step of a published TPU run's layout
-  (plan/published_runs.json, scaled as scripts/memory_check.py does): --plan RUN_IDS.
+  (plan/published_runs.json, scaled as memory_check does): --plan RUN_IDS.
 
     pip install --target /tmp/libtpu_site 'libtpu==0.0.42.*'   # jax[tpu]==0.10.2's pin
-    python scripts/tpu_aot_check.py [--topology v5e:2x2] [--json] [--cases tiny,splash]
-    python scripts/tpu_aot_check.py --topology v5p:4x4x4 --plan maxtext-v5p-32b
+    python -m jaxtrain.plan.calibrate.tpu_aot_check [--topology v5e:2x2] [--json]
+        [--cases tiny,splash]
+    python -m jaxtrain.plan.calibrate.tpu_aot_check --topology v5p:4x4x4 \
+        --plan maxtext-v5p-32b
 
 libtpu is kept out of the main environment (jax would otherwise look for a TPU in every
-process): this script re-runs itself with PYTHONPATH=--libtpu_site when `import libtpu`
-fails. The process's own backend stays CPU (JAX_PLATFORMS=cpu).
+process): this module re-runs itself with PYTHONPATH=--libtpu_site when `import libtpu`
+fails. The process's own backend stays CPU (JAX_PLATFORMS=cpu). Hence the function-level
+imports: jax and jaxtrain load only in that re-run process, with its environment set.
 """
 
 from __future__ import annotations
@@ -37,8 +41,11 @@ import os
 import subprocess
 import sys
 import time
+from importlib import metadata
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from jaxtrain.plan.calibrate import ROOT  # imports nothing: jax is not loaded here
+
+MODULE = "jaxtrain.plan.calibrate.tpu_aot_check"
 CASES = ("tiny", "llama_1b", "splash", "llama_1b_splash", "moe_tiny")
 # Not run by default: llama_1b on one 16 GiB v5e chip, which neither variant fits; the
 # Mixtral-shaped pod config (64 chips: --topology v5p:4x4x4); the long-context layouts
@@ -241,13 +248,11 @@ def splash_case(name, b, length, heads, groups, head_dim, window, sharded, devic
 # ---------------------------------------------------------------- planner vs TPU compile
 
 def plan_case(run_id: str, devices) -> dict:
-    """A published TPU run's layout (scripts/memory_check.py scaled_run: ≤ the topology's
-    chips, ≤ 2 layers a stage), compiled for the TPU topology, against the planner's TPU
-    estimate (bf16 activations, the TPU factors: real device memory)."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    from memory_check import scaled_run
-
+    """A published TPU run's layout (memory_check.scaled_run: ≤ the topology's chips,
+    ≤ 2 layers a stage), compiled for the TPU topology, against the planner's TPU estimate
+    (bf16 activations, the TPU factors: real device memory)."""
     from jaxtrain.plan import memory_fit, published
+    from jaxtrain.plan.calibrate.memory_check import scaled_run
     from jaxtrain.plan.compile_check import compile_step, memory_figures
     from jaxtrain.train.setup import build
 
@@ -320,6 +325,16 @@ def context_case(name: str, devices) -> dict:
 
 # ---------------------------------------------------------------- driver
 
+# 'auto' picks splash on TPU; the plain llama_1b case keeps the chunked kernel to compare.
+TRAIN_CASES = {"tiny": ("configs/tiny.py", {"model.attention": "chunked"}),
+               "llama_1b": ("configs/llama_1b.py", {"mesh.fsdp": -1,
+                                                    "model.attention": "chunked"}),
+               "llama_1b_splash": ("configs/llama_1b.py", {"mesh.fsdp": -1,
+                                                           "model.attention": "splash"}),
+               "llama_1b_1chip": ("configs/llama_1b.py", {"mesh.fsdp": 1, "mesh.data": 1,
+                                                          "train.global_batch": 2})}
+
+
 def run(args) -> dict:
     import jax
     from jax.experimental import topologies
@@ -335,31 +350,9 @@ def run(args) -> dict:
               "train": [], "splash": [], "moe": [], "context": [], "problems": [],
               "notes": []}
     if args.plan:
-        from jaxtrain.plan import memory_fit, published
-
-        generation = args.topology.partition(":")[0]  # v5p:2x2x2 -> runs on TPU-v5p
-        ids = [r["id"] for r in published.runs() if r["hardware"] == f"TPU-{generation}"] \
-            if args.plan == "tpu" else args.plan.split(",")
-        result["plan"] = []
-        for run_id in ids:
-            result["plan"].append(plan_case(run_id, devices))
-            print(json.dumps(result["plan"][-1]), file=sys.stderr, flush=True)
-        if args.update:
-            memory_fit.store_cases([r for r in result["plan"] if "error" not in r])
-        result["problems"] += [
-            f"{r['case']}: " + (r.get("error") or f"estimate/XLA {r['ratio']:.2f}")
-            for r in result["plan"] if "error" in r
-            or not memory_fit.within(r["ratio"])]
-        return result
+        return _plan(args, devices, result)
     cases = args.cases.split(",")
-    # 'auto' picks splash on TPU; the plain llama_1b case keeps the chunked kernel to compare.
-    train = {"tiny": ("configs/tiny.py", {"model.attention": "chunked"}),
-             "llama_1b": ("configs/llama_1b.py", {"mesh.fsdp": -1,
-                                                  "model.attention": "chunked"}),
-             "llama_1b_splash": ("configs/llama_1b.py", {"mesh.fsdp": -1,
-                                                         "model.attention": "splash"}),
-             "llama_1b_1chip": ("configs/llama_1b.py", {"mesh.fsdp": 1, "mesh.data": 1,
-                                                        "train.global_batch": 2})}
+    train = TRAIN_CASES
     unknown = set(cases) - set(train) - {"splash"} - set(MOE_CASES) - set(CONTEXT_CASES)
     if unknown:
         raise SystemExit(f"unknown cases {sorted(unknown)}; known: {CASES + EXTRA_CASES}")
@@ -404,9 +397,27 @@ def run(args) -> dict:
     return result
 
 
-def _libtpu_version(libtpu) -> str:
-    from importlib import metadata
+def _plan(args, devices, result: dict) -> dict:
+    """--plan: the published TPU runs' layouts against the planner's estimate."""
+    from jaxtrain.plan import memory_fit, published
 
+    generation = args.topology.partition(":")[0]  # v5p:2x2x2 -> runs on TPU-v5p
+    ids = [r["id"] for r in published.runs() if r["hardware"] == f"TPU-{generation}"] \
+        if args.plan == "tpu" else args.plan.split(",")
+    result["plan"] = []
+    for run_id in ids:
+        result["plan"].append(plan_case(run_id, devices))
+        print(json.dumps(result["plan"][-1]), file=sys.stderr, flush=True)
+    if args.update:
+        memory_fit.store_cases([r for r in result["plan"] if "error" not in r])
+    result["problems"] += [
+        f"{r['case']}: " + (r.get("error") or f"estimate/XLA {r['ratio']:.2f}")
+        for r in result["plan"] if "error" in r
+        or not memory_fit.within(r["ratio"])]
+    return result
+
+
+def _libtpu_version(libtpu) -> str:
     try:
         return metadata.version("libtpu")
     except metadata.PackageNotFoundError:
@@ -483,7 +494,7 @@ def print_table(result: dict) -> None:
     print("\nproblems: " + ("; ".join(result["problems"]) or "none"))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--topology", default="v5e:2x2")
     parser.add_argument("--cases", default=",".join(CASES),
@@ -493,20 +504,20 @@ def main() -> None:
                         "scaled layouts to compile and compare with the planner's estimate; "
                         "'tpu': every run on the topology's TPU generation")
     parser.add_argument("--update", action="store_true", help="with --plan: store the "
-                        "compiled figures in plan/memory_fit.json (scripts/fit_memory.py)")
+                        "compiled figures in plan/memory_fit.json (calibrate/fit_memory.py)")
     parser.add_argument("--libtpu_site", default=os.environ.get("LIBTPU_SITE",
                                                                 "/tmp/libtpu_site"))
     parser.add_argument("--in_process", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
     if not args.in_process:
         # A fresh process with the TPU environment set before jax is imported.
         site = None if importlib.util.find_spec("libtpu") else args.libtpu_site
         if site and not os.path.isdir(os.path.join(site, "libtpu")):
             sys.exit(f"libtpu is not importable and not in {site}; install it with: pip "
                      f"install --target {site} 'libtpu==0.0.42.*'")
-        argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--in_process"]
-        sys.exit(subprocess.run(argv, env=tpu_env(site, args.topology)).returncode)
-    sys.path.insert(0, ROOT)
+        command = [sys.executable, "-m", MODULE, *argv, "--in_process"]
+        sys.exit(subprocess.run(command, env=tpu_env(site, args.topology)).returncode)
     result = run(args)
     if args.json:
         print(json.dumps(result))

@@ -1,7 +1,8 @@
-"""A small randomly initialised Hugging Face GPT-2 or Llama, saved with save_pretrained.
+"""A small randomly initialised Hugging Face GPT-2 or Llama, saved with save_pretrained: the
+fixture of docs/interop.md's worked examples (tests/parity/test_make_hf_model.py imports it).
 
-    python scripts/make_hf_model.py --family llama --out /tmp/hf_llama [--tied]
-    python scripts/make_hf_model.py --family gpt2 --out /tmp/hf_gpt2 --max_shard_size 500KB
+    python tests/make_hf_model.py --family llama --out /tmp/hf_llama [--tied]
+    python tests/make_hf_model.py --family gpt2 --out /tmp/hf_gpt2 --max_shard_size 500KB
 
 The defaults match configs/tiny.py's shapes (4 layers, d_model 128, 4 heads, MLP 512, byte
 vocabulary 256, seq 128); Llama gets 2 kv heads and, with --tied, a head tied to its
@@ -18,7 +19,7 @@ import torch
 import transformers
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", choices=["gpt2", "llama"], required=True)
     p.add_argument("--out", required=True)
@@ -34,7 +35,7 @@ def main() -> None:
     p.add_argument("--tied", action="store_true", help="Llama only: tie_word_embeddings")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max_shard_size", default="2GB")
-    a = p.parse_args()
+    a = p.parse_args(argv)
 
     torch.manual_seed(a.seed)
     if a.family == "gpt2":

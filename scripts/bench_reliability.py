@@ -1,6 +1,6 @@
 """The numbers docs/operations.md quotes about reliability, measured on this machine:
 
-    python scripts/reliability_numbers.py [--gb 1] [--heartbeat 10]
+    python scripts/bench_reliability.py [--gb 1] [--heartbeat 10]
 
 - checksum: xxh3 over a file of --gb GB (what a manifest costs per GB, off the training
   thread) and a full verification read of it;

@@ -1,7 +1,7 @@
 """Measured matmul throughput of one device per dtype (bf16, fp8 e4m3 with bf16 output, fp32),
 printed as one JSON line: the ceilings that MFU and fp8 speed-ups are judged against.
 
-    python scripts/matmul_peak.py [--n 8192]
+    python scripts/bench_matmul_peak.py [--n 8192]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Throughput, MFU and compiled memory of one config's train step (compile excluded).
 
-    python scripts/bench.py --config configs/bench_cpu.py [--config.KEY=VALUE ...] [--json]
-    python scripts/bench.py --config configs/bench_cpu.py --sweep [--attentions=xla,chunked]
+    python scripts/bench_train.py --config configs/bench_cpu.py [--config.KEY=VALUE ...] [--json]
+    python scripts/bench_train.py --config configs/bench_cpu.py --sweep [--attentions=xla,chunked]
         [--remats=none,full] [--precisions=float32,bfloat16]
 
 MFU is model FLOPs/s (jaxtrain.models.flops.flops_per_token) over the devices' peak: on CPU a

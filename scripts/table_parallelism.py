@@ -1,7 +1,7 @@
 """Per-strategy numbers for docs/parallelism.md: the pipeline bubble, XLA's compiled memory
 per device and the collective bytes per step, for one model on 8 fake CPU devices.
 
-    python scripts/parallelism_table.py [--markdown]
+    python scripts/table_parallelism.py [--markdown]
 
 Nothing runs: each layout's train step is only compiled (AOT), and its optimized HLO is read
 with jaxtrain.plan.hlo.collective_bytes.

@@ -1,7 +1,7 @@
 """What an in-place checkpoint (jaxtrain/checkpoint_shards.py) costs, per process, as the
 object store's server gets it:
 
-    python scripts/shards_requests.py [--processes 1 2 4] [--schemes s3 gs] [--checkpoints]
+    python scripts/table_shards_requests.py [--processes 1 2 4] [--schemes s3 gs] [--checkpoints]
 
 For each emulator (moto's S3 server, fake-gcs-server: tests/servers.py) and each process
 count N, runs tests/shards_worker.py (`both`: a save, then its restore) as N processes of

@@ -1,6 +1,6 @@
 """Tiny MoE models against each other at the same active parameters, same steps.
 
-    python scripts/moe_tiny_compare.py [--set mixtral|deepseek] [--steps 500]
+    python scripts/bench_moe_tiny.py [--set mixtral|deepseek] [--steps 500]
                                        [--workdir /tmp/moe_compare] [--reuse]
 
 --set mixtral (default): configs/tiny_moe.py against the dense model of the same active

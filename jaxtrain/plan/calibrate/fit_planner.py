@@ -1,8 +1,8 @@
 """Fit the planner's time model on published training runs and report how well it predicts.
 
-    python scripts/fit_planner.py            # fit, leave-one-out, print the table
-    python scripts/fit_planner.py --write    # also write jaxtrain/plan/calibration.json
-    python scripts/fit_planner.py --markdown # the table for docs/planner.md
+    python -m jaxtrain.plan.calibrate.fit_planner            # fit, leave-one-out, table
+    python -m jaxtrain.plan.calibrate.fit_planner --write    # also write plan/calibration.json
+    python -m jaxtrain.plan.calibrate.fit_planner --markdown # the table for docs/planner.md
 
 Runs: jaxtrain/plan/published_runs.json (plan/published.py turns each into a config and its
 published tokens/s per device). Parameters (plan/calibration.py): one matmul efficiency per
@@ -17,15 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+from scipy import optimize
 
-import numpy as np  # noqa: E402
-from scipy import optimize  # noqa: E402
-
-from jaxtrain.plan import calibration, published  # noqa: E402
+from jaxtrain.plan import calibration, published
 
 # hardware family -> catalog entries it covers (H200: the H100's compute and links)
 FAMILIES = {"A100": ["A100-40GB", "A100-80GB"], "H100": ["H100-SXM", "H200"],
@@ -81,12 +78,12 @@ def fit(runs) -> dict:
     return unpack(np.array(low) + best.x * scale, families)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--no-loo", action="store_true", help="skip leave-one-out")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     runs = [r for r in published.runs() if not r.get("held_out")]
     held_out = [r for r in published.runs() if r.get("held_out")]
     params = fit(runs)
@@ -149,8 +146,9 @@ def write(runs, params, in_sample, loo, held) -> None:
             "hardware": names, "params": {"matmul_efficiency": params["families"][fam]},
             "runs": len(ids), "max_error": max(abs(in_sample[i]) for i in ids),
             "loo_max_error": max(abs(loo[i]) for i in ids) if loo else None}
-    doc = {"_about": "Written by scripts/fit_planner.py from jaxtrain/plan/published_runs.json;"
-                     " errors are |predicted/published - 1| of tokens/s per device.",
+    doc = {"_about": "Written by jaxtrain/plan/calibrate/fit_planner.py from "
+                     "jaxtrain/plan/published_runs.json; errors are |predicted/published - 1|"
+                     " of tokens/s per device.",
            "default_family": DEFAULT_FAMILY, "nearest": NEAREST,
            "shared": params["shared"], "families": families,
            "held_out": {k: float(v) for k, v in held.items()}}

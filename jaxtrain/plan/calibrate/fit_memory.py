@@ -1,11 +1,12 @@
 """Fit the memory estimate's factors (plan/memory.py Factors) on the compiled steps stored in
 plan/memory_fit.json, one set per compiler.
 
-    python scripts/fit_memory.py [--source cpu|tpu] [--fit] [--write] [--markdown]
-    python scripts/fit_memory.py --holdout K [--source cpu|tpu]   # cross-validation
+    python -m jaxtrain.plan.calibrate.fit_memory [--source cpu|tpu] [--fit] [--write]
+        [--markdown]
+    python -m jaxtrain.plan.calibrate.fit_memory --holdout K [--source cpu|tpu]   # CV
 
-The stored rows come from scripts/memory_check.py --update (XLA:CPU: the test grid, the
-shipped configs, the published layouts) and scripts/tpu_aot_check.py --plan ... --update
+The stored rows come from memory_check --update (XLA:CPU: the test grid, the shipped
+configs, the published layouts) and tpu_aot_check --plan ... --update
 (libtpu's TPU compiles). The fit minimises the worst rows (Nelder–Mead on a soft maximum of
 the log errors, each in units of the ±15% bound on its side, from the current factors and
 two seeded random starts), where an estimate under the compiler counts 1.1× as bad as one
@@ -18,13 +19,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import numpy as np
+from scipy.optimize import minimize
 
-from jaxtrain.plan import memory, memory_fit  # noqa: E402
+from jaxtrain.plan import memory, memory_fit
 
 # The range each factor is searched in.
 BOUNDS = {
@@ -67,9 +67,6 @@ def fit(rows: list[dict], start: memory.Factors, fallback: memory.Factors) -> me
     dominate, and the objective stays smooth enough to descend. Factors the rows do not
     exercise (no pipeline or MoE among the TPU rows) take fallback's values (the CPU set's)
     rather than drift to a bound."""
-    import numpy as np
-    from scipy.optimize import minimize
-
     configs = [memory_fit.config_of(r) for r in rows]
 
     def estimates(k: memory.Factors) -> list[float]:
@@ -150,7 +147,7 @@ def holdout(rows: list[dict], fallback: memory.Factors, folds: int) -> tuple[lis
     return memory_fit.spread(ratios, folds), fold_factors, fold_cases
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", choices=("cpu", "tpu"), action="append")
     parser.add_argument("--fit", action="store_true", help="fit the factors (default: "
@@ -161,7 +158,7 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--holdout", type=int, metavar="K", help="cross-validate the fit "
                         "over K folds of the rows instead (≈K× a fit's time)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.holdout is not None and args.holdout < 2:
         parser.error(f"--holdout={args.holdout}: needs K ≥ 2 folds")
     data = memory_fit.load()
