@@ -6,7 +6,8 @@ the nearest of NF4's 16 levels to value/absmax (two indices a byte, the first in
 nibble). The absmax values, less their mean, are quantized again to 8 bits in blocks of 256
 with bitsandbytes' dynamic (signed, 7 exponent bits) code and a float32 absmax per block.
 The same numbers as `bitsandbytes.functional.quantize_4bit(A, blocksize=64,
-quant_type="nf4", compress_statistics=True)` and `dequantize_4bit` (tests/parity/test_base_storage.py).
+quant_type="nf4", compress_statistics=True)` and `dequantize_4bit`
+(tests/parity/test_base_storage.py).
 Every function takes leading (stacked-layer) axes in front of the flat matrix: each layer is
 quantized on its own, as each Linear is.
 """
