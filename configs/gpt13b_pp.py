@@ -11,9 +11,7 @@ def get_config():
     c = load_config_file(pathlib.Path(__file__).with_name("gpt13b.py"))
     c.name = "gpt13b_pp"
     # The stages across the nodes; gpt13b's tensor=8 within each node, no FSDP.
-    c.mesh.dcn_pipeline = 2
-    c.mesh.pipeline = 1
-    c.mesh.fsdp = 1
+    c.mesh.update(dcn_pipeline=2, pipeline=1, fsdp=1)
     c.pipeline.schedule = "gpipe"
     c.pipeline.repeats = 1
     # gpt13b's 1M-token batches, 8 accumulation steps of 64 sequences, each piped as 16
