@@ -7,13 +7,8 @@ def get_config():
     c = base_config()
     c.name = "bench_cpu"
     c.steps = 20
-    c.model.family = "gpt2"
-    c.model.d_model = 512
-    c.model.num_layers = 8
-    c.model.num_heads = 8
-    c.model.mlp_dim = 2048
-    c.model.vocab_size = 32000
-    c.model.seq_len = 512
+    c.model.update(family="gpt2", d_model=512, num_layers=8, num_heads=8, mlp_dim=2048,
+                   vocab_size=32000, seq_len=512)
     c.train.global_batch = 8
     c.train.precision = "float32"
     c.data.source = "synthetic"

@@ -4,7 +4,7 @@ over `fsdp`=32, bf16, full remat, 4096-token rows, 4096 a step (16.8M tokens) as
 micro-batches of two rows a device (the report ramps from 3072 to 15360 rows). On 256
 H100s or H200s it does not fit (float32 weights and Adam moments alone are 42 GB a device
 there, and the non-expert weights are sharded over `fsdp` only); the plan is in
-docs/benchmarks.md.
+docs/benchmarks.md. The rest of the run is _cluster.py's.
 
 The parts: multi-head latent attention (128 heads, kv latent 512, q bottleneck 1536, 128
 nope + 64 rotary q/k dims, v 128: 576 cached numbers per token and layer against 32,768
@@ -21,53 +21,28 @@ setting model.mtp.depths=0 (the import reads no MTP weights); its YaRN RoPE maps
 model.rope_scaling (yarn) and model.mla.softmax_scale.
 """
 
-from jaxtrain.config import base_config
+import pathlib
+
+from jaxtrain.config import load_config_file
 
 
 def get_config():
-    c = base_config()
+    c = load_config_file(pathlib.Path(__file__).with_name("_cluster.py"))
     c.name = "deepseek_v3_671b"
     c.steps = 100_000
-    c.log_every_steps = 10
     c.eval_every_steps = 1000
-    c.eval_batches = 8
-    c.mesh.data = 1
-    c.mesh.fsdp = -1
     c.mesh.expert = 32
-    c.model.family = "deepseek_v3"
-    c.model.d_model = 7168
-    c.model.num_layers = 61
-    c.model.num_heads = 128
-    c.model.mlp_dim = 18432
-    c.model.vocab_size = 129280
-    c.model.seq_len = 4096
-    c.model.norm_eps = 1e-6
-    c.model.remat = "full"
-    c.model.mla.kv_lora_rank = 512
-    c.model.mla.q_lora_rank = 1536
-    c.model.mla.qk_nope_head_dim = 128
-    c.model.mla.qk_rope_head_dim = 64
-    c.model.mla.v_head_dim = 128
-    c.model.moe.num_experts = 256
-    c.model.moe.top_k = 8
-    c.model.moe.expert_mlp_dim = 2048
-    c.model.moe.shared_experts = 1
-    c.model.moe.first_dense_layers = 3
-    c.model.moe.router = "sigmoid_bias"
-    c.model.moe.n_group = 8
-    c.model.moe.topk_group = 4
-    c.model.moe.routed_scaling_factor = 2.5
-    c.model.moe.bias_update_rate = 0.001
-    c.model.moe.aux_loss_weight = 0.0
-    c.model.moe.z_loss_weight = 0.0
-    c.model.mtp.depths = 1
-    c.model.mtp.loss_weight = 0.3
+    c.model.update(family="deepseek_v3", d_model=7168, num_layers=61, num_heads=128,
+                   mlp_dim=18432, vocab_size=129280, seq_len=4096, norm_eps=1e-6)
+    c.model.mla.update(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+                       qk_rope_head_dim=64, v_head_dim=128)
+    c.model.moe.update(num_experts=256, top_k=8, expert_mlp_dim=2048, shared_experts=1,
+                       first_dense_layers=3, router="sigmoid_bias", n_group=8, topk_group=4,
+                       routed_scaling_factor=2.5, bias_update_rate=0.001,
+                       aux_loss_weight=0.0, z_loss_weight=0.0)
+    c.model.mtp.update(depths=1, loss_weight=0.3)
     c.train.global_batch = 4096
     c.train.microbatches = 2
-    c.train.precision = "bfloat16"
     c.optimizer.lr = 2.2e-4
     c.optimizer.warmup_steps = 2000
-    c.data.source = "bin"
-    c.data.path = "data/corpus"
-    c.checkpoint.every_steps = 500
     return c

@@ -10,16 +10,11 @@ from jaxtrain.config import load_config_file
 def get_config():
     c = load_config_file(pathlib.Path(__file__).with_name("gpt13b.py"))
     c.name = "gpt13b_pp"
-    c.mesh.dcn_pipeline = 2
-    c.mesh.pipeline = 1
-    c.mesh.data = 1
-    c.mesh.fsdp = 1
-    c.mesh.tensor = 8
+    # The stages across the nodes; gpt13b's tensor=8 within each node, no FSDP.
+    c.mesh.update(dcn_pipeline=2, pipeline=1, fsdp=1)
     c.pipeline.schedule = "gpipe"
     c.pipeline.repeats = 1
-    c.pipeline.microbatches = 16
-    # 1M-token batches as 8 accumulation steps of 64 sequences, each piped as 16
+    # gpt13b's 1M-token batches, 8 accumulation steps of 64 sequences, each piped as 16
     # micro-batches of 4.
-    c.train.global_batch = 512
-    c.train.microbatches = 8
+    c.pipeline.microbatches = 16
     return c

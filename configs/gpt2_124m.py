@@ -15,13 +15,9 @@ def get_config():
     c.eval_every_steps = 2000
     c.eval_batches = 20
     c.mesh.data = -1
-    c.model.family = "gpt2"
-    c.model.d_model = 768
-    c.model.num_layers = 12
-    c.model.num_heads = 12
-    c.model.mlp_dim = 3072
-    c.model.vocab_size = 50304  # GPT-2's 50257 padded to a multiple of 128
-    c.model.seq_len = 1024
+    # GPT-2's vocabulary of 50257 padded to a multiple of 128.
+    c.model.update(family="gpt2", d_model=768, num_layers=12, num_heads=12, mlp_dim=3072,
+                   vocab_size=50304, seq_len=1024)
     c.train.global_batch = 480
     c.train.microbatches = 4
     c.train.precision = "bfloat16"

@@ -11,14 +11,8 @@ def get_config():
     c.eval_every_steps = 1000
     c.mesh.data = 1
     c.mesh.fsdp = -1
-    c.model.family = "llama"
-    c.model.d_model = 2048
-    c.model.num_layers = 16
-    c.model.num_heads = 32
-    c.model.num_kv_heads = 8
-    c.model.mlp_dim = 8192
-    c.model.vocab_size = 32000
-    c.model.seq_len = 2048
+    c.model.update(family="llama", d_model=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                   mlp_dim=8192, vocab_size=32000, seq_len=2048)
     c.model.remat = "save_dots"
     c.train.global_batch = 8
     c.train.precision = "bfloat16"

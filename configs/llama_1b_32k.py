@@ -11,16 +11,9 @@ from jaxtrain.config import load_config_file
 def get_config():
     c = load_config_file(pathlib.Path(__file__).with_name("llama_1b.py"))
     c.name = "llama_1b_32k"
-    c.mesh.data = 1
-    c.mesh.fsdp = 1
-    c.mesh.context = 8
-    c.mesh.context_load_balance = True
-    c.model.seq_len = 32768
-    c.model.context_attention = "auto"
-    c.model.rope_scaling.type = "llama3"
-    c.model.rope_scaling.factor = 16.0  # 32768 / 2048
-    c.model.rope_scaling.original_max_position_embeddings = 2048
-    c.model.rope_theta = 500000.0
-    c.model.remat = "full"
+    c.mesh.update(data=1, fsdp=1, context=8, context_load_balance=True)
+    c.model.update(seq_len=32768, context_attention="auto", rope_theta=500000.0, remat="full")
+    c.model.rope_scaling.update(type="llama3", factor=16.0,  # 32768 / 2048
+                                original_max_position_embeddings=2048)
     c.train.global_batch = 8  # 256k tokens a step; each device 4096 positions of every row
     return c

@@ -1,30 +1,24 @@
 """Worked example (docs/data.md): a BPE trained on the stdlib corpus, each file one document
-packed into rows with a document mask, and a small GPT-2 trained on it; a few minutes on a
-laptop CPU.
+packed into rows with a document mask, and tiny.py's small GPT-2 trained on it; a few
+minutes on a laptop CPU.
 
     jaxtrain prepare --stdlib --train-tokenizer 4096 --out data/stdlib_bpe
     jaxtrain train --config configs/stdlib_bpe.py
     jaxtrain generate --workdir runs/stdlib_bpe --prompt "def parse("
 """
 
-from jaxtrain.config import base_config
+import pathlib
+
+from jaxtrain.config import load_config_file
 
 
 def get_config():
-    c = base_config()
+    c = load_config_file(pathlib.Path(__file__).with_name("tiny.py"))
     c.name = "stdlib_bpe"
     c.steps = 300
     c.log_every_steps = 10
-    c.eval_every_steps = 100
-    c.model.family = "gpt2"
-    c.model.d_model = 128
-    c.model.num_layers = 4
-    c.model.num_heads = 4
-    c.model.mlp_dim = 512
     c.model.vocab_size = 4096  # the trained BPE's
     c.model.seq_len = 128  # ≈ 440 bytes of code at ≈ 3.4 bytes per token
-    c.train.global_batch = 32
-    c.optimizer.lr = 3e-3
     c.optimizer.warmup_steps = 30
     c.data.source = "prepared"
     c.data.path = "data/stdlib_bpe"

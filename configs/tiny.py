@@ -9,13 +9,8 @@ def get_config():
     c.steps = 500
     c.log_every_steps = 5
     c.eval_every_steps = 100
-    c.model.family = "gpt2"
-    c.model.d_model = 128
-    c.model.num_layers = 4
-    c.model.num_heads = 4
-    c.model.mlp_dim = 512
-    c.model.vocab_size = 256
-    c.model.seq_len = 128
+    c.model.update(family="gpt2", d_model=128, num_layers=4, num_heads=4, mlp_dim=512,
+                   vocab_size=256, seq_len=128)
     c.train.global_batch = 32
     c.optimizer.lr = 3e-3
     c.optimizer.warmup_steps = 50

@@ -11,10 +11,7 @@ from jaxtrain.config import load_config_file
 def get_config():
     c = load_config_file(pathlib.Path(__file__).with_name("tiny.py"))
     c.name = "tiny_gemma3"
-    c.model.family = "gemma3"
-    c.model.num_kv_heads = 2
+    c.model.update(family="gemma3", num_kv_heads=2, norm_eps=1e-6, attention_scale_dim=64,
+                   final_logit_softcap=30.0)
     c.model.mlp_dim = 352  # GeGLU's three matrices ≈ GELU's two of 512
-    c.model.norm_eps = 1e-6
-    c.model.attention_scale_dim = 64
-    c.model.final_logit_softcap = 30.0
     return c

@@ -10,8 +10,6 @@ from jaxtrain.config import load_config_file
 def get_config():
     c = load_config_file(pathlib.Path(__file__).with_name("tiny.py"))
     c.name = "tiny_qwen3"
-    c.model.family = "qwen3"
-    c.model.num_kv_heads = 2
+    c.model.update(family="qwen3", num_kv_heads=2, norm_eps=1e-6)
     c.model.mlp_dim = 352  # SwiGLU's three matrices ≈ GELU's two of 512
-    c.model.norm_eps = 1e-6
     return c

@@ -1,13 +1,14 @@
 """Config defaults and validation.
 
-Every config file in configs/ starts from `base_config()` and overrides what it needs, so the
-set of keys is defined once: each section beside the module that reads it (its `defaults()`),
-assembled here. `validate()` catches impossible combinations before anything
-compiles and names the key with the values that would be valid. Each extensible choice (model
-family, attention kernel, remat policy, precision, data source, batch layout, objective,
-mesh axis, schedule) is a
-registry entry in the module that implements it, carrying its own checks; validate() asks
-the registries, so this module sits above them and they never import it.
+Every config file in configs/ starts from `base_config()`, or from the config it extends
+loaded with `load_config_file()` (configs/_*.py are bases several configs share), and
+overrides what it needs, so the set of keys is defined once: each section beside the module
+that reads it (its `defaults()`), assembled here. `validate()` catches impossible
+combinations before anything compiles and names the key with the values that would be
+valid. Each extensible choice (model family, attention kernel, remat policy, precision, data
+source, batch layout, objective, mesh axis, schedule) is a registry entry in the module that
+implements it, carrying its own checks; validate() asks the registries, so this module sits
+above them and they never import it.
 """
 
 from __future__ import annotations

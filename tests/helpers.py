@@ -1,7 +1,10 @@
-"""Shared by the tests: a few train steps on a chosen set of devices, and the float64 numpy
-attention that every attention kernel is checked against."""
+"""Shared by the tests: train steps on a chosen set of devices (`stepping`, the one loop),
+the attention kernels' inputs and the float64 numpy attention every kernel is checked
+against, and the export, PEFT and greedy-decoding checks of the convert tests (their
+transformers side: hf_parity.py)."""
 
 import dataclasses
+import itertools
 
 import jax
 import numpy as np
@@ -12,6 +15,22 @@ from jaxtrain.train.setup import build
 from jaxtrain.train.state import abstract_model
 
 
+def stepping(setup, state, batches):
+    """(state, metrics) after each train step of `setup` from `state`, one step a batch of
+    `batches` (host batches, put on the mesh here), under the mesh: the loop of every test
+    that trains a few steps. Read it to the end (a for loop or a list), so the mesh is left."""
+    with jax.set_mesh(setup.mesh):
+        step = setup.train_step()
+        for batch in batches:
+            state, metrics = step(state, to_global(batch, setup.tokens_sharding))
+            yield state, metrics
+
+
+def first_batches(cfg, count: int):
+    """The first `count` training batches of cfg's data."""
+    return itertools.islice(make_batches(cfg).train_iter(0), count)
+
+
 def train_steps(cfg, devices, steps: int = 3, count_work=None):
     """(per-step losses, final params as numpy, final state) of `steps` steps from init.
     count_work: under mesh.context, called (device, FLOPs) by every attention tile the
@@ -19,15 +38,9 @@ def train_steps(cfg, devices, steps: int = 3, count_work=None):
     setup = build(cfg, devices)
     if count_work is not None:
         setup = counting_work(setup, count_work)
-    state = setup.init_state()
-    data = make_batches(cfg).train_iter(0)
-    losses = []
-    with jax.set_mesh(setup.mesh):
-        step_fn = setup.train_step()
-        for _ in range(steps):
-            state, metrics = step_fn(state, to_global(next(data), setup.tokens_sharding))
-            losses.append(float(metrics["loss"]))
-    return losses, jax.tree.map(np.asarray, state.params), state
+    after = list(stepping(setup, setup.init_state(), first_batches(cfg, steps)))
+    state = after[-1][0]
+    return [float(m["loss"]) for _, m in after], jax.tree.map(np.asarray, state.params), state
 
 
 def counting_work(setup, count_work):
@@ -77,6 +90,23 @@ def assert_cached_decoding_matches_full_forward(setup, params, prefill: int = 12
 
         got = cached(params, tokens)
     np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5 * float(jnp.abs(full).max()))
+
+
+def attention_inputs(b, length, heads, groups, head_dim, seed=0, q_scale=0.5, k_scale=0.5):
+    """The attention kernel tests' inputs, seeded: q [b, length, heads, head_dim], k and v
+    [b, length, groups, head_dim] and a cotangent of q's shape, normal; q and k scaled."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (b, length, heads, head_dim)) * q_scale
+    k = jax.random.normal(keys[1], (b, length, groups, head_dim)) * k_scale
+    v = jax.random.normal(keys[2], (b, length, groups, head_dim))
+    cotangent = jax.random.normal(keys[3], (b, length, heads, head_dim))
+    return q, k, v, cotangent
+
+
+def relative_error(a, b) -> float:
+    """max |a - b| / max |b|, in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def attention_f64(q_BLHK, k_BMGK, v_BMGK, window=None, segments_BL=None, cotangent_BLHK=None):
@@ -177,8 +207,8 @@ def assert_peft_loads_the_adapter(tmp_path, devices, config, hf_model, targets: 
     import jax
     import transformers
     from flax import nnx
+    from hf_parity import hf_logits, random_tokens
     from peft import PeftModel
-    from test_convert import _hf_logits, _tokens
 
     from jaxtrain.hf.load import import_hf
     from jaxtrain.hf.save import export_hf, load_for_export
@@ -195,14 +225,14 @@ def assert_peft_loads_the_adapter(tmp_path, devices, config, hf_model, targets: 
     exported = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert sorted(exported["target_modules"]) == sorted(peft_names)
     setup, params, _ = load_for_export(tmp_path / "run", devices[:1])
-    tokens = _tokens(cfg, batch=4)
+    tokens = random_tokens(cfg, batch=4)
     with jax.set_mesh(setup.mesh):
         ours = np.asarray(jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))(params, tokens))
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf",
                                                              **load_kwargs).eval()
-    before = _hf_logits(base, tokens)
+    before = hf_logits(base, tokens)
     peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-    np.testing.assert_allclose(_hf_logits(peft_model, tokens), ours, atol=atol, rtol=0)
+    np.testing.assert_allclose(hf_logits(peft_model, tokens), ours, atol=atol, rtol=0)
     assert np.abs(before - ours).max() > 1e-3  # the trained adapters change the logits
 
 
@@ -228,19 +258,13 @@ def assert_greedy_decode_equals_transformers(setup, state, model, new_tokens: in
     assert len(set(got.tolist())) > 2
 
 
+def losses_and_norms(setup, state, batches) -> list[tuple[float, float]]:
+    """[(loss, grad_norm)] of a train step on each of `batches` in turn, from `state`."""
+    return [(float(m["loss"]), float(m["grad_norm"])) for _, m in stepping(setup, state, batches)]
+
+
 def jaxtrain_steps(cfg, setup, state, count: int = 20):
     """(the batches, [(loss, grad_norm)] of each step) of `count` jaxtrain train steps from
     `state` on cfg's data: the jaxtrain side of the 20-step parity tests."""
-    import jax
-
-    from jaxtrain.data.batches import make_batches, to_global
-
-    data = make_batches(cfg).train_iter(0)
-    batches = [np.asarray(getattr(b, "tokens", b)) for b in (next(data) for _ in range(count))]
-    out = []
-    with jax.set_mesh(setup.mesh):
-        step = setup.train_step()
-        for tokens in batches:
-            state, metrics = step(state, to_global(tokens, setup.tokens_sharding))
-            out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
-    return batches, out
+    batches = [np.asarray(getattr(b, "tokens", b)) for b in first_batches(cfg, count)]
+    return batches, losses_and_norms(setup, state, batches)

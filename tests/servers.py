@@ -53,6 +53,16 @@ def wait_for_port(port: int, timeout: float = 30.0) -> None:
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout:.0f} s")
 
 
+def _hang_up(*sockets: socket.socket) -> None:
+    """Shuts each socket down both ways (its peer sees the end at once), then closes it."""
+    for s in sockets:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        s.close()
+
+
 class Proxy:
     """Forwards 127.0.0.1:port to the server's port. `delay_s` is slept once before the
     first bytes of the server's answer to each request (a first-byte latency per request,
@@ -127,23 +137,13 @@ class Proxy:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                s.close()
+            _hang_up(src, dst)
 
     def down(self) -> None:
         self._open.clear()
         with self._lock:
             conns, self._conns = self._conns, []
-        for s in conns:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+        _hang_up(*conns)
 
     def up(self) -> None:
         self._open.set()

@@ -27,26 +27,12 @@ ITEMS = [  # multiple choice, label 0 the right answer; lm_eval adds the space b
     {"question": "for i in", "choices": ["range(10):", "qq", ")("], "label": 0},
     {"question": "class A:\n    def", "choices": ["__init__(self):", "7", "+"], "label": 0},
 ]
-GENERATE_YAML = """task: gen
-dataset_path: json
-dataset_kwargs: {{data_files: {{test: {path}}}}}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{prompt}}}}"
-doc_to_target: "{{{{target}}}}"
-generation_kwargs: {{until: ["\\n\\n"], max_gen_toks: 12, do_sample: false}}
-metric_list: [{{metric: exact_match}}]
-"""
+# The YAML lines of a generation task and of a rolling log-likelihood one (_task_yaml).
+GENERATE = ('generation_kwargs: {until: ["\\n\\n"], max_gen_toks: 12, do_sample: false}',
+            "metric_list: [{metric: exact_match}]")
 PROMPTS = [{"prompt": "def ", "target": "f"}, {"prompt": "import os\n", "target": "x"}]
-ROLLING_YAML = """task: roll
-dataset_path: json
-dataset_kwargs: {{data_files: {{test: {path}}}}}
-test_split: test
-output_type: loglikelihood_rolling
-doc_to_text: "{{{{text}}}}"
-doc_to_target: "{{{{text}}}}"
-metric_list: [{{metric: word_perplexity}}, {{metric: byte_perplexity}}, {{metric: bits_per_byte}}]
-"""
+ROLLING = ("metric_list: [{metric: word_perplexity}, {metric: byte_perplexity}, "
+           "{metric: bits_per_byte}]",)
 # One text within a window of model.seq_len=64, one over two windows.
 TEXTS = [{"text": "def add(a, b):\n    return a + b\n"},
          {"text": "import sys\n\n\ndef main(argv):\n    for arg in argv[1:]:\n"
@@ -55,6 +41,15 @@ RUN_OVERRIDES = {"steps": 4, "log_every_steps": 2, "eval_every_steps": 2,
                  "checkpoint.every_steps": 2, "model.seq_len": 64, "train.global_batch": 8,
                  "optimizer.lr": 3e-3, "eval.tasks_every_steps": 2, "eval.tasks_batch": 4,
                  "metrics.sinks": "jsonl,tensorboard"}
+
+
+def _task_yaml(task: str, path, output_type: str, text: str, target: str, *more: str) -> str:
+    """lm_eval's YAML of `task` over the JSONL file `path`: its rows' `text` and `target`
+    fields, then `more` lines."""
+    return "\n".join([f"task: {task}", "dataset_path: json",
+                      f"dataset_kwargs: {{data_files: {{test: {path}}}}}", "test_split: test",
+                      f"output_type: {output_type}", f'doc_to_text: "{{{{{text}}}}}"',
+                      f'doc_to_target: "{{{{{target}}}}}"', *more, ""])
 
 
 def _write_lines(path: pathlib.Path, rows: list[dict]) -> pathlib.Path:
@@ -66,10 +61,10 @@ def _write_lines(path: pathlib.Path, rows: list[dict]) -> pathlib.Path:
 def task_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("tasks")
     _write_lines(d / f"{TASK}.jsonl", ITEMS)
-    (d / "gen.yaml").write_text(GENERATE_YAML.format(path=_write_lines(d / "gen.jsonl",
-                                                                       PROMPTS)))
-    (d / "roll.yaml").write_text(ROLLING_YAML.format(path=_write_lines(d / "roll.jsonl",
-                                                                       TEXTS)))
+    (d / "gen.yaml").write_text(_task_yaml("gen", _write_lines(d / "gen.jsonl", PROMPTS),
+                                           "generate_until", "prompt", "target", *GENERATE))
+    (d / "roll.yaml").write_text(_task_yaml("roll", _write_lines(d / "roll.jsonl", TEXTS),
+                                            "loglikelihood_rolling", "text", "text", *ROLLING))
     return d
 
 

@@ -8,10 +8,9 @@ import jax
 import numpy as np
 import pytest
 from flax import traverse_util
-from helpers import assert_params_close
+from helpers import assert_params_close, first_batches, stepping
 from test_lora import ALL_DENSE, _llama
 
-from jaxtrain.data.batches import make_batches, to_global
 from jaxtrain.train.setup import build
 
 # Four layers: the circular schedule needs stages × repeats = 4 equal chunks.
@@ -47,14 +46,9 @@ def _run(cfg, devices, steps: int = 3) -> Run:
     state = setup.init_state()
     # Copies: the step donates the state's buffers.
     base, start = (jax.tree.map(np.array, t) for t in (state.frozen_params("base"), state.params))
-    data = make_batches(cfg).train_iter(0)
-    losses, norms = [], []
-    with jax.set_mesh(setup.mesh):
-        step_fn = setup.train_step()
-        for _ in range(steps):
-            state, metrics = step_fn(state, to_global(next(data), setup.tokens_sharding))
-            losses.append(float(metrics["loss"]))
-            norms.append(float(metrics["grad_norm"]))
+    after = list(stepping(setup, state, first_batches(cfg, steps)))
+    losses, norms = ([float(m[key]) for _, m in after] for key in ("loss", "grad_norm"))
+    state = after[-1][0]
     return Run(losses, norms, base, start, jax.tree.map(np.array, state.frozen_params("base")),
                jax.tree.map(np.array, state.params))
 

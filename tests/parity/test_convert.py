@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import small_config
 from flax import nnx, traverse_util
+from hf_parity import hf_logits, jax_logits, random_tokens
 
 from jaxtrain.config import ConfigError
 from jaxtrain.hf.load import import_hf
@@ -62,23 +63,6 @@ def _hf_model(cfg, seed: int = 0, **extra):
     return model.eval()
 
 
-def _hf_logits(model, tokens):
-    import torch
-
-    with torch.no_grad():
-        return model(torch.from_numpy(tokens)).logits.numpy()
-
-
-def _jax_logits(setup, params, tokens):
-    with jax.set_mesh(setup.mesh):
-        forward = jax.jit(lambda p, t: nnx.merge(setup.graphdef, p)(t))
-        return np.asarray(forward(params, tokens))
-
-
-def _tokens(cfg, batch: int = 8):
-    return np.random.default_rng(1).integers(0, cfg.model.vocab_size, (batch, cfg.model.seq_len))
-
-
 def _numpy(params):
     return traverse_util.flatten_dict(jax.tree.map(np.asarray, params))
 
@@ -94,8 +78,8 @@ def test_import_gives_the_logits_of_transformers(family, shard, extra, tmp_path,
     model.save_pretrained(tmp_path / "hf", **({"max_shard_size": shard} if shard else {}))
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists() == bool(shard)
     setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
-    tokens = _tokens(cfg)
-    err = np.abs(_jax_logits(setup, state.params, tokens) - _hf_logits(model, tokens)).max()
+    tokens = random_tokens(cfg)
+    err = np.abs(jax_logits(setup, state.params, tokens) - hf_logits(model, tokens)).max()
     assert err < TOLERANCE, err
     assert (tmp_path / "run" / "checkpoints" / "0").is_dir()
     assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["family"] == family
@@ -113,8 +97,8 @@ def test_import_onto_a_mesh_places_the_same_values(tmp_path, devices):
     assert len(w_q.addressable_shards[0].data.reshape(-1)) == w_q.size // 4  # fsdp×tensor
     a, b = _numpy(single.params), _numpy(state.params)
     assert all(np.array_equal(a[k], b[k]) for k in a)
-    tokens = _tokens(cfg)
-    err = np.abs(_jax_logits(setup, state.params, tokens) - _hf_logits(model, tokens)).max()
+    tokens = random_tokens(cfg)
+    err = np.abs(jax_logits(setup, state.params, tokens) - hf_logits(model, tokens)).max()
     assert err < TOLERANCE, err
     # Layers sharded over a pipeline axis are stacked into their stages.
     piped = _config("llama", **{"mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
@@ -163,8 +147,8 @@ def test_a_trained_model_exports_to_transformers(family, tmp_path, devices):
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     setup, params, step = load_for_export(tmp_path / "run", devices[:1])
     assert step == 3
-    tokens = _tokens(cfg)
-    err = np.abs(_jax_logits(setup, params, tokens) - _hf_logits(model, tokens)).max()
+    tokens = random_tokens(cfg)
+    err = np.abs(jax_logits(setup, params, tokens) - hf_logits(model, tokens)).max()
     assert err < TOLERANCE, err
     hf = model.config
     if family == "gpt2":
@@ -321,15 +305,15 @@ def test_mixtral_import_gives_the_logits_of_transformers(tmp_path, devices):
     model.save_pretrained(tmp_path / "hf", max_shard_size="60KB")
     setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
     assert state.params["moe_blocks"]["mlp"]["w_up"].shape == (2, 4, 64, 96)
-    tokens = _tokens(cfg)
-    err = np.abs(_jax_logits(setup, state.params, tokens) - _hf_logits(model, tokens)).max()
+    tokens = random_tokens(cfg)
+    err = np.abs(jax_logits(setup, state.params, tokens) - hf_logits(model, tokens)).max()
     assert err < TOLERANCE, err
     # The capacity path with room for every token, on an expert-parallel mesh, too.
     sharded = _mixtral_config(**{"model.moe.dispatch": "capacity",
                                  "model.moe.capacity_factor": 2.0, "mesh.expert": 4,
                                  "mesh.fsdp": 2})
     setup, state = import_hf(sharded, tmp_path / "hf", tmp_path / "mesh", devices)
-    err = np.abs(_jax_logits(setup, state.params, tokens) - _hf_logits(model, tokens)).max()
+    err = np.abs(jax_logits(setup, state.params, tokens) - hf_logits(model, tokens)).max()
     assert err < TOLERANCE, err
 
 
@@ -353,23 +337,13 @@ def test_mixtral_import_export_import_is_exact(tmp_path, devices):
 
 
 def test_mixtral_greedy_generation_equals_transformers(tmp_path, devices):
-    import torch
-
-    from jaxtrain.sampling import Sampling, make_generate
+    from helpers import assert_greedy_decode_equals_transformers
 
     cfg = _mixtral_config(**{"train.global_batch": 1})
     model = _hf_mixtral(cfg, seed=2)
     model.save_pretrained(tmp_path / "hf")
     setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
-    prompt = np.asarray([[5, 17, 42, 7, 99]], np.int64)
-    with torch.no_grad():
-        want = model.generate(torch.from_numpy(prompt), max_new_tokens=16, do_sample=False,
-                              pad_token_id=0, eos_token_id=None).numpy()[0, 5:]
-    with jax.set_mesh(setup.mesh):
-        generate = make_generate(setup.graphdef, Sampling(max_new_tokens=16), setup.spec.rules)
-        got = np.asarray(generate(state.params, prompt.astype(np.int32), jax.random.key(0)))[0]
-    np.testing.assert_array_equal(got, want)
-    assert len(set(got.tolist())) > 2
+    assert_greedy_decode_equals_transformers(setup, state, model, new_tokens=16)
 
 
 @pytest.mark.slow
@@ -391,14 +365,14 @@ def test_a_trained_moe_model_exports_to_transformers(tmp_path, devices):
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(model).__name__ == "MixtralForCausalLM"
     setup, params, _ = load_for_export(tmp_path / "run", devices[:1])
-    tokens = _tokens(cfg)
+    tokens = random_tokens(cfg)
     # Compared without drops: the exported model is the same function as dropless routing.
     spec = dataclasses.replace(setup.spec, moe=dataclasses.replace(setup.spec.moe,
                                                                    dispatch="dropless"))
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(spec, rngs=nnx.Rngs(0))))
     with jax.set_mesh(setup.mesh):
         ours = np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens))
-    err = np.abs(ours - _hf_logits(model, tokens)).max()
+    err = np.abs(ours - hf_logits(model, tokens)).max()
     assert err < TOLERANCE, err
     # A model MoE only every other layer has no Mixtral form: a one-line error.
     other = _mixtral_config(**{"model.moe.every_n_layers": 2, "model.num_layers": 2})
@@ -427,18 +401,18 @@ def test_mixtral_sliding_window_maps_both_ways(tmp_path, devices):
     model = _hf_mixtral(cfg, sliding_window=8)
     model.save_pretrained(tmp_path / "hf")
     setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
-    tokens = _tokens(cfg)
-    want = _hf_logits(model, tokens)
-    err = np.abs(_jax_logits(setup, state.params, tokens) - want).max()
+    tokens = random_tokens(cfg)
+    want = hf_logits(model, tokens)
+    err = np.abs(jax_logits(setup, state.params, tokens) - want).max()
     assert err < TOLERANCE, err
     model.config.sliding_window = None  # the same weights, full causal attention
-    full = _hf_logits(model, tokens)
+    full = hf_logits(model, tokens)
     assert np.abs(full - want)[:, :8].max() < 1e-5 < 0.01 < np.abs(full - want)[:, 8:].max()
     # Export writes the window; transformers' own loader gives the same logits.
     export_hf(tmp_path / "run", tmp_path / "out", devices=devices[:1])
     assert json.loads((tmp_path / "out" / "config.json").read_text())["sliding_window"] == 8
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    err = np.abs(_hf_logits(exported, tokens) - want).max()
+    err = np.abs(hf_logits(exported, tokens) - want).max()
     assert err < TOLERANCE, err
     # A config that disagrees is named, before any tensor is read.
     with pytest.raises(ConfigError, match="model.sliding_window=0 but config.json "

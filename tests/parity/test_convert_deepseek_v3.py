@@ -16,13 +16,14 @@ from conftest import small_config
 from helpers import (
     assert_exports_bitwise,
     assert_greedy_decode_equals_transformers,
+    first_batches,
     jaxtrain_steps,
+    stepping,
 )
-from test_convert import _hf_logits, _jax_logits, _tokens
+from hf_parity import TWENTY_STEPS, hf_logits, imported, logits_against, random_tokens, randomized
 
 from jaxtrain.data.batches import make_batches, to_global
 from jaxtrain.errors import ConfigError
-from jaxtrain.hf.load import import_hf
 from jaxtrain.train.setup import build
 
 TOLERANCE = 1e-5  # max |Δ logit|, float32
@@ -94,24 +95,17 @@ def _hf_model(cfg, seed: int = 0, **extra):
 
     model_class = {"deepseek_v3": transformers.DeepseekV3ForCausalLM,
                    "mistral4": transformers.Mistral4ForCausalLM}[cfg.model.family]
-    model = model_class(_hf_config(cfg, **extra))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.1)
-            if name.endswith(("norm.weight", "layernorm.weight")):
-                p.add_(1.0)
+    model = randomized(model_class(_hf_config(cfg, **extra)), seed)
+    with torch.no_grad():  # the same seeded draws go on
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # large enough to change choices
                 b.normal_(0.0, 0.05)
-    return model.float().eval()
+    return model
 
 
 def _imported(cfg, tmp_path, devices, seed: int = 0):
     model = _hf_model(cfg, seed)
-    model.save_pretrained(tmp_path / "hf")
-    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices)
-    return model, setup, state
+    return (model, *imported(cfg, model, tmp_path, devices))
 
 
 @pytest.mark.parametrize("arch", ROUTERS)
@@ -125,11 +119,10 @@ def test_import_and_export_give_the_logits_of_transformers(arch, tmp_path, devic
     assert mlp["w_up"].shape == (2, E, 64, 24) and mlp["shared"]["w_up"].shape == (2, 64, 24)
     assert state.params["blocks"]["mlp"]["w_up"].shape == (1, 64, 96)
     assert state.params["blocks"]["attn"]["w_k_up"].shape == (1, 16, 4, 8)
-    tokens = _tokens(cfg, batch=4)
-    want = _hf_logits(model, tokens)
-    err = np.abs(_jax_logits(setup, state.params, tokens) - want).max()
+    tokens = random_tokens(cfg, batch=4)
+    want, err = logits_against(model, setup, state.params, tokens)
     assert err < TOLERANCE, err
-    assert_exports_bitwise(tmp_path, devices, model, _hf_logits, tokens, want,
+    assert_exports_bitwise(tmp_path, devices, model, hf_logits, tokens, want,
                            attn_implementation="eager")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["first_k_dense_replace"] == 1 and config["n_group"] == 2
@@ -141,16 +134,15 @@ def test_import_and_export_give_the_logits_of_transformers(arch, tmp_path, devic
     # The correction bias shows: without it transformers picks other experts.
     for layer in (1, 2):
         model.model.layers[layer].mlp.gate.e_score_correction_bias.zero_()
-    assert np.abs(_hf_logits(model, tokens) - want).max() > 1e-3
+    assert np.abs(hf_logits(model, tokens) - want).max() > 1e-3
 
 
 def test_what_deepseek_v3_cannot_map_is_refused_in_one_line(tmp_path, devices):
     cfg = _config(**{"model.moe.first_dense_layers": 2, "model.mla.v_head_dim": 8,
                      "model.mtp.depths": 1})
     model = _hf_model(_config(), topk_method="greedy")
-    model.save_pretrained(tmp_path / "hf")
     with pytest.raises(ConfigError) as e:
-        import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+        imported(cfg, model, tmp_path, devices[:1])
     message = str(e.value)
     assert "\n" not in message
     assert "model.moe.first_dense_layers=2 but config.json first_k_dense_replace=1" in message
@@ -179,9 +171,7 @@ def test_twenty_training_steps_equal_pytorch(arch, tmp_path, devices):
     entropy and gradient norm of every step within 1e-5 relative."""
     from test_convert_llama_like import _torch_steps
 
-    cfg = _config(arch, **{"model.vocab_size": 128, "data.source": "synthetic",
-                           "train.global_batch": 4, "steps": 20, "optimizer.warmup_steps": 5,
-                           "optimizer.lr": 3e-3, "optimizer.clip_norm": 0.5})
+    cfg = _config(arch, **TWENTY_STEPS)
     model, setup, state = _imported(cfg, tmp_path, devices[:1])
     batches, ours = jaxtrain_steps(cfg, setup, state)
     np.testing.assert_allclose(ours, _torch_steps(model, batches, cfg), rtol=1e-5)
@@ -238,13 +228,9 @@ def test_the_train_step_moves_the_correction_bias_by_the_report_rule(tmp_path, d
 def _steps(cfg, devices):
     """([(loss, grad_norm)] of three steps, the final params as numpy)."""
     setup = build(cfg, devices)
-    state, data, out = setup.init_state(), make_batches(cfg).train_iter(0), []
-    with jax.set_mesh(setup.mesh):
-        step = setup.train_step()
-        for _ in range(3):
-            state, metrics = step(state, to_global(next(data), setup.tokens_sharding))
-            out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
-    return out, jax.tree.map(np.asarray, state.params)
+    after = list(stepping(setup, setup.init_state(), first_batches(cfg, 3)))
+    out = [(float(m["loss"]), float(m["grad_norm"])) for _, m in after]
+    return out, jax.tree.map(np.asarray, after[-1][0].params)
 
 
 @pytest.mark.slow  # three compiles under meshes of 2, 4 and 1

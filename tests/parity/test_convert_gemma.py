@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import small_config
 from helpers import assert_exports_bitwise, assert_greedy_decode_equals_transformers, jaxtrain_steps
-from test_convert import _hf_logits, _jax_logits, _tokens
+from hf_parity import TWENTY_STEPS, hf_logits, imported, logits_against, random_tokens, randomized
 
 from jaxtrain.errors import ConfigError
 from jaxtrain.hf.load import import_hf
@@ -34,7 +34,6 @@ def _hf_model(cfg, seed: int = 0, norm_std: float = 1.0, **extra):
     """A Gemma3ForCausalLM of cfg's shape, random weights (norm weights around 0, which
     Gemma applies as 1 + w), every layer full attention; extra: more config keys.
     norm_std: the norm weights' spread (1.0: scales of either sign, some near 0)."""
-    import torch
     import transformers
 
     m = cfg.model
@@ -57,13 +56,10 @@ def _hf_model(cfg, seed: int = 0, norm_std: float = 1.0, **extra):
     config._attn_implementation = "eager"
     model = (transformers.Gemma3ForCausalLM if gemma3 else transformers.Gemma2ForCausalLM)(
         config)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            # Norm weights of either sign, a small table: else the tied head reads back the
-            # (sqrt(d)-scaled) input embedding and greedy decoding repeats one token.
-            p.normal_(0.0, norm_std if "norm" in name else 0.03 if "embed" in name else 0.1)
-    return model.float().eval()
+    # Norm weights of either sign (not moved to 1), a small table: else the tied head reads
+    # back the (sqrt(d)-scaled) input embedding and greedy decoding repeats one token.
+    return randomized(model, seed, around_one=(), std=lambda name: (
+        norm_std if "norm" in name else 0.03 if "embed" in name else 0.1))
 
 
 @pytest.mark.parametrize("family", GEMMAS)
@@ -73,19 +69,17 @@ def test_import_and_export_give_the_logits_of_transformers(family, tmp_path, dev
 
     cfg = _config(family)
     model = _hf_model(cfg)
-    model.save_pretrained(tmp_path / "hf")
-    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    setup, state = imported(cfg, model, tmp_path, devices[:1])
     assert "lm_head" not in state.params  # tied
-    tokens = _tokens(cfg, batch=4)
-    want = _hf_logits(model, tokens)
-    err = np.abs(_jax_logits(setup, state.params, tokens) - want).max()
+    tokens = random_tokens(cfg, batch=4)
+    want, err = logits_against(model, setup, state.params, tokens)
     assert err < TOLERANCE, err
-    assert_exports_bitwise(tmp_path, devices, model, _hf_logits, tokens, want,
+    assert_exports_bitwise(tmp_path, devices, model, hf_logits, tokens, want,
                            attn_implementation="eager")
     # Sharded over fsdp × tensor: the same logits.
     sharded = _config(family, **{"mesh.fsdp": 2, "mesh.tensor": 2})
     setup, state = import_hf(sharded, tmp_path / "hf", tmp_path / "mesh", devices[:4])
-    err = np.abs(_jax_logits(setup, state.params, tokens) - want).max()
+    _, err = logits_against(model, setup, state.params, tokens)
     assert err < TOLERANCE, err
 
 
@@ -93,9 +87,7 @@ def test_import_and_export_give_the_logits_of_transformers(family, tmp_path, dev
 def test_greedy_generation_equals_transformers(family, tmp_path, devices):
     cfg = _config(family, **{"train.global_batch": 1, "model.seq_len": 48})
     model = _hf_model(cfg, seed=2)
-    model.save_pretrained(tmp_path / "hf")
-    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
-    assert_greedy_decode_equals_transformers(setup, state, model)
+    assert_greedy_decode_equals_transformers(*imported(cfg, model, tmp_path, devices[:1]), model)
 
 
 def test_gemma3_layer_types_unlike_the_config_and_soft_caps_are_refused_in_one_line(
@@ -104,9 +96,8 @@ def test_gemma3_layer_types_unlike_the_config_and_soft_caps_are_refused_in_one_l
     model = _hf_model(cfg)
     model.config.layer_types = ["sliding_attention", "full_attention"]
     model.config.attn_logit_softcapping = 30.0  # a key transformers' Gemma 3 never applies
-    model.save_pretrained(tmp_path / "hf")
     with pytest.raises(ConfigError) as e:
-        import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+        imported(cfg, model, tmp_path, devices[:1])
     message = str(e.value)
     assert "\n" not in message and "layer_types" in message and "attn_logit_softcapping" \
         in message
@@ -121,14 +112,10 @@ def test_twenty_training_steps_equal_pytorch(family, tmp_path, devices):
     *norm.weight, are not decayed on either side)."""
     from test_convert_llama_like import _torch_steps
 
-    cfg = _config(family, **{"model.vocab_size": 128, "data.source": "synthetic",
-                     "train.global_batch": 4, "steps": 20, "optimizer.warmup_steps": 5,
-                     "optimizer.lr": 3e-3, "optimizer.clip_norm": 0.5})
+    cfg = _config(family, **TWENTY_STEPS)
     # Norm scales near 1: scales near 0 (norm_std 1) let Adam amplify float noise.
     model = _hf_model(cfg, norm_std=0.1)
-    model.save_pretrained(tmp_path / "hf")
-    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
-    batches, ours = jaxtrain_steps(cfg, setup, state)
+    batches, ours = jaxtrain_steps(cfg, *imported(cfg, model, tmp_path, devices[:1]))
     np.testing.assert_allclose(ours, _torch_steps(model, batches, cfg), rtol=1e-5)
 
 

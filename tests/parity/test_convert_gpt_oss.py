@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 from conftest import small_config
 from helpers import assert_exports_bitwise, assert_greedy_decode_equals_transformers, jaxtrain_steps
-from test_convert import _hf_logits, _jax_logits, _tokens
+from hf_parity import TWENTY_STEPS, hf_logits, imported, logits_against, random_tokens, randomized
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.hf.load import import_hf
 
 TOLERANCE = 1e-5  # max |Δ logit|, float32
 # Spread of each random HF tensor (by a piece of its name): the experts' gate_up wide, so
@@ -38,7 +37,6 @@ def _config(**overrides):
 
 
 def _hf_model(cfg, seed: int = 0, **extra):
-    import torch
     import transformers
 
     m = cfg.model
@@ -58,14 +56,8 @@ def _hf_model(cfg, seed: int = 0, **extra):
                          "original_max_position_embeddings": s.original_max_position_embeddings},
         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=None, **extra)
     config._attn_implementation = "eager"
-    model = transformers.GptOssForCausalLM(config)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, next((v for k, v in STDS.items() if k in name), 0.1))
-            if name.endswith("norm.weight"):
-                p.add_(1.0)
-    return model.float().eval()
+    return randomized(transformers.GptOssForCausalLM(config), seed,
+                      std=lambda name: next((v for k, v in STDS.items() if k in name), 0.1))
 
 
 def test_import_and_export_give_the_logits_of_transformers(tmp_path, devices):
@@ -75,16 +67,14 @@ def test_import_and_export_give_the_logits_of_transformers(tmp_path, devices):
 
     cfg = _config()
     model = _hf_model(cfg)
-    model.save_pretrained(tmp_path / "hf")
-    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    setup, state = imported(cfg, model, tmp_path, devices[:1])
     assert "blocks" not in state.params  # every layer MoE
     mlp = state.params["moe_blocks"]["mlp"]
     assert mlp["w_gate"].shape == (4, 4, 64, 32) and mlp["b_up"].shape == (4, 4, 32)
-    tokens = _tokens(cfg, batch=4)
-    want = _hf_logits(model, tokens)
-    err = np.abs(_jax_logits(setup, state.params, tokens) - want).max()
+    tokens = random_tokens(cfg, batch=4)
+    want, err = logits_against(model, setup, state.params, tokens)
     assert err < TOLERANCE, err
-    assert_exports_bitwise(tmp_path, devices, model, _hf_logits, tokens, want,
+    assert_exports_bitwise(tmp_path, devices, model, hf_logits, tokens, want,
                            attn_implementation="eager")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["layer_types"] == ["sliding_attention", "full_attention"] * 2
@@ -93,7 +83,7 @@ def test_import_and_export_give_the_logits_of_transformers(tmp_path, devices):
     # The parts show: without the clamp, the router bias or the sinks, other logits.
     for layer in model.model.layers:
         layer.mlp.experts.limit = 1e9
-    assert np.abs(_hf_logits(model, tokens) - want).max() > 1e-3
+    assert np.abs(hf_logits(model, tokens) - want).max() > 1e-3
 
 
 @pytest.mark.slow  # a second compile under a mesh of 8
@@ -101,13 +91,11 @@ def test_import_and_export_give_the_logits_of_transformers(tmp_path, devices):
 def test_sharded_import_gives_the_same_logits(dispatch, tmp_path, devices):
     """Over expert × fsdp × tensor (the experts' biases split with their experts and hidden
     dimension, the down bias added after the tensor-parallel sum), each dispatch path."""
+    from hf_parity import imported_logit_error
+
     cfg = _config(**{"mesh.expert": 2, "mesh.fsdp": 2, "mesh.tensor": 2,
                      "model.moe.dispatch": dispatch})
-    model = _hf_model(cfg)
-    model.save_pretrained(tmp_path / "hf")
-    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices)
-    tokens = _tokens(cfg, batch=4)
-    err = np.abs(_jax_logits(setup, state.params, tokens) - _hf_logits(model, tokens)).max()
+    err = imported_logit_error(cfg, _hf_model(cfg), tmp_path, devices)
     assert err < TOLERANCE, err
 
 
@@ -116,9 +104,7 @@ def test_greedy_generation_equals_transformers(tmp_path, devices):
     """30 greedy tokens through the kv cache past the window (35 positions, window 8)."""
     cfg = _config(**{"train.global_batch": 1, "model.seq_len": 48})
     model = _hf_model(cfg, seed=2)
-    model.save_pretrained(tmp_path / "hf")
-    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
-    assert_greedy_decode_equals_transformers(setup, state, model)
+    assert_greedy_decode_equals_transformers(*imported(cfg, model, tmp_path, devices[:1]), model)
 
 
 def test_what_gpt_oss_cannot_map_is_refused_in_one_line(tmp_path, devices):
@@ -126,9 +112,8 @@ def test_what_gpt_oss_cannot_map_is_refused_in_one_line(tmp_path, devices):
     model = _hf_model(cfg, swiglu_limit=5.0)
     model.config.quantization_config = {"quant_method": "mxfp4"}
     model.config.layer_types = ["full_attention"] * 4
-    model.save_pretrained(tmp_path / "hf")
     with pytest.raises(ConfigError) as e:
-        import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+        imported(cfg, model, tmp_path, devices[:1])
     message = str(e.value)
     assert "\n" not in message
     assert "config.json swiglu_limit=5.0" in message
@@ -155,14 +140,10 @@ def test_twenty_training_steps_equal_pytorch(tmp_path, devices):
     from test_convert_llama_like import _torch_steps
     from test_convert_qwen3_moe import _routing_penalty
 
-    cfg = _config(**{"model.vocab_size": 128, "data.source": "synthetic",
-                     "train.global_batch": 4, "steps": 20, "optimizer.warmup_steps": 5,
-                     "optimizer.lr": 3e-3, "optimizer.clip_norm": 0.5,
-                     "model.moe.aux_loss_weight": 0.5, "model.moe.z_loss_weight": 0.01})
+    cfg = _config(**TWENTY_STEPS, **{"model.moe.aux_loss_weight": 0.5,
+                                     "model.moe.z_loss_weight": 0.01})
     model = _hf_model(cfg)
-    model.save_pretrained(tmp_path / "hf")
-    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
-    batches, ours = jaxtrain_steps(cfg, setup, state)
+    batches, ours = jaxtrain_steps(cfg, *imported(cfg, model, tmp_path, devices[:1]))
     np.testing.assert_allclose(ours, _torch_steps(model, batches, cfg, _routing_penalty(cfg)),
                                rtol=1e-5)
 

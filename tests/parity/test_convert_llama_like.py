@@ -13,7 +13,18 @@ from helpers import (
     assert_peft_loads_the_adapter,
     jaxtrain_steps,
 )
-from test_convert import _hf_logits, _jax_logits, _tokens
+from hf_parity import (
+    TWENTY_STEPS,
+    decay_groups,
+    hf_logits,
+    imported,
+    jax_logits,
+    logits_against,
+    next_token_loss,
+    random_tokens,
+    randomized,
+    torch_steps,
+)
 
 from jaxtrain.hf.load import import_hf
 
@@ -32,7 +43,6 @@ def _config(family: str, **overrides):
 def _hf_model(cfg, seed: int = 0):
     """A transformers model of cfg's shape, random weights (norms around 1, biases non-zero,
     so that a misplaced or dropped tensor shows)."""
-    import torch
     import transformers
 
     m = cfg.model
@@ -44,14 +54,7 @@ def _hf_model(cfg, seed: int = 0):
         vocab_size=m.vocab_size, max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps,
         rope_theta=m.rope_theta, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
         **extra)
-    model = getattr(transformers, f"{kind}ForCausalLM")(config)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.1)
-            if name.endswith("norm.weight"):
-                p.add_(1.0)
-    return model.float().eval()
+    return randomized(getattr(transformers, f"{kind}ForCausalLM")(config), seed)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -61,13 +64,11 @@ def test_import_and_export_give_the_logits_of_transformers(family, tmp_path, dev
 
     cfg = _config(family)
     model = _hf_model(cfg)
-    model.save_pretrained(tmp_path / "hf")
-    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
-    tokens = _tokens(cfg, batch=4)
-    want = _hf_logits(model, tokens)
-    err = np.abs(_jax_logits(setup, state.params, tokens) - want).max()
+    setup, state = imported(cfg, model, tmp_path, devices[:1])
+    tokens = random_tokens(cfg, batch=4)
+    want, err = logits_against(model, setup, state.params, tokens)
     assert err < TOLERANCE, err
-    assert_exports_bitwise(tmp_path, devices, model, _hf_logits, tokens, want)
+    assert_exports_bitwise(tmp_path, devices, model, hf_logits, tokens, want)
 
 
 @pytest.mark.slow  # two more imports' compiles; test_convert_gemma.py's fsdp × tensor is fast
@@ -81,8 +82,8 @@ def test_fsdp_by_tensor_gives_the_logits_of_one_device(tmp_path, devices):
         sharded = _config(family, **{"mesh.fsdp": 2, "mesh.tensor": 2})
         setup, state = import_hf(sharded, tmp_path / family, tmp_path / f"{family}-run",
                                  devices[:4])
-        tokens = _tokens(cfg, batch=4)
-        err = np.abs(_jax_logits(setup, state.params, tokens) - _hf_logits(model, tokens)).max()
+        tokens = random_tokens(cfg, batch=4)
+        err = np.abs(jax_logits(setup, state.params, tokens) - hf_logits(model, tokens)).max()
         assert err < TOLERANCE, (family, err)
 
 
@@ -92,9 +93,7 @@ def test_greedy_generation_equals_transformers(family, tmp_path, devices):
     positions, so its cached decode masks by the window too."""
     cfg = _config(family, **{"train.global_batch": 1, "model.seq_len": 48})
     model = _hf_model(cfg, seed=2)
-    model.save_pretrained(tmp_path / "hf")
-    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
-    assert_greedy_decode_equals_transformers(setup, state, model)
+    assert_greedy_decode_equals_transformers(*imported(cfg, model, tmp_path, devices[:1]), model)
 
 
 def _decays(name: str) -> bool:
@@ -110,34 +109,19 @@ def _decays(name: str) -> bool:
 
 
 def _torch_steps(model, batches, cfg, penalty=None):
-    """(loss, gradient norm) of each step of a plain PyTorch loop: mean cross entropy over
-    every target (plus `penalty(router logits of each MoE layer)` where given, which is
-    differentiated but not logged, as jaxtrain's routing losses); AdamW (decay where
-    jaxtrain decays, `_decays`), global-norm clipping, the schedule of test_sft.py."""
-    import torch
-    from test_sft import _lr
+    """(loss, gradient norm) of each step of a plain PyTorch loop (hf_parity.torch_steps):
+    mean cross entropy over every target (plus `penalty(router logits of each MoE layer)`
+    where given, which is differentiated but not logged, as jaxtrain's routing losses);
+    AdamW decaying where jaxtrain decays (`_decays`)."""
 
-    decay = [p for n, p in model.named_parameters() if _decays(n)]
-    rest = [p for n, p in model.named_parameters() if not any(p is q for q in decay)]
-    o = cfg.optimizer
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=o.lr,
-                            betas=(o.b1, o.b2), eps=o.eps)
-    model.train()
-    out = []
-    for step, tokens in enumerate(batches):
-        tokens = torch.from_numpy(tokens.astype(np.int64))
-        forward = model(input_ids=tokens[:, :-1],
-                        **({} if penalty is None else {"output_router_logits": True}))
-        loss = torch.nn.functional.cross_entropy(forward.logits.transpose(1, 2), tokens[:, 1:])
-        opt.zero_grad()
-        (loss if penalty is None else loss + penalty(forward.router_logits)).backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_norm)
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, cfg)
-        opt.step()
-        out.append((float(loss.detach()), float(norm)))
-    return out
+    def loss_of(model, tokens):
+        if penalty is None:
+            return (next_token_loss(model, tokens)[1],) * 2
+        forward, loss = next_token_loss(model, tokens, output_router_logits=True)
+        return loss, loss + penalty(forward.router_logits)
+
+    return torch_steps(model, batches, cfg, decay_groups(model, _decays, cfg.optimizer.weight_decay),
+                       loss_of)
 
 
 @pytest.mark.slow
@@ -145,14 +129,9 @@ def _torch_steps(model, batches, cfg, penalty=None):
 def test_twenty_training_steps_equal_pytorch(family, tmp_path, devices):
     """20 steps of the imported model in jaxtrain and of transformers' in PyTorch, float32:
     loss and gradient norm of every step within 1e-5 relative (as test_sft.py's Llama)."""
-    cfg = _config(family, **{"model.vocab_size": 128, "data.source": "synthetic",
-                             "train.global_batch": 4, "steps": 20,
-                             "optimizer.warmup_steps": 5, "optimizer.lr": 3e-3,
-                             "optimizer.clip_norm": 0.5})
+    cfg = _config(family, **TWENTY_STEPS)
     model = _hf_model(cfg)
-    model.save_pretrained(tmp_path / "hf")
-    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
-    batches, ours = jaxtrain_steps(cfg, setup, state)
+    batches, ours = jaxtrain_steps(cfg, *imported(cfg, model, tmp_path, devices[:1]))
     np.testing.assert_allclose(ours, _torch_steps(model, batches, cfg), rtol=1e-5)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import small_config
 from helpers import assert_greedy_decode_equals_transformers, jaxtrain_steps
-from test_convert import _hf_logits, _jax_logits, _tokens
+from hf_parity import TWENTY_STEPS, hf_logits, logits_against, random_tokens, randomized
 from test_convert_llama_like import _torch_steps
 
 from jaxtrain.hf.load import import_hf
@@ -44,15 +44,7 @@ def _text_config(cfg):
 
 def _randomize(model, seed: int):
     """Weights N(0, 0.1): the (1 + w) norms around 1, the DeltaNet's gated norm (w) too."""
-    import torch
-
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.1)
-            if name.endswith("linear_attn.norm.weight"):
-                p.add_(1.0)
-    return model.float().eval()
+    return randomized(model, seed, around_one=("linear_attn.norm.weight",))
 
 
 def _hf_model(cfg, seed: int = 0):
@@ -73,8 +65,7 @@ def imported(tmp_path_factory, devices):
 
 def test_import_gives_the_logits_of_transformers(imported):
     _, cfg, model, setup, state = imported
-    tokens = _tokens(cfg, batch=2)
-    err = np.abs(_jax_logits(setup, state.params, tokens) - _hf_logits(model, tokens)).max()
+    _, err = logits_against(model, setup, state.params, random_tokens(cfg, batch=2))
     assert err < TOLERANCE, err
 
 
@@ -89,8 +80,8 @@ def test_export_loads_in_transformers_with_the_same_logits(imported, devices):
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp / "out").eval()
     assert type(again) is type(model)
     assert again.config.layer_types == model.config.layer_types
-    tokens = _tokens(cfg, batch=2)
-    np.testing.assert_array_equal(_hf_logits(again, tokens), _hf_logits(model, tokens))
+    tokens = random_tokens(cfg, batch=2)
+    np.testing.assert_array_equal(hf_logits(again, tokens), hf_logits(model, tokens))
     original = load_file(str(tmp / "hf" / "model.safetensors"))
     exported = load_file(str(tmp / "out" / "model.safetensors"))
     assert exported.keys() == original.keys()
@@ -143,8 +134,7 @@ def test_full_model_imports_its_text_model(tmp_path, devices, capsys):
     setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
     left = [line for line in capsys.readouterr().err.splitlines() if "vision tower" in line]
     assert len(left) == 1 and "model.visual." in left[0]
-    tokens = _tokens(cfg, batch=2)
-    err = np.abs(_jax_logits(setup, state.params, tokens) - _hf_logits(model, tokens)).max()
+    _, err = logits_against(model, setup, state.params, random_tokens(cfg, batch=2))
     assert err < TOLERANCE, err
 
 
@@ -158,11 +148,9 @@ def test_twenty_training_steps_equal_pytorch(tmp_path, devices):
     does; the first step's gradients agree with float64 within ~4e-6)."""
     import copy
 
-    cfg = _config(**{"model.vocab_size": 128, "data.source": "synthetic",
-                     "train.global_batch": 4, "steps": 20, "optimizer.warmup_steps": 5,
-                     "optimizer.lr": 3e-3, "optimizer.clip_norm": 0.5,
-                     # transformers' chunk (64 > seq_len): one chunk on both sides
-                     "model.linear_attention.chunk_size": 64})
+    cfg = _config(**TWENTY_STEPS, **{
+        # transformers' chunk (64 > seq_len): one chunk on both sides
+        "model.linear_attention.chunk_size": 64})
     model = _hf_model(cfg)
     model.save_pretrained(tmp_path / "hf")
     setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 from conftest import small_config
 from helpers import assert_exports_bitwise, assert_greedy_decode_equals_transformers, jaxtrain_steps
-from test_convert import _hf_logits, _jax_logits, _tokens
+from hf_parity import TWENTY_STEPS, hf_logits, imported, logits_against, random_tokens, randomized
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.hf.load import import_hf
 
 TOLERANCE = 1e-5  # max |Δ logit|, float32
 
@@ -29,7 +28,6 @@ def _config(**overrides):
 
 
 def _hf_model(cfg, seed: int = 0, **extra):
-    import torch
     import transformers
 
     m = cfg.model
@@ -41,14 +39,7 @@ def _hf_model(cfg, seed: int = 0, **extra):
         norm_topk_prob=m.moe.norm_topk_prob, vocab_size=m.vocab_size,
         max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta,
         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, **extra)
-    model = transformers.Qwen3MoeForCausalLM(config)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.1)
-            if name.endswith("norm.weight"):
-                p.add_(1.0)
-    return model.float().eval()
+    return randomized(transformers.Qwen3MoeForCausalLM(config), seed)
 
 
 def test_import_and_export_give_the_logits_of_transformers(tmp_path, devices):
@@ -58,15 +49,13 @@ def test_import_and_export_give_the_logits_of_transformers(tmp_path, devices):
 
     cfg = _config()
     model = _hf_model(cfg)
-    model.save_pretrained(tmp_path / "hf")
-    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+    setup, state = imported(cfg, model, tmp_path, devices[:1])
     assert state.params["blocks"]["mlp"]["w_up"].shape == (2, 64, 128)  # layers 0, 2
     assert state.params["moe_blocks"]["mlp"]["w_up"].shape == (2, 4, 64, 24)  # 1, 3
-    tokens = _tokens(cfg, batch=4)
-    want = _hf_logits(model, tokens)
-    err = np.abs(_jax_logits(setup, state.params, tokens) - want).max()
+    tokens = random_tokens(cfg, batch=4)
+    want, err = logits_against(model, setup, state.params, tokens)
     assert err < TOLERANCE, err
-    assert_exports_bitwise(tmp_path, devices, model, _hf_logits, tokens, want)
+    assert_exports_bitwise(tmp_path, devices, model, hf_logits, tokens, want)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["decoder_sparse_step"] == 2 and config["norm_topk_prob"] is False
     assert config["router_aux_loss_coef"] == pytest.approx(0.001)
@@ -74,16 +63,15 @@ def test_import_and_export_give_the_logits_of_transformers(tmp_path, devices):
     model.config.norm_topk_prob = True
     for layer in (1, 3):
         model.model.layers[layer].mlp.gate.norm_topk_prob = True
-    assert np.abs(_hf_logits(model, tokens) - want).max() > 1e-3
+    assert np.abs(hf_logits(model, tokens) - want).max() > 1e-3
 
 
 def test_what_qwen3_moe_cannot_map_is_refused_in_one_line(tmp_path, devices):
     cfg = _config(**{"model.moe.norm_topk_prob": True})
     model = _hf_model(cfg, mlp_only_layers=[1])
     model.config.norm_topk_prob = False
-    model.save_pretrained(tmp_path / "hf")
     with pytest.raises(ConfigError) as e:
-        import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
+        imported(cfg, model, tmp_path, devices[:1])
     message = str(e.value)
     assert "\n" not in message and "mlp_only_layers=[1] is not supported" in message
     assert "model.moe.norm_topk_prob=True but config.json norm_topk_prob=False" in message
@@ -94,13 +82,11 @@ def test_what_qwen3_moe_cannot_map_is_refused_in_one_line(tmp_path, devices):
 @pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
 def test_expert_by_fsdp_by_tensor_gives_the_logits_of_transformers(dispatch, tmp_path, devices):
     """The dense and MoE layers over expert × fsdp × tensor, each dispatch path."""
+    from hf_parity import imported_logit_error
+
     cfg = _config(**{"mesh.expert": 2, "mesh.fsdp": 2, "mesh.tensor": 2,
                      "model.moe.dispatch": dispatch})
-    model = _hf_model(cfg)
-    model.save_pretrained(tmp_path / "hf")
-    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices)
-    tokens = _tokens(cfg, batch=4)
-    err = np.abs(_jax_logits(setup, state.params, tokens) - _hf_logits(model, tokens)).max()
+    err = imported_logit_error(cfg, _hf_model(cfg), tmp_path, devices)
     assert err < TOLERANCE, err
 
 
@@ -109,9 +95,7 @@ def test_greedy_generation_equals_transformers(tmp_path, devices):
     """30 greedy tokens through the kv cache, the MoE layers routing one token at a time."""
     cfg = _config(**{"train.global_batch": 1, "model.seq_len": 48})
     model = _hf_model(cfg, seed=2)
-    model.save_pretrained(tmp_path / "hf")
-    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
-    assert_greedy_decode_equals_transformers(setup, state, model)
+    assert_greedy_decode_equals_transformers(*imported(cfg, model, tmp_path, devices[:1]), model)
 
 
 def _routing_penalty(cfg):
@@ -145,14 +129,10 @@ def test_twenty_training_steps_equal_pytorch(tmp_path, devices):
     1e-5 relative."""
     from test_convert_llama_like import _torch_steps
 
-    cfg = _config(**{"model.vocab_size": 128, "data.source": "synthetic",
-                     "train.global_batch": 4, "steps": 20, "optimizer.warmup_steps": 5,
-                     "optimizer.lr": 3e-3, "optimizer.clip_norm": 0.5,
-                     "model.moe.aux_loss_weight": 0.5, "model.moe.z_loss_weight": 0.1})
+    cfg = _config(**TWENTY_STEPS, **{"model.moe.aux_loss_weight": 0.5,
+                                     "model.moe.z_loss_weight": 0.1})
     model = _hf_model(cfg)
-    model.save_pretrained(tmp_path / "hf")
-    setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
-    batches, ours = jaxtrain_steps(cfg, setup, state)
+    batches, ours = jaxtrain_steps(cfg, *imported(cfg, model, tmp_path, devices[:1]))
     want = _torch_steps(model, batches, cfg, _routing_penalty(cfg))
     np.testing.assert_allclose(ours, want, rtol=1e-5)
     # The routing losses' gradients show: without them, PyTorch's norms are others.

@@ -17,8 +17,8 @@ import jax
 import numpy as np
 import pytest
 from helpers import assert_peft_loads_the_adapter
+from hf_parity import hf_logits, jax_logits
 from safetensors.numpy import load_file, save_file
-from test_convert import _hf_logits, _jax_logits
 
 from jaxtrain.commands.convert import hf_source, import_config
 from jaxtrain.config import base_config
@@ -84,8 +84,8 @@ def test_a_tied_model_imports_without_a_config_and_exports_tied(kind, tmp_path, 
     assert cfg.model.family == kind and setup.spec.tied_embeddings
     assert "lm_head" not in state.params
     assert sum(x.size for x in jax.tree.leaves(state.params)) == model.num_parameters()
-    want = _hf_logits(model, tokens())
-    assert np.abs(_jax_logits(setup, state.params, tokens()) - want).max() < TOLERANCE
+    want = hf_logits(model, tokens())
+    assert np.abs(jax_logits(setup, state.params, tokens()) - want).max() < TOLERANCE
     export_hf(tmp_path / "run", tmp_path / "out", devices=devices[:1])
     exported = load_file(str(tmp_path / "out" / "model.safetensors"))
     original = load_file(str(tmp_path / "hf" / "model.safetensors"))
@@ -120,7 +120,7 @@ def test_an_import_trains_with_its_workdir_alone_and_stays_tied(kind, tmp_path, 
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert again.config.tie_word_embeddings
     assert again.num_parameters() == sum(x.size for x in jax.tree.leaves(params))
-    err = np.abs(_jax_logits(setup, params, tokens()) - _hf_logits(again, tokens())).max()
+    err = np.abs(jax_logits(setup, params, tokens()) - hf_logits(again, tokens())).max()
     assert err < TOLERANCE, err
 
 

@@ -33,6 +33,14 @@ def _jsonl(path, records):
     return path
 
 
+def _random_pairs(count: int = 40):
+    """`count` preference records of random lengths (seeded): prompts of 1-9 q's, chosen
+    replies of "yes"s, rejected ones of "no"s."""
+    rng = np.random.default_rng(0)
+    return [{"prompt": "q" * int(rng.integers(1, 10)), "chosen": "yes" * int(
+        rng.integers(1, 5)), "rejected": "no" * int(rng.integers(1, 5))} for _ in range(count)]
+
+
 def _prepare(data, out, *more):
     return prepare_cmd.main([str(data), "--preference", "--chat-template", "chatml",
                              "--tokenizer", "bytes", "--no-progress", "--processes", "1",
@@ -399,10 +407,7 @@ def test_a_dpo_run_logs_rewards_and_a_resume_refuses_another_reference(tmp_path,
     from jaxtrain.metrics_log import read_metrics
     from jaxtrain.train.loop import run
 
-    rng = np.random.default_rng(0)
-    records = [{"prompt": "q" * int(rng.integers(1, 10)), "chosen": "yes" * int(
-        rng.integers(1, 5)), "rejected": "no" * int(rng.integers(1, 5))} for _ in range(40)]
-    assert _prepare(_jsonl(tmp_path / "p.jsonl", records), tmp_path / "d") == 0
+    assert _prepare(_jsonl(tmp_path / "p.jsonl", _random_pairs()), tmp_path / "d") == 0
     overrides = {"model.seq_len": 192, "train.global_batch": 8, "model.num_layers": 1,
                  "eval_batches": 1, "checkpoint.every_steps": 2, "optimizer.lr": 1e-2,
                  "eval_every_steps": 2}

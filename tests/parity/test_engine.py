@@ -3,6 +3,9 @@ transformers' generate per prompt for every family, rows stopping at an EOS id w
 others go on; log-probabilities are transformers' log-softmax; continuous batching gives
 one-at-a-time's tokens; sampling is reproducible by seed; stops and n samples."""
 
+import functools
+import importlib
+
 import jax
 import numpy as np
 import pytest
@@ -29,51 +32,26 @@ def _gpt2():
     return cfg, model
 
 
-def _llama():
-    from test_convert import _config, _hf_model
-    cfg = _config("llama", **{"model.seq_len": 48})
-    return cfg, _hf_model(cfg, seed=2)
+# The other families, each from its convert test: (the test module, its tiny-config and
+# transformers-model functions, the config function's arguments).
+CONVERTED = {"llama": ("test_convert", "_config", "_hf_model", "llama"),
+             "qwen3": ("test_convert_llama_like", "_config", "_hf_model", "qwen3"),
+             "gemma3": ("test_convert_gemma", "_config", "_hf_model", "gemma3"),
+             "mixtral": ("test_convert", "_mixtral_config", "_hf_mixtral"),
+             "gpt_oss": ("test_convert_gpt_oss", "_config", "_hf_model"),
+             "deepseek_v3": ("test_convert_deepseek_v3", "_config", "_hf_model", "deepseek_v3"),
+             "qwen3_5_text": ("test_convert_qwen3_5", "_config", "_hf_model")}
 
 
-def _qwen3():
-    from test_convert_llama_like import _config, _hf_model
-    cfg = _config("qwen3", **{"model.seq_len": 48})
-    return cfg, _hf_model(cfg, seed=2)
+def _converted(module: str, config: str, hf_model: str, *args):
+    """(that convert test's tiny config, 48 positions long, its transformers model, seed 2)."""
+    test = importlib.import_module(module)
+    cfg = getattr(test, config)(*args, **{"model.seq_len": 48})
+    return cfg, getattr(test, hf_model)(cfg, seed=2)
 
 
-def _gemma3():
-    from test_convert_gemma import _config, _hf_model
-    cfg = _config("gemma3", **{"model.seq_len": 48})
-    return cfg, _hf_model(cfg, seed=2)
-
-
-def _mixtral():
-    from test_convert import _hf_mixtral, _mixtral_config
-    cfg = _mixtral_config(**{"model.seq_len": 48})
-    return cfg, _hf_mixtral(cfg, seed=2)
-
-
-def _gpt_oss():
-    from test_convert_gpt_oss import _config, _hf_model
-    cfg = _config(**{"model.seq_len": 48})
-    return cfg, _hf_model(cfg, seed=2)
-
-
-def _deepseek_v3():
-    from test_convert_deepseek_v3 import _config, _hf_model
-    cfg = _config("deepseek_v3", **{"model.seq_len": 48})
-    return cfg, _hf_model(cfg, seed=2)
-
-
-def _qwen3_5():
-    from test_convert_qwen3_5 import _config, _hf_model
-    cfg = _config(**{"model.seq_len": 48})
-    return cfg, _hf_model(cfg, seed=2)
-
-
-FAMILIES = {"gpt2": _gpt2, "llama": _llama, "qwen3": _qwen3, "gemma3": _gemma3,
-            "mixtral": _mixtral, "gpt_oss": _gpt_oss, "deepseek_v3": _deepseek_v3,
-            "qwen3_5_text": _qwen3_5}
+FAMILIES = {"gpt2": _gpt2, **{family: functools.partial(_converted, *where)
+                              for family, where in CONVERTED.items()}}
 FAST = ("llama",)  # the others ~10-50 s each on a 2-core CPU: the slow tier
 
 

@@ -7,11 +7,10 @@ and layer_types, greedy decoding through the kv cache equal. The refusals (one l
 and the planner's attention FLOPs, counted against the masks themselves.
 """
 
-import jax
 import numpy as np
 import pytest
 from conftest import small_config
-from test_convert import _hf_logits, _jax_logits, _tokens
+from hf_parity import hf_logits, jax_logits, random_tokens
 
 from jaxtrain.errors import ConfigError
 from jaxtrain.hf.load import import_hf
@@ -73,19 +72,17 @@ def _hf_model(cfg, seed: int = 0):
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_a_layer_pattern_imports_exports_and_decodes_as_transformers(family, tmp_path,
                                                                      devices):
-    import torch
     import transformers
-
-    from jaxtrain.sampling import Sampling, make_generate
+    from helpers import assert_greedy_decode_equals_transformers
 
     cfg = _config(family)
     model = _hf_model(cfg)
     model.save_pretrained(tmp_path / "hf")
     setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
     assert setup.spec.layer_types == ("sliding", "full", "sliding")
-    tokens = _tokens(cfg, batch=2)
-    want = _hf_logits(model, tokens)
-    err = np.abs(_jax_logits(setup, state.params, tokens) - want).max()
+    tokens = random_tokens(cfg, batch=2)
+    want = hf_logits(model, tokens)
+    err = np.abs(jax_logits(setup, state.params, tokens) - want).max()
     assert err < TOLERANCE, err
     attention = model.config._attn_implementation
     # The window shows: the same model with every layer full gives other logits.
@@ -95,22 +92,14 @@ def test_a_layer_pattern_imports_exports_and_decodes_as_transformers(family, tmp
         layer.self_attn.sliding_window = None
         if hasattr(layer, "attention_type"):
             layer.attention_type = "full_attention"
-    assert np.abs(_hf_logits(model, tokens) - want).max() > 1e-3
+    assert np.abs(hf_logits(model, tokens) - want).max() > 1e-3
     export_hf(tmp_path / "run", tmp_path / "out", devices=devices[:1])
     again = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "out", attn_implementation=attention).eval()
     assert again.config.layer_types == HF_TYPES and again.config.sliding_window == WINDOW
-    np.testing.assert_array_equal(_hf_logits(again, tokens), want)
+    np.testing.assert_array_equal(hf_logits(again, tokens), want)
     # Greedy decoding through the kv cache, 20 tokens past the window.
-    prompt = np.asarray([[5, 17, 42, 7, 99]], np.int64)
-    with torch.no_grad():
-        expected = again.generate(torch.from_numpy(prompt), max_new_tokens=20, do_sample=False,
-                                  pad_token_id=0, eos_token_id=None).numpy()[0, 5:]
-    with jax.set_mesh(setup.mesh):
-        generate = make_generate(setup.graphdef, Sampling(max_new_tokens=20), setup.spec.rules)
-        got = np.asarray(generate(state.params, prompt.astype(np.int32), jax.random.key(0)))[0]
-    np.testing.assert_array_equal(got, expected)
-    assert len(set(got.tolist())) > 2
+    assert_greedy_decode_equals_transformers(setup, state, again, new_tokens=20)
 
 
 def test_what_cannot_take_a_pattern_is_refused_in_one_line(tmp_path, devices):
@@ -214,17 +203,14 @@ def test_a_pattern_trains_with_the_chunked_kernel_as_with_xla(devices):
 
 
 def _steps_with_grad_norms(cfg, devices, steps: int = 2):
-    from jaxtrain.data.batches import make_batches, to_global
+    from helpers import first_batches, stepping
+
     from jaxtrain.train.setup import build
 
     setup = build(cfg, devices)
-    state, data, out = setup.init_state(), make_batches(cfg).train_iter(0), []
-    with jax.set_mesh(setup.mesh):
-        step_fn = setup.train_step()
-        for _ in range(steps):
-            state, metrics = step_fn(state, to_global(next(data), setup.tokens_sharding))
-            out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
-    return np.array(out), setup, state
+    after = list(stepping(setup, setup.init_state(), first_batches(cfg, steps)))
+    out = [(float(m["loss"]), float(m["grad_norm"])) for _, m in after]
+    return np.array(out), setup, after[-1][0]
 
 
 @pytest.mark.slow  # 13 s; the fast tier walks patterns in the decode and import tests

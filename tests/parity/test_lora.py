@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 from conftest import small_config
 from flax import nnx, traverse_util
-from helpers import hf_llama
+from helpers import first_batches, hf_llama, losses_and_norms, stepping
 
 from jaxtrain.config import validate
-from jaxtrain.data.batches import make_batches, to_global
 from jaxtrain.errors import ConfigError
 from jaxtrain.models import lora
 from jaxtrain.train.setup import build
@@ -61,15 +60,9 @@ def _steps(cfg, devices, steps=3):
     setup = build(cfg, devices)
     state = setup.init_state()
     base = jax.tree.map(np.asarray, state.frozen_params("base"))
-    data = make_batches(cfg).train_iter(0)
-    losses, norms = [], []
-    with jax.set_mesh(setup.mesh):
-        step_fn = setup.train_step()
-        for _ in range(steps):
-            state, metrics = step_fn(state, to_global(next(data), setup.tokens_sharding))
-            losses.append(float(metrics["loss"]))
-            norms.append(float(metrics["grad_norm"]))
-    return losses, norms, base, state
+    after = list(stepping(setup, state, first_batches(cfg, steps)))
+    losses, norms = ([float(m[key]) for _, m in after] for key in ("loss", "grad_norm"))
+    return losses, norms, base, after[-1][0]
 
 
 @pytest.fixture(scope="module")
@@ -335,27 +328,11 @@ def _torch_lora(model, batches, cfg, weight_decay):
     """(loss, gradient norm) of each step of PyTorch over a PEFT model's trainable (adapter)
     parameters: torch.optim.AdamW with `weight_decay` on all of them (what the HF Trainer
     does: no biases or norms among them), global-norm clipping, jaxtrain's schedule."""
-    import torch
-    from test_sft import _lr
+    from hf_parity import next_token_loss, torch_steps
 
     trained = [p for p in model.parameters() if p.requires_grad]
-    o = cfg.optimizer
-    opt = torch.optim.AdamW(trained, lr=o.lr, betas=(o.b1, o.b2), eps=o.eps,
-                            weight_decay=weight_decay)
-    model.train()
-    out = []
-    for step, batch in enumerate(batches):
-        tokens = torch.from_numpy(batch.astype(np.int64))
-        logits = model(input_ids=tokens[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens[:, 1:])
-        opt.zero_grad()
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(trained, o.clip_norm)
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, cfg)
-        opt.step()
-        out.append((float(loss.detach()), float(norm)))
-    return out
+    return torch_steps(model, batches, cfg, [{"params": trained, "weight_decay": weight_decay}],
+                       lambda model, tokens: (next_token_loss(model, tokens)[1],) * 2)
 
 
 @pytest.mark.slow
@@ -384,14 +361,8 @@ def test_lora_weight_decay_equals_peft_with_torch_adamw(tmp_path, devices):
     state = state.replace(params=jax.tree.map(
         lambda x, old: jax.device_put(x, old.sharding), adapters, state.params))
     export_adapter(setup, state.model_params(), 0, tmp_path, tmp_path / "adapter", np.float32)
-    data = make_batches(cfg).train_iter(0)
-    batches = [next(data) for _ in range(cfg.steps)]
-    ours = []
-    with jax.set_mesh(setup.mesh):
-        step = setup.train_step()
-        for batch in batches:
-            state, metrics = step(state, to_global(batch, setup.tokens_sharding))
-            ours.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+    batches = list(first_batches(cfg, cfg.steps))
+    ours = losses_and_norms(setup, state, batches)
 
     def peft_model():
         base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")

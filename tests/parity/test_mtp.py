@@ -173,17 +173,13 @@ def _model_config(**overrides):
 
 def _run(cfg, devices, steps: int = 4):
     """[(loss, grad_norm, mtp_loss_1)] of `steps` train steps from init."""
-    from jaxtrain.data.batches import make_batches, to_global
+    from helpers import first_batches, stepping
+
     from jaxtrain.train.setup import build
 
     setup = build(cfg, devices)
-    state, data, out = setup.init_state(), make_batches(cfg).train_iter(0), []
-    with jax.set_mesh(setup.mesh):
-        step = setup.train_step()
-        for _ in range(steps):
-            state, m = step(state, to_global(next(data), setup.tokens_sharding))
-            out.append((float(m["loss"]), float(m["grad_norm"]), float(m.get("mtp_loss_1", 0))))
-    return np.asarray(out)
+    return np.asarray([(float(m["loss"]), float(m["grad_norm"]), float(m.get("mtp_loss_1", 0)))
+                       for _, m in stepping(setup, setup.init_state(), first_batches(cfg, steps))])
 
 
 @pytest.mark.slow  # three runs of four steps (20 s); the module's parity test stays fast

@@ -5,7 +5,8 @@ import json
 
 import numpy as np
 import pytest
-from test_convert import TOLERANCE, _config, _hf_logits, _hf_model, _jax_logits, _tokens
+from hf_parity import hf_logits, jax_logits, random_tokens
+from test_convert import TOLERANCE, _config, _hf_model
 
 from jaxtrain.config import ConfigError, validate
 from jaxtrain.hf.load import import_hf
@@ -37,21 +38,21 @@ def test_scaled_rope_imports_and_exports_with_the_logits_of_transformers(kind, t
                                             **SCALINGS[kind]})
     model.save_pretrained(tmp_path / "hf")
     setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
-    tokens = _tokens(cfg, batch=2)
-    hf_logits = _hf_logits(model, tokens)
-    err = np.abs(_jax_logits(setup, state.params, tokens) - hf_logits).max()
+    tokens = random_tokens(cfg, batch=2)
+    want = hf_logits(model, tokens)
+    err = np.abs(jax_logits(setup, state.params, tokens) - want).max()
     assert err < TOLERANCE, err
     # Scaling changed the numbers: plain RoPE is far from them.
     plain = _config("llama")
     plain_setup, plain_state = import_hf(plain, _plain_copy(tmp_path), tmp_path / "plain",
                                          devices[:1])
-    assert np.abs(_jax_logits(plain_setup, plain_state.params, tokens) - hf_logits).max() \
+    assert np.abs(jax_logits(plain_setup, plain_state.params, tokens) - want).max() \
         > 100 * TOLERANCE
     export_hf(tmp_path / "run", tmp_path / "out", devices=devices[:1])
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
     assert exported["rope_parameters"]["rope_type"] == kind
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert np.abs(_hf_logits(back, tokens) - hf_logits).max() < TOLERANCE
+    assert np.abs(hf_logits(back, tokens) - want).max() < TOLERANCE
 
 
 def _plain_copy(tmp_path):

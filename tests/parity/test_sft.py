@@ -13,7 +13,8 @@ import numpy as np
 import optax
 import pytest
 from conftest import small_config
-from helpers import assert_params_close, train_steps
+from helpers import assert_params_close, losses_and_norms, train_steps
+from hf_parity import decay_groups, torch_steps
 
 from jaxtrain.commands import prepare as prepare_cmd
 from jaxtrain.data.batches import make_batches, to_global
@@ -272,46 +273,26 @@ def _with_packing(cfg, path):
     return c
 
 
-def _lr(step, cfg):
-    """optim.make_schedule's warm-up and cosine, written out for the PyTorch loop."""
-    o, warmup = cfg.optimizer, cfg.optimizer.warmup_steps
-    if step < warmup:
-        return o.lr / warmup + (o.lr - o.lr / warmup) * step / warmup
-    t, steps = step - warmup, cfg.steps - warmup
-    return o.lr * ((1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, steps) / steps))
-                   + o.min_lr_ratio)
-
-
 def _torch_sft(model, batches, cfg):
-    """(loss, gradient norm) of each step of a plain PyTorch loop: cross entropy over the
-    masked targets, mean over them; AdamW (decay on the projections and the head), global
-    norm clipping, the same schedule."""
+    """(loss, gradient norm) of each step of a plain PyTorch loop (hf_parity.torch_steps):
+    cross entropy over the masked targets, mean over them; AdamW decaying the projections
+    and the head."""
     import torch
 
-    decay = [p for n, p in model.named_parameters() if n.endswith("proj.weight")
-             or n == "lm_head.weight"]
-    rest = [p for n, p in model.named_parameters() if not any(p is q for q in decay)]
-    o = cfg.optimizer
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=o.lr,
-                            betas=(o.b1, o.b2), eps=o.eps)
-    model.train()
-    out = []
-    for step, batch in enumerate(batches):
+    def masked_loss(model, batch):
         tokens = torch.from_numpy(batch.tokens.astype(np.int64))
         counted = torch.from_numpy(np.asarray(batch_targets(batch)))
         logits = model(input_ids=tokens[:, :-1]).logits
         losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens[:, 1:],
                                                    reduction="none")
         loss = losses[counted].mean()
-        opt.zero_grad()
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_norm)
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, cfg)
-        opt.step()
-        out.append((float(loss.detach()), float(norm)))
-    return out
+        return loss, loss
+
+    def decays(name):
+        return name.endswith("proj.weight") or name == "lm_head.weight"
+
+    return torch_steps(model, batches, cfg,
+                       decay_groups(model, decays, cfg.optimizer.weight_decay), masked_loss)
 
 
 @pytest.mark.slow
@@ -338,12 +319,7 @@ def test_masked_training_of_an_hf_llama_equals_pytorch(tmp_path, devices):
     setup, state = import_hf(cfg, tmp_path / "hf", tmp_path / "run", devices[:1])
     rng = np.random.default_rng(3)
     batches = [_chat_batch(rng, 128, 4, 32, 1)[0] for _ in range(cfg.steps)]
-    ours = []
-    with jax.set_mesh(setup.mesh):
-        step = setup.train_step()
-        for batch in batches:
-            state, metrics = step(state, to_global(batch, setup.tokens_sharding))
-            ours.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+    ours = losses_and_norms(setup, state, batches)
     theirs = _torch_sft(model, batches, cfg)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
     unmasked = _torch_sft(_hf_model(cfg).float(), [b._replace(mask=None) for b in batches[:1]],

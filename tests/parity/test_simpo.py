@@ -113,17 +113,14 @@ def test_simpo_is_reference_free_and_checks_its_keys():
 
 @pytest.mark.slow
 def test_a_simpo_run_trains_and_eval_reports_its_metrics(tmp_path, devices):
-    from test_dpo import _jsonl, _prepare
+    from test_dpo import _jsonl, _prepare, _random_pairs
 
     from jaxtrain import inference
     from jaxtrain.commands import eval as eval_cmd
     from jaxtrain.metrics_log import read_metrics
     from jaxtrain.train.loop import run
 
-    rng = np.random.default_rng(0)
-    records = [{"prompt": "q" * int(rng.integers(1, 10)), "chosen": "yes" * int(
-        rng.integers(1, 5)), "rejected": "no" * int(rng.integers(1, 5))} for _ in range(40)]
-    assert _prepare(_jsonl(tmp_path / "p.jsonl", records), tmp_path / "d") == 0
+    assert _prepare(_jsonl(tmp_path / "p.jsonl", _random_pairs()), tmp_path / "d") == 0
     cfg = small_config("gpt2", steps=8, **{
         "train.objective": "simpo", "data.source": "prepared", "data.path": str(
             tmp_path / "d"), "data.packing": "pairs", "model.seq_len": 192,

@@ -453,17 +453,22 @@ def _forge_past_the_proxy(bucket, key, blob: bytes) -> None:
                            timeout=10).read()
 
 
-def _down_past_the_takeover_time(bucket, lease, monkeypatch):
-    """Takes the store away from this process (the proxy refuses) for longer than the
-    lease's takeover time; returns the proxy, still down."""
+def _down_past_the_takeover_time(bucket, monkeypatch):
+    """A lease on {bucket}/run (a 1.5 s takeover time, its lines kept in `said`), then the
+    store taken away from this process (the proxy refuses) for longer than that: (workdir,
+    said, lease, the proxy, still down)."""
     from conftest import object_server
+    workdir = f"{bucket}/run"
+    said = []
+    lease = Lease(workdir, say=said.append, heartbeat_s=0.2, stale_s=1.5)
+    lease.acquire()
     monkeypatch.setenv("JAXTRAIN_STORAGE_RETRY_S", "1")
     proxy = object_server(storage.scheme_of(bucket)).proxy
     proxy.down()
     confirmed = lease._confirmed
     while time.monotonic() - confirmed < lease.stale_s + 0.5:
         time.sleep(0.1)
-    return proxy
+    return workdir, said, lease, proxy
 
 
 def test_a_store_down_past_the_takeover_time_holds_writes_back_and_then_renews(
@@ -472,11 +477,7 @@ def test_a_store_down_past_the_takeover_time_holds_writes_back_and_then_renews(
     lease over meanwhile, so the run keeps it. Its writes wait (the one retry policy gives up
     on each, and the writers keep what they hold), and once the store answers the lease,
     still the object this run wrote, is renewed and the writes go out."""
-    workdir = f"{bucket}/run"
-    said = []
-    lease = Lease(workdir, say=said.append, heartbeat_s=0.2, stale_s=1.5)
-    lease.acquire()
-    proxy = _down_past_the_takeover_time(bucket, lease, monkeypatch)
+    workdir, said, lease, proxy = _down_past_the_takeover_time(bucket, monkeypatch)
     try:
         assert not lease.lost.is_set(), said
         with pytest.raises(retry.Unreachable) as held_back:
@@ -503,11 +504,7 @@ def test_a_lease_taken_over_while_the_store_was_unreachable_stops_the_run(
         bucket, monkeypatch):
     """The same outage, but another host, which still reached the store, took the lease
     over: once the store answers this run, it stops before writing (exit code 75)."""
-    workdir = f"{bucket}/run"
-    said = []
-    lease = Lease(workdir, say=said.append, heartbeat_s=0.2, stale_s=1.5)
-    lease.acquire()
-    proxy = _down_past_the_takeover_time(bucket, lease, monkeypatch)
+    workdir, said, lease, proxy = _down_past_the_takeover_time(bucket, monkeypatch)
     try:
         blob = json.dumps({"host": "node-7", "pid": 4242, "since": SINCE,
                            "heartbeat": time.time(), "argv": ["train"], "id": "other"})

@@ -7,23 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import attention_f64
+from helpers import attention_f64, attention_inputs, relative_error
 
 from jaxtrain.models.attention import KERNELS, resolve_attention
-
-
-def _inputs(b, length, heads, groups, head_dim, seed=0):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(keys[0], (b, length, heads, head_dim)) * 0.5
-    k = jax.random.normal(keys[1], (b, length, groups, head_dim)) * 0.5
-    v = jax.random.normal(keys[2], (b, length, groups, head_dim))
-    cotangent = jax.random.normal(keys[3], (b, length, heads, head_dim))
-    return q, k, v, cotangent
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def _assert_matches(kernel, q, k, v, cotangent, window=None, segments=None, tol=1e-5):
@@ -34,9 +20,9 @@ def _assert_matches(kernel, q, k, v, cotangent, window=None, segments=None, tol=
     grads = jax.grad(lambda q, k, v: jnp.vdot(fn(q, k, v), cotangent), argnums=(0, 1, 2))(
         q, k, v)
     want, want_grads = attention_f64(q, k, v, window, segments, cotangent)
-    assert _rel(got, want) < tol
+    assert relative_error(got, want) < tol
     for g, w in zip(grads, want_grads):
-        assert _rel(g, w) < tol
+        assert relative_error(g, w) < tol
 
 
 SHAPES = [
@@ -51,7 +37,7 @@ SHAPES = [
 @pytest.mark.parametrize("impl,shape", [(i, s) for i in ("xla", "chunked") for s in SHAPES]
                          + [("pallas", s) for s in SHAPES if s[1] <= 128])
 def test_implementations_match_the_reference_in_outputs_and_gradients(impl, shape):
-    _assert_matches(KERNELS[impl], *_inputs(*shape))
+    _assert_matches(KERNELS[impl], *attention_inputs(*shape))
 
 
 # Windows shorter than, equal to and longer than the chunked kernel's 128-row blocks.
@@ -59,7 +45,7 @@ def test_implementations_match_the_reference_in_outputs_and_gradients(impl, shap
                                           ((1, 256, 4, 4, 16), 128),
                                           ((1, 300, 4, 1, 8), 200)])
 def test_chunked_matches_the_reference_with_a_sliding_window(shape, window):
-    _assert_matches(lambda q, k, v: KERNELS["chunked"](q, k, v, window), *_inputs(*shape),
+    _assert_matches(lambda q, k, v: KERNELS["chunked"](q, k, v, window), *attention_inputs(*shape),
                     window=window)
 
 
@@ -77,7 +63,7 @@ def test_looped_chunked_kernel_matches_the_reference(shape, window, documents):
         ids = np.repeat(np.arange(1, 5), [100, 3, 200, shape[1] - 303])
         segments = jnp.asarray(np.tile(ids, (shape[0], 1)), jnp.int32)
     _assert_matches(lambda q, k, v: chunked_attention(q, k, v, window, segments, block=16),
-                    *_inputs(*shape), window=window, segments=segments)
+                    *attention_inputs(*shape), window=window, segments=segments)
 
 
 # In bfloat16 the backward's P and dS meet their matmuls in bfloat16 too (as flash kernels
@@ -93,7 +79,7 @@ def test_bfloat16_gradients_track_float32(name, shape):
 
     kernel = (functools.partial(chunked_attention, block=16) if name == "looped"
               else KERNELS[name])
-    q, k, v, cotangent = _inputs(*shape)
+    q, k, v, cotangent = attention_inputs(*shape)
 
     def loss(q, k, v):
         return jnp.vdot(kernel(q, k, v).astype(jnp.float32), cotangent)
@@ -103,12 +89,12 @@ def test_bfloat16_gradients_track_float32(name, shape):
     _, want_grads = attention_f64(q, k, v, cotangent_BLHK=cotangent)
     for got, want in zip(grads, want_grads):
         assert got.dtype == jnp.bfloat16
-        assert _rel(got.astype(jnp.float32), want) < 0.02
+        assert relative_error(got.astype(jnp.float32), want) < 0.02
 
 
 @pytest.mark.parametrize("name", ["xla", "chunked"])
 def test_sliding_window_sees_exactly_the_last_w_keys(name):
-    q, k, v, _ = _inputs(1, 200, 4, 2, 16)
+    q, k, v, _ = attention_inputs(1, 200, 4, 2, 16)
     window, pos = 40, 150
     out = KERNELS[name](q, k, v, window)
     # Changing keys/values outside (pos - window, pos] leaves position pos alone ...
@@ -126,7 +112,7 @@ def test_sliding_window_sees_exactly_the_last_w_keys(name):
 
 
 def test_attention_is_causal():
-    q, k, v, _ = _inputs(1, 256, 4, 2, 16)
+    q, k, v, _ = attention_inputs(1, 256, 4, 2, 16)
     for name in ("xla", "chunked", "pallas"):
         before = KERNELS[name](q, k, v)[:, :100]
         v_later = v.at[:, 100:].set(0.0)  # changing later positions changes nothing earlier
@@ -169,7 +155,7 @@ def test_remat_policies_give_the_loss_and_grads_of_none(remat, devices):
     (loss, grads), (loss_r, grads_r) = _llama_loss_and_grads("none"), _llama_loss_and_grads(remat)
     assert abs(float(loss_r) - float(loss)) < 1e-6
     for a, b in zip(jax.tree.leaves(grads_r), jax.tree.leaves(grads)):
-        assert _rel(a, b) < 1e-5
+        assert relative_error(a, b) < 1e-5
 
 
 def test_offload_dots_is_refused_on_cpu(devices):

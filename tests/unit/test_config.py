@@ -1,5 +1,6 @@
 """Config errors are caught before compiling, with one line naming the key."""
 
+import ast
 import pathlib
 import subprocess
 import sys
@@ -89,7 +90,20 @@ def test_shipped_configs_validate(name, devices):
 
 
 def test_every_config_is_covered():
-    assert {p.stem for p in (ROOT / "configs").glob("*.py")} == set(SHIPPED)
+    # configs/_*.py are the bases the configs load (_cluster.py ...), not runs of their own.
+    assert {p.stem for p in (ROOT / "configs").glob("[!_]*.py")} == set(SHIPPED)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.py")), ids=lambda p: p.name)
+def test_a_config_extends_another_only_through_load_config_file(path):
+    """A config starts from base_config() or loads its parent with load_config_file, as
+    --config does; none imports another config, or loads one with importlib, itself."""
+    source = path.read_text()
+    assert ("base_config()" in source) != ("load_config_file(" in source)
+    imported = {alias.name if isinstance(node, ast.Import) else node.module
+                for node in ast.walk(ast.parse(source))
+                if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+    assert imported <= {"pathlib", "jaxtrain.config"}
 
 
 def _cli(*args):

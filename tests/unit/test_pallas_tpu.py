@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import attention_f64
+from helpers import attention_f64, attention_inputs, relative_error
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -23,17 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _inputs(b, length, heads, groups, head_dim, seed=0):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(keys[0], (b, length, heads, head_dim)) * head_dim ** -0.5
-    k = jax.random.normal(keys[1], (b, length, groups, head_dim))
-    v = jax.random.normal(keys[2], (b, length, groups, head_dim))
-    cotangent = jax.random.normal(keys[3], (b, length, heads, head_dim))
-    return q, k, v, cotangent
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
+    """helpers.attention_inputs with q at 1/sqrt(head_dim), k unscaled."""
+    return attention_inputs(b, length, heads, groups, head_dim, seed,
+                            q_scale=head_dim ** -0.5, k_scale=1.0)
 
 
 def _output_and_grads(fn, q, k, v, cotangent):
@@ -60,11 +52,11 @@ def test_splash_matches_the_float64_reference(shape, window):
                             q, k, v, cotangent)
     want = attention_f64(q, k, v, window, None, cotangent)
     assert got[0].dtype == q.dtype
-    assert _rel(got[0], want[0]) < 1e-5
+    assert relative_error(got[0], want[0]) < 1e-5
     for g, w in zip(got[1], want[1]):
-        assert _rel(g, w) < 1e-5
+        assert relative_error(g, w) < 1e-5
     if window is None:  # and the model's own reference, which it replaces
-        assert _rel(got[0], xla_attention(q, k, v)) < 1e-5
+        assert relative_error(got[0], xla_attention(q, k, v)) < 1e-5
 
 
 def test_window_limits_what_a_query_sees():
@@ -89,9 +81,9 @@ def test_sharded_over_batch_and_heads(devices, groups):
     with jax.set_mesh(mesh):
         got = _output_and_grads(splash_attention, q, k, v, cotangent)
     want = attention_f64(q, k, v, None, None, cotangent)
-    assert _rel(got[0], want[0]) < 1e-5
+    assert relative_error(got[0], want[0]) < 1e-5
     for g, w in zip(got[1], want[1]):
-        assert _rel(g, w) < 1e-5
+        assert relative_error(g, w) < 1e-5
 
 
 @pytest.mark.slow

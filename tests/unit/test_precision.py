@@ -4,22 +4,17 @@ import jax
 import numpy as np
 import pytest
 from conftest import small_config
+from helpers import first_batches, stepping
 
-from jaxtrain.data.batches import make_batches, to_global
 from jaxtrain.train.setup import build
 
 
 def _run(cfg, devices, steps):
     setup = build(cfg, devices)
-    state = setup.init_state()
-    data = make_batches(cfg).train_iter(0)
     rows, params = [], []
-    with jax.set_mesh(setup.mesh):
-        step_fn = setup.train_step()
-        for _ in range(steps):
-            state, metrics = step_fn(state, to_global(next(data), setup.tokens_sharding))
-            rows.append(jax.device_get(metrics))
-            params.append(jax.tree.map(np.asarray, state.params))
+    for state, metrics in stepping(setup, setup.init_state(), first_batches(cfg, steps)):
+        rows.append(jax.device_get(metrics))
+        params.append(jax.tree.map(np.asarray, state.params))
     return rows, params
 
 
