@@ -36,10 +36,9 @@ def compile_step(setup, state=None, tokens=None):
         # inside abstract_state would otherwise be dispatched to them and fail.
         state = setup.abstract_step_state()
     with jax.set_mesh(setup.mesh):
-        lowered = setup.train_step().lower(state, tokens)
-        if setup.mesh.devices.flat[0].platform != "cpu":
-            return lowered.compile()
-        return lowered.compile(CPU_FIGURES_OPTIONS)
+        on_cpu = setup.mesh.devices.flat[0].platform == "cpu"
+        return setup.train_step().lower(state, tokens).compile(
+            CPU_FIGURES_OPTIONS if on_cpu else None)
 
 
 # plan/memory_fit.json holds XLA:CPU's figures with its default fusion emitters. The older
