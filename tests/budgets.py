@@ -60,10 +60,11 @@ def check(times: dict[str, list[tuple[float, str]]], slowest: int = 8) -> tuple[
         cases = times.get(tier, [])
         minutes = sum(t for t, _ in cases) / WORKERS / 60
         budget = BUDGETS_MIN.get(tier)
-        over = budget is None or minutes > budget * SLACK
-        mark = "  OVER BUDGET by more than 25%" if over and budget else ""
         if budget is None:
-            mark = "  NOT IN A TIER (move these tests into a tier folder)"
+            over, mark = True, "  NOT IN A TIER (move these tests into a tier folder)"
+        else:
+            over = minutes > budget * SLACK
+            mark = "  OVER BUDGET by more than 25%" if over else ""
         lines.append(f"{tier:<10}{len(cases):>6}{minutes:>9.2f}{budget or 0:>8.1f}{mark}")
         if over:
             ok = False
