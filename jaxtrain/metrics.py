@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import tqdm
 
-from jaxtrain import hardware, sinks
+from jaxtrain import hardware, retry, sinks
 
 # models.flops re-exported: the training loop and the scripts read model FLOPs from here.
 from jaxtrain.models.flops import attention_flops_per_token, flops_per_token, matmul_params  # noqa: F401
@@ -53,8 +53,21 @@ def measure_matmul_peak(dtype=jnp.float32, n: int = 2048, repeats: int = 5,
     return 2.0 * n ** 3 / best_time(time_once, repeats)
 
 
+PEAK_ENV = "JAXTRAIN_PEAK_TFLOPS"
+
+
+def given_peak_tflops() -> float:
+    """$JAXTRAIN_PEAK_TFLOPS, or 0 where unset; ConfigError (one line) unless a number > 0."""
+    return retry.seconds(PEAK_ENV, 0.0, unit="TFLOP/s")
+
+
 def peak_flops_per_device(precision: str) -> tuple[float, str]:
-    """(FLOP/s, where it came from): a datasheet figure for known accelerators, else measured."""
+    """(FLOP/s, where it came from): $JAXTRAIN_PEAK_TFLOPS where set (a device the catalog
+    lacks, or a host whose peak is already known: the CPU measurement takes ~1 s of every
+    start), else a datasheet figure for known accelerators, else measured."""
+    given = given_peak_tflops()
+    if given:
+        return given * 1e12, f"${PEAK_ENV}"
     device = jax.local_devices()[0]
     # 16-bit and fp8 runs are judged against the bf16 peak (fp8 MFU is often quoted that way).
     peak = PRECISIONS[PRECISIONS[precision].peak]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from jaxtrain import hostmem  # imports nothing heavy
+
 # subcommand -> (module in this package, one line of help)
 COMMANDS = {
     "train": ("train", "train a model (the same as python -m jaxtrain.main)"),
@@ -45,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"jaxtrain: error: no command {name!r}; valid: {', '.join(COMMANDS)}",
               file=sys.stderr)
         sys.exit(2)
+    if name == "train":  # re-executes before the command's imports, not after (hostmem.py)
+        hostmem.restart_with_huge_pages()
     module = importlib.import_module(f"jaxtrain.commands.{COMMANDS[name][0]}")
     # A command either exits itself or returns its exit code (prepare: 2 for bad input, 130
     # when interrupted); a scheduler reads that code, so it must reach the process.

@@ -31,7 +31,12 @@ from jax.experimental import multihost_utils
 from jaxtrain.data import record
 from jaxtrain.data.batches import make_batches, to_global
 from jaxtrain.errors import ConfigError, WorkdirBusy
-from jaxtrain.metrics import MetricsWriter, flops_per_token, peak_flops_per_device
+from jaxtrain.metrics import (
+    MetricsWriter,
+    flops_per_token,
+    given_peak_tflops,
+    peak_flops_per_device,
+)
 from jaxtrain.metrics_log import keep_metrics_up_to, read_metrics
 from jaxtrain.models.attention import computed_scores
 from jaxtrain.outbox import Outbox
@@ -97,6 +102,7 @@ def run(cfg, workdir: pathlib.Path, devices: Sequence[jax.Device] | None = None,
     tasks = load_tasks(cfg)  # and the downstream tasks (eval.tasks)
     data = record.run_data(cfg)  # and the data's tokenizer (its package, its vocabulary)
     frozen.check_sources(setup)  # and LoRA's base (or DPO's reference): there, of this shape
+    given_peak_tflops()  # and $JAXTRAIN_PEAK_TFLOPS
     prepare_workdir(workdir)
     main_process = jax.process_index() == 0
     say = _say if main_process else _quiet

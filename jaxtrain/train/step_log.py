@@ -11,11 +11,11 @@ their device time to itself: `outside_steps` first waits for the newest step, so
 time stays in the interval's step time (the last row of a run, whose final evaluation and
 save used to take in all the steps since the previous row, read 0.063 s for 1.5 s steps).
 
-MFU is model FLOP/s over the peak (metrics.py peak_flops_per_device: a datasheet figure, or a
-matmul measured at start-up). An MFU over 1 says the peak is wrong, not the model: it is left
-out of the row, the row says `mfu_peak_suspect: 1`, and a warning names the peak once. The
-first row of each session records the peak (`peak_flops_per_device`, `peak_source`), which
-`jaxtrain report` shows."""
+MFU is model FLOP/s over the peak (metrics.py peak_flops_per_device: $JAXTRAIN_PEAK_TFLOPS, a
+datasheet figure, or a matmul measured at start-up). An MFU over 1 says the peak is wrong, not
+the model: it is left out of the row, the row says `mfu_peak_suspect: 1`, and a warning names
+the peak once. The first row of each session records the peak (`peak_flops_per_device`,
+`peak_source`), which `jaxtrain report` shows."""
 
 from __future__ import annotations
 

@@ -51,8 +51,9 @@ run_check() {  # name limit_s command...: appends the command's last JSON line, 
 if [ "$REHEARSE" -eq 1 ]; then
   export JAX_PLATFORMS=cpu
   # One CPU device, like one GPU (a test runner may have asked for fake ones); a runner's
-  # backend optimisation level is kept (the tests' -O0: compiles 3x faster, same programs).
-  XLA_FLAGS=$(grep -o -- '--xla_backend_optimization_level=[0-9]*' <<< "${XLA_FLAGS:-}" || true)
+  # compile-speed flags are kept (the tests' -O0 and elemental fusion emitters: compiles
+  # several times faster, same numbers).
+  XLA_FLAGS=$(grep -oE -- "--xla_(backend_optimization_level|cpu_use_fusion_emitters)=[a-z0-9]*" <<< "${XLA_FLAGS:-}" | tr "\n" " " || true)
   export XLA_FLAGS
   HARDWARE=CPU-host
   # llama_1b's family and layout at a size a CPU runs in seconds.

@@ -52,6 +52,8 @@ LATE_THIRD_PARTY = ("matplotlib", "tensorboardX", "ml_dtypes", "jax.experimental
                     # loaded only in tpu_aot_check's compile-only process (its environment)
                     "libtpu")
 LATE_ALLOWED_IN = ("commands.train", "commands.plan", "commands.common",
+                   # main: the train command after the re-exec, not before it as well
+                   "main",
                    # jax after fake-device flags, or in a process re-run for libtpu
                    "plan.calibrate.plan_vs_compiler", "plan.calibrate.tpu_aot_check")
 

@@ -48,6 +48,10 @@ def test_report_draws_a_png_and_summarises(profiled_run, capsys):
     val = [json.loads(row)["val_loss"]
            for row in (workdir / "metrics.jsonl").read_text().splitlines() if "val_loss" in row]
     assert f"val_loss: first {val[0]:.4f}, last {val[-1]:.4f}" in out
+    # The suite gives every run its peak (conftest.py): the row and the report say so.
+    assert rows[0]["peak_flops_per_device"] == 0.2e12
+    assert rows[0]["peak_source"] == "$JAXTRAIN_PEAK_TFLOPS"
+    assert "MFU peak: 0.2 TFLOP/s per device ($JAXTRAIN_PEAK_TFLOPS)" in out
 
 
 def test_report_on_a_missing_run_is_a_clear_error(tmp_path, capsys):
@@ -68,11 +72,30 @@ def test_mfu_peak_comes_from_the_hardware_catalog(device_kind, entry, monkeypatc
     from jaxtrain import metrics
     from jaxtrain.precision import PRECISIONS
 
+    monkeypatch.delenv(metrics.PEAK_ENV)  # the suite's own peak (conftest.py)
     fake = type("Device", (), {"platform": "gpu", "device_kind": device_kind})()
     monkeypatch.setattr(jax, "local_devices", lambda: [fake])
     peak, source = metrics.peak_flops_per_device("bfloat16")
     assert peak == catalog.get(entry).peak_flops(PRECISIONS["bfloat16"])
     assert source == f"datasheet {entry} bfloat16"
+
+
+def test_on_cpu_the_peak_is_measured_unless_given_and_a_bad_one_is_one_line(
+        tmp_path, devices, monkeypatch):
+    from jaxtrain import metrics
+    from jaxtrain.errors import ConfigError
+
+    monkeypatch.delenv(metrics.PEAK_ENV)
+    peak, source = metrics.peak_flops_per_device("float32")
+    assert peak > 1e9 and source == "measured 2048x2048 float32 matmul"
+    monkeypatch.setenv(metrics.PEAK_ENV, "0.25")
+    assert metrics.peak_flops_per_device("bfloat16") == (0.25e12, "$JAXTRAIN_PEAK_TFLOPS")
+    for bad in ("fast", "0", "-1", "nan"):
+        monkeypatch.setenv(metrics.PEAK_ENV, bad)
+        with pytest.raises(ConfigError) as error:
+            run(small_config(steps=1), tmp_path / "run", devices[:1])
+        assert str(error.value) == f"JAXTRAIN_PEAK_TFLOPS={bad}: must be a number of TFLOP/s > 0"
+        assert not (tmp_path / "run").exists(), "refused before anything is written"
 
 
 
