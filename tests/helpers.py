@@ -1,10 +1,15 @@
-"""Shared by the tests: train steps on a chosen set of devices (`stepping`, the one loop),
+"""Shared by the tests: several `jaxtrain` commands in one process (`run_commands`), train steps on a chosen set of devices (`stepping`, the one loop),
 the attention kernels' inputs and the float64 numpy attention every kernel is checked
 against, and the export, PEFT and greedy-decoding checks of the convert tests (their
 transformers side: hf_parity.py)."""
 
 import dataclasses
 import itertools
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -268,3 +273,41 @@ def jaxtrain_steps(cfg, setup, state, count: int = 20):
     `state` on cfg's data: the jaxtrain side of the 20-step parity tests."""
     batches = [np.asarray(getattr(b, "tokens", b)) for b in first_batches(cfg, count)]
     return batches, losses_and_norms(setup, state, batches)
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# One process runs each argv through the `jaxtrain` dispatcher in turn, catching its
+# SystemExit and the Python-level output. After each it drops the flags the command defined
+# and its module (a command that defines its flags at import gets them afresh, unparsed):
+# a refusal needs no process of its own (each is ~3 s of imports on 2 busy cores).
+_DRIVER = """import contextlib, io, json, sys
+from absl import app, flags, logging  # their own flags stay
+from jaxtrain.commands import COMMANDS, main
+results = []
+for argv in json.loads(sys.argv[1]):
+    before, out, err, code = set(flags.FLAGS), io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+        except SystemExit as e:
+            code = e.code
+    for name in set(flags.FLAGS) - before:
+        delattr(flags.FLAGS, name)
+    if argv and argv[0] in COMMANDS:
+        sys.modules.pop("jaxtrain.commands." + COMMANDS[argv[0]][0], None)
+    results.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def run_commands(argvs: list[list[str]], cwd) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of `jaxtrain ARGV...` for each argv, in one process.
+    Anything written past Python's streams (a C++ warning to file descriptor 2) fails the
+    test: a command's stderr must be its one line."""
+    env = dict(os.environ, JAXTRAIN_HUGE_PAGES="0",  # no re-exec of the driver
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(argvs)], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not out.stderr.strip(), out.stderr[-3000:]
+    return [tuple(r) for r in json.loads(out.stdout.strip().splitlines()[-1])]

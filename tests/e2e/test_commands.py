@@ -3,7 +3,6 @@ and --help each end in one line (or the command's own help) before anything is w
 
 import importlib.machinery
 import importlib.util
-import json
 import os
 import pathlib
 import re
@@ -13,6 +12,7 @@ import sys
 
 import pytest
 from conftest import small_config
+from helpers import run_commands
 
 from jaxtrain import errors
 from jaxtrain.commands import COMMANDS, prepare
@@ -120,34 +120,6 @@ def test_train_without_a_sink_package_fails_in_one_line_and_writes_nothing(tmp_p
 # keeps the flags a command defines in one global registry, so those are removed before
 # the next command defines its own (several define --workdir). One process: the imports
 # (jax) are paid once for every command.
-_DRIVER = """import contextlib, io, json, sys
-from absl import app, flags, logging  # their own flags stay
-from jaxtrain.commands import main
-results = []
-for argv in json.loads(sys.argv[1]):
-    before, out, err, code = set(flags.FLAGS), io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(argv)
-        except SystemExit as e:
-            code = e.code
-    for name in set(flags.FLAGS) - before:
-        delattr(flags.FLAGS, name)
-    results.append([code, out.getvalue(), err.getvalue()])
-print(json.dumps(results))
-"""
-
-
-def run_commands(argvs: list[list[str]], cwd) -> list[tuple[int, str, str]]:
-    """(exit code, stdout, stderr) of `jaxtrain ARGV...` for each argv."""
-    env = dict(os.environ, JAXTRAIN_HUGE_PAGES="0",  # no re-exec of the driver
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    out = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(argvs)], cwd=cwd, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return [tuple(r) for r in json.loads(out.stdout.strip().splitlines()[-1])]
-
-
 # Every path a command takes that is local-only for now, as an object-storage URL (the
 # others local and valid). --workdir may be on object storage in every command
 # (tests/storage/test_object_storage.py; launch's, for several processes: tests/e2e/test_multihost.py).

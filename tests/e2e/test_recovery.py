@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import small_config
+from helpers import run_commands
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -440,11 +441,8 @@ def test_a_checkpoint_of_a_broken_run_never_pushes_the_last_good_one_out(tmp_pat
 
 @pytest.mark.slow
 def test_one_line_errors_and_nothing_to_do(tmp_path, devices, capfd):
-    def cli(*args):
-        return subprocess.run([sys.executable, "-m", "jaxtrain", *args], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300)
     (tmp_path / "broken.py").write_text("def get_config(:\n")
-    for args, message in [
+    cases = [
             (["train", "--config", "configs/missing.py"], "--config=configs/missing.py: no such file"),
             (["train", "--config", str(tmp_path / "broken.py")], "cannot be loaded: SyntaxError"),
             (["plan", "--config", "configs/missing.py", "--hardware", "A100-80GB"], "no such file"),
@@ -454,10 +452,11 @@ def test_one_line_errors_and_nothing_to_do(tmp_path, devices, capfd):
              "holds no checkpoints/"),
             # prepare returns its code (not sys.exit): the dispatcher must pass it on.
             (["prepare", str(tmp_path / "none.txt"), "--train-tokenizer=300",
-              f"--out={tmp_path / 'p'}"], "none.txt: no such file")]:
-        result = cli(*args)
-        lines = result.stderr.strip().splitlines()
-        assert result.returncode == 2, (args, result.stderr[-2000:])
+              f"--out={tmp_path / 'p'}"], "none.txt: no such file")]
+    for (args, message), (code, _, err) in zip(cases, run_commands([a for a, _ in cases], ROOT),
+                                               strict=True):
+        lines = err.strip().splitlines()
+        assert code == 2, (args, err[-2000:])
         assert len(lines) == 1 and lines[0].startswith("jaxtrain: error: "), (args, lines)
         assert message in lines[0], (args, lines)
     # steps at or below the checkpoint's step: nothing to do, nothing rewritten.

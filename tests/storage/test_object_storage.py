@@ -233,7 +233,7 @@ def test_gcs_401_is_invalid_credentials_and_an_anonymous_401_no_credentials():
 
 @pytest.mark.slow
 def test_an_export_to_a_missing_bucket_is_refused_before_any_work(tmp_path):
-    from test_commands import run_commands
+    from helpers import run_commands
 
     object_server("s3")
     object_server("gs")

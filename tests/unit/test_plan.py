@@ -8,6 +8,7 @@ import sys
 
 import jax
 import pytest
+from helpers import run_commands
 
 from jaxtrain import hardware as catalog
 from jaxtrain.config import validate
@@ -367,7 +368,7 @@ def test_compare_ranks_every_offer_by_cost_and_time_and_plots(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("args, message", [
+COMPARE_ERRORS = [
     (["--compare", "H100-SXM:8,A200:8"], "--compare=A200:8 is invalid: unknown hardware 'A200';"
      " valid values are A100-40GB"),
     (["--compare", "H100-SXM:8"], "give two or more offers"),
@@ -375,14 +376,15 @@ def test_compare_ranks_every_offer_by_cost_and_time_and_plots(tmp_path):
     (["--compare", "H100-SXM:8,B200:8", "--plot", "out.svg"], "--plot=out.svg is invalid"),
     (["--plot", "out.png"], "--plot is invalid without --compare"),
     ([], "--hardware is missing"),
-])
-def test_cli_compare_errors_are_one_line(args, message):
-    out = subprocess.run(
-        [sys.executable, "-m", "jaxtrain.commands.plan", "--config",
-         str(ROOT / "configs/tiny.py"), *args],
-        capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert out.returncode == 2, out.stderr
-    assert out.stderr.strip().count("\n") == 0 and message in out.stderr, out.stderr
+]
+
+
+def test_cli_compare_errors_are_one_line(tmp_path):
+    results = run_commands([["plan", "--config", str(ROOT / "configs/tiny.py"), *args]
+                            for args, _ in COMPARE_ERRORS], tmp_path)
+    for (args, message), (code, _, err) in zip(COMPARE_ERRORS, results, strict=True):
+        assert code == 2, (args, err)
+        assert err.strip().count("\n") == 0 and message in err, (args, err)
 
 
 def test_cli_compare_prints_the_table_and_writes_the_plot(tmp_path):
