@@ -22,11 +22,11 @@ import xml.etree.ElementTree as ET
 WORKERS = 2
 SLACK = 1.25  # a tier fails past budget x SLACK
 BUDGETS_MIN = {  # tier folder under tests/ -> budget in minutes (tests/README.md says why)
-    "unit": 7.0,
-    "parallel": 3.0,
-    "parity": 7.5,
-    "storage": 4.0,
-    "e2e": 7.5,
+    "unit": 6.0,
+    "parallel": 2.5,
+    "parity": 7.0,
+    "storage": 3.5,
+    "e2e": 6.0,
 }
 TOTAL_BUDGET_MIN = sum(BUDGETS_MIN.values())
 
