@@ -24,7 +24,7 @@ COMMANDS = {
     "serve": ("serve", "an OpenAI-compatible HTTP server on a trained model"),
     "eval": ("eval", "loss, perplexity and bits per byte of a trained model"),
     "quantize": ("quantize", "int8 post-training quantization of a trained model"),
-    "convert": ("convert", "import from / export to Hugging Face (GPT-2, Llama)"),
+    "convert": ("convert", "import from / export to Hugging Face (every family: convert --help)"),
     "report": ("report", "draw a run's metrics into a PNG"),
     "launch": ("launch", "start a multi-process job on this machine"),
 }
