@@ -105,7 +105,7 @@ class RemoteCheckpoints(Checkpoints, where="remote"):
         host = checkpoint_shards.host_copy(tree)
         tag = _tag("save", self.url, step)
         # Patience only where no other process must try again in step with this one.
-        patient_s = retry.seconds(FINAL_ENV, FINAL_S) \
+        patient_s = retry.env_number(FINAL_ENV, FINAL_S) \
             if last and jax.process_count() == 1 else None
         self._pending.append(self._executor.submit(
             self._write, step, host, {"config": config, "sums": sums}, tag, patient_s))

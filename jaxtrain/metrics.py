@@ -58,7 +58,7 @@ PEAK_ENV = "JAXTRAIN_PEAK_TFLOPS"
 
 def given_peak_tflops() -> float:
     """$JAXTRAIN_PEAK_TFLOPS, or 0 where unset; ConfigError (one line) unless a number > 0."""
-    return retry.seconds(PEAK_ENV, 0.0, unit="TFLOP/s")
+    return retry.env_number(PEAK_ENV, 0.0, unit="TFLOP/s")
 
 
 def peak_flops_per_device(precision: str) -> tuple[float, str]:

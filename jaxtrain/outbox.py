@@ -77,7 +77,7 @@ class Outbox:
     def __init__(self, workdir, say):
         self.workdir, self.say = workdir, say
         self.remote = not storage.on_disk(workdir)
-        self.bound = retry.seconds(BOUND_ENV, BOUND_MB, unit="MiB") * 2**20
+        self.bound = retry.env_number(BOUND_ENV, BOUND_MB, unit="MiB") * 2**20
         self.jobs: list[Job] = []
         self.written: dict[str, float] = {}  # key -> when its last write began
         self.error: BaseException | None = None
@@ -137,7 +137,7 @@ class Outbox:
         on the scratch disk if any is left, or LeaseLost if the lease was lost."""
         if not self.remote or self._thread is None:
             return
-        final_s = retry.seconds(FINAL_ENV, FINAL_S) if final_s is None else final_s
+        final_s = retry.env_number(FINAL_ENV, FINAL_S) if final_s is None else final_s
         with self._cond:
             if self._abandoned:  # stopped at the bound: what waited is kept already
                 return

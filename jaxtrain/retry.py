@@ -80,7 +80,7 @@ def transient(error: BaseException) -> bool:
     return status is not None or type(error).__module__.split(".")[0] in _CLIENT_PACKAGES
 
 
-def seconds(name: str, default: float, unit: str = "seconds") -> float:
+def env_number(name: str, default: float, unit: str = "seconds") -> float:
     """A positive number (of `unit`) from the environment variable `name`, else `default`;
     ConfigError (one line) for anything else."""
     raw = os.environ.get(name)
@@ -96,11 +96,11 @@ def seconds(name: str, default: float, unit: str = "seconds") -> float:
 
 
 def budget_s() -> float:
-    return seconds(RETRY_ENV, BUDGET_S)
+    return env_number(RETRY_ENV, BUDGET_S)
 
 
 def stall_s() -> float:
-    return seconds(STALL_ENV, STALL_S)
+    return env_number(STALL_ENV, STALL_S)
 
 
 @contextlib.contextmanager

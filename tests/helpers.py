@@ -1,7 +1,8 @@
-"""Shared by the tests: several `jaxtrain` commands in one process (`run_commands`), train steps on a chosen set of devices (`stepping`, the one loop),
+"""Shared by the tests: train steps on a chosen set of devices (`stepping`, the one loop),
 the attention kernels' inputs and the float64 numpy attention every kernel is checked
-against, and the export, PEFT and greedy-decoding checks of the convert tests (their
-transformers side: hf_parity.py)."""
+against, the export, PEFT and greedy-decoding checks of the convert tests (their
+transformers side: hf_parity.py), and several `jaxtrain` commands in one process
+(`run_commands`)."""
 
 import dataclasses
 import itertools
@@ -18,6 +19,8 @@ from flax import nnx
 from jaxtrain.data.batches import make_batches, to_global
 from jaxtrain.train.setup import build
 from jaxtrain.train.state import abstract_model
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def stepping(setup, state, batches):
@@ -275,7 +278,6 @@ def jaxtrain_steps(cfg, setup, state, count: int = 20):
     return batches, losses_and_norms(setup, state, batches)
 
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 # One process runs each argv through the `jaxtrain` dispatcher in turn, catching its
 # SystemExit and the Python-level output. After each it drops the flags the command defined
 # and its module (a command that defines its flags at import gets them afresh, unparsed):

@@ -53,7 +53,7 @@ def check_address(address: str) -> None:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise DataError(f"--ray {address}: not a cluster address; give HOST:PORT (the head "
                         "node's GCS address, e.g. 10.0.0.5:6379), ray://HOST:PORT, or auto")
-    seconds = retry.seconds(CONNECT_ENV, CONNECT_S)
+    seconds = retry.env_number(CONNECT_ENV, CONNECT_S)
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=seconds).close()
     except OSError as e:
