@@ -22,7 +22,7 @@ from jax.experimental import multihost_utils
 
 from jaxtrain.engine.requests import Completion, Request, check_prompt
 from jaxtrain.engine.sampler import RowSampling
-from jaxtrain.engine.steps import Model, Steps, bucket
+from jaxtrain.engine.steps import Model, Steps, bucket, key_bucket
 from jaxtrain.engine.stops import Stopper
 from jaxtrain.errors import ConfigError
 
@@ -129,8 +129,10 @@ class Engine:
             if not any(self.busy):
                 return
             rows = RowSampling(**self.rows)
+            need = 1 + max(int(self.positions_S[s]) for s, b in enumerate(self.busy) if b)
             self.cache, *out = self.steps.step(self.model.params, self.cache, self.tokens_S,
-                                               self.positions_S, rows)
+                                               self.positions_S, rows,
+                                               keys=key_bucket(need, self.max_len))
         tokens_S, logprobs_S, top_ids_SN, top_lp_SN = _to_host(out)
         for slot, sample in enumerate(self.busy):
             if sample is not None:

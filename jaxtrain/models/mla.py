@@ -209,7 +209,7 @@ class AttentionPart:
 
 class Mla(nnx.Module):
     """MLA (module docstring). __call__(x_BLD, segments_BL, positions_BL) -> y_BLD;
-    decode(x_BTD, cache, start) -> (y_BTD, cache); init_cache(batch, length, dtype)."""
+    decode(x_BTD, cache, start) -> (y_BTD, new entries); init_cache(batch, length, dtype)."""
 
     def __init__(self, spec, mla: MlaSpec, *, rngs: nnx.Rngs):
         self.spec, self.mla = spec, mla
@@ -291,28 +291,34 @@ class Mla(nnx.Module):
                 jnp.zeros((batch, length, mla.qk_rope_head_dim), dtype))
 
     def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array, kind=None):
-        """T new positions [start, start+T) against the latent cache, with the
-        up-projections absorbed (module docstring); returns (y_BTD, cache)."""
+        """T new positions [start, start+T) against the latent cache, read as it is, with
+        the up-projections absorbed (module docstring); returns (y_BTD, their latents and
+        rotary keys [B, T, ...]), which the model writes into the cache after its last
+        layer (models/attention/cache.py)."""
         spec, mla = self.spec, self.mla
         positions_xT = decode_cache.positions(start, x_BTD.shape[1])
         q_nope_BTHN, q_rope_BTHK = self._query(x_BTD, positions_xT)
-        new = self._latent(x_BTD, positions_xT)
-        c_BMR, k_rope_BMK = (decode_cache.write(old, n, start) for old, n in zip(cache, new))
+        new = tuple(n.astype(c.dtype) for n, c in zip(self._latent(x_BTD, positions_xT), cache))
         dt = spec.compute_dtype
         q_lat_BTHR = jnp.einsum("bthn,rhn->bthr", q_nope_BTHN, self.w_k_up[...].astype(dt))
-        scores_BHTM = (jnp.einsum("bthr,bmr->bhtm", q_lat_BTHR, c_BMR.astype(dt),
-                                  preferred_element_type=jnp.float32)
-                       + jnp.einsum("bthk,bmk->bhtm", q_rope_BTHK, k_rope_BMK.astype(dt),
-                                    preferred_element_type=jnp.float32)) * mla.scale
-        visible_TM = decode_cache.visible(positions_xT, c_BMR.shape[1],
-                                          spec.layer_kind(kind).window(spec))
-        if positions_xT.ndim == 2:  # [B, T, M] per row, under the heads
-            visible_TM = visible_TM[:, None]
-        scores_BHTM = jnp.where(visible_TM, scores_BHTM, jnp.finfo(jnp.float32).min)
-        probs_BHTM = jax.nn.softmax(scores_BHTM, axis=-1).astype(dt)
-        o_lat_BTHR = jnp.einsum("bhtm,bmr->bthr", probs_BHTM, c_BMR.astype(dt))
+        window = spec.layer_kind(kind).window(spec)
+        blocks = ((cache, decode_cache.visible_cached(positions_xT, cache[0].shape[1], window)),
+                  (new, decode_cache.visible_new(positions_xT, window)))
+        parts = []
+        for (c_BMR, k_rope_BMK), visible_TM in blocks:  # the cache's, then the new tokens'
+            scores_BHTM = (jnp.einsum("bthr,bmr->bhtm", q_lat_BTHR, c_BMR.astype(dt),
+                                      preferred_element_type=jnp.float32)
+                           + jnp.einsum("bthk,bmk->bhtm", q_rope_BTHK, k_rope_BMK.astype(dt),
+                                        preferred_element_type=jnp.float32)) * mla.scale
+            if positions_xT.ndim == 2:  # [B, T, M] per row, under the heads
+                visible_TM = visible_TM[:, None]
+            parts.append(jnp.where(visible_TM, scores_BHTM, jnp.finfo(jnp.float32).min))
+        probs_BHTM = jax.nn.softmax(jnp.concatenate(parts, -1), axis=-1).astype(dt)
+        m = cache[0].shape[1]
+        o_lat_BTHR = (jnp.einsum("bhtm,bmr->bthr", probs_BHTM[..., :m], cache[0].astype(dt))
+                      + jnp.einsum("bhtm,bmr->bthr", probs_BHTM[..., m:], new[0].astype(dt)))
         out_BTHV = jnp.einsum("bthr,rhv->bthv", o_lat_BTHR, self.w_v_up[...].astype(dt))
-        return dense(spec, "blhk,hkd->bld", out_BTHV, self.w_o[...]), (c_BMR, k_rope_BMK)
+        return dense(spec, "blhk,hkd->bld", out_BTHV, self.w_o[...]), new
 
 
 MLA = AttentionPart(

@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxtrain.mesh import active_rules, constrain
 from jaxtrain.models.attention import Attention, resolve_attention, resolve_variant
-from jaxtrain.models.attention.cache import positions as decode_positions
+from jaxtrain.models.attention import cache as decode_cache
 from jaxtrain.models.embedding import embed
 from jaxtrain.models.families import (
     FAMILIES,
@@ -243,13 +243,14 @@ class Block(nnx.Module):
 
     def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array,
                kind: str | None = None, valid=None):
-        """(x_BTD, the layer's updated cache); no expert drops a token while generating.
-        valid: the real tokens of a padded prefill (an attention layer's mask hides the
-        padding's keys until decoding overwrites them)."""
+        """(x_BTD, the new tokens' cache entries, which Transformer.decode writes); no
+        expert drops a token while generating. valid: the real tokens of a padded prefill
+        (an attention layer's mask hides the padding's keys until decoding overwrites
+        them)."""
         del valid
-        y_BTD, cache = self.attn.decode(self.attn_norm(x_BTD), cache, start, kind)
+        y_BTD, new = self.attn.decode(self.attn_norm(x_BTD), cache, start, kind)
         return self._mlp_residual(x_BTD + self._post("post_attn_norm", y_BTD),
-                                  drop=False)[0], cache
+                                  drop=False)[0], new
 
 
 class LinearBlock(Block):
@@ -451,29 +452,29 @@ class Transformer(nnx.Module):
 
     def init_cache(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
         """Every layer's decoding cache for `length` positions: keys and values
-        [layers, B, M, G, K] each, or MLA's latents [layers, B, M, kv_lora_rank] and rotary
-        keys [layers, B, M, rope] (models/mla.py)."""
+        [layers, B, G, M, K] each, or MLA's latents [layers, B, M, kv_lora_rank] and rotary
+        keys [layers, B, M, rope] (models/mla.py); their axes: models/attention/cache.py."""
         spec = self.spec
         if spec.linear is not None:
             return self._mixed_cache(batch, length)
         if spec.mla is not None:
             return tuple(constrain(jnp.zeros((spec.num_layers, batch, length, dim),
                                              spec.compute_dtype),
-                                   ("layers", "batch", "length", None), spec.rules)
+                                   decode_cache.LATENT_AXES, spec.rules)
                          for dim in (spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim))
-        shape = (spec.num_layers, batch, length, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_layers, batch, spec.num_kv_heads, length, spec.head_dim)
         zeros = jnp.zeros(shape, spec.compute_dtype)
-        axes = ("layers", "batch", "length", "kv_heads", "kv")
+        axes = decode_cache.KV_AXES
         return constrain(zeros, axes, spec.rules), constrain(zeros, axes, spec.rules)
 
     def _mixed_cache(self, batch: int, length: int) -> dict:
-        """{blocks: (keys, values) [attention layers, B, M, G, K], linear_blocks: (conv
+        """{blocks: (keys, values) [attention layers, B, G, M, K], linear_blocks: (conv
         inputs q, k, v [linear layers, B, W−1, heads, dim], state [linear layers, B, H, K,
         V] float32)}: the linear layers' part is the same whatever `length`."""
         spec, linear = self.spec, sum(LAYER_KINDS[k].linear for k in self.spec.layer_types)
-        shape = (spec.num_layers - linear, batch, length, spec.num_kv_heads, spec.head_dim)
-        axes = ("layers", "batch", "length", "kv_heads", "kv")
-        kv = tuple(constrain(jnp.zeros(shape, spec.compute_dtype), axes, spec.rules)
+        shape = (spec.num_layers - linear, batch, spec.num_kv_heads, length, spec.head_dim)
+        kv = tuple(constrain(jnp.zeros(shape, spec.compute_dtype), decode_cache.KV_AXES,
+                             spec.rules)
                    for _ in range(2))
         ls = spec.linear
         conv_axes = ("layers", "batch", None, "kv_heads", "kv")
@@ -487,48 +488,62 @@ class Transformer(nnx.Module):
         return {"blocks": kv, "linear_blocks": tuple(
             constrain(z, a, spec.rules) for z, a in zip(states, axes_each))}
 
-    def decode(self, tokens_BT: jax.Array, cache: tuple, start: jax.Array, valid=None):
+    def decode(self, tokens_BT: jax.Array, cache: tuple, start: jax.Array, valid=None,
+               keys: int | None = None):
         """Logits of T new tokens at positions [start, start+T), reading and extending the
         kv cache of the earlier ones (prefill: start 0, T = prompt; then T = 1 per token).
         start: a scalar shared by the batch, or [B], each row's own (the engine's slots,
         jaxtrain/engine/). The cache stays [layers, ...]; the walker reads it by group.
         valid: the real tokens of a padded prefill (None: all); the linear layers' state
-        takes only those."""
+        takes only those. keys: how many of the cache's positions the attention layers read
+        (None: all), when every row's start + T is within them: a step's cost then follows
+        the rows' lengths, not the cache's (the engine's key buckets)."""
         if jnp.ndim(start) == 0:
             x_BTD = self._embed(tokens_BT, start)
         else:  # each row's own positions (the position table's rows, where there is one)
-            x_BTD = self._embed(tokens_BT, positions_BL=decode_positions(start,
-                                                                       tokens_BT.shape[1]))
+            x_BTD = self._embed(tokens_BT, positions_BL=decode_cache.positions(
+                start, tokens_BT.shape[1]))
         if self.spec.linear is not None:
-            x_BTD, new = self._mixed_decode(x_BTD, cache, start, valid)
+            x_BTD, new = self._mixed_decode(x_BTD, cache, start, valid, keys)
         else:
-            x_BTD, new = self._grouped_decode(x_BTD, cache, start)
+            x_BTD, new = self._grouped_decode(x_BTD, cache, start, keys)
+            # The attention layers' new entries, written once after the stack, in place
+            # (models/attention/cache.py: not a new cache from the layer scan every step).
+            new = tuple(decode_cache.write_layers(c, n, start) for c, n in zip(cache, new))
         logits_BTV = soft_cap(self.final_norm(x_BTD) @ self.head(), self.spec.final_softcap)
         return constrain(logits_BTV, ("batch", "length", "vocab"), self.spec.rules), new
 
-    def _grouped_decode(self, x_BTD, cache: tuple, start):
-        """decode's layers by group (models/stack.py walk): (x_BTD, the new cache)."""
+    def _grouped_decode(self, x_BTD, cache: tuple, start, keys):
+        """decode's layers by group (models/stack.py walk), each reading its cache:
+        (x_BTD, every layer's new entries [layers, B, T, ...])."""
         groups = Groups.of(self.spec)
         defs, states = self._stacks()
 
         def layer(kind, x_BTD, state_and_cache, layer_kind, view=None):
             state, layer_cache = state_and_cache if view is None else view(state_and_cache)
-            x_BTD, layer_cache = nnx.merge(defs[kind], state).decode(x_BTD, layer_cache, start,
-                                                                     layer_kind)
-            return x_BTD, {}, layer_cache
+            x_BTD, new = nnx.merge(defs[kind], state).decode(
+                x_BTD, decode_cache.first(layer_cache, keys), start, layer_kind)
+            return x_BTD, {}, new
 
         xs = {kind: (states[kind], c) for kind, c in groups.split(cache).items()}
         (x_BTD, _), new = walk(groups, layer, (x_BTD, {}), xs)
         return x_BTD, groups.join(new)
 
-    def _mixed_decode(self, x_BTD, cache: dict, start, valid):
-        """decode's layers with linear-attention layers: (x_BTD, the new cache)."""
+    def _mixed_decode(self, x_BTD, cache: dict, start, valid, keys):
+        """decode's layers with linear-attention layers: (x_BTD, the new cache). A linear
+        layer returns its whole new state; the attention layers their new entries, written
+        after the stack (models/attention/cache.py)."""
         defs, states = self._mixed_stacks()
 
         def layer(kind, x_BTD, state_and_cache):
             state, layer_cache = state_and_cache
+            if stack_of(kind) == "blocks":  # an attention layer's (a linear one's: its state)
+                layer_cache = decode_cache.first(layer_cache, keys)
             return nnx.merge(defs[stack_of(kind)], state).decode(x_BTD, layer_cache, start,
                                                                  kind, valid)
 
         xs = {s: (states[s], cache[s]) for s in states}
-        return walk_mixed(self.spec.layer_types, layer, x_BTD, xs)
+        x_BTD, new = walk_mixed(self.spec.layer_types, layer, x_BTD, xs)
+        new["blocks"] = tuple(decode_cache.write_layers(c, n, start)
+                              for c, n in zip(cache["blocks"], new["blocks"]))
+        return x_BTD, new

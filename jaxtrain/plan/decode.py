@@ -12,11 +12,9 @@ import jax
 
 from jaxtrain.mesh import logical_to_spec
 from jaxtrain.models import ModelSpec
+from jaxtrain.models.attention import KV_AXES, LATENT_AXES
 from jaxtrain.models.mla import gqa_cache_bytes_per_token
 from jaxtrain.plan import memory
-
-CACHE_AXES = ("layers", "batch", "length", "kv_heads", "kv")  # the engine's GQA cache
-LATENT_AXES = ("layers", "batch", "length", None)  # MLA's two caches
 
 
 def layer_bytes_per_token(spec: ModelSpec) -> int:
@@ -30,7 +28,7 @@ def layer_bytes_per_token(spec: ModelSpec) -> int:
 def _splits(spec: ModelSpec, sizes: dict[str, int]) -> tuple[int, int]:
     """(ways a slot's cache splits over the mesh, ways the slots split): the cache is
     sharded as the engine constrains it (models/transformer.py init_cache)."""
-    axes = LATENT_AXES if spec.mla is not None else CACHE_AXES
+    axes = LATENT_AXES if spec.mla is not None else KV_AXES
     pspec = tuple(logical_to_spec(axes, spec.rules)) + (None,) * len(axes)
     ways = [math.prod(sizes.get(a, 1) for a in
                       (() if m is None else (m,) if isinstance(m, str) else tuple(m)))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxtrain.engine import Engine, Model, Request, SamplingParams
-from jaxtrain.engine.steps import bucket
+from jaxtrain.engine.steps import MIN_KEYS, bucket, key_bucket
 from jaxtrain.errors import ConfigError
 from jaxtrain.hf.load import import_hf
 
@@ -220,6 +220,35 @@ def test_bad_requests_are_one_line_errors(llama):
 
 def test_buckets_are_few():
     assert [bucket(n, 48) for n in (1, 7, 8, 9, 17, 33, 47)] == [8, 8, 8, 16, 32, 48, 48]
+    # A step's cache reads: at least MIN_KEYS, then powers of two, then the whole cache.
+    assert [key_bucket(n, 320) for n in (1, 128, 129, 256, 257, 320)] == \
+        [128, 128, 256, 256, 320, 320]
+    assert key_bucket(1, 48) == 48 and MIN_KEYS == 128
+
+
+def test_a_step_reads_the_cache_only_as_far_as_its_rows_need(tmp_path, devices):
+    """A cache of 320 positions: a row decoding from position 99 to 279 runs steps that
+    read 128, then 256, then all 320 positions (key_bucket: three compiled steps), and its
+    greedy tokens and log-probabilities are transformers' all the way; a short row beside
+    it is unchanged by the longer one's buckets."""
+    test = importlib.import_module("test_convert")
+    cfg = test._config("llama", **{"model.seq_len": 320})
+    FAMILIES["long_llama"] = lambda: (cfg, test._hf_model(cfg, seed=2))
+    try:
+        hf, model = _imported("long_llama", tmp_path, devices[:1])
+    finally:
+        del FAMILIES["long_llama"]
+    prompt = np.random.default_rng(0).integers(1, cfg.model.vocab_size, 100).tolist()
+    want, logprobs_NV = _transformers(hf, prompt, new=180)
+    short_want, _ = _transformers(hf, PROMPTS[0])
+    engine = Engine(model, slots=2, max_len=320)
+    got, short = [c for (c,) in engine.generate([
+        Request(tuple(prompt), SamplingParams(max_new_tokens=180, logprobs=True)),
+        Request(tuple(PROMPTS[0]), SamplingParams(max_new_tokens=NEW))])]
+    assert got.ids == want and short.ids == short_want
+    picked = logprobs_NV[np.arange(len(got.ids)), got.ids]
+    np.testing.assert_allclose(got.logprobs, picked, atol=1e-5, rtol=0)
+    assert engine.steps.step._cache_size() == 3  # the steps of 128, 256 and 320 positions
 
 
 @pytest.mark.slow

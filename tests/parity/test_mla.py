@@ -18,6 +18,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 from jaxtrain.config import ConfigError
 from jaxtrain.models import ModelSpec
 from jaxtrain.models import mla as mla_lib
+from jaxtrain.models.attention import cache as decode_cache
 
 D, H, NOPE, ROPE, V, RKV, L = 32, 4, 8, 4, 6, 16, 10
 
@@ -97,7 +98,10 @@ def test_mla_equals_transformers_and_decodes_through_the_latent_cache(q_lora_ran
     step = nnx.jit(lambda m, x, cache, start: m.decode(x, cache, start))
     outs = []
     for start, end in [(0, 4)] + [(i, i + 1) for i in range(4, L)]:
-        y, cache = step(layer, x[:, start:end], cache, jnp.int32(start))
+        y, new = step(layer, x[:, start:end], cache, jnp.int32(start))
+        # the layer reads the cache as it was; its new entries are the caller's to write
+        assert [n.shape for n in new] == [(2, end - start, RKV), (2, end - start, ROPE)]
+        cache = tuple(decode_cache.write(c, n, start) for c, n in zip(cache, new))
         outs.append(np.asarray(y))
     np.testing.assert_allclose(np.concatenate(outs, 1), want, rtol=1e-5, atol=1e-5)
     # The cache holds the latent and the rotary key, nothing expanded per head.

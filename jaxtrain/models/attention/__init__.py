@@ -13,8 +13,11 @@
 - scaffold.py    what every kernel shares: the grouped layout, head folding, masks, the
                  recomputing custom VJP
 - flash.py       the online-softmax tile math of the looped kernels
+- cache.py       what cached decoding shares (GQA's and MLA's): positions, masks, the
+                 cache's axes and the write of every layer's new entries after the stack
 """
 
+from jaxtrain.models.attention.cache import KV_AXES, LATENT_AXES
 from jaxtrain.models.attention.context_tiles import computed_scores
 from jaxtrain.models.attention.context_variants import (
     VARIANTS,
@@ -25,6 +28,6 @@ from jaxtrain.models.attention.kernels import KERNELS, AttentionKernel, resolve_
 from jaxtrain.models.attention.layer import ATTENTION_DOT_NAMES, PROJECTION_NAMES, Attention
 from jaxtrain.models.attention.xla import xla_attention
 
-__all__ = ["ATTENTION_DOT_NAMES", "KERNELS", "PROJECTION_NAMES", "VARIANTS", "Attention",
-           "AttentionKernel", "ContextVariant", "computed_scores", "resolve_attention",
-           "resolve_variant", "xla_attention"]
+__all__ = ["ATTENTION_DOT_NAMES", "KERNELS", "KV_AXES", "LATENT_AXES", "PROJECTION_NAMES",
+           "VARIANTS", "Attention", "AttentionKernel", "ContextVariant", "computed_scores",
+           "resolve_attention", "resolve_variant", "xla_attention"]

@@ -14,7 +14,7 @@ from jaxtrain.models import lora
 from jaxtrain.models.attention import cache as decode_cache
 from jaxtrain.models.attention.context import context_attention
 from jaxtrain.models.attention.kernels import KERNELS
-from jaxtrain.models.attention.xla import cached_attention
+from jaxtrain.models.attention.xla import decode_attention
 from jaxtrain.models.layers import dense, param
 from jaxtrain.models.rope import rope
 
@@ -140,15 +140,15 @@ class Attention(nnx.Module):
 
     def decode(self, x_BTD: jax.Array, cache: tuple, start: jax.Array,
                kind: str | None = None):
-        """T new positions [start, start+T) against the kv cache ([B, M, G, K] each), which
-        gets their keys and values; returns (y_BTD, cache). start: a scalar, or [B] (each
-        row at its own position: models/attention/cache.py). A windowed kind's cache keeps
-        every position too (the mask hides the ones past its window)."""
+        """T new positions [start, start+T) against the kv cache ([B, G, M, K] each), read
+        as it is; returns (y_BTD, their keys and values [B, G, T, K]), which the model
+        writes into the cache after its last layer (models/attention/cache.py). start: a
+        scalar, or [B] (each row at its own position). A windowed kind's cache keeps every
+        position too (the mask hides the ones past its window)."""
         positions_xT = decode_cache.positions(start, x_BTD.shape[1])
         q_BTHK, k_BTGK, v_BTGK = self.qkv(x_BTD, positions_xT, kind)
-        k_BMGK, v_BMGK = (decode_cache.write(c, new, start)
-                          for c, new in zip(cache, (k_BTGK, v_BTGK)))
-        out_BTHK = cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_xT,
+        new = tuple(n.swapaxes(1, 2).astype(c.dtype) for n, c in zip((k_BTGK, v_BTGK), cache))
+        out_BTHK = decode_attention(q_BTHK, cache, new, positions_xT,
                                     self.spec.layer_kind(kind).window(self.spec),
                                     softcap=self.spec.attn_softcap, **self._kernel_parts())
-        return self._output(out_BTHK, self.gate(x_BTD)), (k_BMGK, v_BMGK)
+        return self._output(out_BTHK, self.gate(x_BTD)), new

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxtrain.models.attention import cache as decode_cache
 from jaxtrain.models.attention.scaffold import causal_mask, same_document
@@ -47,41 +48,77 @@ _qk_16bit.defvjp(_qk_16bit_fwd, _qk_16bit_bwd)
 
 def cached_attention(q_BTHK, k_BMGK, v_BMGK, positions_T, window: int | None,
                      segments_BL=None, softcap: float = 0.0, sinks=None):
-    """T queries at positions_T ([T], or [B, T]: each row's own) against M keys at positions
-    0..M-1: full score matrix, mask, float32 softmax. When decoding, the keys are a cache
-    whose slots past each query's position are unwritten; the causal mask hides them.
-    segments_BL (self-attention, T = M): the document masks of the module docstring. sinks:
-    [H] learned logits (the sinks part), one more column of every query's softmax whose
-    probability is dropped."""
-    b, t, heads, head_dim = q_BTHK.shape
-    groups = k_BMGK.shape[2]
-    q_BTGRK = q_BTHK.reshape(b, t, groups, heads // groups, head_dim)
-    scores_BGRTM = _scores(q_BTGRK, k_BMGK)
-    if softcap:  # the soft-cap part: c·tanh(s/c), before the mask (as transformers)
-        scores_BGRTM = softcap * jnp.tanh(scores_BGRTM / softcap)
-    if positions_T.ndim == 2:  # each row at its own position (batched decoding)
-        visible_TM = decode_cache.visible(positions_T, k_BMGK.shape[1], window)[:, None, None]
-    else:
-        visible_TM = causal_mask(positions_T, jnp.arange(k_BMGK.shape[1]), window)
+    """T queries at positions_T ([T]) against M keys at positions 0..M-1: full score
+    matrix, mask, float32 softmax. segments_BL (self-attention, T = M): the document masks
+    of the module docstring. sinks: [H] learned logits (the sinks part), one more column of
+    every query's softmax whose probability is dropped."""
+    visible_TM = causal_mask(positions_T, jnp.arange(k_BMGK.shape[1]), window)
     if segments_BL is not None:
         visible_TM = (visible_TM & same_document(segments_BL, segments_BL))[:, None, None]
-    # The mask as an added bias, not a select: a select's gradient needs the mask, which
-    # the backward pass then keeps broadcast to the scores' shape, once per layer kind (a
-    # pattern's sliding and full masks: 2 GB a device at gpt-oss-20b's shape); an add's
-    # does not. finfo.min plus any score rounds to finfo.min, so the masked scores are as
-    # the select's, and their probabilities, hence their gradients, exactly 0.
-    bias = jnp.where(visible_TM, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
-    scores_BGRTM = scores_BGRTM + bias
-    if sinks is None:
-        probs_BGRTM = jax.nn.softmax(scores_BGRTM, axis=-1).astype(v_BMGK.dtype)
-    else:
+    return _attend(q_BTHK, [(k_BMGK, v_BMGK, visible_TM)], softcap, sinks)
+
+
+def decode_attention(q_BTHK, cache: tuple, new: tuple, positions_xT, window: int | None,
+                     softcap: float = 0.0, sinks=None):
+    """T new tokens at positions_xT ([T], or [B, T]: each row's own) against two blocks of
+    keys (models/attention/cache.py): the cache's (k, v [B, G, M, K]) before each row's
+    start, and their own (k, v [B, G, T, K]), one softmax over both."""
+    (k_BGMK, v_BGMK), (k_BGTK, v_BGTK) = cache, new
+    blocks = [(k_BGMK, v_BGMK, decode_cache.visible_cached(positions_xT, k_BGMK.shape[2],
+                                                           window)),
+              (k_BGTK, v_BGTK, decode_cache.visible_new(positions_xT, window))]
+    if positions_xT.ndim == 2:  # [B, T, M] per row, under the kv heads and their repeats
+        blocks = [(k, v, visible[:, None, None]) for k, v, visible in blocks]
+    return _attend(q_BTHK, blocks, softcap, sinks, keys="bgmk")
+
+
+def _attend(q_BTHK, blocks, softcap: float, sinks, keys: str = "bmgk"):
+    """Attention over blocks of keys [(k, v, visible: bool, broadcast to [B, G, R, T,
+    M_i])], one float32 softmax over all of them (and the sinks' column). keys: the
+    blocks' layout, "bmgk" (a layer's projections, [B, M, G, K]) or "bgmk" (the decoding
+    cache's)."""
+    b, t, heads, head_dim = q_BTHK.shape
+    groups = blocks[0][0].shape[keys.index("g")]
+    q_BTGRK = q_BTHK.reshape(b, t, groups, heads // groups, head_dim)
+    parts = []
+    for k_BxK, _, visible in blocks:
+        if keys == "bmgk":  # (its 16-bit backward: _scores)
+            scores_BGRTM = _scores(q_BTGRK, k_BxK)
+        else:  # decoding: no backward
+            scores_BGRTM = jnp.einsum(f"btgrk,{keys}->bgrtm", q_BTGRK, k_BxK,
+                                      preferred_element_type=jnp.float32)
+        if softcap:  # the soft-cap part: c·tanh(s/c), before the mask (as transformers)
+            scores_BGRTM = softcap * jnp.tanh(scores_BGRTM / softcap)
+        # The mask as an added bias, not a select: a select's gradient needs the mask,
+        # which the backward pass then keeps broadcast to the scores' shape, once per layer
+        # kind (a pattern's sliding and full masks: 2 GB a device at gpt-oss-20b's shape);
+        # an add's does not. finfo.min plus any score rounds to finfo.min, so the masked
+        # scores are as the select's, and their probabilities, hence their gradients,
+        # exactly 0.
+        bias = jnp.where(visible, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
+        parts.append(scores_BGRTM + bias)
+    if sinks is not None:
         sink_GR = sinks.astype(jnp.float32).reshape(groups, heads // groups)
-        sink_BGRT1 = jnp.broadcast_to(sink_GR[None, :, :, None, None],
-                                      scores_BGRTM.shape[:-1] + (1,))
-        probs_BGRTM = jax.nn.softmax(jnp.concatenate([scores_BGRTM, sink_BGRT1], axis=-1),
-                                     axis=-1)[..., :-1].astype(v_BMGK.dtype)
-    out_BTGRK = jnp.einsum("bgrtm,bmgk->btgrk", probs_BGRTM, v_BMGK)
-    return out_BTGRK.reshape(b, t, heads, v_BMGK.shape[-1])  # v's head dim (MLA's differs)
+        parts.append(jnp.broadcast_to(sink_GR[None, :, :, None, None],
+                                      parts[0].shape[:-1] + (1,)))
+    v_dtype = blocks[0][1].dtype
+    if len(parts) == 1:  # (training's one block: no concatenate in its program)
+        probs = [jax.nn.softmax(parts[0], axis=-1).astype(v_dtype)]
+    else:
+        cuts = np.cumsum([p.shape[-1] for p in parts[:-1]])
+        probs = jnp.split(jax.nn.softmax(jnp.concatenate(parts, axis=-1), axis=-1), cuts,
+                          axis=-1)
+        probs = [p.astype(v_dtype) for p in probs]
+    out_BTGRK = None
+    for p_BGRTM, (_, v_BxK, _) in zip(probs, blocks):
+        if keys == "bmgk":
+            term = jnp.einsum("bgrtm,bmgk->btgrk", p_BGRTM, v_BxK)
+        else:  # probabilities on the left: [R·T, M]·[M, K] per (b, g), a plain matmul
+            p_BGQM = p_BGRTM.reshape(b, groups, heads // groups * t, p_BGRTM.shape[-1])
+            term = jax.lax.dot_general(p_BGQM, v_BxK, (((3,), (2,)), ((0, 1), (0, 1))))
+            term = term.reshape(b, groups, heads // groups, t, -1).transpose(0, 3, 1, 2, 4)
+        out_BTGRK = term if out_BTGRK is None else out_BTGRK + term
+    return out_BTGRK.reshape(b, t, heads, blocks[0][1].shape[-1])  # v's head dim (MLA's)
 
 
 def xla_attention(q_BLHK: jax.Array, k_BMGK: jax.Array, v_BMGK: jax.Array,
