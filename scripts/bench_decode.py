@@ -11,8 +11,9 @@ vocabulary 49152, the head tied to the embedding on both sides) measured four wa
    the best of --repeats; transformers `generate` of the same shape on the same host threads
    (torch.set_num_threads(--threads)).
 2. the memory-bandwidth bound at batch 1: every weight and the slot's cache read once per
-   token, against the device's catalog bandwidth (jaxtrain/hardware.json; --bandwidth_gbps
-   for a device it lacks): the engine's fraction of it.
+   token, against --bandwidth_gbps, else the device's catalog bandwidth
+   (jaxtrain/hardware.json), else the host's read bandwidth measured here (a CPU): the
+   engine's fraction of it.
 3. a skewed workload: --skewed requests with prompt and output lengths drawn from 16..512
    (seeded), through --slots slots: continuous batching (a slot takes the next request when
    its own ends) against static batching (--slots requests at a time, each batch waiting for
@@ -106,18 +107,37 @@ def torch_rate(batch: int, a) -> float:
     return batch * a.new_tokens / _timed(run, a.repeats)
 
 
+def measured_gbps(gib: float = 1.0, repeats: int = 5) -> float:
+    """The device's read bandwidth: the best of `repeats` sums of `gib` GiB of float32 (a
+    read-only stream, as a decode step reads its weights)."""
+    x = jax.numpy.ones(int(gib * 2**30) // 4, jax.numpy.float32)
+    total = jax.jit(jax.numpy.sum)
+    total(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return x.nbytes / best / 1e9
+
+
 def bandwidth_bound(model: Model, a) -> dict:
-    """Tokens/s at batch 1 if a step only read every weight and the slot's cache once."""
+    """Tokens/s at batch 1 if a step only read every weight and the slot's cache once, at
+    --bandwidth_gbps, else the device's catalog bandwidth, else the host's measured one."""
     weights = sum(x.nbytes for x in jax.tree.leaves(model.params))
     engine = Engine(model, slots=1, max_len=a.prompt_len + a.new_tokens)
     cache = sum(x.nbytes for x in jax.tree.leaves(engine.cache))
     device = jax.devices()[0]
     name = hardware.for_device_kind(device.device_kind)
-    gbps = a.bandwidth_gbps or (hardware.get(name).memory_bw_gbps if name else None)
-    out = {"weight_bytes": weights, "cache_bytes_per_slot": cache, "device": device.device_kind}
-    if gbps:
-        out.update(bandwidth_gbps=gbps, bound_tokens_per_s=gbps * 1e9 / (weights + cache))
-    return out
+    if a.bandwidth_gbps:
+        gbps, source = a.bandwidth_gbps, "--bandwidth_gbps"
+    elif name:
+        gbps, source = hardware.get(name).memory_bw_gbps, f"catalog: {name}"
+    else:
+        gbps, source = measured_gbps(), "measured: the best of 5 sums of 1 GiB of float32"
+    return {"weight_bytes": weights, "cache_bytes_per_slot": cache,
+            "device": device.device_kind, "bandwidth_gbps": gbps, "bandwidth_source": source,
+            "bound_tokens_per_s": gbps * 1e9 / (weights + cache)}
 
 
 def skewed(model: Model, a) -> dict:
@@ -194,7 +214,7 @@ def main() -> None:
             row["speedup"] = row["engine_tokens_per_s"] / row["transformers_tokens_per_s"]
         out["rates"].append(row)
     out["bandwidth"] = bandwidth_bound(model, a)
-    if "bound_tokens_per_s" in out["bandwidth"] and out["rates"][0]["batch"] == 1:
+    if out["rates"][0]["batch"] == 1:
         out["bandwidth"]["fraction_at_batch_1"] = \
             out["rates"][0]["engine_tokens_per_s"] / out["bandwidth"]["bound_tokens_per_s"]
     if a.skewed:
