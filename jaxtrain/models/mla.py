@@ -313,10 +313,9 @@ class Mla(nnx.Module):
             if positions_xT.ndim == 2:  # [B, T, M] per row, under the heads
                 visible_TM = visible_TM[:, None]
             parts.append(jnp.where(visible_TM, scores_BHTM, jnp.finfo(jnp.float32).min))
-        probs_BHTM = jax.nn.softmax(jnp.concatenate(parts, -1), axis=-1).astype(dt)
-        m = cache[0].shape[1]
-        o_lat_BTHR = (jnp.einsum("bhtm,bmr->bthr", probs_BHTM[..., :m], cache[0].astype(dt))
-                      + jnp.einsum("bhtm,bmr->bthr", probs_BHTM[..., m:], new[0].astype(dt)))
+        o_lat_BTHR = sum(jnp.einsum("bhtm,bmr->bthr", p_BHTM.astype(dt), c_BMR.astype(dt))
+                         for p_BHTM, c_BMR in zip(decode_cache.joint_softmax(parts),
+                                                  (cache[0], new[0])))
         out_BTHV = jnp.einsum("bthr,rhv->bthv", o_lat_BTHR, self.w_v_up[...].astype(dt))
         return dense(spec, "blhk,hkd->bld", out_BTHV, self.w_o[...]), new
 

@@ -507,15 +507,13 @@ class Transformer(nnx.Module):
             x_BTD, new = self._mixed_decode(x_BTD, cache, start, valid, keys)
         else:
             x_BTD, new = self._grouped_decode(x_BTD, cache, start, keys)
-            # The attention layers' new entries, written once after the stack, in place
-            # (models/attention/cache.py: not a new cache from the layer scan every step).
-            new = tuple(decode_cache.write_layers(c, n, start) for c, n in zip(cache, new))
         logits_BTV = soft_cap(self.final_norm(x_BTD) @ self.head(), self.spec.final_softcap)
         return constrain(logits_BTV, ("batch", "length", "vocab"), self.spec.rules), new
 
     def _grouped_decode(self, x_BTD, cache: tuple, start, keys):
         """decode's layers by group (models/stack.py walk), each reading its cache:
-        (x_BTD, every layer's new entries [layers, B, T, ...])."""
+        (x_BTD, the new cache). The layers' new entries are written once after the stack,
+        in place (models/attention/cache.py: not a new cache out of the scan every step)."""
         groups = Groups.of(self.spec)
         defs, states = self._stacks()
 
@@ -527,7 +525,8 @@ class Transformer(nnx.Module):
 
         xs = {kind: (states[kind], c) for kind, c in groups.split(cache).items()}
         (x_BTD, _), new = walk(groups, layer, (x_BTD, {}), xs)
-        return x_BTD, groups.join(new)
+        return x_BTD, tuple(decode_cache.write_layers(c, n, start)
+                            for c, n in zip(cache, groups.join(new)))
 
     def _mixed_decode(self, x_BTD, cache: dict, start, valid, keys):
         """decode's layers with linear-attention layers: (x_BTD, the new cache). A linear

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxtrain.models.attention.scaffold import causal_mask
 
@@ -61,6 +62,15 @@ def write_layers(cache_LBx: jax.Array, new_LBx: jax.Array, start) -> jax.Array:
     """Every layer's cache ([layers, B, ...]) with its new entries written (the module
     docstring): in place on a donated cache."""
     return jax.vmap(write, in_axes=(0, 0, None))(cache_LBx, new_LBx, start)
+
+
+def joint_softmax(scores: list) -> list:
+    """One float32 softmax over blocks of scores side by side on their last axis, split
+    back into each block's probabilities (one block: its own softmax, no concatenate)."""
+    if len(scores) == 1:
+        return [jax.nn.softmax(scores[0], axis=-1)]
+    cuts = np.cumsum([s.shape[-1] for s in scores[:-1]])
+    return jnp.split(jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1), cuts, axis=-1)
 
 
 def _per_row(mask, positions_xT: jax.Array, *args):

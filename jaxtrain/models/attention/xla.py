@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxtrain.models.attention import cache as decode_cache
 from jaxtrain.models.attention.scaffold import causal_mask, same_document
@@ -101,14 +100,7 @@ def _attend(q_BTHK, blocks, softcap: float, sinks, keys: str = "bmgk"):
         sink_GR = sinks.astype(jnp.float32).reshape(groups, heads // groups)
         parts.append(jnp.broadcast_to(sink_GR[None, :, :, None, None],
                                       parts[0].shape[:-1] + (1,)))
-    v_dtype = blocks[0][1].dtype
-    if len(parts) == 1:  # (training's one block: no concatenate in its program)
-        probs = [jax.nn.softmax(parts[0], axis=-1).astype(v_dtype)]
-    else:
-        cuts = np.cumsum([p.shape[-1] for p in parts[:-1]])
-        probs = jnp.split(jax.nn.softmax(jnp.concatenate(parts, axis=-1), axis=-1), cuts,
-                          axis=-1)
-        probs = [p.astype(v_dtype) for p in probs]
+    probs = [p.astype(blocks[0][1].dtype) for p in decode_cache.joint_softmax(parts)]
     out_BTGRK = None
     for p_BGRTM, (_, v_BxK, _) in zip(probs, blocks):
         if keys == "bmgk":
